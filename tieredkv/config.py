@@ -1,0 +1,95 @@
+"""Cache configuration: one frozen dataclass, validated on construction.
+
+Knows: the knobs a user sets for the three tiers, how sizes are written ("4GiB", "512MiB",
+ints), and which values are allowed. Doesn't know: models, page counts or block bytes --
+those follow from the model's layout (storage.layout) and are computed where it is known.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+WRITE_POLICIES = ("write_back", "write_through")
+
+
+def parse_size(value: int | str, field_name: str = "size") -> int:
+    """Bytes from an int or a string like "4GiB", "512MiB", "1.5GB". Raises ValueError naming the field."""
+    if isinstance(value, bool):
+        raise ValueError(f"{field_name}: expected a size like '4GiB', '512MiB' or an int of bytes, got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"{field_name}: must be >= 0 bytes, got {value}")
+        return value
+    if isinstance(value, str):
+        m = _SIZE_RE.match(value)
+        if m and m.group(2).lower() in _UNITS:
+            return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    raise ValueError(
+        f"{field_name}: expected a size like '4GiB', '512MiB', '1GB' or an int of bytes, got {value!r}")
+
+
+def format_size(n: int) -> str:
+    """Human-readable bytes with binary units: 1536 -> '1.5KiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """How much of each tier the cache may use, and how it writes to disk.
+
+    host_memory=0 disables the host tier; disk_dir=None disables the disk tier.
+    """
+    block_size: int = 16
+    device_memory: int | str = "1GiB"
+    host_memory: int | str = "4GiB"
+    disk_dir: str | None = "~/.cache/tieredkv/kv"
+    disk_capacity: int | str = "50GiB"
+    zstd_level: int = 3
+    write_policy: str = "write_back"
+    isolate_tenants: bool = True
+    # Byte-shuffle filter before zstd; on by default because it compresses 16-bit KV better
+    # at equal speed (docs/BENCHMARKS.md, "compression").
+    shuffle: bool = True
+    # Parsed sizes in bytes; filled in by __post_init__.
+    device_bytes: int = field(init=False, repr=False, compare=False)
+    host_bytes: int = field(init=False, repr=False, compare=False)
+    disk_bytes: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or not 1 <= self.block_size <= 4096:
+            raise ValueError(f"block_size: expected an int in [1, 4096], got {self.block_size!r}")
+        object.__setattr__(self, "device_bytes", parse_size(self.device_memory, "device_memory"))
+        object.__setattr__(self, "host_bytes", parse_size(self.host_memory, "host_memory"))
+        object.__setattr__(self, "disk_bytes", parse_size(self.disk_capacity, "disk_capacity"))
+        if self.device_bytes == 0:
+            raise ValueError("device_memory: must be > 0 (the device pool holds the running sequences)")
+        if self.disk_dir is not None and (not isinstance(self.disk_dir, (str, os.PathLike)) or not str(self.disk_dir)):
+            raise ValueError(f"disk_dir: expected a directory path or None (no disk tier), got {self.disk_dir!r}")
+        if self.disk_dir is not None and self.disk_bytes == 0:
+            raise ValueError("disk_capacity: must be > 0 when disk_dir is set (use disk_dir=None to disable the disk tier)")
+        if isinstance(self.zstd_level, bool) or not isinstance(self.zstd_level, int) or not -7 <= self.zstd_level <= 22:
+            raise ValueError(f"zstd_level: expected an int in [-7, 22], got {self.zstd_level!r}")
+        if self.write_policy not in WRITE_POLICIES:
+            raise ValueError(f"write_policy: expected one of {WRITE_POLICIES}, got {self.write_policy!r}")
+        if not isinstance(self.isolate_tenants, bool):
+            raise ValueError(f"isolate_tenants: expected True or False, got {self.isolate_tenants!r}")
+        if not isinstance(self.shuffle, bool):
+            raise ValueError(f"shuffle: expected True or False, got {self.shuffle!r}")
+
+    @property
+    def disk_path(self) -> str | None:
+        """disk_dir with ~ and variables expanded, or None when the disk tier is off."""
+        return None if self.disk_dir is None else os.path.abspath(os.path.expandvars(os.path.expanduser(str(self.disk_dir))))
