@@ -1,0 +1,84 @@
+"""What a request returns: usage billed by token origin, timing metrics, outputs and stream chunks.
+
+Knows: the shapes users read (`out.usage.hit_tokens_by_tier`, `out.metrics.ttft_s`).
+The invariant hit + miss == prompt tokens is checked where a Usage is built.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+TIERS = ("device", "host", "disk")
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    hit_tokens_by_tier: dict[str, int]      # {"device": n, "host": n, "disk": n}
+    prompt_cache_miss_tokens: int
+
+    def __post_init__(self) -> None:
+        # NOTE invariant: every prompt token is billed exactly once, by its origin.
+        if self.prompt_cache_hit_tokens + self.prompt_cache_miss_tokens != self.prompt_tokens:
+            raise AssertionError(f"usage invariant broken: hit {self.prompt_cache_hit_tokens} + miss "
+                                 f"{self.prompt_cache_miss_tokens} != prompt {self.prompt_tokens}")
+
+    @property
+    def prompt_cache_hit_tokens(self) -> int:
+        return sum(self.hit_tokens_by_tier.values())
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+    def to_dict(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.total_tokens,
+            "prompt_cache_hit_tokens": self.prompt_cache_hit_tokens,
+            "prompt_cache_miss_tokens": self.prompt_cache_miss_tokens,
+            "hit_tokens_by_tier": dict(self.hit_tokens_by_tier),
+        }
+
+
+@dataclass(frozen=True)
+class RequestMetrics:
+    ttft_s: float            # submit -> first token sampled
+    restore_s: float         # time spent promoting host/disk blocks into device pages
+    total_s: float           # submit -> finished
+    queue_s: float = 0.0     # submit -> admitted
+
+
+@dataclass(frozen=True)
+class CompletionOutput:
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str       # "stop" | "length"
+    usage: Usage
+    metrics: RequestMetrics
+    prompt_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class StreamChunk:
+    """Only the new part: text and token ids produced since the previous chunk.
+    The last chunk also carries finish_reason, usage and metrics."""
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    metrics: RequestMetrics | None = None
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    """What the cache holds for a prompt right now; promotes nothing, bills nothing."""
+    prompt_tokens: int
+    hit_tokens_by_tier: dict[str, int]
+
+    @property
+    def hit_tokens(self) -> int:
+        return sum(self.hit_tokens_by_tier.values())
