@@ -1,0 +1,208 @@
+"""The block codec: a KV block tensor <-> self-describing, checksummed, zstd-compressed bytes.
+
+Knows: the payload format (below), the byte-shuffle filter, and how to prove a payload is
+intact before handing bytes back. Anything wrong with a payload raises `CodecError`; a
+damaged payload never decodes to wrong bytes. Doesn't know: where payloads are stored, block
+keys, or eviction (that is storage/disk_tier.py).
+
+Payload format (all integers little-endian):
+
+    magic  b"TKVB"      4 bytes
+    version             u8   (FORMAT_VERSION)
+    flags               u8   (bit 0: byte-shuffled)
+    dtype code          u8   (_DTYPE_CODES; never renumber)
+    level               i8   (zstd level used; informational)
+    ndim                u8
+    dims                ndim x u32
+    raw size            u64  (bytes of the tensor before compression)
+    zstd frame          (content size and zstd's own content checksum on)
+    crc32               u32  over everything before it (header + frame)
+
+The trailing crc32 is cheap (zlib, GIL released) and catches damage anywhere, including in
+the header, before zstd ever sees the frame; zstd's content checksum then vouches for the
+decompressed bytes themselves.
+
+Byte-shuffle: element bytes are split into planes (all low bytes, then all high bytes, ...).
+The exponent/sign bytes of KV values repeat a lot while the mantissa bytes are noise, so
+grouping them gives zstd long runs to work with (the trick of Blosc/HDF5's shuffle filter).
+"""
+from __future__ import annotations
+
+import struct
+import threading
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import zstandard
+
+from storage.layout import dtype_from_name, dtype_name
+
+MAGIC = b"TKVB"
+FORMAT_VERSION = 1
+_FLAG_SHUFFLE = 0x01
+# Stable codes for the dtype byte; they are on disk, so never renumber.
+_DTYPE_CODES: dict[str, int] = {"float32": 1, "float16": 2, "bfloat16": 3}
+_DTYPE_BY_CODE: dict[int, str] = {v: k for k, v in _DTYPE_CODES.items()}
+_FIXED = struct.Struct("<4sBBBbB")   # magic, version, flags, dtype code, level, ndim
+_RAW_SIZE = struct.Struct("<Q")
+_CRC = struct.Struct("<I")
+_MAX_NDIM = 8
+
+
+class CodecError(Exception):
+    """A payload is damaged or not ours: bad magic/version/crc, truncated, zstd failure, size mismatch."""
+
+
+@dataclass(frozen=True, slots=True)
+class CodecHeader:
+    version: int
+    dtype: str
+    shape: tuple[int, ...]
+    raw_size: int
+    shuffled: bool
+    level: int
+    header_size: int    # bytes before the zstd frame
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+# zstandard's compressor/decompressor objects are not thread-safe: one per thread.
+_tls = threading.local()
+
+
+def _compressor(level: int) -> zstandard.ZstdCompressor:
+    cache = getattr(_tls, "compressors", None)
+    if cache is None:
+        cache = _tls.compressors = {}
+    c = cache.get(level)
+    if c is None:
+        c = cache[level] = zstandard.ZstdCompressor(level=level, write_checksum=True, write_content_size=True)
+    return c
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    d = getattr(_tls, "decompressor", None)
+    if d is None:
+        d = _tls.decompressor = zstandard.ZstdDecompressor()
+    return d
+
+
+def _bytes_view(t: torch.Tensor) -> np.ndarray:
+    """The tensor's memory as a flat uint8 numpy array (no copy). Works for bf16, which numpy lacks."""
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+@dataclass(frozen=True)
+class Codec:
+    """zstd at `level`, optionally byte-shuffled. Encoding settings only: decode reads the header."""
+    level: int = 3
+    shuffle: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.level, bool) or not isinstance(self.level, int) or not -7 <= self.level <= 22:
+            raise ValueError(f"level: expected an int in [-7, 22], got {self.level!r}")
+        if not isinstance(self.shuffle, bool):
+            raise ValueError(f"shuffle: expected True or False, got {self.shuffle!r}")
+
+    def encode(self, block: torch.Tensor) -> bytes:
+        """Compress a contiguous CPU float32/float16/bfloat16 tensor into a payload."""
+        if block.device.type != "cpu" or not block.is_contiguous():
+            raise ValueError(f"block: expected a contiguous CPU tensor, got device={block.device}, "
+                             f"contiguous={block.is_contiguous()}")
+        name = dtype_name(block.dtype)
+        if block.dim() > _MAX_NDIM or any(d >= 2**32 for d in block.shape):
+            raise ValueError(f"block: shape {tuple(block.shape)} does not fit the header (ndim <= {_MAX_NDIM}, dims < 2**32)")
+        raw = _bytes_view(block)
+        itemsize = block.element_size()
+        shuffled = self.shuffle and itemsize > 1 and raw.size > 0
+        if shuffled:
+            raw = np.ascontiguousarray(raw.reshape(-1, itemsize).T)
+        frame = _compressor(self.level).compress(raw)
+        header = (_FIXED.pack(MAGIC, FORMAT_VERSION, _FLAG_SHUFFLE if shuffled else 0, _DTYPE_CODES[name],
+                              self.level, block.dim())
+                  + struct.pack(f"<{block.dim()}I", *block.shape) + _RAW_SIZE.pack(raw.size))
+        body = header + frame
+        return body + _CRC.pack(zlib.crc32(body))
+
+    def peek_header(self, payload: bytes | memoryview) -> CodecHeader:
+        """Parse and sanity-check the header without checking the crc or decompressing."""
+        return _parse_header(memoryview(payload))
+
+    def decode(self, payload: bytes | memoryview, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Verify and decompress a payload; the result has the header's dtype and shape.
+
+        `out`, when given, is a contiguous CPU tensor of the header's dtype and numel that
+        receives the bytes (no allocation); the returned tensor is a view of it. Raises
+        CodecError for any damage, ValueError when `out` does not fit the payload.
+        """
+        mv = memoryview(payload).cast("B")
+        header = _parse_header(mv)
+        if len(mv) < header.header_size + _CRC.size:
+            raise CodecError(f"truncated payload: {len(mv)} bytes")
+        body_end = len(mv) - _CRC.size
+        (crc,) = _CRC.unpack_from(mv, body_end)
+        if zlib.crc32(mv[:body_end]) != crc:
+            raise CodecError("crc32 mismatch: payload damaged")
+        frame = mv[header.header_size:body_end]
+        dtype = dtype_from_name(header.dtype)
+        if out is None:
+            out = torch.empty(header.shape, dtype=dtype)
+        elif (out.device.type != "cpu" or not out.is_contiguous() or out.dtype != dtype
+              or out.numel() != header.numel):
+            raise ValueError(f"out: expected a contiguous CPU {header.dtype} tensor of {header.numel} elements, "
+                             f"got {out.dtype} numel={out.numel()} device={out.device} contiguous={out.is_contiguous()}")
+        try:
+            # The crc already vouches for the frame header, but never let a frame's claimed
+            # size drive an allocation: it must equal the size our header promises.
+            if zstandard.frame_content_size(frame) != header.raw_size:
+                raise CodecError("zstd frame content size does not match the header's raw size")
+            data = _decompressor().decompress(frame, max_output_size=header.raw_size)
+        except zstandard.ZstdError as e:
+            raise CodecError(f"zstd: {e}") from e
+        if len(data) != header.raw_size:
+            raise CodecError(f"decompressed {len(data)} bytes, header says {header.raw_size}")
+        src = np.frombuffer(data, dtype=np.uint8)
+        dst = _bytes_view(out)
+        if header.shuffled:
+            itemsize = dtype.itemsize
+            np.copyto(dst.reshape(-1, itemsize), src.reshape(itemsize, -1).T)
+        else:
+            np.copyto(dst, src)
+        return out.view(header.shape)
+
+
+def _parse_header(mv: memoryview) -> CodecHeader:
+    mv = mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
+    if len(mv) < _FIXED.size:
+        raise CodecError(f"truncated payload: {len(mv)} bytes")
+    magic, version, flags, code, level, ndim = _FIXED.unpack_from(mv, 0)
+    if magic != MAGIC:
+        raise CodecError(f"bad magic {bytes(magic)!r}")
+    if version != FORMAT_VERSION:
+        raise CodecError(f"unsupported codec version {version} (this build reads {FORMAT_VERSION})")
+    if flags & ~_FLAG_SHUFFLE:
+        raise CodecError(f"unknown flags {flags:#x}")
+    if code not in _DTYPE_BY_CODE:
+        raise CodecError(f"unknown dtype code {code}")
+    if ndim > _MAX_NDIM:
+        raise CodecError(f"ndim {ndim} > {_MAX_NDIM}")
+    size = _FIXED.size + 4 * ndim + _RAW_SIZE.size
+    if len(mv) < size:
+        raise CodecError(f"truncated payload: {len(mv)} bytes")
+    shape = struct.unpack_from(f"<{ndim}I", mv, _FIXED.size)
+    (raw_size,) = _RAW_SIZE.unpack_from(mv, _FIXED.size + 4 * ndim)
+    dtype = _DTYPE_BY_CODE[code]
+    numel = 1
+    for d in shape:
+        numel *= d
+    if numel * dtype_from_name(dtype).itemsize != raw_size:
+        raise CodecError(f"raw size {raw_size} does not match shape {shape} of {dtype}")
+    return CodecHeader(version=version, dtype=dtype, shape=tuple(shape), raw_size=raw_size,
+                       shuffled=bool(flags & _FLAG_SHUFFLE), level=level, header_size=size)

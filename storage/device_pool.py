@@ -1,0 +1,178 @@
+"""The paged KV pool on the model's device: one preallocated tensor of pages.
+
+Knows: which pages are free, which hold a cached block (hash -> page), how many sequences use
+each page (refcounts), and the LRU order of cached pages nobody uses. Doesn't know: the host or
+disk tiers -- eviction hands the block to `on_evict` (the demotion path) before the page is reused.
+
+Page states:
+  free       refcount 0, no block            -> in `_free` (FIFO, so page ids are predictable)
+  in use     refcount > 0, maybe a block      -> in neither list; never evicted
+  evictable  refcount 0, holds a cached block -> in `_evictable` (LRU first), found by lookup
+"""
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from storage.layout import BlockLayout
+from tieredkv.hashing import BlockKey
+
+
+@dataclass(frozen=True, slots=True)
+class PoolStats:
+    capacity_bytes: int
+    used_bytes: int       # pages in use or holding a cached block
+    pages: int
+    free_pages: int
+    in_use_pages: int
+    cached_blocks: int
+    evictions: int
+
+
+class DevicePool:
+    def __init__(self, layout: BlockLayout, num_pages: int, device: str | torch.device = "cpu",
+                 on_evict: Callable[[BlockKey, int], None] | None = None) -> None:
+        if num_pages < 1:
+            raise ValueError(f"num_pages: need at least 1 page, got {num_pages}")
+        self.layout = layout
+        self.num_pages = num_pages
+        self.device = torch.device(device)
+        # [page, layer, k/v, slot, kv_head, head_dim]: one page holds one block of every layer.
+        self.kv = torch.zeros((num_pages, *layout.shape), dtype=layout.dtype, device=self.device)
+        self.on_evict = on_evict
+        self._ref = [0] * num_pages
+        self._key: list[BlockKey | None] = [None] * num_pages
+        self._index: dict[bytes, int] = {}
+        self._free: deque[int] = deque(range(num_pages))
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        self.evictions = 0
+
+    # ---- queries -------------------------------------------------------------------------
+    def lookup(self, block: BlockKey) -> int | None:
+        """The page caching this block, or None. Tokens are compared too, not just the hash."""
+        page = self._index.get(block.hash)
+        if page is None or self._key[page].token_ids != block.token_ids:
+            return None
+        return page
+
+    def key_of(self, page: int) -> BlockKey | None:
+        return self._key[page]
+
+    def refcount(self, page: int) -> int:
+        return self._ref[page]
+
+    @property
+    def num_free(self) -> int:
+        """Pages an allocation can take right now: free ones plus evictable cached ones."""
+        return len(self._free) + len(self._evictable)
+
+    def can_allocate(self, n: int) -> bool:
+        return n <= self.num_free
+
+    def evictable_pages(self) -> list[int]:
+        """Cached, unused pages in eviction order (LRU first)."""
+        return list(self._evictable)
+
+    def cached_pages(self) -> list[int]:
+        return list(self._index.values())
+
+    # ---- mutations -----------------------------------------------------------------------
+    def allocate(self, n: int) -> list[int]:
+        """n pages with refcount 1, holding no block. Takes free pages first, then evicts LRU."""
+        if not self.can_allocate(n):
+            raise RuntimeError(f"device pool: cannot allocate {n} pages ({self.num_free} available)")
+        pages = []
+        for _ in range(n):
+            if self._free:
+                page = self._free.popleft()
+            else:
+                page, _ = self._evictable.popitem(last=False)
+                self._evict(page)
+            self._ref[page] = 1
+            pages.append(page)
+        return pages
+
+    def _evict(self, page: int) -> None:
+        # NOTE invariant: only pages from `_evictable` (refcount 0) reach here, so a page with
+        # refcount > 0 is never evicted. The block is handed to the demotion path before the
+        # page is reused, while its bytes are still intact.
+        key = self._key[page]
+        assert key is not None and self._ref[page] == 0
+        if self.on_evict is not None:
+            self.on_evict(key, page)
+        del self._index[key.hash]
+        self._key[page] = None
+        self.evictions += 1
+
+    def acquire(self, page: int) -> None:
+        """One more user of a cached page (a prefix hit); it stops being evictable."""
+        if self._ref[page] == 0:
+            if page not in self._evictable:
+                raise RuntimeError(f"device pool: page {page} is free, not cached; cannot acquire it")
+            del self._evictable[page]
+        self._ref[page] += 1
+
+    def register(self, page: int, block: BlockKey) -> bool:
+        """Mark an in-use page as holding `block`. False (page stays uncached) when another page
+        already caches the same block, e.g. two sequences computed the same prefix at once."""
+        if self._ref[page] < 1:
+            raise RuntimeError(f"device pool: page {page} is not in use; register pages you hold")
+        if self._key[page] is not None:
+            if self._key[page].hash == block.hash:
+                return True
+            raise RuntimeError(f"device pool: page {page} already holds another block")
+        if block.hash in self._index:
+            return False
+        self._index[block.hash] = page
+        self._key[page] = block
+        return True
+
+    def release(self, page: int) -> None:
+        """One user fewer. At 0 a cached page becomes evictable (most recently used), others free."""
+        if self._ref[page] < 1:
+            raise RuntimeError(f"device pool: page {page} released more often than acquired")
+        self._ref[page] -= 1
+        if self._ref[page] == 0:
+            if self._key[page] is not None:
+                self._evictable[page] = None
+            else:
+                self._free.append(page)
+
+    def drop(self, page: int) -> None:
+        """Forget the cached block of an unused page without demoting it (used by drop_tier)."""
+        if self._ref[page] != 0 or page not in self._evictable:
+            raise RuntimeError(f"device pool: page {page} is in use or not cached; cannot drop it")
+        del self._evictable[page]
+        del self._index[self._key[page].hash]
+        self._key[page] = None
+        self._free.append(page)
+
+    # ---- reporting -----------------------------------------------------------------------
+    def stats(self) -> PoolStats:
+        in_use = sum(1 for r in self._ref if r > 0)
+        used_pages = self.num_pages - len(self._free)
+        return PoolStats(capacity_bytes=self.num_pages * self.layout.nbytes,
+                         used_bytes=used_pages * self.layout.nbytes, pages=self.num_pages,
+                         free_pages=len(self._free), in_use_pages=in_use,
+                         cached_blocks=len(self._index), evictions=self.evictions)
+
+    def audit(self) -> None:
+        """Check every bookkeeping invariant; raises AssertionError on the first violation."""
+        free, evictable = set(self._free), set(self._evictable)
+        assert len(free) == len(self._free), "a page is twice in the free list"
+        assert not (free & evictable), "a page is both free and evictable"
+        for page in range(self.num_pages):
+            ref, key = self._ref[page], self._key[page]
+            assert ref >= 0
+            if page in free:
+                assert ref == 0 and key is None, f"free page {page} has ref {ref} / key"
+            elif page in evictable:
+                assert ref == 0 and key is not None, f"evictable page {page} has ref {ref} / no key"
+            else:
+                assert ref > 0, f"page {page} is lost: ref 0, neither free nor evictable"
+            if key is not None:
+                assert self._index.get(key.hash) == page, f"index does not point at page {page}"
+        assert len(self._index) == sum(k is not None for k in self._key)

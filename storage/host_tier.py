@@ -1,0 +1,112 @@
+"""The host tier: one preallocated slab of block slots in host memory.
+
+Knows: hash -> slot, LRU order of slots, capacity in bytes (whole blocks). The slab is pinned
+when CUDA is available so device <-> host copies can run asynchronously on a copy stream.
+Doesn't know: the device pool or the disk -- a full slab hands its LRU block to `on_evict`
+(the path to disk) before the slot is reused.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from storage.layout import BlockLayout
+from tieredkv.hashing import BlockKey
+
+
+@dataclass(frozen=True, slots=True)
+class HostStats:
+    capacity_bytes: int
+    used_bytes: int
+    slots: int
+    blocks: int
+    evictions: int
+    pinned: bool
+
+
+class HostTier:
+    def __init__(self, layout: BlockLayout, capacity_bytes: int, pin: bool | None = None,
+                 on_evict: Callable[[BlockKey, torch.Tensor], None] | None = None) -> None:
+        self.layout = layout
+        self.num_slots = layout.blocks_in(capacity_bytes)
+        if pin is None:
+            pin = torch.cuda.is_available()
+        self.pinned = bool(pin and self.num_slots > 0)
+        self.slab = torch.empty((self.num_slots, *layout.shape), dtype=layout.dtype, pin_memory=self.pinned)
+        self.on_evict = on_evict
+        self._keys: list[BlockKey | None] = [None] * self.num_slots
+        self._lru: OrderedDict[bytes, int] = OrderedDict()   # hash -> slot, LRU first
+        self._free: deque[int] = deque(range(self.num_slots))
+        self.evictions = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.num_slots > 0
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def lookup(self, block: BlockKey) -> int | None:
+        slot = self._lru.get(block.hash)
+        if slot is None or self._keys[slot].token_ids != block.token_ids:
+            return None
+        return slot
+
+    def touch(self, block: BlockKey) -> None:
+        """A hit: the block becomes most recently used."""
+        self._lru.move_to_end(block.hash)
+
+    def hashes(self) -> list[bytes]:
+        """Blocks in LRU order (least recent first)."""
+        return list(self._lru)
+
+    def key_of(self, slot: int) -> BlockKey | None:
+        return self._keys[slot]
+
+    def reserve(self, block: BlockKey) -> int:
+        """A slot for `block` (its old slot if it is already here). Evicts the LRU block when
+        full; the caller copies the bytes into `self.slab[slot]`."""
+        if not self.enabled:
+            raise RuntimeError("host tier is disabled (host_memory=0)")
+        slot = self._lru.get(block.hash)
+        if slot is not None:
+            self._lru.move_to_end(block.hash)
+            return slot
+        if not self._free:
+            self._evict_lru()
+        slot = self._free.popleft()
+        self._keys[slot] = block
+        self._lru[block.hash] = slot
+        return slot
+
+    def _evict_lru(self) -> None:
+        # NOTE invariant: capacity holds because a slot is only reused after its block left.
+        h, slot = self._lru.popitem(last=False)
+        key = self._keys[slot]
+        if self.on_evict is not None:
+            self.on_evict(key, self.slab[slot])
+        self._keys[slot] = None
+        self._free.append(slot)
+        self.evictions += 1
+
+    def remove(self, block_hash: bytes) -> bool:
+        slot = self._lru.pop(block_hash, None)
+        if slot is None:
+            return False
+        self._keys[slot] = None
+        self._free.append(slot)
+        return True
+
+    def stats(self) -> HostStats:
+        n = len(self._lru)
+        return HostStats(capacity_bytes=self.num_slots * self.layout.nbytes, used_bytes=n * self.layout.nbytes,
+                         slots=self.num_slots, blocks=n, evictions=self.evictions, pinned=self.pinned)
+
+    def audit(self) -> None:
+        assert len(self._lru) + len(self._free) == self.num_slots, "host slots leaked or doubled"
+        assert not set(self._free) & set(self._lru.values()), "a slot is both free and used"
+        for h, slot in self._lru.items():
+            assert self._keys[slot] is not None and self._keys[slot].hash == h

@@ -1,0 +1,345 @@
+"""TieredKVCache: the one object the engine talks to about KV blocks.
+
+Knows: the three tiers (device pool, host slab, disk), where each block lives, and how blocks
+move: lookups walk a prompt's block chain and take the fastest tier holding each block;
+promotion fills device pages from host or disk; eviction cascades device -> host -> disk
+(write-back by default, or write-through). Doesn't know: models, sequences or requests -- the
+engine hands in BlockKeys and page ids and gets typed results back.
+
+Thread safety: every public method takes one lock, so the engine thread, HTTP threads (lookup,
+status) and the disk writer thread (inside DiskTier) can run at once.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from storage.codec import Codec
+from storage.device_pool import DevicePool
+from storage.disk_tier import DiskTier
+from storage.host_tier import HostTier
+from storage.layout import BlockLayout
+from storage.transfer import Transfer
+from tieredkv.config import CacheConfig
+from tieredkv.hashing import BlockKey
+
+TIERS = ("device", "host", "disk")
+
+
+@dataclass(frozen=True, slots=True)
+class CacheMatch:
+    """Per matched block (in prompt order): its key and the tier that holds it. Stops at the
+    first block no tier holds, so `blocks` is always a prefix of the keys asked about."""
+    blocks: tuple[tuple[BlockKey, str], ...]
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def tokens_by_tier(self, block_size: int) -> dict[str, int]:
+        out = dict.fromkeys(TIERS, 0)
+        for _, tier in self.blocks:
+            out[tier] += block_size
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class Acquired:
+    """Device pages now held (refcount +1) for a matched prefix, with each block's source tier.
+    May be shorter than the match: a disk block that fails verification ends the prefix."""
+    pages: tuple[int, ...]
+    tiers: tuple[str, ...]
+    restore_s: float
+
+
+@dataclass
+class TierStats:
+    capacity_bytes: int = 0
+    used_bytes: int = 0
+    blocks: int = 0
+    hits: int = 0            # blocks served from this tier to a request
+    promotions: int = 0      # blocks copied from this tier into device pages
+    demotions: int = 0       # blocks written into this tier from the tier above
+    evictions: int = 0       # blocks that left this tier for lack of room
+    bytes_read: int = 0
+    bytes_written: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        d = {k: v for k, v in self.__dict__.items() if k != "extra"}
+        d.update(self.extra)
+        return d
+
+
+class TieredKVCache:
+    def __init__(self, layout: BlockLayout, config: CacheConfig, device: str | torch.device = "cpu",
+                 num_pages: int | None = None, disk: DiskTier | None = None) -> None:
+        if layout.block_size != config.block_size:
+            raise ValueError(f"layout block_size {layout.block_size} != config block_size {config.block_size}")
+        self.layout = layout
+        self.config = config
+        self.device = torch.device(device)
+        if num_pages is None:
+            num_pages = layout.blocks_in(config.device_bytes)
+            if num_pages < 2:
+                raise ValueError(f"device_memory: {config.device_bytes} bytes holds {num_pages} blocks of "
+                                 f"{layout.nbytes} bytes; need at least 2")
+        self._lock = threading.RLock()
+        self.transfer = Transfer(self.device)
+        self.pool = DevicePool(layout, num_pages, self.device, on_evict=self._demote_from_device)
+        self.host = HostTier(layout, config.host_bytes, pin=self.device.type == "cuda",
+                             on_evict=self._demote_from_host)
+        if disk is None and config.disk_path is not None:
+            disk = DiskTier(config.disk_path, config.disk_bytes, Codec(config.zstd_level, config.shuffle),
+                            layout=layout)
+        self.disk = disk
+        self.write_through = config.write_policy == "write_through"
+        self._stats = {t: TierStats() for t in TIERS}
+
+    # ---- lookup --------------------------------------------------------------------------
+    def _tier_of(self, key: BlockKey) -> str | None:
+        if self.pool.lookup(key) is not None:
+            return "device"
+        if self.host.enabled and self.host.lookup(key) is not None:
+            return "host"
+        if self.disk is not None and self.disk.contains(key.hash):
+            return "disk"
+        return None
+
+    def match(self, keys: Sequence[BlockKey]) -> CacheMatch:
+        """Which tier holds each block of the chain, up to the first block none holds.
+        Read-only: promotes nothing, counts nothing."""
+        with self._lock:
+            found = []
+            for key in keys:
+                tier = self._tier_of(key)
+                if tier is None:
+                    break
+                found.append((key, tier))
+            return CacheMatch(tuple(found))
+
+    # ---- promotion -----------------------------------------------------------------------
+    def acquire(self, match: CacheMatch) -> Acquired:
+        """Hold device pages for a matched prefix, promoting host/disk blocks into new pages.
+
+        Pages being filled are allocated with refcount 1 and registered only once filled, so
+        they are never evicted mid-copy nor found by another lookup before they hold the bytes.
+        """
+        with self._lock:
+            t0 = time.perf_counter()
+            pages: list[int] = []
+            tiers: list[str] = []
+            disk_keys: list[tuple[int, BlockKey]] = []
+            for key, _ in match.blocks:
+                page = self.pool.lookup(key)
+                if page is not None:
+                    self.pool.acquire(page)
+                    pages.append(page)
+                    tiers.append("device")
+                    continue
+                if not self.pool.can_allocate(1):
+                    break
+                # Allocate first, then look the block up: the allocation may evict a device
+                # page whose demotion pushes this very block out of a full host tier.
+                (page,) = self.pool.allocate(1)
+                self.transfer.fence()  # the page's previous block finished copying out
+                slot = self.host.lookup(key) if self.host.enabled else None
+                if slot is not None:
+                    self.host.touch(key)
+                    self.transfer.copy(self.pool.kv[page], self.host.slab[slot])
+                    pages.append(page)
+                    tiers.append("host")
+                elif self.disk is not None and self.disk.contains(key.hash):
+                    pages.append(page)
+                    tiers.append("disk")
+                    disk_keys.append((len(pages) - 1, key))
+                else:
+                    self.pool.release(page)
+                    break  # the block left every tier since match(): the prefix ends here
+            if disk_keys:
+                self.transfer.fence()
+                pages, tiers = self._fill_from_disk(pages, tiers, disk_keys)
+            self.transfer.fence()  # NOTE invariant: promoted pages are complete before any read
+            for page, tier, (key, _) in zip(pages, tiers, match.blocks):
+                st = self._stats[tier]
+                st.hits += 1
+                if tier != "device":
+                    self.pool.register(page, key)
+                    st.promotions += 1
+                    st.bytes_read += self.layout.nbytes
+            return Acquired(tuple(pages), tuple(tiers), time.perf_counter() - t0)
+
+    def _fill_from_disk(self, pages: list[int], tiers: list[str],
+                        disk_keys: list[tuple[int, BlockKey]]) -> tuple[list[int], list[str]]:
+        """Decode disk blocks straight into their pages (on CPU) or via host memory (on CUDA),
+        in parallel. A block that fails verification cuts the prefix there; later pages go back."""
+        keys = [k for _, k in disk_keys]
+        if self.device.type == "cpu":
+            outs = [self.pool.kv[pages[i]] for i, _ in disk_keys]
+            got = self.disk.get_many(keys, outs)
+        else:
+            got = self.disk.get_many(keys)
+        cut = len(pages)
+        for (i, _), block in zip(disk_keys, got):
+            if block is None:
+                cut = min(cut, i)
+            elif self.device.type != "cpu" and i < cut:
+                self.transfer.copy(self.pool.kv[pages[i]], block.view(self.layout.shape))
+        for page in pages[cut:]:
+            self.pool.release(page)
+        return pages[:cut], tiers[:cut]
+
+    # ---- new blocks ----------------------------------------------------------------------
+    def can_allocate(self, n: int) -> bool:
+        with self._lock:
+            return self.pool.can_allocate(n)
+
+    def allocate(self, n: int) -> list[int]:
+        """n fresh device pages (refcount 1) for blocks about to be computed."""
+        with self._lock:
+            pages = self.pool.allocate(n)
+            self.transfer.fence()  # evicted pages finished copying out before they are rewritten
+            return pages
+
+    def register(self, page: int, key: BlockKey) -> bool:
+        """A held page now holds a full computed block: make it findable. Under write-through
+        the block is also written to host and disk now. False if another page already has it."""
+        with self._lock:
+            ok = self.pool.register(page, key)
+            if ok and self.write_through:
+                self._write_down(key, page)
+            return ok
+
+    def release(self, pages: Sequence[int]) -> None:
+        with self._lock:
+            for page in pages:
+                self.pool.release(page)
+
+    # ---- demotion (the eviction cascade) --------------------------------------------------
+    def _write_down(self, key: BlockKey, page: int) -> None:
+        """Copy a device block into host (and, write-through, disk) unless already there."""
+        if self.host.enabled:
+            if self.host.lookup(key) is None:
+                slot = self.host.reserve(key)
+                self.transfer.copy(self.host.slab[slot], self.pool.kv[page])
+                self._count_write("host")
+            if self.write_through and self.disk is not None and not self.disk.contains(key.hash):
+                self.transfer.sync_host()
+                self.disk.put(key, self.host.slab[self.host.lookup(key)])
+                self._count_write("disk")
+        elif self.disk is not None and not self.disk.contains(key.hash):
+            self.transfer.sync_host()
+            self.disk.put(key, self.pool.kv[page].cpu() if self.device.type != "cpu" else self.pool.kv[page])
+            self._count_write("disk")
+
+    def _count_write(self, tier: str) -> None:
+        st = self._stats[tier]
+        st.demotions += 1
+        st.bytes_written += self.layout.nbytes
+
+    def _demote_from_device(self, key: BlockKey, page: int) -> None:
+        # Called by the pool while the evicted page's bytes are intact.
+        self._write_down(key, page)
+
+    def _demote_from_host(self, key: BlockKey, slot_view: torch.Tensor) -> None:
+        # Called by the host tier before the slot is reused. DiskTier.put copies the bytes, so
+        # the slot is free for reuse as soon as put returns; compression happens off-thread.
+        if self.disk is not None and not self.disk.contains(key.hash):
+            self.transfer.sync_host()
+            self.disk.put(key, slot_view)
+            self._count_write("disk")
+
+    # ---- maintenance ---------------------------------------------------------------------
+    def flush(self, timeout: float | None = None) -> int:
+        """Push every cached block down to the lowest tier (disk, else host) and wait for the
+        disk writer: after this a restarted process hits every block. Returns blocks written."""
+        with self._lock:
+            written = 0
+            lowest = "disk" if self.disk is not None else ("host" if self.host.enabled else None)
+            if lowest is None:
+                return 0
+            for page in self.pool.cached_pages():
+                key = self.pool.key_of(page)
+                if lowest == "disk" and self.disk.contains(key.hash):
+                    continue
+                if lowest == "host" and self.host.lookup(key) is not None:
+                    continue
+                if lowest == "disk":
+                    self.transfer.sync_host()
+                    self.disk.put(key, self.pool.kv[page].cpu() if self.device.type != "cpu" else self.pool.kv[page])
+                else:
+                    slot = self.host.reserve(key)
+                    self.transfer.copy(self.host.slab[slot], self.pool.kv[page])
+                self._count_write(lowest)
+                written += 1
+            if lowest == "disk" and self.host.enabled:
+                self.transfer.sync_host()
+                for h in self.host.hashes():
+                    if not self.disk.contains(h):
+                        slot = self.host._lru[h]
+                        self.disk.put(self.host.key_of(slot), self.host.slab[slot])
+                        self._count_write("disk")
+                        written += 1
+            self.transfer.sync_host()
+        if self.disk is not None:
+            self.disk.flush(timeout)
+        return written
+
+    def drop(self, tier: str) -> int:
+        """Forget every cached block of one tier (device: only pages no sequence uses)."""
+        if tier not in TIERS:
+            raise ValueError(f"tier: expected one of {TIERS}, got {tier!r}")
+        with self._lock:
+            if tier == "device":
+                pages = self.pool.evictable_pages()
+                for page in pages:
+                    self.pool.drop(page)
+                return len(pages)
+            if tier == "host":
+                hashes = self.host.hashes()
+                for h in hashes:
+                    self.host.remove(h)
+                return len(hashes)
+        if self.disk is None:
+            return 0
+        self.disk.flush()
+        return self.disk.clear()
+
+    def close(self) -> None:
+        if self.disk is not None:
+            self.disk.close()
+
+    # ---- reporting -----------------------------------------------------------------------
+    def stats(self) -> dict[str, TierStats]:
+        with self._lock:
+            out = {t: TierStats(**{**self._stats[t].__dict__, "extra": {}}) for t in TIERS}
+            p = self.pool.stats()
+            out["device"].capacity_bytes, out["device"].used_bytes = p.capacity_bytes, p.used_bytes
+            out["device"].blocks, out["device"].evictions = p.cached_blocks, p.evictions
+            out["device"].extra = {"pages": p.pages, "free_pages": p.free_pages, "in_use_pages": p.in_use_pages}
+            h = self.host.stats()
+            out["host"].capacity_bytes, out["host"].used_bytes = h.capacity_bytes, h.used_bytes
+            out["host"].blocks, out["host"].evictions = h.blocks, h.evictions
+            out["host"].extra = {"pinned": h.pinned, "enabled": self.host.enabled}
+            if self.disk is not None:
+                d = self.disk.stats()
+                o = out["disk"]
+                o.capacity_bytes, o.used_bytes, o.blocks, o.evictions = d.capacity_bytes, d.used_bytes, d.blocks, d.evictions
+                o.bytes_read = d.bytes_read
+                o.extra = {"enabled": True, "compression_ratio": d.compression_ratio, "pending_writes": d.pending_writes,
+                           "corrupt": d.corrupt, "write_errors": d.write_errors, "raw_bytes": d.raw_bytes,
+                           "stored_bytes_written": d.bytes_written}
+            else:
+                out["disk"].extra = {"enabled": False}
+            return out
+
+    def audit(self) -> None:
+        """Every tier's bookkeeping holds (used by tests after each step)."""
+        with self._lock:
+            self.pool.audit()
+            self.host.audit()
+            assert self.pool.stats().used_bytes <= self.pool.stats().capacity_bytes
+            assert self.host.stats().used_bytes <= self.host.stats().capacity_bytes

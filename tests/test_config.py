@@ -1,0 +1,45 @@
+import pytest
+
+from tieredkv.config import CacheConfig, parse_size
+
+
+def test_defaults_parse():
+    c = CacheConfig()
+    assert (c.block_size, c.device_bytes, c.host_bytes, c.disk_bytes) == (16, 2**30, 4 * 2**30, 50 * 2**30)
+    assert c.zstd_level == 3 and c.write_policy == "write_back" and c.isolate_tenants is True
+    assert c.disk_path.endswith("/.cache/tieredkv/kv")
+
+
+@pytest.mark.parametrize("text,value", [("4GiB", 4 * 2**30), ("512MiB", 512 * 2**20), ("1GB", 10**9),
+                                        ("1.5KiB", 1536), (123, 123), ("0", 0), (" 2 mib ", 2 * 2**20)])
+def test_sizes(text, value):
+    assert parse_size(text) == value
+
+
+def test_disabling_tiers():
+    c = CacheConfig(host_memory=0, disk_dir=None)
+    assert c.host_bytes == 0 and c.disk_path is None
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    ({"block_size": 0}, "block_size"),
+    ({"block_size": "16"}, "block_size"),
+    ({"device_memory": "lots"}, "device_memory"),
+    ({"device_memory": 0}, "device_memory"),
+    ({"host_memory": -1}, "host_memory"),
+    ({"host_memory": "4 parsecs"}, "host_memory"),
+    ({"disk_capacity": "1XB"}, "disk_capacity"),
+    ({"disk_capacity": 0}, "disk_capacity"),
+    ({"zstd_level": 99}, "zstd_level"),
+    ({"write_policy": "write_around"}, "write_policy"),
+    ({"isolate_tenants": "yes"}, "isolate_tenants"),
+    ({"disk_dir": ""}, "disk_dir"),
+])
+def test_bad_values_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        CacheConfig(**kwargs)
+
+
+def test_frozen():
+    with pytest.raises(Exception):
+        CacheConfig().block_size = 8

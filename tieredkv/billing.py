@@ -1,0 +1,347 @@
+"""The billing ledger: per-tenant token counts and cost by token origin, durable in LMDB.
+
+Knows: prices (integer micro-dollars per 1M tokens), how a finished request's usage becomes
+cost, and how it is stored -- one LMDB environment in its own directory with three tables:
+  requests  request_id -> the request's record (tenant, day, tokens, cost): the idempotency
+            key and the audit trail (`check()` recomputes every sum from these records)
+  totals    tenant -> running totals since the ledger was created
+  days      tenant NUL YYYY-MM-DD (UTC) -> that day's totals
+Doesn't know: engines, storage tiers or HTTP (dependencies point the other way); tier names
+are the project's vocabulary ("device", "host", "disk").
+
+Money is never a float. A price p is micro-dollars per 1M tokens, so one token costs
+p * 1e-6 micro-dollars = p pico-dollars: the cost of n tokens is exactly n * p pico-dollars,
+an integer. Every stored cost is in pico-dollars and sums are exact; the only rounding is to
+whole micro-dollars for display (`TenantBill.cost`), done once on the exact sum. Rounding each
+request on its own would lose up to half a micro-dollar per request (3 tokens at 27_000/1M
+are 0.081 micro-dollars: 0 when rounded, every time); rounding the sum loses under half a
+micro-dollar in total, however many requests there are.
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import tomllib
+from dataclasses import asdict, dataclass, field, fields
+from datetime import date, datetime, timezone
+from typing import Any, Iterator
+
+import lmdb
+
+BILLED_TIERS = ("device", "host", "disk")
+PICO_PER_MICRO = 10**6
+PICO_PER_USD = 10**12
+_MAX_KEY_BYTES = 400          # LMDB keys are at most 511 bytes; leave room for the day suffix
+_DEFAULT_MAP_SIZE = 4 << 30   # a sparse file: the address space, not the disk used
+
+
+@dataclass(frozen=True)
+class Prices:
+    """Integer micro-dollars per 1M tokens, by where a prompt token came from.
+
+    Defaults: DeepSeek-V3's list prices for a cache miss ($0.27/1M) and for output ($1.10/1M),
+    with every cache hit at a tenth of a miss, DeepSeek's published hit/miss ratio. The tiers
+    are priced alike by default; an operator may price a disk hit above a device hit.
+    """
+    miss: int = 270_000
+    device_hit: int = 27_000
+    host_hit: int = 27_000
+    disk_hit: int = 27_000
+    completion: int = 1_100_000
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{f.name}: expected a non-negative int of micro-dollars per 1M tokens, got {v!r}")
+
+    def hit(self, tier: str) -> int:
+        return getattr(self, f"{tier}_hit")
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "Prices":
+        if not isinstance(data, dict):
+            raise ValueError(f"prices: expected a table of prices, got {type(data).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"{unknown[0]}: unknown price (expected some of {sorted(known)})")
+        return cls(**data)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> "Prices":
+        """Prices from a JSON file (`{"miss": 270000, ...}`) or a TOML file (`miss = 270000`).
+        A missing key keeps its default."""
+        path = os.fspath(path)
+        with open(path, "rb") as f:
+            raw = f.read()
+        try:
+            data = tomllib.loads(raw.decode()) if path.endswith(".toml") else json.loads(raw)
+        except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path}: not valid {'TOML' if path.endswith('.toml') else 'JSON'}: {e}") from e
+        return cls.from_dict(data)
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+@dataclass(slots=True)
+class Bucket:
+    """Sums over a set of requests: one tenant's totals, or one tenant's day."""
+    requests: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    hit_tokens_by_tier: dict[str, int] = field(default_factory=lambda: dict.fromkeys(BILLED_TIERS, 0))
+    miss_tokens: int = 0
+    cost_pico: int = 0        # exact: pico-dollars (see the module docstring)
+
+    @property
+    def hit_tokens(self) -> int:
+        return sum(self.hit_tokens_by_tier.values())
+
+    @property
+    def cost(self) -> int:
+        """Whole micro-dollars, rounded half up once on the exact sum."""
+        return (self.cost_pico + PICO_PER_MICRO // 2) // PICO_PER_MICRO
+
+    @property
+    def cost_usd(self) -> float:
+        """For display only; never add these up."""
+        return self.cost_pico / PICO_PER_USD
+
+    def add(self, other: "Bucket") -> None:
+        self.requests += other.requests
+        self.prompt_tokens += other.prompt_tokens
+        self.completion_tokens += other.completion_tokens
+        for t in BILLED_TIERS:
+            self.hit_tokens_by_tier[t] += other.hit_tokens_by_tier[t]
+        self.miss_tokens += other.miss_tokens
+        self.cost_pico += other.cost_pico
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "requests": self.requests,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "hit_tokens": self.hit_tokens,
+            "hit_tokens_by_tier": dict(self.hit_tokens_by_tier),
+            "miss_tokens": self.miss_tokens,
+            "cost_pico": self.cost_pico,
+            "cost": self.cost,
+            "cost_usd": self.cost_usd,
+        }
+
+    def _stored(self) -> dict[str, Any]:
+        """What is stored: the sums only (cost exact in pico-dollars; the rest is derived)."""
+        return {"requests": self.requests, "prompt_tokens": self.prompt_tokens,
+                "completion_tokens": self.completion_tokens, "hit_tokens_by_tier": dict(self.hit_tokens_by_tier),
+                "miss_tokens": self.miss_tokens, "cost_pico": self.cost_pico}
+
+    def _encode(self) -> bytes:
+        return json.dumps(self._stored(), separators=(",", ":")).encode()
+
+    @classmethod
+    def _decode(cls, raw: bytes | None) -> "Bucket":
+        if raw is None:
+            return cls()
+        d = json.loads(raw)
+        return cls(d["requests"], d["prompt_tokens"], d["completion_tokens"],
+                   {t: d["hit_tokens_by_tier"].get(t, 0) for t in BILLED_TIERS}, d["miss_tokens"], d["cost_pico"])
+
+
+@dataclass(slots=True)
+class TenantBill(Bucket):
+    """A tenant's running totals, plus one bucket per UTC day ("YYYY-MM-DD")."""
+    tenant: str = ""
+    days: dict[str, Bucket] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = Bucket.to_dict(self)
+        return {"tenant": self.tenant, **d, "days": {k: v.to_dict() for k, v in sorted(self.days.items())}}
+
+
+def _check_name(value: Any, name: str) -> bytes:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{name}: expected a non-empty string, got {value!r}")
+    if "\x00" in value:
+        raise ValueError(f"{name}: must not contain NUL characters")
+    raw = value.encode()
+    if len(raw) > _MAX_KEY_BYTES:
+        raise ValueError(f"{name}: at most {_MAX_KEY_BYTES} bytes of UTF-8, got {len(raw)}")
+    return raw
+
+
+def _check_count(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name}: expected a non-negative int, got {value!r}")
+    return value
+
+
+def _utc_day(when: datetime | None) -> str:
+    if when is None:
+        when = datetime.now(timezone.utc)
+    elif not isinstance(when, datetime):
+        raise ValueError(f"when: expected a datetime or None, got {when!r}")
+    elif when.tzinfo is None:
+        when = when.replace(tzinfo=timezone.utc)    # a naive time is taken to be UTC already
+    return when.astimezone(timezone.utc).date().isoformat()
+
+
+class Ledger:
+    """Per-tenant billing in an LMDB environment at `path` (a directory of its own).
+
+    Thread-safe: writes take a lock and one LMDB write transaction each; reads use their own
+    read transactions. `readonly=True` opens a ledger that a running server writes (LMDB
+    readers never block the writer and see only committed transactions).
+    """
+
+    def __init__(self, path: str | os.PathLike, prices: Prices = Prices(), readonly: bool = False,
+                 map_size: int = _DEFAULT_MAP_SIZE) -> None:
+        if not isinstance(prices, Prices):
+            raise ValueError(f"prices: expected a Prices, got {prices!r}")
+        self.path = os.path.abspath(os.fspath(path))
+        self.prices = prices
+        self.readonly = readonly
+        if readonly:
+            if not os.path.exists(os.path.join(self.path, "data.mdb")):
+                raise FileNotFoundError(f"no billing ledger at {self.path}")
+        else:
+            os.makedirs(self.path, exist_ok=True)
+        # NOTE durability: LMDB's defaults (sync=True, metasync=True) are kept on purpose: a
+        # record() that returned has been fsync'ed, so a crash never loses a billed request.
+        self._env = lmdb.open(self.path, map_size=map_size, max_dbs=4, readonly=readonly,
+                              subdir=True, lock=True)
+        try:
+            create = not readonly
+            self._requests = self._env.open_db(b"requests", create=create)
+            self._totals = self._env.open_db(b"totals", create=create)
+            self._days = self._env.open_db(b"days", create=create)
+        except lmdb.Error:
+            self._env.close()
+            raise
+        self._write_lock = threading.Lock()
+
+    # -- writing ---------------------------------------------------------------------------
+
+    def record(self, tenant: str, request_id: str, prompt_tokens: int, completion_tokens: int,
+               hit_tokens_by_tier: dict[str, int], miss_tokens: int, when: datetime | None = None) -> bool:
+        """Bill one finished request. Returns False (and changes nothing) if `request_id` was
+        already recorded. Durable when it returns: the caller may then complete the response."""
+        if self.readonly:
+            raise PermissionError(f"ledger at {self.path} was opened read-only")
+        tenant_key = _check_name(tenant, "tenant")
+        rid_key = _check_name(request_id, "request_id")
+        _check_count(prompt_tokens, "prompt_tokens")
+        _check_count(completion_tokens, "completion_tokens")
+        _check_count(miss_tokens, "miss_tokens")
+        if not isinstance(hit_tokens_by_tier, dict):
+            raise ValueError(f"hit_tokens_by_tier: expected a dict of tier -> tokens, got {hit_tokens_by_tier!r}")
+        unknown = sorted(set(hit_tokens_by_tier) - set(BILLED_TIERS))
+        if unknown:
+            raise ValueError(f"hit_tokens_by_tier: unknown tier {unknown[0]!r} (expected {BILLED_TIERS})")
+        hits = {t: _check_count(hit_tokens_by_tier.get(t, 0), f"hit_tokens_by_tier[{t!r}]") for t in BILLED_TIERS}
+        # NOTE invariant: every prompt token is billed exactly once, by its origin.
+        if sum(hits.values()) + miss_tokens != prompt_tokens:
+            raise ValueError(f"hit_tokens_by_tier + miss_tokens: hit {sum(hits.values())} + miss {miss_tokens} "
+                             f"!= prompt_tokens {prompt_tokens}")
+        day = _utc_day(when)
+        cost = (miss_tokens * self.prices.miss + completion_tokens * self.prices.completion
+                + sum(n * self.prices.hit(t) for t, n in hits.items()))
+        one = Bucket(1, prompt_tokens, completion_tokens, hits, miss_tokens, cost)
+        entry = json.dumps({"tenant": tenant, "day": day, **one._stored()}, separators=(",", ":")).encode()
+        day_key = tenant_key + b"\x00" + day.encode()
+        with self._write_lock, self._env.begin(write=True) as txn:
+            # NOTE idempotency: the request id, the totals and the day bucket change in one
+            # transaction, so a request is counted in all of them or in none, exactly once.
+            if not txn.put(rid_key, entry, db=self._requests, overwrite=False):
+                return False
+            for db, key in ((self._totals, tenant_key), (self._days, day_key)):
+                b = Bucket._decode(txn.get(key, db=db))
+                b.add(one)
+                txn.put(key, b._encode(), db=db)
+        return True
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def has(self, request_id: str) -> bool:
+        with self._env.begin() as txn:
+            return txn.get(_check_name(request_id, "request_id"), db=self._requests) is not None
+
+    def tenants(self) -> list[str]:
+        with self._env.begin() as txn:
+            return [k.decode() for k in txn.cursor(db=self._totals).iternext(keys=True, values=False)]
+
+    def tenant(self, name: str) -> TenantBill:
+        """The tenant's bill; a tenant never billed gets an empty one."""
+        key = _check_name(name, "tenant")
+        with self._env.begin() as txn:
+            return self._bill(txn, name, key)
+
+    def summary(self) -> dict[str, Any]:
+        """Every tenant's bill and the grand total, as JSON-ready dicts (one consistent snapshot)."""
+        with self._env.begin() as txn:
+            bills = [self._bill(txn, k.decode(), bytes(k))
+                     for k in txn.cursor(db=self._totals).iternext(keys=True, values=False)]
+        total = Bucket()
+        for b in bills:
+            total.add(b)
+        return {"prices": self.prices.to_dict(), "total": total.to_dict(),
+                "tenants": {b.tenant: b.to_dict() for b in bills}}
+
+    def records(self) -> Iterator[tuple[str, dict[str, Any]]]:
+        """Every recorded request: (request_id, its record). A snapshot, for audits."""
+        with self._env.begin() as txn:
+            items = [(k.decode(), json.loads(v)) for k, v in txn.cursor(db=self._requests)]
+        return iter(items)
+
+    def check(self) -> None:
+        """Integrity audit: every total and day bucket equals the sum of its request records,
+        and every record keeps hit + miss == prompt. Raises AssertionError on a mismatch."""
+        with self._env.begin() as txn:
+            want_totals: dict[str, Bucket] = {}
+            want_days: dict[tuple[str, str], Bucket] = {}
+            for rid, raw in txn.cursor(db=self._requests):
+                r = json.loads(raw)
+                one = Bucket._decode(raw)
+                assert one.hit_tokens + one.miss_tokens == one.prompt_tokens, f"request {rid!r}: hit + miss != prompt"
+                want_totals.setdefault(r["tenant"], Bucket()).add(one)
+                want_days.setdefault((r["tenant"], r["day"]), Bucket()).add(one)
+            got_totals = {k.decode(): Bucket._decode(v) for k, v in txn.cursor(db=self._totals)}
+            got_days = {tuple(k.decode().split("\x00")): Bucket._decode(v) for k, v in txn.cursor(db=self._days)}
+        assert got_totals == want_totals, f"tenant totals differ from request records: {got_totals} != {want_totals}"
+        assert got_days == want_days, f"day buckets differ from request records: {got_days} != {want_days}"
+
+    def _bill(self, txn: lmdb.Transaction, name: str, key: bytes) -> TenantBill:
+        b = Bucket._decode(txn.get(key, db=self._totals))
+        days = {}
+        prefix = key + b"\x00"
+        cur = txn.cursor(db=self._days)
+        if cur.set_range(prefix):
+            for k, v in cur:
+                if not k.startswith(prefix):
+                    break
+                days[k[len(prefix):].decode()] = Bucket._decode(v)
+        return TenantBill(b.requests, b.prompt_tokens, b.completion_tokens, b.hit_tokens_by_tier,
+                          b.miss_tokens, b.cost_pico, tenant=name, days=days)
+
+    # -- lifetime --------------------------------------------------------------------------
+
+    def close(self) -> None:
+        self._env.close()
+
+    def __enter__(self) -> "Ledger":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Ledger({self.path!r}, readonly={self.readonly})"
+
+
+def day_of(when: datetime | date) -> str:
+    """The bucket name of a day ("YYYY-MM-DD", UTC) -- what `TenantBill.days` is keyed by."""
+    if isinstance(when, datetime):
+        return _utc_day(when)
+    return when.isoformat()
