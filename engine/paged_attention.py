@@ -1,0 +1,129 @@
+"""Paged attention for transformers models: reads and writes KV in our device page pool.
+
+Knows: how one forward pass over a packed batch (the new tokens of several sequences, laid out
+in one row) maps onto pages -- where each new token's K/V is written (page, slot), and which
+pages hold each sequence's context. Registered with `transformers.AttentionInterface` under
+ATTN_NAME; the model's forward passes a `PagedBatch` through as the `tkv_batch` keyword
+argument, which transformers hands to every attention call. Doesn't know: scheduling, the
+tiers, or sampling.
+
+Per layer: write the new K/V into their slots, gather each sequence's whole context back from
+its page table, and run SDPA with a causal mask over absolute positions. Decode sequences
+(one new token each) are batched in one group; each prefill chunk is a group of its own, so a
+long prefill never pads a batch of decodes to its length.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+ATTN_NAME = "tieredkv_paged"
+
+
+@dataclass(frozen=True, slots=True)
+class SeqSlice:
+    """One sequence's part of a packed forward pass."""
+    q_start: int              # offset of its new tokens in the packed row
+    q_len: int                # how many new tokens
+    context_len: int          # tokens of context after this pass (cached + earlier + new)
+    pages: tuple[int, ...]    # its page table, covering context_len tokens
+
+
+@dataclass(frozen=True)
+class _Group:
+    """Sequences attended together: padded gather indices, queries and mask built once per pass."""
+    q_index: torch.Tensor      # [S, Q] packed positions of the queries (padded with 0)
+    q_valid: torch.Tensor      # [S, Q] which query rows are real
+    kv_pages: torch.Tensor     # [S, C] page of each context position (padded with 0)
+    kv_slots: torch.Tensor     # [S, C] slot of each context position
+    mask: torch.Tensor         # [S, 1, Q, C] True = attend
+
+
+class PagedBatch:
+    """Everything the attention needs for one forward pass, built once and shared by all layers."""
+
+    def __init__(self, kv: torch.Tensor, seqs: list[SeqSlice], block_size: int) -> None:
+        self.kv = kv                  # the pool: [page, layer, 2, slot, kv_head, head_dim]
+        self.seqs = seqs
+        dev = kv.device
+        write_pages, write_slots = [], []
+        for s in seqs:
+            first = s.context_len - s.q_len
+            for pos in range(first, s.context_len):
+                write_pages.append(s.pages[pos // block_size])
+                write_slots.append(pos % block_size)
+        self.write_pages = torch.tensor(write_pages, dtype=torch.long, device=dev)
+        self.write_slots = torch.tensor(write_slots, dtype=torch.long, device=dev)
+        decodes = [s for s in seqs if s.q_len == 1]
+        prefills = [s for s in seqs if s.q_len > 1]
+        self.groups = ([self._group(decodes, block_size, dev)] if decodes else []) + \
+                      [self._group([s], block_size, dev) for s in prefills]
+        self.num_tokens = len(write_pages)
+
+    @staticmethod
+    def _group(seqs: list[SeqSlice], block_size: int, dev: torch.device) -> _Group:
+        S = len(seqs)
+        Q = max(s.q_len for s in seqs)
+        C = max(s.context_len for s in seqs)
+        q_index = torch.zeros((S, Q), dtype=torch.long)
+        q_valid = torch.zeros((S, Q), dtype=torch.bool)
+        kv_pages = torch.zeros((S, C), dtype=torch.long)
+        kv_slots = torch.zeros((S, C), dtype=torch.long)
+        mask = torch.zeros((S, 1, Q, C), dtype=torch.bool)
+        pos = torch.arange(C)
+        for i, s in enumerate(seqs):
+            q_index[i, :s.q_len] = torch.arange(s.q_start, s.q_start + s.q_len)
+            q_valid[i, :s.q_len] = True
+            pages = torch.tensor(s.pages, dtype=torch.long)
+            kv_pages[i, :s.context_len] = pages[pos[:s.context_len] // block_size]
+            kv_slots[i, :s.context_len] = pos[:s.context_len] % block_size
+            # Query j sits at absolute position first + j and sees keys 0..first + j (causal).
+            first = s.context_len - s.q_len
+            q_pos = torch.arange(first, first + Q).unsqueeze(1)
+            mask[i, 0] = (pos.unsqueeze(0) <= q_pos) & (pos.unsqueeze(0) < s.context_len)
+            mask[i, 0, s.q_len:] = False
+            mask[i, 0, s.q_len:, 0] = True   # padded query rows attend to one key: no NaN
+        return _Group(q_index.to(dev), q_valid.to(dev), kv_pages.to(dev), kv_slots.to(dev), mask.to(dev))
+
+
+def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                            value: torch.Tensor, attention_mask: torch.Tensor | None,
+                            scaling: float | None = None, dropout: float = 0.0,
+                            tkv_batch: PagedBatch | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """query [1, heads, T, D], key/value [1, kv_heads, T, D] (RoPE applied) -> [1, T, heads, D]."""
+    if tkv_batch is None:
+        # Not driven by our engine (e.g. plain model.generate): behave like SDPA.
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    batch = tkv_batch
+    layer = module.layer_idx
+    kv = batch.kv
+    # Write the new tokens' K/V into their (page, slot); the pool layout is
+    # [page, layer, k/v, slot, kv_head, head_dim].
+    k_new = key[0].transpose(0, 1).to(kv.dtype)     # [T, kv_heads, D]
+    v_new = value[0].transpose(0, 1).to(kv.dtype)
+    kv[batch.write_pages, layer, 0, batch.write_slots] = k_new
+    kv[batch.write_pages, layer, 1, batch.write_slots] = v_new
+
+    q_all = query[0].transpose(0, 1)                  # [T, heads, D]
+    out = torch.empty_like(q_all)
+    for g in batch.groups:
+        k = kv[g.kv_pages, layer, 0, g.kv_slots]      # [S, C, kv_heads, D]
+        v = kv[g.kv_pages, layer, 1, g.kv_slots]
+        q = q_all[g.q_index]                          # [S, Q, heads, D]
+        o = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
+            attn_mask=g.mask, scale=scaling, enable_gqa=True)   # [S, heads, Q, D]
+        o = o.transpose(1, 2)                         # [S, Q, heads, D]
+        out[g.q_index[g.q_valid]] = o[g.q_valid]
+    return out.unsqueeze(0), None
+
+
+def register() -> str:
+    """Register the attention function with transformers (idempotent); returns its name."""
+    AttentionInterface.register(ATTN_NAME, paged_attention_forward)
+    return ATTN_NAME

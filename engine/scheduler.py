@@ -1,0 +1,164 @@
+"""Continuous batching over the paged pool: who runs this step, and with how many tokens.
+
+Knows: the waiting queue and the running set, the per-step token budget, prefix matching and
+promotion at admission, chunked prefill, page allocation, preemption (newest first) and
+in-batch dedup of shared prefix blocks. Doesn't know: the model, sampling or outputs -- the
+engine runs the forward pass on what `schedule()` returns and reports back via `after_step()`.
+
+Per step: running sequences first (oldest first: each decode takes 1 token, an unfinished
+prefill takes its next chunk), then admissions from the waiting queue while budget and pages
+last. A sequence that cannot get pages preempts the newest running one; the victim's full
+blocks are registered in the cache already, so its re-admission hits them.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from engine.sequence import Sequence, SeqStatus
+from storage.tiered_cache import TieredKVCache
+
+
+@dataclass(frozen=True, slots=True)
+class Scheduled:
+    seq: Sequence
+    num_tokens: int          # new tokens computed this step, starting at seq.num_computed
+
+
+class Scheduler:
+    def __init__(self, cache: TieredKVCache, max_batch_tokens: int = 512, max_seqs: int = 64) -> None:
+        if max_batch_tokens < 1 or max_seqs < 1:
+            raise ValueError("max_batch_tokens and max_seqs must be >= 1")
+        self.cache = cache
+        self.block_size = cache.layout.block_size
+        self.max_batch_tokens = max_batch_tokens
+        self.max_seqs = max_seqs
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []       # admission order: oldest first
+        self.preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- the step --------------------------------------------------------------------------
+    def schedule(self) -> list[Scheduled]:
+        budget = self.max_batch_tokens
+        out: list[Scheduled] = []
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status is not SeqStatus.RUNNING:
+                continue   # preempted earlier in this loop
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            if not self._reserve(seq, n, out):
+                continue
+            out.append(Scheduled(seq, n))
+            budget -= n
+        # In-batch dedup: a waiting request whose next uncached block is being computed by a
+        # running prefill waits one step, then hits the registered block instead of computing it.
+        pending = self._pending_prompt_blocks()
+        skipped: list[Sequence] = []
+        while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
+            seq = self.waiting.popleft()
+            admitted = self._admit(seq, budget, pending)
+            if admitted is None:
+                skipped.append(seq)
+                continue
+            if admitted is False:
+                self.waiting.appendleft(seq)
+                break
+            out.append(admitted)
+            budget -= admitted.num_tokens
+            pending |= {k.hash for k in seq.prefix_keys()[seq.registered:]}
+        self.waiting.extendleft(reversed(skipped))
+        return out
+
+    def _pending_prompt_blocks(self) -> set[bytes]:
+        pending = set()
+        for seq in self.running:
+            if seq.num_computed < len(seq.prompt_ids):
+                pending.update(k.hash for k in seq.prefix_keys()[seq.registered:])
+        return pending
+
+    def _admit(self, seq: Sequence, budget: int, pending: set[bytes]) -> Scheduled | bool | None:
+        """Match + promote + first chunk. None: wait for a block another request computes now;
+        False: not enough pages now (stop admitting this step)."""
+        keys = seq.prefix_keys()
+        match = self.cache.match(keys)
+        if len(match) < len(keys) and keys[len(match)].hash in pending:
+            return None
+        remaining = seq.num_tokens - len(match) * self.block_size
+        n = min(remaining, budget)
+        need = len(match) + -(-n // self.block_size)   # conservative: every matched block may need a page
+        if not self.cache.can_allocate(need):
+            # With nothing running every page is free or evictable, and the engine only accepts
+            # sequences that fit the pool (Sequence.max_len), so this cannot stall forever.
+            return False
+        acquired = self.cache.acquire(match)
+        seq.pages = list(acquired.pages)
+        seq.registered = len(acquired.pages)
+        seq.num_computed = len(acquired.pages) * self.block_size
+        if seq.hit_tokens_by_tier is None:
+            # NOTE billing: decided once, at the first admission. A preempted request's
+            # recompute is our cost, not the tenant's.
+            hits = {"device": 0, "host": 0, "disk": 0}
+            for tier in acquired.tiers:
+                hits[tier] += self.block_size
+            seq.hit_tokens_by_tier = hits
+            seq.restore_s = acquired.restore_s
+            seq.admitted_at = time.perf_counter()
+        n = min(seq.num_tokens - seq.num_computed, budget)
+        seq.pages.extend(self.cache.allocate(seq.pages_needed(seq.num_computed + n)))
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+        return Scheduled(seq, n)
+
+    def _reserve(self, seq: Sequence, n: int, scheduled: list[Scheduled]) -> bool:
+        """Pages for n more tokens of a running sequence, preempting the newest others if needed.
+        False if `seq` itself had to be preempted."""
+        need = seq.pages_needed(seq.num_computed + n)
+        while not self.cache.can_allocate(need):
+            victim = next((s for s in reversed(self.running)
+                           if s is not seq and all(x.seq is not s for x in scheduled)), None)
+            if victim is None:
+                victim = seq
+            self.preempt(victim)
+            if victim is seq:
+                return False
+        seq.pages.extend(self.cache.allocate(need))
+        return True
+
+    def preempt(self, seq: Sequence) -> None:
+        """Give back a running sequence's pages; it goes first in line to be re-admitted."""
+        self.preemptions += 1
+        self.cache.release(seq.pages)
+        seq.reset_for_preemption()
+        self.running.remove(seq)
+        self.waiting.appendleft(seq)
+
+    def after_step(self, scheduled: list[Scheduled]) -> None:
+        """The forward pass wrote KV for the scheduled tokens: advance and register full blocks."""
+        for s in scheduled:
+            seq = s.seq
+            seq.num_computed += s.num_tokens
+            self.register_full_blocks(seq)
+
+    def register_full_blocks(self, seq: Sequence) -> None:
+        # Prompt and generated blocks alike: the next turn of a chat hits them.
+        seq.extend_keys()
+        while (seq.registered + 1) * self.block_size <= seq.num_computed:
+            self.cache.register(seq.pages[seq.registered], seq.keys[seq.registered])
+            seq.registered += 1
+
+    def finish(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.FINISHED
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.cache.release(seq.pages)
+        seq.pages = []

@@ -1,0 +1,85 @@
+"""A Sequence: one request's tokens, pages and progress through the engine.
+
+Knows: the prompt and output token ids, the page table, how many tokens have KV in pages
+(num_computed), the block keys of its full blocks and how many are registered in the cache,
+and the request's timing and billing facts. Doesn't know: the pool or the model.
+"""
+from __future__ import annotations
+
+import queue
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from engine.sampling_params import SamplingParams
+from tieredkv.hashing import BlockKey, block_keys
+
+
+class SeqStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    tenant: str
+    namespace: bytes
+    block_size: int
+    max_len: int                                  # the model's context: prompt + output cap
+    generator: torch.Generator | None = None
+    output_ids: list[int] = field(default_factory=list)
+    status: SeqStatus = SeqStatus.WAITING
+    pages: list[int] = field(default_factory=list)
+    num_computed: int = 0                         # tokens whose KV is in `pages`
+    keys: list[BlockKey] = field(default_factory=list)   # keys of full blocks of tokens, in order
+    registered: int = 0                           # leading blocks that are in the cache index
+    # Billing: decided at the first admission; a preempted request is not billed again.
+    hit_tokens_by_tier: dict[str, int] | None = None
+    restore_s: float = 0.0
+    arrival: float = field(default_factory=time.perf_counter)
+    admitted_at: float | None = None
+    first_token_at: float | None = None
+    finish_reason: str | None = None
+    # Output plumbing: the engine thread puts events here, the caller's thread reads them.
+    events: "queue.Queue" = field(default_factory=queue.Queue)
+    text: str = ""                                # detokenized output so far
+    sent_chars: int = 0                           # text already streamed
+    sent_tokens: int = 0                          # token ids already streamed
+    pending_final: tuple[str, list[int]] = ("", [])  # the last chunk's text and ids
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def pages_needed(self, upto_tokens: int) -> int:
+        """Pages to add so the page table covers `upto_tokens` tokens."""
+        return max(0, -(-upto_tokens // self.block_size) - len(self.pages))
+
+    def extend_keys(self) -> None:
+        """Compute keys for every full block of the tokens so far (prompt and generated)."""
+        have = len(self.keys)
+        if self.num_tokens // self.block_size > have:
+            parent = self.keys[-1].hash if self.keys else None
+            self.keys.extend(block_keys(self.namespace, self.tokens, self.block_size, start=have, parent=parent))
+
+    def prefix_keys(self) -> list[BlockKey]:
+        """Keys a cache hit may cover: full blocks of all tokens but the last (at least one
+        token is computed to produce logits)."""
+        self.extend_keys()
+        return self.keys[: (self.num_tokens - 1) // self.block_size]
+
+    def reset_for_preemption(self) -> None:
+        self.pages = []
+        self.num_computed = 0
+        self.registered = 0
+        self.status = SeqStatus.WAITING
