@@ -267,6 +267,9 @@ class Engine:
             if seq.num_computed < seq.num_tokens:
                 continue   # a prefill chunk that is not the last: no token yet
             token = sample(row, seq.params, seq.generator)
+            if seq.params.logprobs:
+                top = torch.log_softmax(row.float(), dim=-1).topk(seq.params.logprobs)
+                seq.logprobs.append(list(zip(top.indices.tolist(), top.values.tolist())))
             seq.output_ids.append(token)
             if seq.first_token_at is None:
                 seq.first_token_at = now
@@ -323,5 +326,6 @@ class Engine:
         text, ids = seq.pending_final
         seq.events.put(("delta", StreamChunk(seq.request_id, text, ids, reason, usage, metrics)))
         out = CompletionOutput(seq.request_id, seq.text if self.tokenizer is not None else "", list(seq.output_ids),
-                               reason, usage, metrics, list(seq.prompt_ids))
+                               reason, usage, metrics, list(seq.prompt_ids),
+                               seq.logprobs if seq.params.logprobs else None)
         seq.events.put(("final", out))

@@ -194,7 +194,7 @@ def check_supported(config: transformers.PretrainedConfig) -> None:
 # Config keys that do not change what the model computes: where it was loaded from, which
 # library wrote it, how it is stored, which attention kernel runs it. Keys starting with '_'
 # are transformers' private bookkeeping (_name_or_path, _attn_implementation*, ...).
-_VOLATILE_CONFIG_KEYS = frozenset({"transformers_version", "torch_dtype", "dtype", "name_or_path"})
+_VOLATILE_CONFIG_KEYS = frozenset({"transformers_version", "torch_dtype", "dtype", "name_or_path", "architectures"})
 
 
 def _stable_config(d: dict[Any, Any]) -> dict[Any, Any]:

@@ -59,6 +59,8 @@ class CompletionOutput:
     usage: Usage
     metrics: RequestMetrics
     prompt_token_ids: list[int] = field(default_factory=list)
+    # Per generated token, its top-n (token id, log-probability), when params.logprobs = n.
+    logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass(frozen=True)

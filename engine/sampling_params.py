@@ -14,6 +14,7 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    logprobs: int = 0                 # top-n log-probabilities returned per generated token
 
     def __post_init__(self) -> None:
         # Accept lists/single strings from callers, store tuples so the object stays hashable.
@@ -34,6 +35,8 @@ class SamplingParams:
             raise ValueError(f"top_k: expected an int >= 0 (0 = off), got {self.top_k!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed: expected an int or None, got {self.seed!r}")
+        if isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20:
+            raise ValueError(f"logprobs: expected an int in [0, 20], got {self.logprobs!r}")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop: expected non-empty strings, got {self.stop!r}")
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):

@@ -51,6 +51,7 @@ class Sequence:
     text: str = ""                                # detokenized output so far
     sent_chars: int = 0                           # text already streamed
     sent_tokens: int = 0                          # token ids already streamed
+    logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     pending_final: tuple[str, list[int]] = ("", [])  # the last chunk's text and ids
 
     @property

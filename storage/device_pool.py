@@ -141,6 +141,14 @@ class DevicePool:
             else:
                 self._free.append(page)
 
+    def evict(self, page: int) -> None:
+        """Evict one unused cached page now (through `on_evict`, like an allocation would)."""
+        if page not in self._evictable:
+            raise RuntimeError(f"device pool: page {page} is in use or not cached; cannot evict it")
+        del self._evictable[page]
+        self._evict(page)
+        self._free.append(page)
+
     def drop(self, page: int) -> None:
         """Forget the cached block of an unused page without demoting it (used by drop_tier)."""
         if self._ref[page] != 0 or page not in self._evictable:

@@ -82,6 +82,10 @@ class HostTier:
         self._lru[block.hash] = slot
         return slot
 
+    def evict_lru(self) -> None:
+        """Evict the least recently used block now (through `on_evict`)."""
+        self._evict_lru()
+
     def _evict_lru(self) -> None:
         # NOTE invariant: capacity holds because a slot is only reused after its block left.
         h, slot = self._lru.popitem(last=False)

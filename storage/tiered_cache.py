@@ -288,6 +288,22 @@ class TieredKVCache:
             self.disk.flush(timeout)
         return written
 
+    def demote(self, tier: str) -> int:
+        """Evict every unused cached block of `tier` one step down the cascade (device -> host
+        -> disk), exactly as capacity pressure would. Returns blocks evicted."""
+        if tier not in ("device", "host"):
+            raise ValueError(f"tier: can demote 'device' or 'host', got {tier!r}")
+        with self._lock:
+            if tier == "device":
+                pages = self.pool.evictable_pages()
+                for page in pages:
+                    self.pool.evict(page)
+                return len(pages)
+            n = len(self.host)
+            for _ in range(n):
+                self.host.evict_lru()
+            return n
+
     def drop(self, tier: str) -> int:
         """Forget every cached block of one tier (device: only pages no sequence uses)."""
         if tier not in TIERS:

@@ -1,0 +1,74 @@
+"""Input validation, stop conditions and lifecycle of the public Engine API."""
+import threading
+
+import pytest
+
+from engine.errors import EngineClosedError
+from tests.engine.conftest import VOCAB, make_engine, random_prompt, reference_greedy
+from tieredkv import SamplingParams
+
+
+@pytest.mark.parametrize("prompt,match", [
+    ([], "empty"),
+    ([VOCAB], "outside the vocabulary"),
+    ([-1, 3], "outside the vocabulary"),
+    (list(range(100)) * 6, "context"),
+    (3.5, "string or a list"),
+    ("text", "no tokenizer"),
+])
+def test_bad_prompts_are_value_errors(engine, prompt, match):
+    with pytest.raises(ValueError, match=match):
+        engine.generate(prompt, SamplingParams(max_tokens=2))
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    ({"max_tokens": 0}, "max_tokens"), ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"),
+    ({"top_k": -2}, "top_k"), ({"seed": "x"}, "seed"), ({"stop": [""]}, "stop"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids"), ({"logprobs": 99}, "logprobs"),
+])
+def test_bad_sampling_params(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_stop_token_ids_end_with_stop(engine):
+    ids = random_prompt(9, seed=4)
+    ref = reference_greedy(None, ids, 12)
+    out = engine.generate(ids, SamplingParams(max_tokens=12, stop_token_ids=[ref[3]]))
+    assert out.finish_reason == "stop"
+    assert out.token_ids == ref[:ref.index(ref[3]) + 1]
+
+
+def test_generation_is_capped_by_context(tmp_path):
+    with make_engine(tmp_path, device_memory=8 * 2048, host_memory=0) as eng:   # 8 pages = 32 tokens
+        assert eng.max_context == 32
+        out = eng.generate(random_prompt(28, seed=1), SamplingParams(max_tokens=50))
+        assert out.finish_reason == "length" and len(out.token_ids) == 4
+
+
+def test_many_threads_get_the_same_greedy_outputs(engine):
+    prompts = [random_prompt(7 + i, seed=i) for i in range(8)]
+    expected = [engine.generate(p, SamplingParams(max_tokens=6)).token_ids for p in prompts]
+    results = [None] * 16
+    def run(i):
+        results[i] = engine.generate(prompts[i % 8], SamplingParams(max_tokens=6)).token_ids
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [expected[i % 8] for i in range(16)]
+
+
+def test_closed_engine_refuses_requests(tmp_path):
+    eng = make_engine(tmp_path)
+    eng.close()
+    eng.close()   # idempotent
+    with pytest.raises(EngineClosedError):
+        eng.generate([1, 2, 3])
+
+
+def test_ttft_and_usage_are_reported(engine):
+    out = engine.generate(random_prompt(20, seed=2), SamplingParams(max_tokens=3))
+    assert 0 < out.metrics.ttft_s <= out.metrics.total_s
+    assert out.usage.total_tokens == 23
