@@ -68,8 +68,8 @@ class Engine:
             eos = self.tokenizer.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else ([eos] if eos is not None else []))
         self._inbox: queue.Queue[Sequence] = queue.Queue()
-        self._queued = 0
-        self._queued_lock = threading.Lock()
+        self._inflight = 0        # submitted and not finished (waiting or running)
+        self._inflight_lock = threading.Lock()
         self._closed = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="tieredkv-engine", daemon=True)
@@ -126,10 +126,10 @@ class Engine:
                        namespace=self.namespace(tenant), block_size=self.block_size,
                        max_len=min(self.max_context, len(ids) + params.max_tokens),
                        generator=make_generator(params))
-        with self._queued_lock:
-            if self._queued >= self.max_queue:
+        with self._inflight_lock:
+            if self._inflight - len(self.scheduler.running) >= self.max_queue:
                 raise QueueFullError(f"engine queue is full ({self.max_queue} requests waiting); retry later")
-            self._queued += 1
+            self._inflight += 1
         self._inbox.put(seq)
         return seq
 
@@ -204,7 +204,7 @@ class Engine:
             return
         self._closed = True
         deadline = time.monotonic() + timeout
-        while (self._queued or self.scheduler.has_work()) and time.monotonic() < deadline:
+        while self._inflight and time.monotonic() < deadline:
             time.sleep(0.01)
         self._stop.set()
         self._inbox.put(None)
@@ -242,8 +242,6 @@ class Engine:
     def _loop(self) -> None:
         while not self._stop.is_set():
             self._take_inbox(block=not self.scheduler.has_work())
-            with self._queued_lock:
-                self._queued = len(self.scheduler.waiting) + self._inbox.qsize()
             if not self.scheduler.has_work():
                 continue
             try:
@@ -252,7 +250,12 @@ class Engine:
                 log.exception("engine step failed")
                 for seq in list(self.scheduler.running):
                     self.scheduler.finish(seq)
+                    self._done(seq)
                     seq.events.put(("error", RuntimeError(f"engine step failed: {e}")))
+
+    def _done(self, seq: Sequence) -> None:
+        with self._inflight_lock:
+            self._inflight -= 1
 
     def _step(self) -> None:
         scheduled = self.scheduler.schedule()
@@ -319,10 +322,17 @@ class Engine:
         now = time.perf_counter()
         metrics = RequestMetrics(ttft_s=(seq.first_token_at or now) - seq.arrival, restore_s=seq.restore_s,
                                  total_s=now - seq.arrival, queue_s=(seq.admitted_at or now) - seq.arrival)
+        self._done(seq)
         if self.ledger is not None:
-            # NOTE: committed before the caller sees the result, so a completed request is billed.
-            self.ledger.record(seq.tenant, seq.request_id, usage.prompt_tokens, usage.completion_tokens,
-                               usage.hit_tokens_by_tier, usage.prompt_cache_miss_tokens)
+            # NOTE: committed before the caller sees the result, so a completed request is billed;
+            # a request whose bill cannot be written fails instead of being served unbilled.
+            try:
+                self.ledger.record(seq.tenant, seq.request_id, usage.prompt_tokens, usage.completion_tokens,
+                                   usage.hit_tokens_by_tier, usage.prompt_cache_miss_tokens)
+            except Exception as e:
+                log.exception("billing failed for %s", seq.request_id)
+                seq.events.put(("error", RuntimeError(f"billing failed: {e}")))
+                return
         text, ids = seq.pending_final
         seq.events.put(("delta", StreamChunk(seq.request_id, text, ids, reason, usage, metrics)))
         out = CompletionOutput(seq.request_id, seq.text if self.tokenizer is not None else "", list(seq.output_ids),
