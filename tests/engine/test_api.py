@@ -72,3 +72,47 @@ def test_ttft_and_usage_are_reported(engine):
     out = engine.generate(random_prompt(20, seed=2), SamplingParams(max_tokens=3))
     assert 0 < out.metrics.ttft_s <= out.metrics.total_s
     assert out.usage.total_tokens == 23
+
+
+@pytest.fixture(scope="module")
+def text_engine(tmp_path_factory, default_model):
+    """A tiny random model that speaks through the real SmolLM2 tokenizer (fast, text-capable)."""
+    from engine.model import model_from_config
+    from tests.engine.conftest import tiny_llama_config
+    from tieredkv import CacheConfig, Engine
+    tok = default_model.tokenizer
+    loaded = model_from_config(tiny_llama_config(vocab_size=len(tok)), tokenizer=tok, seed=0)
+    eng = Engine(loaded, CacheConfig(block_size=4, device_memory="4MiB", host_memory="1MiB",
+                                     disk_dir=str(tmp_path_factory.mktemp("kv") / "kv")))
+    yield eng
+    eng.close()
+
+
+def test_stop_strings_truncate_text_and_are_never_streamed(text_engine):
+    p = "Once upon a time there was"
+    full = text_engine.generate(p, SamplingParams(max_tokens=20, ignore_eos=True))
+    assert len(full.text) > 6
+    stop = full.text[3:6]
+    out = text_engine.generate(p, SamplingParams(max_tokens=20, stop=[stop], ignore_eos=True))
+    assert out.finish_reason == "stop"
+    assert out.text == full.text[:full.text.index(stop)]
+    chunks = list(text_engine.stream(p, SamplingParams(max_tokens=20, stop=[stop], ignore_eos=True)))
+    assert "".join(c.text for c in chunks) == out.text
+    assert chunks[-1].finish_reason == "stop"
+
+
+def test_streamed_text_concatenates_to_the_full_text(text_engine):
+    p = "The weather today is"
+    full = text_engine.generate(p, SamplingParams(max_tokens=16, ignore_eos=True))
+    chunks = list(text_engine.stream(p, SamplingParams(max_tokens=16, ignore_eos=True)))
+    assert "".join(c.text for c in chunks) == full.text
+    assert sum((c.token_ids for c in chunks), []) == full.token_ids
+
+
+def test_chat_template_and_bad_messages(text_engine):
+    out = text_engine.chat([{"role": "user", "content": "hello"}], SamplingParams(max_tokens=3))
+    assert out.usage.prompt_tokens == len(text_engine.apply_chat_template([{"role": "user", "content": "hello"}]))
+    with pytest.raises(ValueError, match="messages"):
+        text_engine.chat([{"role": "user"}])
+    with pytest.raises(ValueError, match="messages"):
+        text_engine.chat([])
