@@ -29,6 +29,7 @@ grouping them gives zstd long runs to work with (the trick of Blosc/HDF5's shuff
 from __future__ import annotations
 
 import struct
+import sys
 import threading
 import zlib
 from dataclasses import dataclass
@@ -38,6 +39,10 @@ import torch
 import zstandard
 
 from storage.layout import dtype_from_name, dtype_name
+
+# Byte planes and header integers are defined little-endian; the shuffle works on the
+# machine's integer views, so it must be one (x86-64 and arm64 are).
+assert sys.byteorder == "little", "storage.codec assumes a little-endian machine"
 
 MAGIC = b"TKVB"
 FORMAT_VERSION = 1
@@ -123,7 +128,7 @@ class Codec:
         itemsize = block.element_size()
         shuffled = self.shuffle and itemsize > 1 and raw.size > 0
         if shuffled:
-            raw = np.ascontiguousarray(raw.reshape(-1, itemsize).T)
+            raw = _shuffle(raw, itemsize)
         frame = _compressor(self.level).compress(raw)
         header = (_FIXED.pack(MAGIC, FORMAT_VERSION, _FLAG_SHUFFLE if shuffled else 0, _DTYPE_CODES[name],
                               self.level, block.dim())
@@ -171,11 +176,40 @@ class Codec:
         src = np.frombuffer(data, dtype=np.uint8)
         dst = _bytes_view(out)
         if header.shuffled:
-            itemsize = dtype.itemsize
-            np.copyto(dst.reshape(-1, itemsize), src.reshape(itemsize, -1).T)
+            _unshuffle(src, dst, dtype.itemsize)
         else:
             np.copyto(dst, src)
         return out.view(header.shape)
+
+
+_UINTS = {2: np.uint16, 4: np.uint32}
+
+
+def _shuffle(raw: np.ndarray, itemsize: int) -> np.ndarray:
+    """Byte planes: plane b holds byte b (little-endian significance) of every element.
+
+    Done with integer shifts on whole planes rather than a strided transpose: numpy copies
+    with an inner stride of 2 or 4 bytes run at ~0.5 GB/s, contiguous shifts at several GB/s.
+    """
+    x = raw.view(_UINTS[itemsize])
+    n = x.size
+    planes = np.empty(raw.size, dtype=np.uint8)
+    for b in range(itemsize):
+        np.copyto(planes[b * n:(b + 1) * n], x >> (8 * b) if b else x, casting="unsafe")   # keeps the low byte
+    return planes
+
+
+def _unshuffle(planes: np.ndarray, dst: np.ndarray, itemsize: int) -> None:
+    """Inverse of _shuffle, written into `dst` (uint8, same size)."""
+    ut = _UINTS[itemsize]
+    x = dst.view(ut)
+    n = x.size
+    np.copyto(x, planes[:n], casting="unsafe")
+    if itemsize > 1:
+        tmp = np.empty(n, dtype=ut)
+        for b in range(1, itemsize):
+            np.left_shift(planes[b * n:(b + 1) * n], 8 * b, out=tmp, dtype=ut)
+            np.bitwise_or(x, tmp, out=x)
 
 
 def _parse_header(mv: memoryview) -> CodecHeader:

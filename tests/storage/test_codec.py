@@ -1,0 +1,173 @@
+"""Codec: bit-identical round trips, and every kind of damage raises CodecError."""
+from __future__ import annotations
+
+import struct
+import threading
+import zlib
+
+import pytest
+import torch
+
+from storage.codec import MAGIC, Codec, CodecError
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+_INT = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
+SHAPES = [(2, 2, 16, 3, 8), (1,), (7, 5), (3, 2, 4, 1, 16), ()]
+
+
+def every_bit_pattern(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """Random bit patterns, so NaNs with payloads, infinities, -0.0 and subnormals all occur."""
+    g = torch.Generator().manual_seed(seed)
+    it = _INT[dtype]
+    info = torch.iinfo(it)
+    return torch.randint(info.min, info.max, shape, dtype=torch.int64, generator=g).to(it).view(dtype)
+
+
+def kv_like(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1)
+    return (torch.randn(shape, generator=g) * torch.linspace(0.1, 4, shape[-1])).to(dtype)
+
+
+def assert_same_bits(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert a.dtype == b.dtype and a.shape == b.shape
+    assert torch.equal(a.view(_INT[a.dtype]), b.view(_INT[b.dtype]))
+
+
+def with_crc(body: bytes) -> bytes:
+    """A payload whose trailing crc32 is made to match a tampered body."""
+    return body + struct.pack("<I", zlib.crc32(body))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shuffle", [True, False])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_round_trip_is_bit_identical(dtype: torch.dtype, shuffle: bool, shape: tuple[int, ...]) -> None:
+    codec = Codec(level=3, shuffle=shuffle)
+    for x in (every_bit_pattern(shape, dtype), kv_like(shape or (1,), dtype).reshape(shape)):
+        payload = codec.encode(x)
+        assert_same_bits(codec.decode(payload), x)
+        assert_same_bits(codec.decode(memoryview(payload)), x)
+
+
+def test_header_describes_the_block() -> None:
+    x = kv_like((2, 2, 16, 3, 8), torch.bfloat16)
+    h = Codec(level=5, shuffle=True).peek_header(Codec(level=5, shuffle=True).encode(x))
+    assert (h.version, h.dtype, h.shape, h.raw_size, h.shuffled, h.level) == (
+        1, "bfloat16", (2, 2, 16, 3, 8), 1536 * 2, True, 5)
+    h = Codec(shuffle=False).peek_header(Codec(shuffle=False).encode(x.float()))
+    assert (h.dtype, h.raw_size, h.shuffled, h.level) == ("float32", 1536 * 4, False, 3)
+
+
+def test_shuffle_is_decoded_from_the_header_not_the_codec() -> None:
+    x = kv_like((4, 16, 8), torch.float16)
+    assert_same_bits(Codec(shuffle=False).decode(Codec(shuffle=True).encode(x)), x)
+    assert_same_bits(Codec(shuffle=True).decode(Codec(shuffle=False).encode(x)), x)
+
+
+def test_kv_like_data_compresses() -> None:
+    x = kv_like((2, 2, 16, 3, 8), torch.bfloat16)
+    assert len(Codec().encode(x)) < x.numel() * 2
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_into_out(dtype: torch.dtype) -> None:
+    x = every_bit_pattern((2, 2, 16, 3, 8), dtype, seed=3)
+    out = torch.empty(x.numel(), dtype=dtype)   # flat buffer: the result takes the header's shape
+    got = Codec().decode(Codec().encode(x), out=out)
+    assert got.data_ptr() == out.data_ptr()
+    assert_same_bits(got, x)
+
+
+def test_out_that_does_not_fit_is_a_value_error() -> None:
+    payload = Codec().encode(kv_like((4, 8), torch.float16))
+    with pytest.raises(ValueError, match="out"):
+        Codec().decode(payload, out=torch.empty(32, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="out"):
+        Codec().decode(payload, out=torch.empty(31, dtype=torch.float16))
+    with pytest.raises(ValueError, match="out"):
+        Codec().decode(payload, out=torch.empty(64, dtype=torch.float16)[::2])
+
+
+def test_encode_rejects_what_it_cannot_store() -> None:
+    with pytest.raises(ValueError, match="unsupported KV dtype"):
+        Codec().encode(torch.zeros(4, dtype=torch.int32))
+    with pytest.raises(ValueError, match="contiguous"):
+        Codec().encode(torch.zeros(4, 4).t())
+    with pytest.raises(ValueError, match="level"):
+        Codec(level=23)
+
+
+@pytest.fixture(scope="module")
+def payload() -> bytes:
+    return Codec().encode(kv_like((2, 2, 16, 3, 8), torch.float16))
+
+
+@pytest.mark.parametrize("where", ["magic", "version", "dims", "raw_size", "frame_start", "frame_mid", "crc"])
+def test_flipped_byte_anywhere_raises(payload: bytes, where: str) -> None:
+    header_size = Codec().peek_header(payload).header_size
+    offset = {"magic": 0, "version": 4, "dims": 12, "raw_size": header_size - 3, "frame_start": header_size,
+              "frame_mid": (header_size + len(payload)) // 2, "crc": len(payload) - 1}[where]
+    damaged = bytearray(payload)
+    damaged[offset] ^= 0x10
+    with pytest.raises(CodecError):
+        Codec().decode(bytes(damaged))
+
+
+def test_damaged_frame_is_caught_by_zstd_even_with_a_matching_crc(payload: bytes) -> None:
+    header_size = Codec().peek_header(payload).header_size
+    body = bytearray(payload[:-4])
+    body[(header_size + len(body)) // 2] ^= 0x01
+    with pytest.raises(CodecError, match="zstd"):
+        Codec().decode(with_crc(bytes(body)))
+
+
+@pytest.mark.parametrize("keep", [0, 3, 8, 20, "header", "half", "minus1"])
+def test_truncated_payload_raises(payload: bytes, keep: int | str) -> None:
+    header_size = Codec().peek_header(payload).header_size
+    n = {"header": header_size, "half": len(payload) // 2, "minus1": len(payload) - 1}.get(keep, keep)
+    with pytest.raises(CodecError):
+        Codec().decode(payload[:n])
+
+
+def test_wrong_magic_raises(payload: bytes) -> None:
+    body = b"XKVB" + payload[4:-4]
+    with pytest.raises(CodecError, match="magic"):
+        Codec().decode(with_crc(body))
+    with pytest.raises(CodecError, match="magic"):
+        Codec().peek_header(body)
+
+
+def test_wrong_version_raises(payload: bytes) -> None:
+    body = payload[:4] + bytes([2]) + payload[5:-4]
+    assert body[:4] == MAGIC
+    with pytest.raises(CodecError, match="version"):
+        Codec().decode(with_crc(body))
+
+
+def test_header_size_lies_raise(payload: bytes) -> None:
+    # A header whose raw size disagrees with its shape, even with a valid crc.
+    header_size = Codec().peek_header(payload).header_size
+    body = bytearray(payload[:-4])
+    struct.pack_into("<Q", body, header_size - 8, 999)
+    with pytest.raises(CodecError, match="raw size"):
+        Codec().decode(with_crc(bytes(body)))
+    with pytest.raises(CodecError):
+        Codec().decode(b"")
+
+
+def test_parallel_decodes_in_threads_are_correct() -> None:
+    blocks = [every_bit_pattern((4, 2, 16, 2, 16), DTYPES[i % 3], seed=i) for i in range(24)]
+    payloads = [Codec(shuffle=i % 2 == 0).encode(b) for i, b in enumerate(blocks)]
+    results: dict[int, torch.Tensor] = {}
+
+    def work(k: int) -> None:
+        for i in range(k, len(blocks), 4):
+            results[i] = Codec().decode(payloads[i])
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i, b in enumerate(blocks):
+        assert_same_bits(results[i], b)
