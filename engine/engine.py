@@ -31,7 +31,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from storage.tiered_cache import TIERS, TieredKVCache
-from tieredkv.billing import Ledger
+from tieredkv.billing import Ledger, Prices, validate_tenant
 from tieredkv.config import CacheConfig
 from tieredkv.hashing import block_keys, namespace_digest
 
@@ -43,7 +43,7 @@ Prompt = str | Seq[int]
 class Engine:
     def __init__(self, loaded: LoadedModel, cache: CacheConfig | None = None, *, max_batch_tokens: int = 512,
                  max_seqs: int = 64, max_queue: int = 256, ledger_dir: str | None = None,
-                 num_pages: int | None = None) -> None:
+                 num_pages: int | None = None, prices: Prices | None = None) -> None:
         cache = cache or CacheConfig()
         self.loaded = loaded
         self.config = cache
@@ -61,7 +61,7 @@ class Engine:
         self.runner = ModelRunner(loaded.model, self.cache.pool.kv, self.block_size)
         if ledger_dir is None and cache.disk_path is not None:
             ledger_dir = os.path.join(os.path.dirname(cache.disk_path), "billing")
-        self.ledger = Ledger(ledger_dir) if ledger_dir is not None else None
+        self.ledger = Ledger(ledger_dir, prices or Prices()) if ledger_dir is not None else None
         self.vocab_size = loaded.model.config.vocab_size
         eos = loaded.model.config.eos_token_id
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -119,8 +119,7 @@ class Engine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError("params: expected a SamplingParams")
-        if not isinstance(tenant, str) or not tenant:
-            raise ValueError("tenant: expected a non-empty string")
+        validate_tenant(tenant)   # refused now, not when the finished request is billed
         ids = self.encode(prompt)
         seq = Sequence(request_id=f"cmpl-{uuid.uuid4().hex[:24]}", prompt_ids=ids, params=params, tenant=tenant,
                        namespace=self.namespace(tenant), block_size=self.block_size,

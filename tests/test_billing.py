@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tieredkv.billing import Ledger, Prices
+from tieredkv.billing import Ledger, Prices, validate_tenant
 
 REPO = Path(__file__).resolve().parents[1]
 D1 = datetime(2025, 3, 1, 23, 59, 59, tzinfo=timezone.utc)
@@ -119,6 +119,13 @@ def test_bad_records_are_rejected_and_change_nothing(tmp_path, kwargs, match):
         with pytest.raises(ValueError, match=match):
             led.record(**args)
         assert led.tenants() == [] and list(led.records()) == []
+
+
+def test_validate_tenant_applies_the_ledger_rules():
+    assert validate_tenant("acme") == "acme"
+    for bad in ("", "a\x00b", "é" * 201, None):
+        with pytest.raises(ValueError, match="^tenant:"):
+            validate_tenant(bad)
 
 
 def test_cost_is_exact_integer_arithmetic(tmp_path):

@@ -24,7 +24,7 @@ import os
 import threading
 import tomllib
 from dataclasses import asdict, dataclass, field, fields
-from datetime import date, datetime, timezone
+from datetime import datetime, timezone
 from typing import Any, Iterator
 
 import lmdb
@@ -170,6 +170,13 @@ def _check_name(value: Any, name: str) -> bytes:
     if len(raw) > _MAX_KEY_BYTES:
         raise ValueError(f"{name}: at most {_MAX_KEY_BYTES} bytes of UTF-8, got {len(raw)}")
     return raw
+
+
+def validate_tenant(tenant: Any) -> str:
+    """The ledger's rule for tenant names (non-empty, no NUL, at most 400 UTF-8 bytes), for
+    callers that must refuse a name before work is done for it, not when it is billed."""
+    _check_name(tenant, "tenant")
+    return tenant
 
 
 def _check_count(value: Any, name: str) -> int:
@@ -339,9 +346,3 @@ class Ledger:
     def __repr__(self) -> str:
         return f"Ledger({self.path!r}, readonly={self.readonly})"
 
-
-def day_of(when: datetime | date) -> str:
-    """The bucket name of a day ("YYYY-MM-DD", UTC) -- what `TenantBill.days` is keyed by."""
-    if isinstance(when, datetime):
-        return _utc_day(when)
-    return when.isoformat()

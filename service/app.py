@@ -1,0 +1,104 @@
+"""create_app(engine, settings): the FastAPI app -- routes wired, errors, metrics, lifespan.
+
+Knows: which routers make the app, the unauthenticated operational routes (/health for load
+balancers, /metrics for Prometheus), the per-request count by route and status, and the
+shutdown order: stop admitting (503), wait for in-flight requests (bounded by
+settings.shutdown_timeout_s), then engine.close() -- which flushes cached blocks to disk;
+the ledger is already committed, request by request.
+Doesn't know: how the server process is run (service.server) or how routes work inside.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.concurrency import run_in_threadpool
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from service import cache_routes, openai_routes
+from service.auth import ApiKeys
+from service.context import AppContext, ctx
+from service.dispatch import Dispatcher
+from service.errors import APIError, install_error_handlers
+from service.metrics import ServiceMetrics
+from service.settings import ServiceSettings
+
+log = logging.getLogger("tieredkv.service")
+
+
+def create_app(engine: Any, settings: ServiceSettings = ServiceSettings()) -> FastAPI:
+    keys = ApiKeys.from_file(settings.api_keys_file, settings.admin_tenants) if settings.api_keys_file else None
+    dispatcher = Dispatcher(settings.max_queue)
+    metrics = ServiceMetrics(engine.cache_status, lambda: dispatcher.in_flight)
+    context = AppContext(engine, settings, keys, dispatcher, metrics)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        await shutdown(context)
+
+    app = FastAPI(title="tieredkv", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.tieredkv = context
+    install_error_handlers(app)
+    app.include_router(openai_routes.router)
+    app.include_router(cache_routes.router)
+
+    @app.get("/health")
+    async def health(request: Request) -> Any:
+        c = ctx(request)
+        if c.dispatcher.draining or c.engine_closed:
+            raise APIError(503, "the server is shutting down", code="shutting_down")
+        return {"status": "ok", "model": c.model_name, "in_flight": c.dispatcher.in_flight}
+
+    @app.get("/metrics")
+    async def prometheus(request: Request) -> Response:
+        body = await run_in_threadpool(ctx(request).metrics.render)      # reads cache_status(): may block
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+    app.add_middleware(CountRequests, metrics=metrics)
+    return app
+
+
+async def shutdown(c: AppContext) -> None:
+    """Stop admitting, let in-flight requests finish (bounded), close the engine. Idempotent."""
+    c.dispatcher.start_draining()
+    if not await c.dispatcher.wait_idle(c.settings.shutdown_timeout_s):
+        log.warning("shutdown: %d requests still in flight after %.0fs; closing the engine anyway",
+                    c.dispatcher.in_flight, c.settings.shutdown_timeout_s)
+    if c.settings.close_engine_on_shutdown and not c.engine_closed:
+        c.engine_closed = True
+        await asyncio.to_thread(c.engine.close)
+        log.info("engine closed: cached blocks flushed")
+    c.dispatcher.shutdown()
+
+
+class CountRequests:
+    """Counts every HTTP response by route template and status (unmatched paths share one label,
+    so a scanner cannot blow up the label set)."""
+
+    def __init__(self, app: ASGIApp, metrics: ServiceMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+
+        async def send_wrapper(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            route = getattr(scope.get("route"), "path", None) or "unmatched"
+            self.metrics.requests.labels(route, str(status)).inc()
+

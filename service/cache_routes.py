@@ -1,0 +1,88 @@
+"""Cache routes: /v1/cache/status, /v1/cache/lookup, /v1/cache/billing, /v1/cache/flush.
+
+Knows: who may see what -- status is for any caller; lookup answers for the caller's own
+tenant (the engine salts hashes by tenant, so a tenant can never probe another's cache);
+billing shows the caller's tenant, and an admin any tenant (?tenant=X) or all of them;
+flush is admin-only. Blocking engine and ledger calls run in Starlette's threadpool.
+Doesn't know: generation, or how the engine computes a lookup.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from starlette.concurrency import run_in_threadpool
+
+from service.auth import check_tenant_name, require_admin
+from service.context import ctx
+from service.errors import APIError, bad_request, from_engine_error
+from service.schemas import FlushRequest, LookupRequest, parse_body
+
+router = APIRouter(prefix="/v1/cache")
+
+
+async def _engine_call(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    try:
+        return await run_in_threadpool(fn, *args, **kwargs)
+    except Exception as e:
+        raise from_engine_error(e) from None
+
+
+@router.get("/status")
+async def status(request: Request) -> Any:
+    c = ctx(request)
+    c.caller(request)
+    return await _engine_call(c.engine.cache_status)
+
+
+@router.post("/lookup")
+async def lookup(request: Request) -> Any:
+    """What a prompt would hit right now, per tier, for the caller's tenant. Promotes nothing, bills nothing."""
+    c = ctx(request)
+    c.authenticate(request)
+    req = await parse_body(request, LookupRequest)
+    caller = c.caller(request, req.user)
+    engine = c.engine
+    if req.messages is not None:
+        messages = [m.to_dict() for m in req.messages]
+        result = await _engine_call(lambda: engine.lookup(engine.apply_chat_template(messages), tenant=caller.tenant))
+    else:
+        result = await _engine_call(engine.lookup, req.prompt, tenant=caller.tenant)
+    hit = sum(result.hit_tokens_by_tier.values())
+    return {"tenant": caller.tenant, "prompt_tokens": result.prompt_tokens, "hit_tokens": hit,
+            "miss_tokens": result.prompt_tokens - hit,
+            "hit_tokens_by_tier": {t: result.hit_tokens_by_tier.get(t, 0) for t in ("device", "host", "disk")}}
+
+
+@router.get("/billing")
+async def billing(request: Request, tenant: str | None = None) -> Any:
+    c = ctx(request)
+    caller = c.caller(request)
+    ledger = getattr(c.engine, "ledger", None)
+    if ledger is None:
+        raise APIError(404, "billing is not enabled on this server (the engine has no ledger)", code="billing_disabled")
+    if tenant is not None:
+        try:
+            check_tenant_name(tenant, "tenant")
+        except ValueError as e:
+            raise bad_request(str(e), param="tenant") from None
+    if tenant is not None and tenant != caller.tenant:
+        require_admin(caller)
+    if tenant is None and caller.admin:
+        return await run_in_threadpool(ledger.summary)
+    bill = await run_in_threadpool(ledger.tenant, tenant or caller.tenant)
+    return bill.to_dict()
+
+
+@router.post("/flush")
+async def flush(request: Request) -> Any:
+    """Admin: {"tier": null} pushes every cached block down to disk; {"tier": "device"|"host"|"disk"}
+    drops that tier's cached blocks (pages in use are kept)."""
+    c = ctx(request)
+    require_admin(c.caller(request))
+    req = await parse_body(request, FlushRequest, empty_ok=True)
+    if req.tier is None:
+        await _engine_call(c.engine.flush)
+    else:
+        await _engine_call(c.engine.drop_tier, req.tier)
+    return {"flushed": req.tier or "all", "cache": await _engine_call(c.engine.cache_status)}

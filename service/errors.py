@@ -1,0 +1,125 @@
+"""Errors as OpenAI writes them: `{"error": {"message", "type", "param", "code"}}`, for every failure.
+
+Knows: which HTTP status and error type each failure gets, and the exception handlers that
+turn anything raised in a route -- ours, FastAPI's, Starlette's, or a bug -- into that body.
+Validation errors are 400 (as OpenAI's are), never FastAPI's default 422.
+Doesn't know: routes or the engine beyond its two error classes.
+"""
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine.errors import EngineClosedError, QueueFullError
+
+log = logging.getLogger("tieredkv.service")
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+          429: "rate_limit_error", 500: "server_error", 503: "service_unavailable", 504: "timeout"}
+
+
+class APIError(Exception):
+    """A failure the client is told about: HTTP status plus OpenAI's error fields."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or _TYPES.get(status, "invalid_request_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def from_engine_error(exc: BaseException) -> APIError:
+    """What the client hears about an exception raised by an engine call."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, QueueFullError):
+        return APIError(429, f"the server is busy: {exc}", code="queue_full")
+    if isinstance(exc, EngineClosedError):
+        return APIError(503, f"the engine is shutting down: {exc}", code="engine_closed")
+    if isinstance(exc, ValueError):
+        # NOTE: the engine raises ValueError for bad input only (empty or too long prompt,
+        # ids outside the vocabulary, bad sampling values); its message names the field.
+        return bad_request(str(exc), param=_field_of(str(exc)))
+    log.error("unexpected error in an engine call", exc_info=exc)
+    return APIError(500, "internal server error", code="internal_error")
+
+
+def _field_of(message: str) -> str | None:
+    """'max_tokens: expected ...' -> 'max_tokens' (the project's ValueErrors start with the field)."""
+    head, sep, _ = message.partition(":")
+    return head if sep and head.isidentifier() else None
+
+
+def param_of(loc: tuple) -> str:
+    """A pydantic error location -> OpenAI's param: ('messages', 0, 'content') -> 'messages[0].content'."""
+    out = ""
+    for part in loc:
+        if part == "body":
+            continue
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def validation_error(errors: list[dict]) -> APIError:
+    """The first pydantic error, as a 400 naming its field."""
+    if not errors:
+        return bad_request("invalid request")
+    e = errors[0]
+    if e.get("type") == "json_invalid":
+        return bad_request(f"malformed JSON body: {e.get('ctx', {}).get('error', e.get('msg'))}", code="invalid_json")
+    param = param_of(tuple(e.get("loc", ())))
+    msg = str(e.get("msg", "invalid value")).removeprefix("Value error, ")
+    if e.get("type") == "missing":
+        msg = "required field is missing"
+    elif e.get("type") == "extra_forbidden":
+        msg = "unrecognized field"
+    return bad_request(f"{param or 'request body'}: {msg}", param=param or None)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(list(exc.errors())).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            err = APIError(404, f"unknown route: {request.method} {request.url.path}", code="unknown_url")
+        elif exc.status_code == 405:
+            err = APIError(405, f"method {request.method} not allowed on {request.url.path}", code="method_not_allowed")
+        else:
+            err = APIError(exc.status_code, str(exc.detail))
+        return err.response()
+
+    @app.exception_handler(QueueFullError)
+    @app.exception_handler(EngineClosedError)
+    async def _engine(request: Request, exc: Exception) -> JSONResponse:
+        return from_engine_error(exc).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        # Starlette logs the traceback as it re-raises; the server itself keeps serving.
+        return APIError(500, "internal server error", code="internal_error").response()

@@ -1,0 +1,106 @@
+"""Prometheus metrics for one app: request counts, latency histograms, and the cache's tiers.
+
+Knows: metric names and labels, and that the cache's numbers are read from
+`engine.cache_status()` at scrape time (a custom collector), so they are never stale and
+never double-counted. Every app has its own CollectorRegistry -- never the global one -- so
+two apps in one process (tests) do not collide.
+Doesn't know: HTTP routes or how a request was served beyond its usage and timings.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+log = logging.getLogger("tieredkv.service")
+
+TIERS = ("device", "host", "disk")
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+# (key in a tier's status, metric suffix, help, is a running total)
+_TIER_FIELDS = (
+    ("capacity_bytes", "capacity_bytes", "Bytes the tier may hold", False),
+    ("used_bytes", "used_bytes", "Bytes of cached blocks the tier holds", False),
+    ("blocks", "blocks", "Cached blocks the tier holds", False),
+    ("hit_tokens", "hit_tokens", "Prompt tokens served from the tier", True),
+    ("promotions", "promotions", "Blocks promoted from the tier into device pages", True),
+    ("demotions", "demotions", "Blocks demoted into the tier from the one above", True),
+    ("evictions", "evictions", "Blocks evicted from the tier", True),
+)
+
+
+class CacheCollector:
+    """Reads engine.cache_status() on every scrape and reports each tier's numbers."""
+
+    def __init__(self, cache_status: Callable[[], dict[str, Any]]) -> None:
+        self._cache_status = cache_status
+
+    def describe(self) -> Iterable[Metric]:
+        return []      # no scrape at registration time; names are fixed and cannot collide
+
+    def collect(self) -> Iterable[Metric]:
+        try:
+            status = self._cache_status()
+        except Exception:      # a closed engine or a bug must not break the rest of /metrics
+            log.warning("cache_status() failed during a metrics scrape", exc_info=True)
+            return
+        tiers = status.get("tiers", {})
+        for key, suffix, help_text, running_total in _TIER_FIELDS:
+            name = f"tieredkv_cache_{suffix}"
+            fam = (CounterMetricFamily(name, help_text, labels=["tier"]) if running_total
+                   else GaugeMetricFamily(name, help_text, labels=["tier"]))
+            for tier in TIERS:
+                value = tiers.get(tier, {}).get(key)
+                if _is_number(value):
+                    fam.add_metric([tier], float(value))
+            yield fam
+        disk = tiers.get("disk", {})
+        for key, help_text in (("compression_ratio", "Raw bytes / compressed bytes of the disk tier"),
+                               ("pending_writes", "Blocks waiting in the disk writer's queue")):
+            if _is_number(disk.get(key)):
+                fam = GaugeMetricFamily(f"tieredkv_disk_{key}", help_text)
+                fam.add_metric([], float(disk[key]))
+                yield fam
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+class ServiceMetrics:
+    def __init__(self, cache_status: Callable[[], dict[str, Any]], in_flight: Callable[[], int]) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        r = self.registry
+        self.requests = Counter("tieredkv_http_requests", "HTTP requests by route and status",
+                                ["route", "status"], registry=r)
+        self.ttft = Histogram("tieredkv_ttft_seconds", "Submit to first token, per generation request",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.restore = Histogram("tieredkv_restore_seconds",
+                                 "Time promoting host/disk blocks into device pages, per request that restored any",
+                                 buckets=_LATENCY_BUCKETS, registry=r)
+        self.latency = Histogram("tieredkv_request_seconds", "Submit to finish, per generation request",
+                                 buckets=_LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("tieredkv_prompt_tokens", "Prompt tokens by origin (a cache tier, or miss)",
+                                     ["origin"], registry=r)
+        self.completion_tokens = Counter("tieredkv_completion_tokens", "Generated tokens", registry=r)
+        Gauge("tieredkv_requests_in_flight", "Generation requests admitted and not finished",
+              registry=r).set_function(in_flight)
+        r.register(CacheCollector(cache_status))
+
+    def observe_request(self, usage: Any, metrics: Any) -> None:
+        """One finished generation: its usage (engine.outputs.Usage) and timings (RequestMetrics)."""
+        if usage is not None:
+            for tier, n in usage.hit_tokens_by_tier.items():
+                self.prompt_tokens.labels(tier).inc(n)
+            self.prompt_tokens.labels("miss").inc(usage.prompt_cache_miss_tokens)
+            self.completion_tokens.inc(usage.completion_tokens)
+        if metrics is not None:
+            self.ttft.observe(metrics.ttft_s)
+            self.latency.observe(metrics.total_s)
+            restored = usage is not None and (usage.hit_tokens_by_tier.get("host", 0) or usage.hit_tokens_by_tier.get("disk", 0))
+            if restored:
+                self.restore.observe(metrics.restore_s)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

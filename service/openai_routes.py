@@ -1,0 +1,128 @@
+"""OpenAI-compatible routes: /v1/completions, /v1/chat/completions, /v1/models.
+
+Knows: the order every generation request goes through -- authenticate (401), parse the
+body (400), resolve the tenant, check the model (404), build SamplingParams (400), admit
+(429/503), run the engine call off the event loop -- and how engine output becomes a JSON
+response or an SSE stream. A stream's first chunk is awaited before the response starts, so
+errors the engine raises up front (bad prompt, queue full, closed) get their real HTTP status;
+an error after that is sent as a last `data: {"error": ...}` event.
+The engine bills a request before it returns its last output, so a response (or a stream's
+final chunk) is only sent after the request is durable in the ledger.
+Doesn't know: the cache routes, auth's keys file, or metric names.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from service.context import AppContext, ctx
+from service.errors import APIError, from_engine_error
+from service.responses import SSE_DONE, ChunkWriter, chat_body, completion_body, sse
+from service.schemas import ChatRequest, CompletionRequest, parse_body
+
+router = APIRouter()
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16        # OpenAI's default for /v1/completions
+
+
+@router.post("/v1/completions")
+async def completions(request: Request) -> Any:
+    c = ctx(request)
+    c.authenticate(request)
+    req = await parse_body(request, CompletionRequest)
+    caller = c.caller(request, req.user)
+    c.check_model(req.model)
+    params = _params(req, req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS)
+    engine, tenant, prompt = c.engine, caller.tenant, req.prompt
+    if req.stream:
+        return await _stream(c, lambda: engine.stream(prompt, params, tenant=tenant), chat=False,
+                             include_usage=req.include_usage)
+    out = await c.dispatcher.call(engine.generate, prompt, params, tenant=tenant, timeout=c.settings.request_timeout_s)
+    c.metrics.observe_request(out.usage, out.metrics)
+    return JSONResponse(completion_body(out, c.model_name, int(time.time())), headers={"x-request-id": out.request_id})
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Any:
+    c = ctx(request)
+    c.authenticate(request)
+    req = await parse_body(request, ChatRequest)
+    caller = c.caller(request, req.user)
+    c.check_model(req.model)
+    params = _params(req, req.requested_max_tokens, c.settings.default_chat_max_tokens)
+    engine, tenant = c.engine, caller.tenant
+    messages = [m.to_dict() for m in req.messages]
+    # Streaming and non-streaming chat both run the template and then generate/stream, so the
+    # two see the same prompt ids and give the same greedy text.
+    if req.stream:
+        return await _stream(c, lambda: engine.stream(engine.apply_chat_template(messages), params, tenant=tenant),
+                             chat=True, include_usage=req.include_usage)
+    out = await c.dispatcher.call(lambda: engine.generate(engine.apply_chat_template(messages), params, tenant=tenant),
+                                  timeout=c.settings.request_timeout_s)
+    c.metrics.observe_request(out.usage, out.metrics)
+    return JSONResponse(chat_body(out, c.model_name, int(time.time())), headers={"x-request-id": out.request_id})
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> Any:
+    c = ctx(request)
+    c.authenticate(request)
+    return {"object": "list", "data": [_model_card(c)]}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def get_model(model_id: str, request: Request) -> Any:
+    c = ctx(request)
+    c.authenticate(request)
+    c.check_model(model_id)
+    return _model_card(c)
+
+
+def _model_card(c: AppContext) -> dict[str, Any]:
+    return {"id": c.model_name, "object": "model", "created": c.started, "owned_by": "tieredkv",
+            "max_model_len": c.engine.max_context}
+
+
+def _params(req: Any, max_tokens: int | None, default_max_tokens: int) -> Any:
+    try:
+        return req.sampling_params(max_tokens, default_max_tokens)
+    except ValueError as e:
+        raise from_engine_error(e) from None
+
+
+async def _stream(c: AppContext, make_iter: Any, chat: bool, include_usage: bool) -> StreamingResponse:
+    events = await c.dispatcher.stream(make_iter, timeout=c.settings.request_timeout_s)
+    first = await anext(events, None)       # errors before the first chunk raise here: real statuses
+    if first is None:
+        raise APIError(500, "the engine's stream ended without output", code="internal_error")
+    writer = ChunkWriter(first.request_id, c.model_name, int(time.time()), chat=chat, include_usage=include_usage)
+
+    async def body() -> AsyncIterator[bytes]:
+        if chat:
+            yield writer.role()
+        chunk = first
+        try:
+            while chunk is not None:
+                if chunk.finish_reason is not None:
+                    if chat and chunk.text:
+                        yield writer.text(chunk.text)
+                        yield writer.text("", chunk.finish_reason)
+                    else:
+                        yield writer.text(chunk.text, chunk.finish_reason)
+                    c.metrics.observe_request(chunk.usage, chunk.metrics)
+                    if include_usage and chunk.usage is not None:
+                        yield writer.usage(chunk.usage)
+                    break
+                if chunk.text:
+                    yield writer.text(chunk.text)
+                chunk = await anext(events, None)
+        except APIError as e:
+            yield sse(e.body())
+            return
+        yield SSE_DONE
+
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                                      "x-request-id": first.request_id})

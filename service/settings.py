@@ -1,0 +1,70 @@
+"""ServiceSettings: how the HTTP service admits, authenticates and shuts down; validated on construction.
+
+Knows: the service's own knobs. Doesn't know: the engine's or the cache's (CacheConfig, the
+engine's max_queue) -- those are set where the engine is built.
+"""
+from __future__ import annotations
+
+import ipaddress
+import math
+import os
+from dataclasses import dataclass
+
+def _positive(value: object, name: str, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name}: expected a positive number of seconds{' or None' if allow_none else ''}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ServiceSettings:
+    # JSON file {"sk-...": {"tenant": "acme", "role": "admin" | "user"}}; None: no auth, every
+    # caller is an admin and names its tenant in `user` (the server then binds loopback only).
+    api_keys_file: str | None = None
+    # Tenants whose keys are admins whatever their role says.
+    admin_tenants: tuple[str, ...] = ()
+    # Generation requests admitted at once (running or waiting in the engine); more get 429.
+    # Each admitted request holds one worker thread, so this also sizes the service's pool.
+    max_queue: int = 256
+    # Seconds a non-streaming request may take, or a stream may wait for its next chunk; the
+    # client then gets 504 (the engine still finishes the request, and bills it). None: no limit.
+    request_timeout_s: float | None = 600.0
+    # On SIGTERM/SIGINT: seconds to wait for in-flight requests before closing the engine.
+    shutdown_timeout_s: float = 30.0
+    # max_tokens when a chat request gives none (completions default to 16, as OpenAI's do).
+    default_chat_max_tokens: int = 256
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # Close the engine (flushing cached blocks to disk) when the app shuts down.
+    close_engine_on_shutdown: bool = True
+
+    def __post_init__(self) -> None:
+        if self.api_keys_file is not None and not isinstance(self.api_keys_file, (str, os.PathLike)):
+            raise ValueError(f"api_keys_file: expected a path or None, got {self.api_keys_file!r}")
+        if isinstance(self.admin_tenants, str) or not all(isinstance(t, str) and t for t in self.admin_tenants):
+            raise ValueError(f"admin_tenants: expected a sequence of tenant names, got {self.admin_tenants!r}")
+        object.__setattr__(self, "admin_tenants", tuple(self.admin_tenants))
+        if isinstance(self.max_queue, bool) or not isinstance(self.max_queue, int) or self.max_queue < 1:
+            raise ValueError(f"max_queue: expected an int >= 1, got {self.max_queue!r}")
+        _positive(self.request_timeout_s, "request_timeout_s", allow_none=True)
+        _positive(self.shutdown_timeout_s, "shutdown_timeout_s")
+        if isinstance(self.default_chat_max_tokens, bool) or not isinstance(self.default_chat_max_tokens, int) \
+                or self.default_chat_max_tokens < 1:
+            raise ValueError(f"default_chat_max_tokens: expected an int >= 1, got {self.default_chat_max_tokens!r}")
+        if not isinstance(self.host, str) or not self.host:
+            raise ValueError(f"host: expected a host name or address, got {self.host!r}")
+        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise ValueError(f"port: expected an int in [0, 65535], got {self.port!r}")
+        if not isinstance(self.close_engine_on_shutdown, bool):
+            raise ValueError(f"close_engine_on_shutdown: expected True or False, got {self.close_engine_on_shutdown!r}")
+
+
+def is_loopback(host: str) -> bool:
+    """True for addresses only this machine can reach (127.0.0.0/8, ::1, localhost)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False      # any other name may resolve to a public address

@@ -1,0 +1,143 @@
+"""Cache routes on a real server: status, lookup, billing (exact sums), flush/drop, /metrics."""
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.service.conftest import check_usage
+from tests.service.tiny_engine import BLOCK_SIZE
+from tieredkv.billing import Prices
+
+TEXT = "Tiered caches keep hot blocks on the device, warm ones in host memory and cold ones on disk"
+
+
+def complete(client, engine, prompt, user, max_tokens=4):
+    r = client.post("/v1/completions", json={"model": engine.model_name, "prompt": prompt, "max_tokens": max_tokens,
+                                             "temperature": 0, "user": user})
+    assert r.status_code == 200, r.text
+    check_usage(r.json()["usage"])
+    return r.json()["usage"]
+
+
+def full_blocks(n: int) -> int:
+    return (n - 1) // BLOCK_SIZE * BLOCK_SIZE
+
+
+def test_status_has_every_tier(client, engine):
+    s = client.get("/v1/cache/status").json()
+    assert s["model"] == engine.model_name and s["block_size"] == BLOCK_SIZE
+    for tier in ("device", "host", "disk"):
+        for key in ("capacity_bytes", "used_bytes", "blocks", "hit_tokens", "promotions", "demotions", "evictions"):
+            assert isinstance(s["tiers"][tier][key], int), (tier, key)
+    assert s["tiers"]["device"]["capacity_bytes"] == 1 << 20
+    assert {"compression_ratio", "pending_writes"} <= set(s["tiers"]["disk"])
+
+
+def test_lookup_reports_hits_without_promoting_or_billing(client, engine, tokenizer):
+    ids = tokenizer(TEXT + " (lookup)")["input_ids"]
+    n = len(ids)
+    before = client.post("/v1/cache/lookup", json={"prompt": ids, "user": "look"}).json()
+    assert before == {"tenant": "look", "prompt_tokens": n, "hit_tokens": 0, "miss_tokens": n,
+                      "hit_tokens_by_tier": {"device": 0, "host": 0, "disk": 0}}
+    complete(client, engine, ids, "look")
+    status = client.get("/v1/cache/status").json()
+    after = client.post("/v1/cache/lookup", json={"prompt": TEXT + " (lookup)", "user": "look"}).json()
+    assert after["hit_tokens_by_tier"] == {"device": full_blocks(n), "host": 0, "disk": 0}
+    assert after["miss_tokens"] == n - full_blocks(n)
+    # Nothing was served, promoted or billed by the lookups.
+    assert client.get("/v1/cache/status").json()["tiers"] == status["tiers"]
+    assert client.get("/v1/cache/billing", params={"tenant": "look"}).json()["requests"] == 1
+    # Another tenant's lookup never sees this tenant's blocks.
+    assert client.post("/v1/cache/lookup", json={"prompt": ids, "user": "look-2"}).json()["hit_tokens"] == 0
+
+
+def test_lookup_of_chat_messages(client, engine):
+    messages = [{"role": "user", "content": "What is a KV cache?"}]
+    ids = engine.apply_chat_template(messages)
+    r = client.post("/v1/chat/completions", json={"model": engine.model_name, "messages": messages, "max_tokens": 2,
+                                                  "temperature": 0, "user": "look-chat"})
+    assert r.status_code == 200
+    got = client.post("/v1/cache/lookup", json={"messages": messages, "user": "look-chat"}).json()
+    assert got["prompt_tokens"] == len(ids) and got["hit_tokens_by_tier"]["device"] == full_blocks(len(ids))
+
+
+def test_billing_counts_exactly(client, engine, tokenizer):
+    prompts = [TEXT + " (bill one)", TEXT + " (bill one)", "A different, shorter prompt"]
+    usages = [complete(client, engine, p, "bill-a", max_tokens=k) for p, k in zip(prompts, (3, 5, 2))]
+    complete(client, engine, "someone else", "bill-b")
+    bill = client.get("/v1/cache/billing", params={"tenant": "bill-a"}).json()
+    assert bill["tenant"] == "bill-a" and bill["requests"] == 3
+    for key in ("prompt_tokens", "completion_tokens"):
+        assert bill[key] == sum(u[key] for u in usages)
+    assert bill["miss_tokens"] == sum(u["prompt_cache_miss_tokens"] for u in usages)
+    for tier in ("device", "host", "disk"):
+        assert bill["hit_tokens_by_tier"][tier] == sum(u["prompt_cache_hit_tokens_by_tier"][tier] for u in usages)
+    assert bill["hit_tokens_by_tier"]["device"] == full_blocks(usages[1]["prompt_tokens"])
+    p = Prices()
+    assert bill["cost_pico"] == (bill["miss_tokens"] * p.miss + bill["completion_tokens"] * p.completion
+                                 + bill["hit_tokens_by_tier"]["device"] * p.device_hit)
+    today = datetime.now(timezone.utc).date().isoformat()
+    assert bill["days"][today]["requests"] == 3 and bill["days"][today]["cost_pico"] == bill["cost_pico"]
+    # Without ?tenant an admin (every caller, on a keyless server) gets every tenant.
+    everyone = client.get("/v1/cache/billing").json()
+    assert everyone["tenants"]["bill-a"] == bill and everyone["tenants"]["bill-b"]["requests"] == 1
+    assert everyone["total"]["requests"] == sum(t["requests"] for t in everyone["tenants"].values())
+
+
+def test_flush_then_drop_serves_disk_hits_then_device_hits(client, engine, tokenizer):
+    ids = tokenizer(TEXT + " (flush)")["input_ids"]
+    hit = full_blocks(len(ids))
+    complete(client, engine, ids, "flush")
+    r = client.post("/v1/cache/flush", json={"tier": None})
+    assert r.status_code == 200 and r.json()["flushed"] == "all"
+    assert r.json()["cache"]["tiers"]["disk"]["pending_writes"] == 0
+    for tier in ("device", "host"):
+        r = client.post("/v1/cache/flush", json={"tier": tier})
+        assert r.json()["flushed"] == tier and r.json()["cache"]["tiers"][tier]["blocks"] == 0
+    assert client.post("/v1/cache/lookup", json={"prompt": ids, "user": "flush"}).json()["hit_tokens_by_tier"] == \
+        {"device": 0, "host": 0, "disk": hit}
+    assert complete(client, engine, ids, "flush")["prompt_cache_hit_tokens_by_tier"] == {"device": 0, "host": 0, "disk": hit}
+    assert complete(client, engine, ids, "flush")["prompt_cache_hit_tokens_by_tier"] == {"device": hit, "host": 0, "disk": 0}
+    # An empty body flushes too; dropping the disk tier empties it.
+    assert client.post("/v1/cache/flush").json()["flushed"] == "all"
+    assert client.post("/v1/cache/flush", json={"tier": "disk"}).json()["cache"]["tiers"]["disk"]["blocks"] == 0
+
+
+def scrape(client) -> dict[tuple, float]:
+    r = client.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(r.text) for s in fam.samples}
+
+
+def test_metrics(client, engine, tokenizer):
+    ids = tokenizer(TEXT + " (metrics)")["input_ids"]
+    complete(client, engine, ids, "metrics")
+    client.post("/v1/cache/flush", json={})
+    client.post("/v1/cache/flush", json={"tier": "device"})
+    client.post("/v1/cache/flush", json={"tier": "host"})
+    before = scrape(client)
+    usage = complete(client, engine, ids, "metrics")                   # disk hits: one restore
+    after = scrape(client)
+    status = client.get("/v1/cache/status").json()["tiers"]
+
+    def delta(name, **labels):
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0) - before.get(key, 0)
+
+    assert delta("tieredkv_ttft_seconds_count") == 1
+    assert delta("tieredkv_request_seconds_count") == 1
+    assert delta("tieredkv_restore_seconds_count") == 1
+    assert delta("tieredkv_prompt_tokens_total", origin="disk") == usage["prompt_cache_hit_tokens_by_tier"]["disk"] > 0
+    assert delta("tieredkv_prompt_tokens_total", origin="miss") == usage["prompt_cache_miss_tokens"]
+    assert delta("tieredkv_completion_tokens_total") == usage["completion_tokens"]
+    assert delta("tieredkv_http_requests_total", route="/v1/completions", status="200") == 1
+    assert delta("tieredkv_cache_promotions_total", tier="disk") == usage["prompt_cache_hit_tokens_by_tier"]["disk"] // BLOCK_SIZE
+    for tier in ("device", "host", "disk"):
+        assert after[("tieredkv_cache_blocks", (("tier", tier),))] == status[tier]["blocks"]
+        assert after[("tieredkv_cache_capacity_bytes", (("tier", tier),))] == status[tier]["capacity_bytes"]
+        assert after[("tieredkv_cache_hit_tokens_total", (("tier", tier),))] == status[tier]["hit_tokens"]
+    assert after[("tieredkv_requests_in_flight", ())] == 0
+    client.get("/no/such/route")
+    assert scrape(client)[("tieredkv_http_requests_total", (("route", "unmatched"), ("status", "404")))] >= 1

@@ -1,0 +1,168 @@
+"""Every failure gets OpenAI's error body and the right status; none stops the server."""
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from service.settings import ServiceSettings
+from tests.service.conftest import ServerThread
+from tests.service.tiny_engine import build_engine
+
+M = "<model>"      # replaced by the served model's name
+COMPL, CHAT = "/v1/completions", "/v1/chat/completions"
+OK_CHAT = [{"role": "user", "content": "hi"}]
+LONG = 300        # tokens: long enough to still be running when the test acts
+
+CASES = [
+    # (id, method, path, json body or raw bytes, status, param, code)
+    ("malformed-json", "POST", COMPL, b"{bad", 400, None, "invalid_json"),
+    ("not-an-object", "POST", COMPL, b"[1, 2]", 400, None, None),
+    ("no-model", "POST", COMPL, {"prompt": "x"}, 400, "model", None),
+    ("no-prompt", "POST", COMPL, {"model": M}, 400, "prompt", None),
+    ("prompt-int", "POST", COMPL, {"model": M, "prompt": 5}, 400, "prompt", None),
+    ("prompt-batch", "POST", COMPL, {"model": M, "prompt": ["a", "b"]}, 400, "prompt", None),
+    ("prompt-empty", "POST", COMPL, {"model": M, "prompt": ""}, 400, "prompt", None),
+    ("prompt-no-ids", "POST", COMPL, {"model": M, "prompt": []}, 400, "prompt", None),
+    ("out-of-vocab", "POST", COMPL, {"model": M, "prompt": [1, 10**9]}, 400, "prompt", None),
+    ("negative-id", "POST", COMPL, {"model": M, "prompt": [-1]}, 400, "prompt", None),
+    ("too-long", "POST", COMPL, {"model": M, "prompt": [1] * 1024}, 400, "prompt", None),
+    ("max-tokens-str", "POST", COMPL, {"model": M, "prompt": "x", "max_tokens": "5"}, 400, "max_tokens", None),
+    ("max-tokens-0", "POST", COMPL, {"model": M, "prompt": "x", "max_tokens": 0}, 400, "max_tokens", None),
+    ("temperature-neg", "POST", COMPL, {"model": M, "prompt": "x", "temperature": -1}, 400, "temperature", None),
+    ("top-p-0", "POST", COMPL, {"model": M, "prompt": "x", "top_p": 0}, 400, "top_p", None),
+    ("top-p-str", "POST", COMPL, {"model": M, "prompt": "x", "top_p": "high"}, 400, "top_p", None),
+    ("stop-ints", "POST", COMPL, {"model": M, "prompt": "x", "stop": [1]}, 400, "stop", None),
+    ("seed-str", "POST", COMPL, {"model": M, "prompt": "x", "seed": "x"}, 400, "seed", None),
+    ("n-2", "POST", COMPL, {"model": M, "prompt": "x", "n": 2}, 400, "n", None),
+    ("stream-str", "POST", COMPL, {"model": M, "prompt": "x", "stream": "yes"}, 400, "stream", None),
+    ("logprobs", "POST", COMPL, {"model": M, "prompt": "x", "logprobs": 5}, 400, "logprobs", None),
+    ("user-empty", "POST", COMPL, {"model": M, "prompt": "x", "user": ""}, 400, "user", None),
+    ("user-too-long", "POST", COMPL, {"model": M, "prompt": "x", "user": "é" * 65}, 400, "user", None),
+    ("user-control", "POST", COMPL, {"model": M, "prompt": "x", "user": "a\nb"}, 400, "user", None),
+    ("stream-bad-prompt", "POST", COMPL, {"model": M, "prompt": "", "stream": True}, 400, "prompt", None),
+    ("unknown-model", "POST", COMPL, {"model": "gpt-4", "prompt": "x"}, 404, "model", "model_not_found"),
+    ("chat-no-messages", "POST", CHAT, {"model": M}, 400, "messages", None),
+    ("chat-empty", "POST", CHAT, {"model": M, "messages": []}, 400, "messages", None),
+    ("chat-role", "POST", CHAT, {"model": M, "messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role", None),
+    ("chat-content", "POST", CHAT, {"model": M, "messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content", None),
+    ("chat-temperature", "POST", CHAT, {"model": M, "messages": OK_CHAT, "temperature": 1000}, 400, "temperature", None),
+    ("chat-stream-n", "POST", CHAT, {"model": M, "messages": OK_CHAT, "stream": True, "n": 3}, 400, "n", None),
+    ("lookup-nothing", "POST", "/v1/cache/lookup", {}, 400, "prompt", None),
+    ("lookup-bad-id", "POST", "/v1/cache/lookup", {"prompt": [10**9]}, 400, "prompt", None),
+    ("flush-tier", "POST", "/v1/cache/flush", {"tier": "gpu"}, 400, "tier", None),
+    ("billing-tenant", "GET", "/v1/cache/billing?tenant=", None, 400, "tenant", None),
+    ("unknown-route", "GET", "/v1/nothing", None, 404, None, "unknown_url"),
+    ("wrong-method", "GET", COMPL, None, 405, None, "method_not_allowed"),
+]
+
+
+def substitute(body, model):
+    if isinstance(body, dict):
+        return {k: (model if v == M else v) for k, v in body.items()}
+    return body
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_gets_an_openai_error(client, engine, case):
+    _, method, path, body, status, param, code = case
+    body = substitute(body, engine.model_name)
+    kw = {"content": body} if isinstance(body, bytes) else ({"json": body} if body is not None else {})
+    r = client.request(method, path, **kw)
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"].startswith("application/json")
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["type"] == {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error"}[status]
+    assert err["param"] == param and err["code"] == code
+    if param:
+        assert err["message"].startswith(param.split("[")[0])     # the message names the field
+
+
+def test_server_keeps_serving_after_errors(client, engine):
+    for case in CASES:
+        body = substitute(case[3], engine.model_name)
+        client.request(case[1], case[2], **({"content": body} if isinstance(body, bytes) else {"json": body}))
+    r = client.post(COMPL, json={"model": engine.model_name, "prompt": "still here", "max_tokens": 2})
+    assert r.status_code == 200
+    assert client.get("/health").json()["in_flight"] == 0
+
+
+def long_request(url, model, results, key, **extra):
+    with httpx.Client(base_url=url, timeout=120) as c:
+        results[key] = c.post(COMPL, json={"model": model, "prompt": "go", "max_tokens": LONG, "ignore_eos": True,
+                                           "temperature": 0, **extra})
+
+
+def wait_for(predicate, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.02)
+
+
+def test_service_queue_full_is_429(engine):
+    with ServerThread(engine, ServiceSettings(max_queue=1, close_engine_on_shutdown=False)) as s, s.client() as c:
+        results = {}
+        t = threading.Thread(target=long_request, args=(s.url, engine.model_name, results, "long"))
+        t.start()
+        wait_for(lambda: c.get("/health").json()["in_flight"] == 1)
+        r = c.post(COMPL, json={"model": engine.model_name, "prompt": "x", "max_tokens": 1})
+        assert r.status_code == 429 and r.json()["error"] == {
+            "message": "the server is busy: 1 requests in flight", "type": "rate_limit_error", "param": None,
+            "code": "queue_full"}
+        t.join(timeout=120)
+        assert results["long"].status_code == 200
+        assert c.post(COMPL, json={"model": engine.model_name, "prompt": "x", "max_tokens": 1}).status_code == 200
+
+
+def test_engine_queue_full_is_429(tmp_path, tokenizer):
+    eng = build_engine(tmp_path, tokenizer, max_queue=0)       # the engine admits nothing
+    with ServerThread(eng) as s, s.client() as c:
+        for body in ({"prompt": "x"}, {"prompt": "x", "stream": True}):
+            r = c.post(COMPL, json={"model": eng.model_name, "max_tokens": 1, **body})
+            assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
+
+
+def test_closed_engine_is_503(tmp_path, tokenizer):
+    eng = build_engine(tmp_path, tokenizer)
+    eng.close()
+    with ServerThread(eng) as s, s.client() as c:
+        r = c.post(COMPL, json={"model": eng.model_name, "prompt": "x"})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_closed"
+        r = c.post(CHAT, json={"model": eng.model_name, "messages": OK_CHAT, "stream": True})
+        assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
+
+
+def test_draining_server_is_503(engine):
+    with ServerThread(engine, ServiceSettings(close_engine_on_shutdown=False)) as s, s.client() as c:
+        s.app.state.tieredkv.dispatcher.start_draining()
+        r = c.post(COMPL, json={"model": engine.model_name, "prompt": "x"})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
+        assert c.get("/health").status_code == 503
+
+
+def test_timeout_is_504_and_the_request_still_finishes(engine):
+    with ServerThread(engine, ServiceSettings(request_timeout_s=0.05, close_engine_on_shutdown=False)) as s, \
+            s.client() as c:
+        results = {}
+        long_request(s.url, engine.model_name, results, "r", user="t-timeout")
+        r = results["r"]
+        assert r.status_code == 504 and r.json()["error"]["type"] == "timeout"
+        # The engine finished the request anyway, and billed it.
+        wait_for(lambda: c.get("/v1/cache/billing", params={"tenant": "t-timeout"}).json()["requests"] == 1)
+        assert c.get("/v1/cache/billing", params={"tenant": "t-timeout"}).json()["completion_tokens"] == LONG
+
+
+def test_client_disconnect_mid_stream_lets_the_request_finish(client, engine):
+    body = {"model": engine.model_name, "prompt": "go", "max_tokens": LONG, "ignore_eos": True, "stream": True,
+            "user": "t-gone"}
+    with client.stream("POST", COMPL, json=body) as r:
+        assert r.status_code == 200
+        next(r.iter_lines())          # one chunk, then hang up
+    wait_for(lambda: client.get("/v1/cache/billing", params={"tenant": "t-gone"}).json()["requests"] == 1)
+    assert client.get("/v1/cache/billing", params={"tenant": "t-gone"}).json()["completion_tokens"] == LONG
+    wait_for(lambda: client.get("/health").json()["in_flight"] == 0)
+    assert client.post(COMPL, json={"model": engine.model_name, "prompt": "next", "max_tokens": 2}).status_code == 200
