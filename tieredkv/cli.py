@@ -1,0 +1,310 @@
+"""The `tieredkv` command line: serve, demo, status, inspect, verify, billing.
+
+Knows: the commands and their options; the cache layout (the KV store in <cache>/kv, the
+ledger in <cache>/billing); which command reads a running server (httpx) and which reads the
+files (read-only where it can); how to draw the answers (rich tables, or one JSON object with
+--json). Errors and exit statuses: tieredkv/cli_common.py.
+Doesn't know: how the engine, tiers or service work inside. torch, the engine and the service
+are imported inside the commands that need them, so `tieredkv --help` stays fast.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+from rich import box
+from rich.markup import escape
+from rich.table import Table
+
+from tieredkv.cli_common import (CLIError, api_key_of, cache_root, err, existing_dir, friendly, get_json, micro, out,
+                                 print_json, server_url, spinner)
+from tieredkv.config import format_size, parse_size
+
+TIERS = ("device", "host", "disk")
+
+app = typer.Typer(help="tieredkv: a tiered KV-cache store for LLM inference (device -> host -> disk).\n\n"
+                  "Exit status: 0 ok, 1 failure (server unreachable, HTTP error, damage found), "
+                  "2 bad input (bad size, missing cache dir).",
+                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+                  rich_markup_mode="markdown")
+URL_HELP = "Server URL (default $TIEREDKV_URL or http://127.0.0.1:8000)."
+KEY_HELP = "API key, if the server has keys (default $TIEREDKV_API_KEY)."
+JSON_HELP = "Print one JSON object instead of tables."
+CACHE_HELP = "Cache root holding kv/ and billing/ (default $TIEREDKV_HOME or ~/.cache/tieredkv)."
+
+
+# ---- serve -------------------------------------------------------------------------------
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Bind now, before the model loads, so a taken port fails at once (serve() gets the socket)."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        raise CLIError(f"--host: cannot resolve {host!r} ({e})", code=2) from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        raise CLIError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
+@app.command()
+@friendly
+def serve(
+    model: Optional[str] = typer.Option(None, help="Model: a .gguf file, a transformers directory, or a hub id in the "
+                                        "local HF cache (default SmolLM2-135M-Instruct)."),
+    host: str = typer.Option("127.0.0.1", help="Address to bind; other than loopback needs --api-keys."),
+    port: int = typer.Option(8000, help="Port (0: any free port; the chosen one is printed)."),
+    cache_dir: Optional[str] = typer.Option(None, help=CACHE_HELP),
+    device_memory: str = typer.Option("1GiB", help="Device page pool size."),
+    host_memory: str = typer.Option("4GiB", help="Host tier size (0 disables it)."),
+    disk_capacity: str = typer.Option("50GiB", help="Disk tier capacity (compressed bytes)."),
+    api_keys: Optional[str] = typer.Option(None, help='JSON file {"sk-...": {"tenant": ..., "role": "admin"|"user"}}.'),
+    block_size: int = typer.Option(16, help="Tokens per cached block."),
+    prices: Optional[str] = typer.Option(None, help="Prices file (JSON or .toml), micro-dollars per 1M tokens."),
+    device: str = typer.Option("auto", help="auto, cpu, cuda, cuda:N."),
+    dtype: str = typer.Option("auto", help="auto, float32, bfloat16, float16."),
+    log_level: str = typer.Option("info", help="uvicorn log level."),
+) -> None:
+    """Run the OpenAI-compatible HTTP service on a model with the tiered KV cache."""
+    from tieredkv.billing import Prices
+    from tieredkv.config import CacheConfig
+    root = cache_root(cache_dir)
+    cache = CacheConfig(block_size=block_size, device_memory=device_memory, host_memory=host_memory,
+                        disk_dir=str(root / "kv"), disk_capacity=disk_capacity)
+    for name, path in (("--prices", prices), ("--api-keys", api_keys)):
+        if path and not os.path.isfile(path):
+            raise CLIError(f"{name}: no such file {path}", code=2)
+    price_table = Prices.from_file(prices) if prices else None
+    from service.auth import ApiKeys
+    from service.server import check_bind
+    from service.settings import ServiceSettings
+    settings = ServiceSettings(api_keys_file=api_keys, host=host, port=port)
+    check_bind(host, settings)
+    if api_keys:
+        ApiKeys.from_file(api_keys)            # a bad keys file fails now, not after the model loads
+    sock = bind_socket(host, port)
+    try:
+        with spinner(f"Loading {model or 'SmolLM2-135M-Instruct'} (the first run converts the default model "
+                     "once, ~30 s)"):
+            from engine import Engine
+            engine = Engine.from_pretrained(model, cache, device=device, dtype=dtype, ledger_dir=str(root / "billing"),
+                                            prices=price_table)
+        bound = sock.getsockname()
+        sock.listen(2048)
+        shown = f"[{bound[0]}]" if sock.family == socket.AF_INET6 else bound[0]
+        err.print(f"tieredkv: serving {engine.model_name} on http://{shown}:{bound[1]} (cache {root})", soft_wrap=True)
+    except BaseException:
+        sock.close()
+        raise
+    from service.server import serve as run_server
+    run_server(engine, settings, sock=sock, log_level=log_level)
+
+
+# ---- demo --------------------------------------------------------------------------------
+
+@app.command()
+@friendly
+def demo(
+    cache_dir: Optional[str] = typer.Option(None, help="Demo cache dir (default: demo/ in the cache root). It is "
+                                            "CLEARED at start so every run tells the same story; a dir holding "
+                                            "anything but the demo's kv/ and billing/ is refused."),
+    model: Optional[str] = typer.Option(None, help="Model (default SmolLM2-135M-Instruct)."),
+    max_tokens: int = typer.Option(16, help="Tokens generated per request."),
+    device: str = typer.Option("auto", help="auto, cpu, cuda, cuda:N."),
+    json_out: bool = typer.Option(False, "--json", help=JSON_HELP),
+) -> None:
+    """Play a scenario on a real model: shared document, chat, host tier, restart from disk.
+
+    Each phase prints a table: hit tokens by tier, misses, TTFT, speedup over recomputing
+    the same prompt on an uncached engine, and the ledger's cost. Clears its cache dir first.
+    """
+    from tieredkv.demo import Demo, phase_view, summary
+    root = Path(cache_dir).expanduser().absolute() if cache_dir else cache_root(None) / "demo"
+    shown: list[Any] = []
+
+    def show(phase: Any) -> None:
+        if not json_out:
+            out.print(phase_view(phase, legend=not shown))
+            shown.append(phase)
+    report = Demo(root, model=model, max_tokens=max_tokens, device=device, step=spinner, on_phase=show).run()
+    if json_out:
+        print_json(report)
+    else:
+        out.print(summary(report))
+
+
+# ---- status ------------------------------------------------------------------------------
+
+@app.command()
+@friendly
+def status(
+    url: Optional[str] = typer.Option(None, help=URL_HELP),
+    json_out: bool = typer.Option(False, "--json", help=JSON_HELP),
+    api_key: Optional[str] = typer.Option(None, help=KEY_HELP),
+) -> None:
+    """Per-tier cache status of a running server (GET /v1/cache/status)."""
+    url = server_url(url)
+    body = get_json(url, "/v1/cache/status", api_key_of(api_key))
+    if json_out:
+        return print_json(body)
+    tiers = body.get("tiers", {})
+    t = Table(title=f"{body.get('model', '?')} at {url} — block size {body.get('block_size', '?')}",
+              box=box.SIMPLE_HEAD, caption="Hit tok: prompt tokens served from the tier; Promoted: blocks copied "
+              "up to the device pool; Demoted: blocks written down into the tier; Evicted: blocks that left it")
+    for col in ("Tier", "Capacity", "Used", "Blocks", "Hit tok", "Promoted", "Demoted", "Evicted"):
+        t.add_column(col, justify="left" if col == "Tier" else "right", no_wrap=True)
+    for name in TIERS:
+        d = tiers.get(name, {})
+        if d.get("enabled") is False:
+            t.add_row(name, "off", "", "", "", "", "", "")
+            continue
+        t.add_row(name, format_size(d.get("capacity_bytes", 0)), format_size(d.get("used_bytes", 0)),
+                  *(f"{d.get(k, 0):,}" for k in ("blocks", "hit_tokens", "promotions", "demotions", "evictions")))
+    out.print(t)
+    disk = tiers.get("disk", {})
+    if disk.get("enabled", True) and "compression_ratio" in disk:
+        ratio = f"{disk['compression_ratio']:.2f}x" if disk.get("used_bytes") else "n/a (empty)"
+        out.print(f"disk: compression ratio {ratio}, pending writes "
+                  f"{disk.get('pending_writes', 0)}, corrupt blocks found {disk.get('corrupt', 0)}")
+    eng = body.get("engine")
+    if isinstance(eng, dict):
+        out.print(f"engine: {eng.get('running', 0)} running, {eng.get('waiting', 0)} waiting, "
+                  f"{eng.get('preemptions', 0)} preemptions")
+
+
+# ---- inspect / verify --------------------------------------------------------------------
+
+def open_disk_tier(root: Path, readonly: bool) -> Any:
+    kv = existing_dir(root / "kv", "disk tier (kv/)")
+    if not (kv / "data.mdb").is_file():
+        raise CLIError(f"cache dir: {kv} holds no disk tier (no data.mdb)", code=2)
+    from storage.disk_tier import DiskTier
+    # Capacity is enforced only by writers; inspect/verify never add blocks.
+    return DiskTier(str(kv), parse_size("50GiB"), readonly=readonly)
+
+
+@app.command()
+@friendly
+def inspect(
+    cache_dir: Optional[str] = typer.Option(None, help=CACHE_HELP),
+    tree: bool = typer.Option(False, "--tree", help="Show the cached prefixes as a tree with text previews."),
+    depth: int = typer.Option(6, help="Tree levels shown (a level is a branch point; chains are folded)."),
+    width: int = typer.Option(6, help="Branches shown per node (the most-hit first)."),
+    json_out: bool = typer.Option(False, "--json", help=JSON_HELP),
+) -> None:
+    """What the disk tier holds: blocks, bytes, namespaces. Read-only: safe while a server runs."""
+    from tieredkv.inspect_tree import forest_tree, overview, survey, tree_to_dict
+    if depth < 1 or width < 1:
+        raise CLIError("--depth and --width: expected ints >= 1", code=2)
+    root = cache_root(cache_dir)
+    tier = open_disk_tier(root, readonly=True)
+    try:
+        s = survey(tier, str(root / "billing"), decode=tree)
+    finally:
+        tier.close()
+    if json_out:
+        return print_json({**s.report, **({"tree": tree_to_dict(s, depth, width)} if tree else {})})
+    out.print(overview(s.report))
+    if tree:
+        out.print(forest_tree(s, depth, width))
+
+
+@app.command()
+@friendly
+def verify(
+    cache_dir: Optional[str] = typer.Option(None, help=CACHE_HELP),
+    repair: bool = typer.Option(False, "--repair", help="Delete damaged blocks (a later request recomputes them)."),
+    json_out: bool = typer.Option(False, "--json", help=JSON_HELP),
+) -> None:
+    """Check every disk block (checksum, full decode, hash chain, index).
+
+    Exit status: 0 clean, or every damaged block deleted by --repair; 1 damage found and
+    left in place (no --repair, or a delete failed); 2 no cache dir. Without --repair the
+    store is opened read-only, so it is safe while a server runs.
+    """
+    root = cache_root(cache_dir)
+    tier = open_disk_tier(root, readonly=not repair)
+    try:
+        report = tier.verify(repair=repair)
+    finally:
+        tier.close()
+    left = len(report.damaged) - report.repaired
+    if json_out:
+        print_json({"path": str(root / "kv"), "checked": report.checked, "damaged": len(report.damaged),
+                    "repaired": report.repaired, "blocks": [{"hash": d.hash.hex(), "reason": d.reason}
+                                                            for d in report.damaged]})
+    else:
+        out.print(f"checked {report.checked} blocks in {root / 'kv'}: {len(report.damaged)} damaged"
+                  + (f", {report.repaired} deleted" if repair else ""), soft_wrap=True)
+        for d in report.damaged[:50]:
+            out.print(f"  {d.hash.hex()[:16]}  {d.reason}", soft_wrap=True)
+        if len(report.damaged) > 50:
+            out.print(f"  … and {len(report.damaged) - 50} more")
+        if left and not repair:
+            out.print("run again with --repair to delete them")
+    if left:
+        raise typer.Exit(1)
+
+
+# ---- billing -----------------------------------------------------------------------------
+
+@app.command()
+@friendly
+def billing(
+    url: Optional[str] = typer.Option(None, help="Read a running server's ledger (GET /v1/cache/billing)."),
+    cache_dir: Optional[str] = typer.Option(None, help="Read the ledger file read-only: " + CACHE_HELP),
+    tenant: Optional[str] = typer.Option(None, help="Only this tenant."),
+    json_out: bool = typer.Option(False, "--json", help=JSON_HELP),
+    api_key: Optional[str] = typer.Option(None, help=KEY_HELP),
+) -> None:
+    """Per-tenant bills: requests, tokens by origin, cost. From a server (--url) or the ledger file."""
+    if url and cache_dir:
+        raise CLIError("give --url or --cache-dir, not both", code=2)
+    if url:
+        body = get_json(url, "/v1/cache/billing", api_key_of(api_key), {"tenant": tenant} if tenant else None)
+    else:
+        from tieredkv.billing import Ledger
+        root = cache_root(cache_dir)
+        path = root / "billing"
+        if not (path / "data.mdb").is_file():
+            raise CLIError(f"cache dir: no billing ledger at {path} (pass --cache-dir or --url)", code=2)
+        with Ledger(path, readonly=True) as ledger:
+            body = ledger.tenant(tenant).to_dict() if tenant else ledger.summary()
+    if json_out:
+        return print_json(body)
+    bills = [body] if "tenant" in body else list(body.get("tenants", {}).values())
+    t = Table(title="Billing" + (f" — tenant {tenant}" if tenant else ""), box=box.SIMPLE_HEAD,
+              caption="Device/Host/Disk: prompt tokens hit in that tier; Miss: computed; Output: completion "
+              "tokens; cost in micro-dollars")
+    for col in ("Tenant", "Requests", "Prompt", "Device", "Host", "Disk", "Miss", "Output", "Cost µ$"):
+        t.add_column(col, justify="left" if col == "Tenant" else "right", no_wrap=col != "Tenant")
+
+    def row(name: str, b: dict) -> list[str]:
+        hits = b.get("hit_tokens_by_tier", {})
+        return [name, f"{b['requests']:,}", f"{b['prompt_tokens']:,}", *(f"{hits.get(x, 0):,}" for x in TIERS),
+                f"{b['miss_tokens']:,}", f"{b['completion_tokens']:,}", micro(b["cost_pico"])]
+    for b in bills:
+        t.add_row(*row(escape(b["tenant"]), b))
+    if "total" in body and len(bills) > 1:
+        t.add_section()
+        t.add_row(*row("total", body["total"]))
+    out.print(t)
+    total = body.get("total", body)
+    n = total["requests"]
+    out.print(f"total ${total['cost_pico'] / 1e12:.6f} for {n:,} request{'s' if n != 1 else ''}")
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""What every `tieredkv` command shares: one-line errors with exit codes, where the cache lives,
+JSON output, money formatting, and the HTTP client for commands that read a running server.
+
+Knows: the exit statuses (1: something failed -- server unreachable, HTTP error, damage found;
+2: bad input -- a bad size, a missing cache dir, conflicting options), the default cache root
+(tieredkv.config.default_cache_root),
+and how each way an HTTP GET can fail is told to the user.
+Doesn't know: the commands themselves (tieredkv/cli.py).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+import typer
+
+from tieredkv.config import default_cache_root
+from rich.console import Console
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+
+out = Console(highlight=False)
+err = Console(stderr=True, highlight=False)
+
+
+class CLIError(Exception):
+    """A failure the user is told about in one line; `code` is the exit status."""
+
+    def __init__(self, message: str, code: int = 1) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def friendly(fn: Callable) -> Callable:
+    """Known failures become `error: ...` on stderr and an exit status, not a traceback."""
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except typer.Exit:          # a chosen exit status (a RuntimeError subclass: let it through first)
+            raise
+        except CLIError as e:
+            code, msg = e.code, str(e)
+        except (ValueError, FileNotFoundError, NotADirectoryError) as e:
+            code, msg = 2, str(e)
+        except (OSError, PermissionError, RuntimeError) as e:
+            code, msg = 1, f"{type(e).__name__}: {e}"
+        except KeyboardInterrupt:
+            code, msg = 130, "interrupted"
+        except Exception as e:      # a bug, or a library error we did not foresee: still one line
+            if os.environ.get("TIEREDKV_DEBUG"):
+                raise
+            code, msg = 1, f"{type(e).__name__}: {e} (set TIEREDKV_DEBUG=1 for the traceback)"
+        err.print(f"[bold red]error:[/] {msg}", markup=True, soft_wrap=True)
+        raise typer.Exit(code)
+    return wrapper
+
+
+# ---- shared helpers ----------------------------------------------------------------------
+
+def cache_root(cache_dir: Optional[str]) -> Path:
+    """--cache-dir, else tieredkv.config.default_cache_root()."""
+    if cache_dir:
+        return Path(cache_dir).expanduser().absolute()
+    return default_cache_root().absolute()
+
+
+def existing_dir(path: Path, what: str) -> Path:
+    if not path.is_dir():
+        raise CLIError(f"cache dir: no {what} at {path} (pass --cache-dir, or set TIEREDKV_HOME)", code=2)
+    return path
+
+
+def print_json(obj: Any) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
+
+
+def micro(pico: int) -> str:
+    """Pico-dollars as micro-dollars with three decimals (exact sums are kept in pico)."""
+    return f"{pico / 1e6:,.3f}"
+
+
+def get_json(url: str, path: str, api_key: Optional[str], params: Optional[dict] = None) -> Any:
+    """GET a server route; every way it can fail becomes a CLIError naming the URL."""
+    import httpx
+    if not url.startswith(("http://", "https://")):
+        raise CLIError(f"--url: expected an http:// or https:// URL, got {url!r}", code=2)
+    full = url.rstrip("/") + path
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        r = httpx.get(full, headers=headers, params=params, timeout=30)
+    except httpx.InvalidURL as e:
+        raise CLIError(f"--url: {url!r} is not a valid URL ({e})", code=2) from None
+    except httpx.HTTPError as e:
+        raise CLIError(f"cannot reach the tieredkv server at {url} ({type(e).__name__}: {e or 'no answer'}); "
+                       "is `tieredkv serve` running there?") from None
+    try:
+        body = r.json()
+    except ValueError:
+        body = None
+    if r.status_code != 200:
+        error = body.get("error") if isinstance(body, dict) else None      # OpenAI's error shape
+        detail = error.get("message") if isinstance(error, dict) else None
+        raise CLIError(f"{full}: HTTP {r.status_code}: {detail or r.text[:200] or r.reason_phrase}")
+    if body is None:
+        raise CLIError(f"{full}: the answer is not JSON; is this a tieredkv server?")
+    return body
+
+
+def server_url(url: Optional[str]) -> str:
+    return url or os.environ.get("TIEREDKV_URL") or DEFAULT_URL
+
+
+def api_key_of(key: Optional[str]) -> Optional[str]:
+    return key or os.environ.get("TIEREDKV_API_KEY") or None
+
+
+@contextlib.contextmanager
+def spinner(description: str) -> Iterator[None]:
+    """A spinner with elapsed time on stderr while the block runs; gone when it ends (and never
+    drawn when stderr is not a terminal). One live display per step, so tables printed between
+    steps go to stdout untouched."""
+    if not err.is_terminal:     # a log or a pipe gets nothing (rich would still write a newline)
+        yield
+        return
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err,
+                  transient=True) as progress:
+        progress.add_task(description, total=None)
+        yield

@@ -1,0 +1,283 @@
+"""What a disk tier holds, for `tieredkv inspect`: blocks per namespace and the prefix tree.
+
+Knows: how to survey an open DiskTier (`survey`: totals and blocks per namespace); how stored
+block metadata (storage.disk_tier.DiskBlockInfo: hash, parent, namespace, token ids, hits)
+becomes a forest -- one tree per namespace, rooted at the blocks whose parent is the
+namespace's root hash, with chains of single children folded into one node (a radix tree, so
+a 90-block document is one line); how to name a namespace when it belongs to the default
+model and a tenant the billing ledger knows (the disk tier stores no model names); how to
+preview a node's tokens as text.
+`overview` and `forest_tree` draw the result (rich renderables).
+Doesn't know: LMDB or payloads -- it reads only what DiskTier.iter_blocks yields.
+"""
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+from tieredkv.hashing import namespace_digest, root_hash, tenant_salt
+
+PREVIEW_CHARS = 72
+
+
+@dataclass(slots=True)
+class PrefixNode:
+    """A run of blocks where each block is the only stored child of the one before."""
+    depth: int | None            # block index of the run's first block in its prompt; None: unknown
+    orphan: bool = False         # the first block's parent is not stored (evicted or deleted)
+    hashes: list[bytes] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    hits: list[int] = field(default_factory=list)
+    children: list["PrefixNode"] = field(default_factory=list)
+
+    @property
+    def total_blocks(self) -> int:
+        return len(self.hashes) + sum(c.total_blocks for c in self.children)
+
+    @property
+    def total_hits(self) -> int:
+        return sum(self.hits) + sum(c.total_hits for c in self.children)
+
+
+@dataclass(frozen=True, slots=True)
+class NamespaceLabel:
+    model: str
+    dtype: str
+    tenant: str | None           # None: tenants share the cache (isolate_tenants=False)
+
+    def __str__(self) -> str:
+        who = "all tenants (shared)" if self.tenant is None else f"tenant {self.tenant}"
+        return f"{self.model} ({self.dtype}), {who}"
+
+
+def build_forest(blocks: Iterable[Any]) -> dict[bytes, list[PrefixNode]]:
+    """namespace -> its trees. A block whose parent is neither stored nor the namespace root
+    (evicted or deleted) starts a tree of its own: depth None, orphan True."""
+    by_hash = {b.hash: b for b in blocks}
+    children: dict[bytes, list[Any]] = defaultdict(list)
+    starts: dict[bytes, list[tuple[Any, int | None]]] = defaultdict(list)
+    for b in by_hash.values():
+        if b.parent in by_hash and b.parent != b.hash:
+            children[b.parent].append(b)
+        else:
+            starts[b.namespace].append((b, 0 if b.parent == root_hash(b.namespace) else None))
+    seen: set[bytes] = set()
+
+    def grow(first: Any, depth: int | None, orphan: bool = False) -> PrefixNode:
+        node = PrefixNode(depth, orphan)
+        cur = first
+        while True:
+            # NOTE: `seen` guards against a cycle in a damaged store (a chain of sha256 hashes
+            # cannot loop, but a rewritten parent field could): no block is visited twice.
+            seen.add(cur.hash)
+            node.hashes.append(cur.hash)
+            node.token_ids.extend(cur.token_ids)
+            node.hits.append(cur.hits)
+            kids = [k for k in children.get(cur.hash, ()) if k.hash not in seen]
+            if len(kids) != 1:
+                break
+            cur = kids[0]
+        nxt = None if depth is None else depth + len(node.hashes)
+        node.children = _ordered([grow(k, nxt) for k in kids if k.hash not in seen])
+        return node
+
+    return {ns: _ordered([grow(b, d, d is None) for b, d in sorted(items, key=lambda x: x[0].hash)])
+            for ns, items in sorted(starts.items())}
+
+
+def _ordered(nodes: list[PrefixNode]) -> list[PrefixNode]:
+    """Whole prefixes before orphans, then the most-hit, then the biggest; the first hash breaks
+    ties (stable output)."""
+    return sorted(nodes, key=lambda n: (n.orphan, -n.total_hits, -n.total_blocks, n.hashes[0] if n.hashes else b""))
+
+
+def preview(token_ids: list[int], decode: Callable[[list[int]], str] | None, limit: int = PREVIEW_CHARS) -> str:
+    """A one-line preview: decoded text (newlines shown as ⏎) or the token ids, middle elided."""
+    if decode is not None:
+        text = decode(token_ids).replace("\r", "").replace("\n", "⏎")
+    else:
+        text = "ids " + " ".join(map(str, token_ids))
+    if len(text) <= limit:
+        return text
+    head = limit * 5 // 9
+    return text[:head] + " … " + text[-(limit - head - 3):]
+
+
+@dataclass(slots=True)
+class Survey:
+    report: dict[str, Any]                          # JSON-ready totals and namespaces
+    forest: dict[bytes, list[PrefixNode]]
+    labels: dict[bytes, NamespaceLabel]
+    decoder: Callable[[list[int]], str] | None      # the default model's tokenizer, when wanted and loadable
+
+    def decode_for(self, ns: bytes) -> Callable[[list[int]], str] | None:
+        """Token ids are decoded only in namespaces known to be the default model's."""
+        return self.decoder if ns in self.labels else None
+
+
+def survey(tier: Any, billing_dir: str, decode: bool) -> Survey:
+    """Read every block's metadata from an open DiskTier (read-only is enough) and sum it up
+    per namespace; `decode`: also load the tokenizer for text previews."""
+    blocks = list(tier.iter_blocks())
+    stats = tier.stats()
+    per_ns: dict[bytes, dict[str, int]] = {}
+    for b in blocks:
+        d = per_ns.setdefault(b.namespace, {"blocks": 0, "tokens": 0, "stored_bytes": 0, "raw_bytes": 0, "hits": 0})
+        d["blocks"] += 1
+        d["tokens"] += len(b.token_ids)
+        d["stored_bytes"] += b.stored_size
+        d["raw_bytes"] += b.raw_size
+        d["hits"] += b.hits
+    model_dir = default_model_dir()
+    labels = identify(set(per_ns), {len(b.token_ids) for b in blocks}, ledger_tenants(billing_dir), model_dir)
+    namespaces = []
+    for ns, d in sorted(per_ns.items(), key=lambda kv: (-kv[1]["blocks"], kv[0])):
+        lab = labels.get(ns)
+        namespaces.append({"namespace": ns.hex(), "label": None if lab is None else str(lab),
+                           "model": lab.model if lab else None, "dtype": lab.dtype if lab else None,
+                           "tenant": lab.tenant if lab else None, **d})
+    report = {"path": tier.path, "blocks": stats.blocks, "stored_bytes": stats.used_bytes, "raw_bytes": stats.raw_bytes,
+              "compression_ratio": round(stats.compression_ratio, 3), "namespaces": namespaces}
+    return Survey(report, build_forest(blocks), labels, load_decoder(model_dir) if decode and labels else None)
+
+
+def tree_to_dict(s: Survey, max_depth: int, max_width: int) -> dict[str, list[dict[str, Any]]]:
+    return {ns.hex(): [node_to_dict(n, s.decode_for(ns), max_depth, max_width) for n in limited(nodes, max_width)[0]]
+            for ns, nodes in s.forest.items()}
+
+
+def node_to_dict(node: PrefixNode, decode: Callable[[list[int]], str] | None, max_depth: int,
+                 max_width: int) -> dict[str, Any]:
+    """JSON form of a node, with the same depth and width limits as the drawn tree."""
+    d: dict[str, Any] = {"first_block": node.depth, "orphan": node.orphan, "blocks": len(node.hashes), "tokens": len(node.token_ids),
+                         "first_hash": node.hashes[0].hex(), "hits": node.hits,
+                         "preview": preview(node.token_ids, decode), "subtree_blocks": node.total_blocks}
+    shown, more = limited(node.children, max_width) if max_depth > 1 else ([], node.children)
+    d["children"] = [node_to_dict(c, decode, max_depth - 1, max_width) for c in shown]
+    d["more_children"] = len(more)
+    return d
+
+
+def limited(nodes: list[PrefixNode], max_width: int) -> tuple[list[PrefixNode], list[PrefixNode]]:
+    return nodes[:max_width], nodes[max_width:]
+
+
+# ---- naming namespaces -----------------------------------------------------------------
+
+def ledger_tenants(billing_dir: str) -> list[str]:
+    """Tenants the billing ledger beside the disk tier knows (read-only); [] without one."""
+    from tieredkv.billing import Ledger
+    try:
+        with Ledger(billing_dir, readonly=True) as ledger:
+            return ledger.tenants()
+    except Exception:       # no ledger, or an unreadable one: names are a nicety here
+        return []
+
+
+def default_model_dir() -> str | None:
+    """The converted default model's directory (config + tokenizer), if it exists; never converts."""
+    try:
+        from engine.model import converted_dir, default_gguf_path
+        d = converted_dir(default_gguf_path())
+    except Exception:
+        return None
+    return str(d) if (d / "config.json").is_file() else None
+
+
+def identify(namespaces: set[bytes], block_sizes: set[int], tenants: Iterable[str],
+             model_dir: str | None) -> dict[bytes, NamespaceLabel]:
+    """Which namespaces belong to the default model (any dtype, any block size seen), and for
+    which tenant. Tries every (dtype, block size, tenant) the way the engine derives them."""
+    if model_dir is None or not namespaces:
+        return {}
+    try:
+        import torch
+        from transformers import AutoConfig
+
+        from engine.model import DEFAULT_MODEL_NAME, model_identity
+        config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    except Exception:
+        return {}
+    salts = [(tenant_salt("", False), None)] + [(tenant_salt(t), t) for t in sorted(set(tenants) | {"default"})]
+    labels = {}
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        ident = model_identity(DEFAULT_MODEL_NAME, config, dtype)
+        for bs in block_sizes:
+            for salt, tenant in salts:
+                ns = namespace_digest(ident, bs, salt)
+                if ns in namespaces:
+                    labels[ns] = NamespaceLabel(DEFAULT_MODEL_NAME, ident.dtype, tenant)
+    return labels
+
+
+def load_decoder(model_dir: str | None) -> Callable[[list[int]], str] | None:
+    """The default model's tokenizer as a decode function, or None when it cannot be loaded."""
+    if model_dir is None or not os.path.isfile(os.path.join(model_dir, "tokenizer_config.json")):
+        return None
+    try:
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    except Exception:
+        return None
+    return lambda ids: tok.decode(ids, skip_special_tokens=False)
+
+
+# ---- drawing -----------------------------------------------------------------------------
+
+def overview(report: dict[str, Any]) -> Any:
+    """The store's totals and a table of its namespaces."""
+    from rich import box
+    from rich.console import Group
+    from rich.markup import escape
+    from rich.table import Table
+
+    from tieredkv.config import format_size
+    n = report["blocks"]
+    head = (f"Disk tier {escape(report['path'])}\n"
+            f"  {n:,} block{'s' if n != 1 else ''}, {format_size(report['stored_bytes'])} stored, "
+            f"{format_size(report['raw_bytes'])} raw, compression {report['compression_ratio']:.2f}x")
+    t = Table(title="Namespaces (one per model identity, block size and tenant)", title_justify="left",
+              box=box.SIMPLE_HEAD, pad_edge=False)
+    for col in ("Namespace", "Model", "Tenant", "Blocks", "Tokens", "Stored", "Hits"):
+        t.add_column(col, justify="left" if col in ("Namespace", "Model", "Tenant") else "right",
+                     no_wrap=col != "Model", min_width=21 if col == "Model" else None)
+    for ns in report["namespaces"]:
+        model = f"{ns['model']} ({ns['dtype']})" if ns["model"] else "unknown (not the default model)"
+        tenant = "?" if not ns["model"] else ns["tenant"] or "(shared by all)"
+        t.add_row(ns["namespace"][:10], escape(model), escape(tenant), f"{ns['blocks']:,}", f"{ns['tokens']:,}",
+                  format_size(ns["stored_bytes"]), f"{ns['hits']:,}")
+    return Group(head, t)
+
+
+def forest_tree(s: Survey, max_depth: int, max_width: int) -> Any:
+    """The prefix tree of every namespace; `max_depth` levels, `max_width` branches per node."""
+    from rich.markup import escape
+    from rich.tree import Tree
+    top = Tree("Cached prefixes (chains folded; hits = disk reads of a block)")
+    for ns, nodes in s.forest.items():
+        label = str(s.labels[ns]) if ns in s.labels else "unknown model"
+        count = sum(n.total_blocks for n in nodes)
+        branch = top.add(f"[bold]{ns.hex()[:16]}[/] {escape(label)} — {count:,} block{'s' if count != 1 else ''}")
+        _add_nodes(branch, nodes, s.decode_for(ns), max_depth, max_width, escape)
+    return top
+
+
+def _add_nodes(parent: Any, nodes: list[PrefixNode], decode: Callable[[list[int]], str] | None, depth_left: int,
+               max_width: int, escape: Callable[[str], str]) -> None:
+    shown, more = limited(nodes, max_width)
+    for n in shown:
+        last = None if n.depth is None else n.depth + len(n.hashes) - 1
+        where = "?" if n.depth is None else (f"{n.depth}-{last}" if last != n.depth else f"{n.depth}")
+        hits = f"{n.hits[0]}" if min(n.hits) == max(n.hits) else f"{max(n.hits)}…{min(n.hits)}"
+        orphan = " [dim](parent not stored)[/]" if n.orphan else ""
+        noun = "blocks" if len(n.hashes) > 1 else "block"
+        child = parent.add(f"[cyan]{noun} {where}[/] ({len(n.token_ids):,} tok, hits {hits}){orphan} "
+                           f"{escape(preview(n.token_ids, decode))}")
+        if n.children and depth_left > 1:
+            _add_nodes(child, n.children, decode, depth_left - 1, max_width, escape)
+        elif n.children:
+            child.add(f"[dim]… {len(n.children)} branches, {n.total_blocks - len(n.hashes):,} blocks below[/]")
+    if more:
+        parent.add(f"[dim]… {len(more)} more branches, {sum(m.total_blocks for m in more):,} blocks[/]")
