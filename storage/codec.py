@@ -15,12 +15,15 @@ Payload format (all integers little-endian):
     ndim                u8
     dims                ndim x u32
     raw size            u64  (bytes of the tensor before compression)
+    header crc32        u32  over the header fields above
     zstd frame          (content size and zstd's own content checksum on)
-    crc32               u32  over everything before it (header + frame)
 
-The trailing crc32 is cheap (zlib, GIL released) and catches damage anywhere, including in
-the header, before zstd ever sees the frame; zstd's content checksum then vouches for the
-decompressed bytes themselves.
+Two checks, each over what it is cheapest to check: the crc32 vouches for the header (so a
+damaged shape or size never drives an allocation or a wrong reshape), and zstd's content
+checksum (xxh64) vouches for the decompressed bytes -- damage in the frame either fails
+decompression or fails that checksum. Version 1 also had a crc32 over the whole frame; it
+cost ~22% of a block's restore time and guarded nothing zstd's checksum does not
+(docs/BENCHMARKS.md, "Tier edges").
 
 Byte-shuffle: element bytes are split into planes (all low bytes, then all high bytes, ...).
 The exponent/sign bytes of KV values repeat a lot while the mantissa bytes are noise, so
@@ -45,7 +48,7 @@ from storage.layout import dtype_from_name, dtype_name
 assert sys.byteorder == "little", "storage.codec assumes a little-endian machine"
 
 MAGIC = b"TKVB"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 _FLAG_SHUFFLE = 0x01
 # Stable codes for the dtype byte; they are on disk, so never renumber.
 _DTYPE_CODES: dict[str, int] = {"float32": 1, "float16": 2, "bfloat16": 3}
@@ -108,7 +111,7 @@ def _bytes_view(t: torch.Tensor) -> np.ndarray:
 class Codec:
     """zstd at `level`, optionally byte-shuffled. Encoding settings only: decode reads the header."""
     level: int = 3
-    shuffle: bool = True
+    shuffle: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.level, bool) or not isinstance(self.level, int) or not -7 <= self.level <= 22:
@@ -133,8 +136,7 @@ class Codec:
         header = (_FIXED.pack(MAGIC, FORMAT_VERSION, _FLAG_SHUFFLE if shuffled else 0, _DTYPE_CODES[name],
                               self.level, block.dim())
                   + struct.pack(f"<{block.dim()}I", *block.shape) + _RAW_SIZE.pack(raw.size))
-        body = header + frame
-        return body + _CRC.pack(zlib.crc32(body))
+        return b"".join((header, _CRC.pack(zlib.crc32(header)), frame))
 
     def peek_header(self, payload: bytes | memoryview) -> CodecHeader:
         """Parse and sanity-check the header without checking the crc or decompressing."""
@@ -149,13 +151,11 @@ class Codec:
         """
         mv = memoryview(payload).cast("B")
         header = _parse_header(mv)
-        if len(mv) < header.header_size + _CRC.size:
-            raise CodecError(f"truncated payload: {len(mv)} bytes")
-        body_end = len(mv) - _CRC.size
-        (crc,) = _CRC.unpack_from(mv, body_end)
-        if zlib.crc32(mv[:body_end]) != crc:
-            raise CodecError("crc32 mismatch: payload damaged")
-        frame = mv[header.header_size:body_end]
+        fields_end = header.header_size - _CRC.size
+        (crc,) = _CRC.unpack_from(mv, fields_end)
+        if zlib.crc32(mv[:fields_end]) != crc:
+            raise CodecError("header crc32 mismatch: payload damaged")
+        frame = mv[header.header_size:]
         dtype = dtype_from_name(header.dtype)
         if out is None:
             out = torch.empty(header.shape, dtype=dtype)
@@ -164,8 +164,8 @@ class Codec:
             raise ValueError(f"out: expected a contiguous CPU {header.dtype} tensor of {header.numel} elements, "
                              f"got {out.dtype} numel={out.numel()} device={out.device} contiguous={out.is_contiguous()}")
         try:
-            # The crc already vouches for the frame header, but never let a frame's claimed
-            # size drive an allocation: it must equal the size our header promises.
+            # Never let a frame's claimed size drive an allocation: it must equal the size our
+            # (crc-checked) header promises.
             if zstandard.frame_content_size(frame) != header.raw_size:
                 raise CodecError("zstd frame content size does not match the header's raw size")
             data = _decompressor().decompress(frame, max_output_size=header.raw_size)
@@ -227,7 +227,7 @@ def _parse_header(mv: memoryview) -> CodecHeader:
         raise CodecError(f"unknown dtype code {code}")
     if ndim > _MAX_NDIM:
         raise CodecError(f"ndim {ndim} > {_MAX_NDIM}")
-    size = _FIXED.size + 4 * ndim + _RAW_SIZE.size
+    size = _FIXED.size + 4 * ndim + _RAW_SIZE.size + _CRC.size
     if len(mv) < size:
         raise CodecError(f"truncated payload: {len(mv)} bytes")
     shape = struct.unpack_from(f"<{ndim}I", mv, _FIXED.size)

@@ -70,9 +70,10 @@ class CacheConfig:
     zstd_level: int = 3
     write_policy: str = "write_back"
     isolate_tenants: bool = True
-    # Byte-shuffle filter before zstd; on by default because it compresses 16-bit KV better
-    # at equal speed (docs/BENCHMARKS.md, "compression").
-    shuffle: bool = True
+    # Byte-shuffle filter before zstd. Off by default: on real SmolLM2 KV it saves ~7% of disk
+    # bytes but makes compression 1.4x (fp32) to 2.5x (bf16) slower and restores slower
+    # (docs/BENCHMARKS.md, "Tier edges"); restore speed is what TTFT pays for.
+    shuffle: bool = False
     # Parsed sizes in bytes; filled in by __post_init__.
     device_bytes: int = field(init=False, repr=False, compare=False)
     host_bytes: int = field(init=False, repr=False, compare=False)

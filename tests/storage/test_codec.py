@@ -33,9 +33,10 @@ def assert_same_bits(a: torch.Tensor, b: torch.Tensor) -> None:
     assert torch.equal(a.view(_INT[a.dtype]), b.view(_INT[b.dtype]))
 
 
-def with_crc(body: bytes) -> bytes:
-    """A payload whose trailing crc32 is made to match a tampered body."""
-    return body + struct.pack("<I", zlib.crc32(body))
+def with_crc(payload: bytes) -> bytes:
+    """A payload whose header crc32 is made to match a tampered header."""
+    fields_end = 9 + 4 * payload[8] + 8          # fixed fields, dims, raw size (see storage/codec.py)
+    return payload[:fields_end] + struct.pack("<I", zlib.crc32(payload[:fields_end])) + payload[fields_end + 4:]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -53,7 +54,7 @@ def test_header_describes_the_block() -> None:
     x = kv_like((2, 2, 16, 3, 8), torch.bfloat16)
     h = Codec(level=5, shuffle=True).peek_header(Codec(level=5, shuffle=True).encode(x))
     assert (h.version, h.dtype, h.shape, h.raw_size, h.shuffled, h.level) == (
-        1, "bfloat16", (2, 2, 16, 3, 8), 1536 * 2, True, 5)
+        2, "bfloat16", (2, 2, 16, 3, 8), 1536 * 2, True, 5)
     h = Codec(shuffle=False).peek_header(Codec(shuffle=False).encode(x.float()))
     assert (h.dtype, h.raw_size, h.shuffled, h.level) == ("float32", 1536 * 4, False, 3)
 
@@ -102,23 +103,25 @@ def payload() -> bytes:
     return Codec().encode(kv_like((2, 2, 16, 3, 8), torch.float16))
 
 
-@pytest.mark.parametrize("where", ["magic", "version", "dims", "raw_size", "frame_start", "frame_mid", "crc"])
+@pytest.mark.parametrize("where", ["magic", "version", "dims", "raw_size", "frame_start", "frame_mid", "crc",
+                                   "frame_end"])
 def test_flipped_byte_anywhere_raises(payload: bytes, where: str) -> None:
     header_size = Codec().peek_header(payload).header_size
-    offset = {"magic": 0, "version": 4, "dims": 12, "raw_size": header_size - 3, "frame_start": header_size,
-              "frame_mid": (header_size + len(payload)) // 2, "crc": len(payload) - 1}[where]
+    offset = {"magic": 0, "version": 4, "dims": 12, "raw_size": header_size - 7, "frame_start": header_size,
+              "frame_mid": (header_size + len(payload)) // 2, "crc": header_size - 1,
+              "frame_end": len(payload) - 1}[where]
     damaged = bytearray(payload)
     damaged[offset] ^= 0x10
     with pytest.raises(CodecError):
         Codec().decode(bytes(damaged))
 
 
-def test_damaged_frame_is_caught_by_zstd_even_with_a_matching_crc(payload: bytes) -> None:
+def test_damaged_frame_is_caught_by_zstd_with_an_intact_header(payload: bytes) -> None:
     header_size = Codec().peek_header(payload).header_size
-    body = bytearray(payload[:-4])
+    body = bytearray(payload)
     body[(header_size + len(body)) // 2] ^= 0x01
     with pytest.raises(CodecError, match="zstd"):
-        Codec().decode(with_crc(bytes(body)))
+        Codec().decode(bytes(body))
 
 
 @pytest.mark.parametrize("keep", [0, 3, 8, 20, "header", "half", "minus1"])
@@ -130,7 +133,7 @@ def test_truncated_payload_raises(payload: bytes, keep: int | str) -> None:
 
 
 def test_wrong_magic_raises(payload: bytes) -> None:
-    body = b"XKVB" + payload[4:-4]
+    body = b"XKVB" + payload[4:]
     with pytest.raises(CodecError, match="magic"):
         Codec().decode(with_crc(body))
     with pytest.raises(CodecError, match="magic"):
@@ -138,7 +141,7 @@ def test_wrong_magic_raises(payload: bytes) -> None:
 
 
 def test_wrong_version_raises(payload: bytes) -> None:
-    body = payload[:4] + bytes([2]) + payload[5:-4]
+    body = payload[:4] + bytes([9]) + payload[5:]
     assert body[:4] == MAGIC
     with pytest.raises(CodecError, match="version"):
         Codec().decode(with_crc(body))
@@ -147,8 +150,8 @@ def test_wrong_version_raises(payload: bytes) -> None:
 def test_header_size_lies_raise(payload: bytes) -> None:
     # A header whose raw size disagrees with its shape, even with a valid crc.
     header_size = Codec().peek_header(payload).header_size
-    body = bytearray(payload[:-4])
-    struct.pack_into("<Q", body, header_size - 8, 999)
+    body = bytearray(payload)
+    struct.pack_into("<Q", body, header_size - 12, 999)
     with pytest.raises(CodecError, match="raw size"):
         Codec().decode(with_crc(bytes(body)))
     with pytest.raises(CodecError):
