@@ -15,7 +15,7 @@ real code path and through the bare operation that bounds it:
                                                                 per write transaction
     disk_to_host    DiskTier.get_many(keys, outs): one read     LMDB get of the frames in one read
                     txn (payloads read in place), verify (meta, txn + zstd decompression of each
-                    crc32) and decode (zstd + byte unshuffle)   frame straight into a warm buffer on
+                    header crc32) and decode (zstd [+ unshuffle]) frame straight into a warm buffer on
                     on decode_threads threads                   as many threads: no crc, no meta,
                                                                 no unshuffle (also shown: the same
                                                                 plus the format's unshuffle)
@@ -31,7 +31,7 @@ and a single-thread profile (microseconds per block) of the codec's steps on the
 which says where the disk edges' time goes.
 
     python tools/bench_tiers.py [--blocks 256] [--level 3] [--repeat 5] [--dtype float32]
-                                [--no-shuffle] [--torch-threads N] [--json]
+                                [--shuffle] [--torch-threads N] [--json]
 """
 from __future__ import annotations
 
@@ -383,7 +383,7 @@ def codec_profile(blocks: torch.Tensor, level: int, shuffle: bool, repeat: int) 
     views = [b.reshape(-1).view(torch.uint8).numpy() for b in blocks]
     payloads = [codec.encode(b) for b in blocks]
     headers = [codec.peek_header(p) for p in payloads]
-    frames = [memoryview(p)[h.header_size:len(p) - 4] for p, h in zip(payloads, headers)]
+    frames = [memoryview(p)[h.header_size:] for p, h in zip(payloads, headers)]
     planes = [codec_mod._shuffle(v, itemsize) for v in views] if shuffle else views
     cctx = zstandard.ZstdCompressor(level=level, write_checksum=True, write_content_size=True)
     out = torch.zeros_like(blocks[0])
@@ -392,9 +392,9 @@ def codec_profile(blocks: torch.Tensor, level: int, shuffle: bool, repeat: int) 
     steps = {
         "encode.shuffle": lambda: [codec_mod._shuffle(v, itemsize) for v in views],
         "encode.zstd": lambda: [cctx.compress(p) for p in planes],
-        "encode.crc32": lambda: [zlib.crc32(p) for p in payloads],
+        "encode.crc32": lambda: [zlib.crc32(memoryview(p)[:h.header_size - 4]) for p, h in zip(payloads, headers)],
         "encode.total": lambda: [codec.encode(b) for b in blocks],
-        "decode.crc32": lambda: [zlib.crc32(p) for p in payloads],
+        "decode.crc32": lambda: [zlib.crc32(memoryview(p)[:h.header_size - 4]) for p, h in zip(payloads, headers)],
         "decode.zstd": lambda: [_decompress_into(f, scratch) for f in frames],
         "decode.unshuffle": lambda: [codec_mod._unshuffle(p, out_np, itemsize) for p in planes],
         "decode.total": lambda: [codec.decode(p, out=out) for p in payloads],
@@ -431,7 +431,7 @@ def print_table(res: dict) -> None:
         print(f"  disk_to_host against zstd + the format's byte unshuffle: limit {d['limit_with_unshuffle_gbps']:.3f} "
               f"GB/s, ratio {d['ratio_with_unshuffle']:.2f}")
     print()
-    print(f"Compression (level {cfg['level']}, one thread, Codec.encode / Codec.decode incl. header + crc32)")
+    print(f"Compression (level {cfg['level']}, one thread, Codec.encode / Codec.decode incl. header + header crc32)")
     print(f"{'dtype/filter':<18} {'ratio':>6} {'compress MB/s':>14} {'decompress MB/s':>16}")
     for k, r in res["compression"].items():
         print(f"{k:<18} {r['ratio']:>6.3f} {r['compress_mbps']:>14.1f} {r['decompress_mbps']:>16.1f}")
@@ -450,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=5, help="rounds; the best of them is reported")
     ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
                     help="KV dtype for the edges (the model runs in float32; its KV is cast)")
-    ap.add_argument("--no-shuffle", action="store_true", help="edges without the byte-shuffle filter")
+    ap.add_argument("--shuffle", action="store_true", help="edges with the byte-shuffle filter (off by default, as in CacheConfig)")
     ap.add_argument("--torch-threads", type=int, default=None,
                     help="torch intra-op threads for the copies (default: torch's own choice)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
@@ -471,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
     keys = block_keys(NAMESPACE, stream, layout.block_size)
     tmp = tempfile.mkdtemp(prefix="tieredkv-bench-tiers-")
     try:
-        bench = EdgeBench(layout, blocks, keys, args.level, not args.no_shuffle, tmp)
+        bench = EdgeBench(layout, blocks, keys, args.level, args.shuffle, tmp)
         try:
             for r in range(args.repeat):
                 bench.round()
@@ -485,9 +485,9 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(tmp, ignore_errors=True)
     few = max(1, min(args.blocks, 64))
     res = {"edges": edges, "compression": compression(blocks32, args.level, min(args.repeat, 3)),
-           "profile_us_per_block": codec_profile(blocks[:few], args.level, not args.no_shuffle, args.repeat),
+           "profile_us_per_block": codec_profile(blocks[:few], args.level, args.shuffle, args.repeat),
            "config": {"model": "SmolLM2-135M-Instruct", "blocks": args.blocks, "dtype": dtype_name(dtype),
-                      "block_bytes": layout.nbytes, "level": args.level, "shuffle": not args.no_shuffle,
+                      "block_bytes": layout.nbytes, "level": args.level, "shuffle": args.shuffle,
                       "repeat": args.repeat, "decode_threads": threads, "writer_threads": 1,
                       "target_ratio": TARGET},
            "machine": machine_note()}
