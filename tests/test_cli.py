@@ -205,7 +205,8 @@ def test_verify_finds_damage_exits_1_and_repair_deletes_it(cache: dict, tmp_path
 @pytest.fixture(scope="module")
 def default_model_converted(request) -> None:
     """The default model's one-time conversion exists (done here, once, if it does not)."""
-    from engine.model import converted_dir, default_gguf_path
+    from engine.gguf_cache import converted_dir
+    from engine.model import default_gguf_path
     if not (converted_dir(default_gguf_path()) / "config.json").is_file():
         request.getfixturevalue("default_model")
 

@@ -179,7 +179,8 @@ def ledger_tenants(billing_dir: str) -> list[str]:
 def default_model_dir() -> str | None:
     """The converted default model's directory (config + tokenizer), if it exists; never converts."""
     try:
-        from engine.model import converted_dir, default_gguf_path
+        from engine.gguf_cache import converted_dir
+        from engine.model import default_gguf_path
         d = converted_dir(default_gguf_path())
     except Exception:
         return None

@@ -14,8 +14,9 @@ from gguf.quants import dequantize, quantize
 from transformers import AttentionInterface, GPT2Config, LlamaConfig, Qwen3Config
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from engine.model import (DEFAULT_GGUF_FILE, DEFAULT_MODEL_NAME, SUPPORTED_MODEL_TYPES, converted_dir,
-                          default_gguf_path, kv_layout, load_model, model_from_config, resolve_device, resolve_dtype)
+from engine.gguf_cache import converted_dir
+from engine.model import (DEFAULT_GGUF_FILE, DEFAULT_MODEL_NAME, SUPPORTED_MODEL_TYPES, default_gguf_path, kv_layout,
+                          load_model, model_from_config, resolve_device, resolve_dtype)
 from storage.layout import BlockLayout
 
 

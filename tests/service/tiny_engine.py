@@ -9,7 +9,8 @@ import os
 
 from transformers import AutoTokenizer, LlamaConfig
 
-from engine.model import converted_dir, default_gguf_path, model_from_config
+from engine.gguf_cache import converted_dir
+from engine.model import default_gguf_path, model_from_config
 from tieredkv import CacheConfig, Engine
 
 BLOCK_SIZE = 8

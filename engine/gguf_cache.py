@@ -1,0 +1,135 @@
+"""The GGUF conversion cache: a .gguf file turned once into a plain transformers checkpoint.
+
+Knows: where a GGUF's conversion lives (`<cache root>/models/<stem>-<digest>`, keyed by the
+file's content and CONVERSION_VERSION), how to dequantize a GGUF into float32 safetensors plus
+its tokenizer, how to publish that atomically (temp dir + rename) so concurrent processes and
+crashes never leave a half-written checkpoint in place, and how to clean up after a crash.
+Doesn't know: which architectures tieredkv supports (the caller passes that check in), how a
+model is found, which device or dtype it runs in, or its KV identity -- that is engine/model.py.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from tieredkv.config import default_cache_root
+
+log = logging.getLogger(__name__)
+
+# Bump when what a converted cache directory holds changes: old conversions are then ignored.
+CONVERSION_VERSION = 1
+# Files a finished conversion always holds (the atomic rename makes a partial one impossible;
+# this only guards against someone deleting files by hand), plus the weights: one
+# model.safetensors, or an index of shards for a big model.
+_CONVERTED_FILES = ("config.json", "tokenizer_config.json")
+_CONVERTED_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
+# A temp dir older than this is a crashed conversion's leftover (a conversion takes < 1 min).
+_STALE_TMP_S = 3600.0
+
+ConfigCheck = Callable[[transformers.PretrainedConfig], None]
+
+
+def _file_digest(path: Path) -> str:
+    """A content hash of the whole file (sha256, ~0.15 s for the default 98 MB file).
+
+    Content rather than size+mtime, so a reinstall of the same file reuses its conversion
+    and a different file of the same size never does.
+    """
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def converted_dir(gguf_path: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> Path:
+    """Where the conversion of `gguf_path` is (or will be) cached: models/<stem>-<digest>."""
+    path = Path(gguf_path)
+    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_root()
+    digest = hashlib.sha256(f"v{CONVERSION_VERSION}:{_file_digest(path)}".encode()).hexdigest()[:16]
+    return root / "models" / f"{path.stem}-{digest}"
+
+
+def gguf_checkpoint(gguf_path: Path, cache_dir: str | os.PathLike | None, check_config: ConfigCheck) -> Path:
+    """The cached conversion of `gguf_path`, converting it first if there is none.
+
+    `check_config` raises for a model that must not be converted (before the weights load).
+    """
+    target = converted_dir(gguf_path, cache_dir)
+    if target.exists() and not _is_complete(target):
+        log.warning("cached conversion %s is missing files; converting again", target)
+        shutil.rmtree(target)
+    if not target.exists():
+        log.info("converting %s to a transformers checkpoint (once; later loads use %s)", gguf_path, target)
+        _convert_gguf(gguf_path, target, check_config)
+    return target
+
+
+def _convert_gguf(gguf_path: Path, target: Path, check_config: ConfigCheck) -> None:
+    """Dequantize a GGUF into a transformers checkpoint (float32 safetensors + tokenizer) at `target`.
+
+    NOTE: written to a temp dir beside `target` and renamed into place, so `target` either
+    does not exist or is complete; a crash mid-write leaves only a temp dir, removed later.
+    Two processes converting at once: the first rename wins, the second discards its copy.
+    """
+    target.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temp_dirs(target)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        start = time.perf_counter()
+        kwargs: dict[str, Any] = {"gguf_file": gguf_path.name, "dtype": torch.float32}
+        gguf_config_cls = getattr(transformers, "GgufConfig", None)
+        if gguf_config_cls is not None:
+            # transformers >= 5.2x keeps GGUF weights packed (and swaps in its own attention)
+            # when a GGUF kernel is available; we want plain dense weights the paged attention
+            # can use, so ask for the dequantized model explicitly.
+            kwargs["quantization_config"] = gguf_config_cls(dequantize=True)
+        config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        check_config(config)
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        # Handing over the config saves parsing the GGUF's metadata a second time (~3 s).
+        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, config=config, **kwargs)
+        # The weights are dense now; drop the GGUF quantizer so save_pretrained accepts the
+        # model and the saved config does not ask for GGUF loading again.
+        quantizer = getattr(model, "hf_quantizer", None)
+        if quantizer is not None:
+            quantizer.remove_quantization_config(model)
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        source = {"gguf_file": str(gguf_path), "gguf_sha256": _file_digest(gguf_path),
+                  "conversion_version": CONVERSION_VERSION, "transformers_version": transformers.__version__}
+        (tmp / "tieredkv_source.json").write_text(json.dumps(source, indent=2) + "\n")
+        del model
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not _is_complete(target):
+                raise
+            log.info("another process finished converting %s first; using its copy", gguf_path.name)
+        else:
+            log.info("converted %s in %.1fs -> %s", gguf_path.name, time.perf_counter() - start, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _is_complete(target: Path) -> bool:
+    return (all((target / f).is_file() for f in _CONVERTED_FILES)
+            and any((target / f).is_file() for f in _CONVERTED_WEIGHTS))
+
+
+def _remove_stale_temp_dirs(target: Path) -> None:
+    now = time.time()
+    for leftover in target.parent.glob(f".{target.name}.tmp-*"):
+        with contextlib.suppress(OSError):
+            if now - leftover.stat().st_mtime > _STALE_TMP_S:
+                log.warning("removing a crashed conversion's leftover %s", leftover)
+                shutil.rmtree(leftover, ignore_errors=True)

@@ -1,0 +1,118 @@
+"""What a sound disk tier looks like: the checks a stored block passes before it is served, the
+deeper checks of verify(), and check()'s audit of the counters and indexes.
+
+Knows: how a stored block must agree with the key asking for it (token ids, namespace, parent),
+with its metadata (sizes), with the codec (header, checksum, full decode) and the layout; that a
+stored block's hash must equal hash_block(parent, token_ids); and that the `info` counters and
+the `lru` index must match the `meta` records exactly.
+Doesn't know: what to do about damage (the tier counts, deletes, repairs), threads, or writing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import lmdb
+import torch
+
+from storage.codec import Codec, CodecError
+from storage.disk_records import BlockMeta, Databases, load_info, lru_key
+from storage.layout import BlockLayout, dtype_name
+from tieredkv.hashing import BlockKey, hash_block
+
+
+@dataclass(frozen=True, slots=True)
+class DamagedBlock:
+    hash: bytes
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyReport:
+    checked: int
+    damaged: tuple[DamagedBlock, ...]
+    repaired: int
+
+
+def verify_and_decode(codec: Codec, layout: BlockLayout | None, key: BlockKey, out: torch.Tensor | None,
+                      payload: bytes | memoryview | None, meta_raw: bytes | memoryview | None
+                      ) -> tuple[torch.Tensor | None, str | None]:
+    """(the decoded block, None) when the stored record is the block `key` names and sound,
+    else (None, the reason). `out`, when given, receives the bytes."""
+    if payload is None or meta_raw is None:
+        return None, "payload missing" if payload is None else "metadata missing"
+    try:
+        m = BlockMeta.unpack(meta_raw)
+    except ValueError as e:
+        return None, str(e)
+    if m.token_ids != key.token_ids:
+        return None, "stored token ids differ from the key's"
+    if m.namespace != key.namespace:
+        return None, "stored namespace differs from the key's"
+    if m.parent != key.parent:
+        return None, "stored parent differs from the key's"
+    if m.stored_size != len(payload):
+        return None, f"payload is {len(payload)} bytes, metadata says {m.stored_size}"
+    try:
+        header = codec.peek_header(payload)
+        if header.raw_size != m.raw_size:
+            return None, f"header raw size {header.raw_size} != metadata's {m.raw_size}"
+        if layout is not None and (header.dtype != dtype_name(layout.dtype) or header.shape != layout.shape):
+            return None, f"block is {header.shape} {header.dtype}, layout wants {layout.shape}"
+        if out is not None and (dtype_name(out.dtype) != header.dtype or out.numel() != header.numel):
+            return None, f"block is {header.shape} {header.dtype}, does not fit out"
+        return codec.decode(payload, out), None
+    except CodecError as e:
+        return None, f"codec: {e}"
+
+
+def check_block(codec: Codec, layout: BlockLayout | None, h: bytes, payload: bytes | None,
+                meta: bytes | None) -> str | None:
+    """verify()'s check of one stored block: None when sound, else the reason."""
+    if payload is None or meta is None:
+        return "payload missing" if payload is None else "metadata missing"
+    try:
+        m = BlockMeta.unpack(meta)
+    except ValueError as e:
+        return str(e)
+    if hash_block(m.parent, m.token_ids) != h:
+        return "hash chain broken: hash != hash_block(parent, token_ids)"
+    key = BlockKey(h, m.parent, m.token_ids, m.namespace)
+    _, reason = verify_and_decode(codec, layout, key, None, payload, meta)
+    return reason
+
+
+def audit(env: lmdb.Environment, dbs: Databases, capacity_bytes: int) -> list[str]:
+    """Recompute every counter and index from the databases and compare.
+    Returns the problems found (empty when consistent)."""
+    problems: list[str] = []
+    with env.begin() as txn:
+        info = load_info(txn, dbs)
+        used = raw = blocks = 0
+        max_seq = 0
+        for h, v in txn.cursor(db=dbs.meta):
+            try:
+                m = BlockMeta.unpack(v)
+            except ValueError as e:
+                problems.append(f"{h.hex()[:16]}: {e}")
+                continue
+            blocks += 1
+            used += m.stored_size
+            raw += m.raw_size
+            max_seq = max(max_seq, m.last_access)
+            p = txn.get(h, db=dbs.payload)
+            if p is None or len(p) != m.stored_size:
+                problems.append(f"{h.hex()[:16]}: payload missing or size != {m.stored_size}")
+            if txn.get(lru_key(m.last_access, h), db=dbs.lru) is None:
+                problems.append(f"{h.hex()[:16]}: LRU entry missing")
+        n_payload = txn.stat(dbs.payload)["entries"]
+        n_lru = txn.stat(dbs.lru)["entries"]
+    for name, want, got in (("used_bytes", used, info.used_bytes), ("raw_bytes", raw, info.raw_bytes),
+                            ("blocks", blocks, info.blocks), ("payload entries", blocks, n_payload),
+                            ("lru entries", blocks, n_lru)):
+        if want != got:
+            problems.append(f"{name}: counted {want}, recorded {got}")
+    if info.next_seq <= max_seq:
+        problems.append(f"next_seq {info.next_seq} <= a used sequence {max_seq}")
+    if info.used_bytes > capacity_bytes:
+        problems.append(f"used_bytes {info.used_bytes} > capacity {capacity_bytes}")
+    return problems

@@ -1,0 +1,175 @@
+"""The disk tier's on-disk records: the four LMDB databases, their byte layouts, and the edits
+that keep the stored counters equal to what the databases hold.
+
+Databases in the environment directory:
+
+    payload  hash -> codec payload (storage/codec.py)
+    meta     hash -> BlockMeta (parent, namespace, token ids, sizes, created, last access seq, hits)
+    lru      8-byte big-endian access sequence || hash -> b""   (key order == LRU order)
+    info     b"counters" -> used bytes, blocks, raw bytes, next sequence; b"format" -> version
+
+Knows: how each record is packed and unpacked (a damaged one raises ValueError), the format
+version and how to refuse another one, how to open the databases, and the in-transaction edits
+every writer shares: delete one block with its counters, recount the counters from `meta`.
+Doesn't know: threads, queues, the codec's payload format, eviction policy, or when anything is
+written -- that is storage/disk_writer.py and storage/disk_tier.py.
+"""
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import lmdb
+
+DISK_FORMAT_VERSION = 1
+SEQ = struct.Struct(">Q")        # big-endian so LMDB's byte order is numeric order
+_U64 = struct.Struct("<Q")
+_COUNTERS = struct.Struct("<QQQQ")
+_META_FIXED = struct.Struct("<B32sQQdQQHI")
+_META_VERSION = 1
+
+
+def lru_key(seq: int, h: bytes) -> bytes:
+    """The `lru` key of block `h` last accessed at sequence `seq`."""
+    return SEQ.pack(seq) + h
+
+
+def lru_hash(key: bytes) -> bytes:
+    """The block hash inside an `lru` key."""
+    return key[SEQ.size:]
+
+
+@dataclass(slots=True)
+class BlockMeta:
+    parent: bytes
+    namespace: bytes
+    token_ids: tuple[int, ...]
+    raw_size: int
+    stored_size: int
+    created: float
+    last_access: int
+    hits: int
+
+    def pack(self) -> bytes:
+        return (_META_FIXED.pack(_META_VERSION, self.parent, self.raw_size, self.stored_size, self.created,
+                                 self.last_access, self.hits, len(self.namespace), len(self.token_ids))
+                + self.namespace + struct.pack(f"<{len(self.token_ids)}I", *self.token_ids))
+
+    @staticmethod
+    def unpack(buf: bytes | memoryview) -> "BlockMeta":
+        """Raises ValueError for a damaged record."""
+        try:
+            v, parent, raw, stored, created, last, hits, ns_len, n_tok = _META_FIXED.unpack_from(buf, 0)
+        except struct.error as e:
+            raise ValueError(f"metadata record damaged: {e}") from None
+        if v != _META_VERSION or len(buf) != _META_FIXED.size + ns_len + 4 * n_tok:
+            raise ValueError("metadata record damaged: bad version or length")
+        ns = bytes(buf[_META_FIXED.size:_META_FIXED.size + ns_len])
+        toks = struct.unpack_from(f"<{n_tok}I", buf, _META_FIXED.size + ns_len)
+        return BlockMeta(parent, ns, toks, raw, stored, created, last, hits)
+
+
+@dataclass(slots=True)
+class StoreInfo:
+    """The `info` database's counters: what defines capacity, shared by every process."""
+    used_bytes: int = 0
+    blocks: int = 0
+    raw_bytes: int = 0
+    next_seq: int = 1
+
+
+class Databases(NamedTuple):
+    """The four open database handles of one environment."""
+    payload: Any
+    meta: Any
+    lru: Any
+    info: Any
+
+
+_NAMES = (b"payload", b"meta", b"lru", b"info")
+
+
+def open_databases(env: lmdb.Environment, path: str, readonly: bool) -> Databases:
+    """Open (or, writable, create) the databases; raises ValueError for another format version
+    and FileNotFoundError when a readonly directory holds no disk tier."""
+    if readonly:
+        try:
+            dbs = Databases(*(env.open_db(n, create=False) for n in _NAMES))
+        except lmdb.NotFoundError:
+            raise FileNotFoundError(f"{path} is not a tieredkv disk tier (databases missing)") from None
+        with env.begin() as txn:
+            _check_format(path, txn.get(b"format", db=dbs.info))
+        return dbs
+    with env.begin(write=True) as txn:
+        dbs = Databases(*(env.open_db(n, txn=txn) for n in _NAMES))
+        fmt = txn.get(b"format", db=dbs.info)
+        if fmt is None:
+            txn.put(b"format", _U64.pack(DISK_FORMAT_VERSION), db=dbs.info)
+            store_info(txn, dbs, StoreInfo())
+        _check_format(path, fmt)
+    return dbs
+
+
+def _check_format(path: str, fmt: bytes | None) -> None:
+    if fmt is not None and _U64.unpack(fmt)[0] != DISK_FORMAT_VERSION:
+        raise ValueError(f"disk tier {path}: format version {_U64.unpack(fmt)[0]}, this build reads "
+                         f"{DISK_FORMAT_VERSION}; point disk_dir elsewhere or delete the directory")
+
+
+# -- info counters ---------------------------------------------------------------------------
+
+def load_info(txn: lmdb.Transaction, dbs: Databases) -> StoreInfo:
+    raw = txn.get(b"counters", db=dbs.info)
+    return StoreInfo() if raw is None else StoreInfo(*_COUNTERS.unpack(raw))
+
+
+def store_info(txn: lmdb.Transaction, dbs: Databases, info: StoreInfo) -> None:
+    txn.put(b"counters", _COUNTERS.pack(info.used_bytes, info.blocks, info.raw_bytes, info.next_seq),
+            db=dbs.info)
+
+
+def read_info(env: lmdb.Environment, dbs: Databases) -> StoreInfo:
+    with env.begin() as txn:
+        return load_info(txn, dbs)
+
+
+# -- edits inside a write transaction: `info` changes with the blocks it counts ---------------
+
+def delete_in_txn(txn: lmdb.Transaction, dbs: Databases, h: bytes, info: StoreInfo) -> bool:
+    """Delete block `h` (payload, meta, LRU entry) and take it off `info`. True when it existed."""
+    raw = txn.get(h, db=dbs.meta)
+    try:
+        m = None if raw is None else BlockMeta.unpack(raw)
+    except ValueError:
+        m = None
+    if m is None:
+        # No usable metadata: sizes and LRU position are unknown, so scan and recount (rare).
+        found = txn.delete(h, db=dbs.payload) | txn.delete(h, db=dbs.meta)
+        cur = txn.cursor(db=dbs.lru)
+        stale = [k for k in cur.iternext(keys=True, values=False) if lru_hash(k) == h]
+        for k in stale:
+            txn.delete(k, db=dbs.lru)
+        recount(txn, dbs, info)
+        return found or bool(stale)
+    txn.delete(lru_key(m.last_access, h), db=dbs.lru)
+    txn.delete(h, db=dbs.meta)
+    txn.delete(h, db=dbs.payload)
+    info.used_bytes = max(0, info.used_bytes - m.stored_size)
+    info.raw_bytes = max(0, info.raw_bytes - m.raw_size)
+    info.blocks = max(0, info.blocks - 1)
+    return True
+
+
+def recount(txn: lmdb.Transaction, dbs: Databases, info: StoreInfo) -> None:
+    """Recompute `info`'s counters from every decodable `meta` record."""
+    info.used_bytes = info.raw_bytes = info.blocks = 0
+    for _, v in txn.cursor(db=dbs.meta):
+        try:
+            m = BlockMeta.unpack(v)
+        except ValueError:
+            continue
+        info.used_bytes += m.stored_size
+        info.raw_bytes += m.raw_size
+        info.blocks += 1
+        info.next_seq = max(info.next_seq, m.last_access + 1)

@@ -1,0 +1,317 @@
+"""The disk tier's background writer: blocks awaiting their commit, and the thread that commits them.
+
+Knows: the bounded queue of pending puts (a block waiting here is still served: see
+PendingBlock.copy_for), the accesses reads record for it, deletes that race a commit
+(cancelled), batching many blocks into one write transaction with compression done outside it,
+LRU eviction that enforces the capacity bound in the same transaction, and what to do when LMDB
+runs out of map or disk (MapFull/ENOSPC: evict, retry smaller, drop what still does not fit).
+Doesn't know: the read path or verification (storage/disk_tier.py, storage/disk_integrity.py),
+or the byte layout of the records beyond storage/disk_records.py's functions.
+
+Write failures never reach the caller of put: they are logged and counted (write_errors).
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import lmdb
+import torch
+
+from storage.codec import Codec
+from storage.disk_records import (BlockMeta, Databases, StoreInfo, delete_in_txn, load_info, lru_hash, lru_key,
+                                  read_info, store_info)
+from tieredkv.hashing import BlockKey
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class PendingBlock:
+    key: BlockKey
+    block: torch.Tensor
+
+    def copy_for(self, key: BlockKey, out: torch.Tensor | None) -> torch.Tensor | None:
+        """This raw copy served for `key` (into `out` if given); None when the key or `out`
+        does not match it."""
+        if (self.key.token_ids, self.key.namespace, self.key.parent) != (key.token_ids, key.namespace, key.parent):
+            return None
+        if out is None:
+            return self.block.clone()
+        if out.numel() != self.block.numel() or out.dtype != self.block.dtype or not out.is_contiguous():
+            return None
+        return out.view(self.block.shape).copy_(self.block)
+
+
+def _is_no_space(e: BaseException) -> bool:
+    # lmdb.DiskError is LMDB's ENOSPC; an OSError may carry it too.
+    return isinstance(e, (lmdb.MapFullError, lmdb.DiskError)) or getattr(e, "errno", None) == errno.ENOSPC
+
+
+class DiskWriter:
+    """Pending puts and recorded accesses, committed in batches by one thread. Thread-safe.
+
+    `count(**deltas)` receives the writer's share of the tier's counters (bytes_written,
+    evictions, write_errors). Nothing runs until start().
+    """
+
+    def __init__(self, env: lmdb.Environment, dbs: Databases, codec: Codec, capacity_bytes: int,
+                 queue_blocks: int, batch_blocks: int, count: Callable[..., None]) -> None:
+        self._env = env
+        self._dbs = dbs
+        self._codec = codec
+        self._capacity_bytes = capacity_bytes
+        self._queue_blocks = queue_blocks
+        self._batch_blocks = batch_blocks
+        self._count = count
+        self._cond = threading.Condition()
+        self._pending: dict[bytes, PendingBlock] = {}   # every put not yet committed (queued or in flight)
+        self._queue: deque[bytes] = deque()             # pending hashes the writer has not taken yet
+        self._touches: dict[bytes, int] = {}            # hash -> hits to record, in access order
+        self._cancelled: set[bytes] = set()             # deleted while in the writer's hands
+        self._busy = False
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="tieredkv-disk-writer", daemon=True)
+        self._thread.start()
+
+    # -- the tier's side -------------------------------------------------------------------
+
+    def is_pending(self, h: bytes) -> bool:
+        with self._cond:
+            return h in self._pending
+
+    def pending(self, hashes: Iterable[bytes]) -> list[PendingBlock | None]:
+        with self._cond:
+            return [self._pending.get(h) for h in hashes]
+
+    def pending_count(self) -> int:
+        with self._cond:
+            return len(self._pending)
+
+    def submit(self, key: BlockKey, block: torch.Tensor) -> None:
+        """Queue `block` (a private CPU copy) unless its hash is pending already."""
+        h = key.hash
+        with self._cond:
+            # NOTE: the queue bound -- put waits here while queue_blocks blocks are pending.
+            while len(self._pending) >= self._queue_blocks and not self._stopping:
+                self._cond.wait()
+            if self._stopping:
+                raise RuntimeError("DiskTier is closed")
+            if h not in self._pending:
+                self._pending[h] = PendingBlock(key, block)
+                self._queue.append(h)
+                self._cond.notify_all()
+
+    def record_accesses(self, hashes: Iterable[bytes]) -> None:
+        """One hit for each hash, committed (LRU position and hit count) with the next batch."""
+        with self._cond:
+            for h in hashes:
+                self._touches[h] = self._touches.pop(h, 0) + 1
+            self._cond.notify_all()
+
+    def cancel(self, h: bytes) -> bool:
+        """Forget a pending put of `h`. True when there was one."""
+        with self._cond:
+            p = self._pending.pop(h, None)
+            if p is not None:
+                if h in self._queue:
+                    self._queue.remove(h)
+                else:
+                    self._cancelled.add(h)   # the writer has it: it checks this inside its txn
+                self._cond.notify_all()
+        return p is not None
+
+    def cancel_all(self) -> None:
+        with self._cond:
+            for h in self._pending:
+                if h not in self._queue:
+                    self._cancelled.add(h)
+            self._pending.clear()
+            self._queue.clear()
+            self._cond.notify_all()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Block until every queued put and access update is committed (including those other
+        threads add meanwhile). False on timeout, or if the writer thread is gone."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._pending or self._touches or self._busy:
+                if self._thread is None or not self._thread.is_alive():
+                    return False
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def stop(self) -> None:
+        """Refuse new puts and let the thread exit once the queue and accesses are committed."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+
+    def join(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+
+    # -- the writer thread -----------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._touches and not self._stopping:
+                    self._cond.wait()
+                if self._stopping and not self._queue and not self._touches:
+                    return
+                n = min(self._batch_blocks, len(self._queue))
+                items = [self._pending[self._queue.popleft()] for _ in range(n)]
+                touches, self._touches = self._touches, {}
+                self._busy = True
+            try:
+                self._write_batch(items, touches)
+            except Exception:   # never let the writer die: the engine keeps running without disk writes
+                log.exception("disk tier: writing a batch of %d blocks failed; dropping it", len(items))
+                self._count(write_errors=len(items))
+            finally:
+                with self._cond:
+                    for it in items:
+                        if self._pending.get(it.key.hash) is it:
+                            del self._pending[it.key.hash]
+                        self._cancelled.discard(it.key.hash)
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def _write_batch(self, items: list[PendingBlock], touches: dict[bytes, int]) -> None:
+        encoded = []
+        for it in items:   # compress outside any transaction: the write lock is held only to commit
+            try:
+                encoded.append((it.key, self._codec.encode(it.block), it.block.numel() * it.block.element_size()))
+            except Exception:
+                log.exception("disk tier: encoding block %s failed", it.key.hash.hex()[:16])
+                self._count(write_errors=1)
+        if self._try_commit(encoded, touches):
+            return
+        if len(encoded) > 1:   # the batch does not fit as a whole: try each block alone
+            for e in encoded:
+                if not self._try_commit([e], {}):
+                    self._count(write_errors=1)
+        else:
+            self._count(write_errors=len(encoded))
+
+    def _try_commit(self, encoded: list, touches: dict[bytes, int]) -> bool:
+        """Commit, making room on MapFull/ENOSPC; False when it still does not fit."""
+        need = sum(len(p) for _, p, _ in encoded)
+        for attempt in range(4):
+            try:
+                self._commit(encoded, touches)
+                return True
+            except Exception as e:
+                if not _is_no_space(e):
+                    raise
+                log.warning("disk tier: %s; evicting to make room (attempt %d)", type(e).__name__, attempt + 1)
+            # Free at least the batch or 10% of the store, more on each attempt. LMDB reuses freed
+            # pages only once no transaction can still see them, hence several attempts.
+            info = read_info(self._env, self._dbs)
+            if self._make_room(max(need, info.used_bytes // 10) << attempt) == 0 and info.blocks == 0:
+                break
+        log.warning("disk tier: no room for %d block(s) after evicting; dropping them", len(encoded))
+        return False
+
+    def _commit(self, encoded: list, touches: dict[bytes, int]) -> None:
+        dbs = self._dbs
+        written = evicted = 0
+        with self._env.begin(write=True) as txn:
+            info = load_info(txn, dbs)
+            with self._cond:
+                # NOTE: read inside the write txn, so a delete() either lands in this set or
+                # starts its own write txn after this one commits (and then sees the block).
+                cancelled = set(self._cancelled)
+            for h, n in touches.items():   # accesses first: they happened before this batch's puts
+                raw = txn.get(h, db=dbs.meta)
+                try:
+                    m = None if raw is None else BlockMeta.unpack(raw)
+                except ValueError:
+                    m = None   # damaged: the next get or verify() deletes it
+                if m is None:
+                    continue   # evicted or deleted since it was read
+                txn.delete(lru_key(m.last_access, h), db=dbs.lru)
+                m.last_access, m.hits = info.next_seq, m.hits + n
+                info.next_seq += 1
+                txn.put(h, m.pack(), db=dbs.meta)
+                txn.put(lru_key(m.last_access, h), b"", db=dbs.lru)
+            now = time.time()
+            for key, payload, raw_size in encoded:
+                h = key.hash
+                if h in cancelled or txn.get(h, db=dbs.meta) is not None:
+                    continue   # deleted meanwhile, or another process stored it first
+                m = BlockMeta(key.parent, key.namespace, key.token_ids, raw_size, len(payload), now, info.next_seq, 0)
+                info.next_seq += 1
+                txn.put(h, payload, db=dbs.payload)
+                txn.put(h, m.pack(), db=dbs.meta)
+                txn.put(lru_key(m.last_access, h), b"", db=dbs.lru)
+                info.used_bytes += len(payload)
+                info.raw_bytes += raw_size
+                info.blocks += 1
+                written += len(payload)
+            # NOTE: the capacity invariant (used_bytes <= capacity_bytes) is enforced here, in the
+            # same transaction that added the bytes: no committed state exceeds it, whichever
+            # process committed it.
+            evicted = self._evict_in_txn(txn, info, lambda: info.used_bytes > self._capacity_bytes)
+            store_info(txn, dbs, info)
+        self._count(bytes_written=written, evictions=evicted)
+
+    def _make_room(self, target: int) -> int:
+        """Evict LRU blocks until `target` stored bytes are freed, in a transaction of its own
+        (smaller ones if even the deletes hit MapFull). Returns the bytes freed."""
+        freed, per_txn = 0, 64
+        while freed < target:
+            try:
+                with self._env.begin(write=True) as txn:
+                    info = load_info(txn, self._dbs)
+                    before, limit = info.used_bytes, [per_txn]
+
+                    def more() -> bool:
+                        limit[0] -= 1
+                        return limit[0] >= 0 and before - info.used_bytes + freed < target
+                    n = self._evict_in_txn(txn, info, more)
+                    store_info(txn, self._dbs, info)
+            except Exception as e:
+                if not _is_no_space(e) or per_txn == 1:
+                    raise
+                per_txn = max(1, per_txn // 4)
+                continue
+            self._count(evictions=n)
+            freed += before - info.used_bytes
+            if n == 0:
+                break
+        # LMDB reuses a page freed by transaction N only from transaction N+2 on (N+1 may still
+        # be read against N's snapshot), so commit one small transaction before the retry.
+        try:
+            with self._env.begin(write=True) as txn:
+                store_info(txn, self._dbs, load_info(txn, self._dbs))
+        except Exception as e:
+            if not _is_no_space(e):
+                raise
+        return freed
+
+    def _evict_in_txn(self, txn: lmdb.Transaction, info: StoreInfo, more: Callable[[], bool]) -> int:
+        """Delete least recently used blocks while more() says so. Returns how many."""
+        n = 0
+        while more():
+            cur = txn.cursor(db=self._dbs.lru)
+            if not cur.first():
+                break
+            h = lru_hash(cur.key())
+            if delete_in_txn(txn, self._dbs, h, info):
+                n += 1
+            else:
+                cur.delete()   # stray LRU entry without a block
+        return n
