@@ -147,14 +147,9 @@ class Engine:
                tenant: str = "default") -> Iterator[StreamChunk]:
         """Chunks with only the new text/token ids; the last has finish_reason, usage, metrics."""
         seq = self._submit(prompt, params, tenant)
-        while True:
-            kind, payload = seq.events.get()
-            if kind == "error":
-                raise payload
+        for kind, payload in self._events(seq):
             if kind == "delta":
                 yield payload
-            elif kind == "final":
-                return
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
@@ -224,13 +219,23 @@ class Engine:
         self.close()
 
     # ---- the engine thread ------------------------------------------------------------------
-    def _wait(self, seq: Sequence) -> CompletionOutput:
+    @staticmethod
+    def _events(seq: Sequence) -> Iterator[tuple[str, object]]:
+        """A sequence's events from the engine thread, up to and including "final"; an
+        "error" event is raised in the caller's thread."""
         while True:
             kind, payload = seq.events.get()
             if kind == "error":
                 raise payload
+            yield kind, payload
+            if kind == "final":
+                return
+
+    def _wait(self, seq: Sequence) -> CompletionOutput:
+        for kind, payload in self._events(seq):
             if kind == "final":
                 return payload
+        raise AssertionError("unreachable: the event stream ends with 'final'")
 
     def _take_inbox(self, block: bool) -> None:
         try:

@@ -31,6 +31,7 @@ grouping them gives zstd long runs to work with (the trick of Blosc/HDF5's shuff
 """
 from __future__ import annotations
 
+import math
 import struct
 import sys
 import threading
@@ -75,10 +76,7 @@ class CodecHeader:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
 
 # zstandard's compressor/decompressor objects are not thread-safe: one per thread.

@@ -7,6 +7,7 @@ copies). Doesn't know: where a block lives or what model made it.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -55,10 +56,7 @@ class BlockLayout:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:

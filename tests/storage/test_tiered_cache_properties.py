@@ -108,31 +108,6 @@ class TieredCacheMachine(RuleBasedStateMachine):
             group.append((page, k, ok))
         return group
 
-    @precondition(lambda self: self.held)
-    @rule(i=st.integers(0, 100))
-    def release(self, i: int) -> None:
-        group = self.held.pop(i % len(self.held))
-        self.cache.release([p for p, _, _ in group])
-
-    @rule(tier=st.sampled_from(["device", "host"]))
-    def demote(self, tier: str) -> None:
-        before = len(self.cache.pool.evictable_pages()) if tier == "device" else len(self.cache.host)
-        assert self.cache.demote(tier) == before
-
-    @rule()
-    def flush(self) -> None:
-        c, disk = self.cache, self.cache.disk
-        above = {c.pool.key_of(p).hash for p in c.pool.cached_pages()} | set(c.host.hashes())
-        missing = {h for h in above if not disk.contains(h)}
-        written = c.flush(timeout=30)
-        # Each block missing below is written once; one the disk evicts meanwhile may go twice.
-        assert len(missing) <= written <= len(missing) + len(above)
-        assert disk.check() == []
-        assert disk.stats().pending_writes == 0
-        for info in list(disk.iter_blocks()):
-            got = disk.get(KEYS[info.hash])
-            assert got is not None and same_bits(got, DATA[info.hash]), "disk bytes differ"
-
     def _hold_or_release(self, group: list[tuple[int, BlockKey, bool]], keep: bool) -> None:
         """Keep the pages (a running sequence), or release them at once (a finished one)."""
         if keep and group:
