@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 ATTN_NAME = "tieredkv_paged"
@@ -124,6 +125,12 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
 
 
 def register() -> str:
-    """Register the attention function with transformers (idempotent); returns its name."""
+    """Register the attention function with transformers (idempotent); returns its name.
+
+    The SDPA mask is registered under our name too: without it transformers builds no mask
+    for a custom attention, and the SDPA fallback (the model run outside the engine, e.g. with
+    a DynamicCache and several new tokens) would attend wrongly. Our paged path ignores it.
+    """
     AttentionInterface.register(ATTN_NAME, paged_attention_forward)
+    AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
     return ATTN_NAME

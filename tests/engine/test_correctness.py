@@ -172,3 +172,18 @@ def test_sampling_is_reproducible_with_seed(tmp_path):
     p = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, top_k=50, seed=1234)
     with make_engine(tmp_path) as eng:
         assert eng.generate(ids, p).token_ids == eng.generate(ids, p).token_ids
+
+
+def test_engine_model_outside_the_engine_matches_sdpa_with_a_dynamic_cache(tmp_path):
+    """The engine's model object, run by plain transformers code with a KV cache and several new
+    tokens at once, must still attend over the cached prefix (the SDPA fallback needs a mask)."""
+    from transformers import DynamicCache
+    ids = torch.tensor([random_prompt(20, seed=21)])
+    with make_engine(tmp_path, disk=False) as eng:
+        model = eng.loaded.model
+        with torch.no_grad():
+            full = model(ids).logits
+            cache = DynamicCache(config=model.config)
+            model(ids[:, :12], past_key_values=cache, use_cache=True)
+            tail = model(ids[:, 12:], past_key_values=cache, use_cache=True).logits
+    assert torch.allclose(tail, full[:, 12:], atol=1e-5)

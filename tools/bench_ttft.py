@@ -1,0 +1,450 @@
+"""TTFT of a prompt whose prefix is recomputed or restored from the device, host or disk tier.
+
+Knows: how to put one shared prefix (real prose, tiled to 256/1024/2048 tokens) into exactly
+one tier before a request, and how to measure, in the same run, the limit each case is judged
+against. Every measured request is prefix + a 16-token suffix that differs every time, so the
+suffix is always computed and only the prefix can hit.
+
+    source     how the prefix gets there before the request          limit_s
+    recompute  a fresh tenant (isolate_tenants): nothing can hit     plain transformers forward of the
+                                                                     same n+16 tokens (SDPA, no cache)
+    device     a warm-up request left it in device pages             that device hit's own TTFT (the
+                                                                     suffix prefill attending to n tokens)
+    host       demote("device")                                      device TTFT + bytes / torch copy GB/s
+    disk       demote("device"), demote("host"), disk.flush();       device TTFT + raw LMDB get + raw
+               the host tier is empty                                zstd decompress (all threads)
+
+The raw disk limit reads the very payloads the disk tier stored for the prefix (straight from
+its LMDB environment) and decompresses their zstd frames on all threads (the faster of
+`multi_decompress_to_buffer(threads=cpu_count)` and a pool of per-thread decompressors;
+zstd's own content checksum included, as it is part of the frame): no metadata or header checks, no
+byte-unshuffle, no copy into pages. The OS page cache is warm for both (the same bytes
+were just written), so "disk" here is LMDB + zstd, not the drive. Raw limits are the best of
+3 tries per round (a capability), the median over rounds.
+
+For reference (no target) the device row also carries hf_suffix_s: transformers' own forward
+of the same 16-token suffix over a DynamicCache holding the prefix, i.e. the suffix prefill
+without pages.
+
+Target: each hit within 1.25x of its limit. Each round is one recompute and then
+--hits-per-round cycles of device, host and disk hits, so the sources are interleaved and
+load from other processes hits them alike; medians over --repeat rounds. Besides TTFT each
+row shows the restore alone (RequestMetrics.restore_s) beside the raw edge time, which is
+where a slow restore path shows before it moves the TTFT ratio.
+
+    python tools/bench_ttft.py [--prefix-lengths 256,1024,2048] [--repeat 3] [--json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import shutil
+import statistics
+import struct
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+import zstandard
+
+from engine.engine import Engine
+from engine.model import load_model
+from engine.sampling_params import SamplingParams
+from tieredkv.config import CacheConfig
+from tieredkv.hashing import block_keys
+
+SUFFIX_TOKENS = 16
+TARGET = 1.25
+SOURCES = ("recompute", "device", "host", "disk")
+
+# Real prose (written for this benchmark), tiled to the prefix length: KV of natural text is
+# what the codec and the attention see in production, not random ids.
+PROSE = """\
+The lighthouse on the northern point was built in the spring of a dry year, when the river
+that usually flooded the lower fields barely reached its banks. The builders carried stone
+from a quarry two valleys away, and every cart that came down the hill road was counted by
+the children of the village, who had never seen so much work done in one place. By midsummer
+the tower stood taller than the church, and the keeper who would live in it arrived with a
+trunk of books, a clock that had to be wound every evening, and a dog that refused to climb
+the stairs.
+
+For the first few winters the light was fed with oil, and the keeper's days followed the
+same order: trim the wicks at noon, polish the lens in the afternoon, light the lamp before
+the sun touched the water, and write the weather into the log every four hours through the
+night. The log survives. It is mostly wind directions and the names of ships, but here and
+there the keeper wrote a sentence about something else: a heron standing on the rocks for a
+whole day, a storm that pulled the roof off the boat shed, a letter that came too late.
+
+Fishermen say that a light is only noticed when it fails. On the night of the great fog the
+lamp burned as it always did, but nobody at sea could see it, and the keeper went down to the
+shore with a bell and rang it until his arms gave out. In the morning every boat was home.
+The village paid for a proper fog signal the next year, a horn driven by compressed air, and
+people who grew up within earshot of it still claim they cannot fall asleep in silence.
+
+Electricity reached the point much later than it reached the town. The cable was laid along
+the old cart road, and the day the lamp was switched over, the keeper's daughter, who by then
+kept the light herself, wrote in the log that the tower felt empty without the smell of oil.
+The lens stayed the same. It had been ground by hand, in a workshop that no longer exists, and
+engineers who came to inspect it said that nothing made today would focus the beam as well.
+
+Today the light is automatic. A small computer in a grey cabinet turns it on at dusk, reports
+its own faults over a telephone line, and has never once written a sentence about a heron.
+The keeper's cottage is a museum, open on weekends in summer, where visitors can read the log
+under glass and climb the stairs that the dog would not. From the gallery at the top you can
+see the river, the fields it still floods in wet years, and on a clear day the grey line of
+the far coast, which the light was built to warn ships away from and which none of the
+keepers ever visited.
+"""
+
+
+_PROSE_IDS: dict[int, list[int]] = {}
+
+
+def prose_ids(tokenizer, n: int, offset: int = 0) -> list[int]:
+    """n token ids of PROSE, tiled, starting `offset` tokens in."""
+    base = _PROSE_IDS.get(id(tokenizer))
+    if base is None:
+        base = _PROSE_IDS[id(tokenizer)] = list(tokenizer(PROSE)["input_ids"])
+    reps = (offset + n) // len(base) + 1
+    return (base * reps)[offset:offset + n]
+
+
+_tls = threading.local()
+
+
+def _decompress(frame) -> bytes:
+    # One decompressor per thread: zstandard's objects are not thread-safe.
+    d = getattr(_tls, "dctx", None)
+    if d is None:
+        d = _tls.dctx = zstandard.ZstdDecompressor()
+    return d.decompress(frame)
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+class TTFTBench:
+    def __init__(self, engine: Engine, lengths: list[int], model_arg: str | None = None) -> None:
+        self.engine = engine
+        self.model_arg = model_arg
+        self._plain = None
+        self._pool = ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="bench-raw-zstd")
+        self.cache = engine.cache
+        self.tok = engine.tokenizer
+        self.lengths = lengths
+        self.params = SamplingParams(max_tokens=1)
+        self.block = engine.block_size
+        self._suffix_no = 0
+        self._tenant_no = 0
+        # Tenant names unique to this run: a reused --cache-dir must not turn a recompute
+        # into a hit on an earlier run's blocks.
+        self.run_id = uuid.uuid4().hex[:8]
+        self.samples: dict[tuple[int, str], list[float]] = {}
+        self.restore: dict[tuple[int, str], list[float]] = {}
+        self.hf_full: dict[int, list[float]] = {n: [] for n in lengths}
+        self.copy_s: dict[int, list[float]] = {n: [] for n in lengths}
+        self.hf_suffix_s: dict[int, list[float]] = {n: [] for n in lengths}
+        self._hf_cache: dict = {}
+        self.disk_raw_s: dict[int, list[tuple[float, float]]] = {n: [] for n in lengths}
+        self.payload_bytes: dict[int, int] = {}
+        self.prefix = {n: prose_ids(self.tok, n) for n in lengths}
+        big = max(lengths) // self.block * engine.layout.nbytes
+        dev = engine.loaded.device
+        # The host -> device edge: pinned host memory on CUDA (as the host tier's slab is).
+        self._copy_src = torch.ones(big, dtype=torch.uint8, pin_memory=dev.type == "cuda")
+        self._copy_dst = torch.zeros(big, dtype=torch.uint8, device=dev)
+
+    def close(self) -> None:
+        self._pool.shutdown()
+        self._plain = self._hf_cache = None
+
+    # ---- requests ------------------------------------------------------------------------
+    def suffix(self) -> list[int]:
+        # A different 16-token window of the prose each request (offsets never repeat).
+        self._suffix_no += 1
+        return prose_ids(self.tok, SUFFIX_TOKENS, offset=37 * self._suffix_no + 5)
+
+    def tenant(self, n: int) -> str:
+        return f"ttft-{self.run_id}-{n}"
+
+    def request(self, n: int, tenant: str, expect: str | None):
+        out = self.engine.generate(self.prefix[n] + self.suffix(), self.params, tenant=tenant)
+        if expect is not None:
+            got = out.usage.hit_tokens_by_tier
+            if got[expect] != n or sum(got.values()) != n:
+                raise RuntimeError(f"prefix {n}, expected {n} hit tokens from {expect}, got {got}")
+        return out
+
+    def expect_in(self, n: int, tier: str) -> None:
+        """The whole prefix must sit in `tier` (as the fastest tier holding it) before a request."""
+        where = self.engine.lookup(self.prefix[n] + [0] * SUFFIX_TOKENS, tenant=self.tenant(n)).hit_tokens_by_tier
+        if where[tier] != n:
+            raise RuntimeError(f"prefix {n}: expected all of it in {tier}, lookup says {where}")
+
+    def record(self, n: int, source: str, out) -> None:
+        self.samples.setdefault((n, source), []).append(out.metrics.ttft_s)
+        self.restore.setdefault((n, source), []).append(out.metrics.restore_s)
+
+    # ---- one round -----------------------------------------------------------------------
+    def round(self, n: int, hits: int) -> None:
+        """One recompute, then `hits` cycles of device, host and disk hits (hits are cheap;
+        more samples of them make their medians steadier on a shared machine)."""
+        # recompute: a tenant nobody used, so no block of it is cached anywhere.
+        self._tenant_no += 1
+        out = self.request(n, f"ttft-{self.run_id}-fresh-{self._tenant_no}", expect=None)
+        if out.usage.prompt_cache_miss_tokens != n + SUFFIX_TOKENS:
+            raise RuntimeError(f"recompute of prefix {n} hit the cache: {out.usage}")
+        self.record(n, "recompute", out)
+        self.engine.drop_tier("device")    # the fresh tenant's pages: keep the pool clean
+        self.hf_full[n].append(self.hf_forward(self.prefix[n] + self.suffix()))
+
+        # An untimed request brings the prefix into device pages (from wherever it is).
+        self.request(n, self.tenant(n), expect=None)
+        for _ in range(hits):
+            # device: the previous request left the prefix in device pages.
+            self.expect_in(n, "device")
+            self.record(n, "device", self.request(n, self.tenant(n), expect="device"))
+            self.hf_suffix_s[n].append(self.hf_suffix(n))
+
+            # host: every cached device page goes down one tier.
+            self.cache.demote("device")
+            self.expect_in(n, "host")
+            self.record(n, "host", self.request(n, self.tenant(n), expect="host"))
+
+            # disk: device -> host -> disk, writer drained, host empty.
+            self.cache.demote("device")
+            self.cache.demote("host")
+            self.cache.disk.flush()
+            if len(self.cache.host):
+                raise RuntimeError(f"host tier still holds {len(self.cache.host)} blocks")
+            self.expect_in(n, "disk")
+            self.record(n, "disk", self.request(n, self.tenant(n), expect="disk"))
+
+            self.copy_s[n].append(self.raw_copy(n))
+            self.disk_raw_s[n].append(self.raw_disk(n))
+
+    # ---- limits --------------------------------------------------------------------------
+    @property
+    def plain(self):
+        """A separate copy of the model with transformers' own SDPA attention and masks (the
+        engine's copy has our attention registered: transformers builds no mask for it)."""
+        if self._plain is None:
+            self._plain = load_model(self.model_arg, device=self.engine.loaded.device,
+                                     dtype=self.engine.loaded.dtype).model
+        return self._plain
+
+    @torch.inference_mode()
+    def hf_forward(self, ids: list[int]) -> float:
+        """A plain transformers forward of the whole prompt, no cache."""
+        model = self.plain
+        x = torch.tensor([ids], device=self.engine.loaded.device)
+        t0 = time.perf_counter()
+        model(input_ids=x, use_cache=False, logits_to_keep=1)
+        return time.perf_counter() - t0
+
+    def raw_copy(self, n: int) -> float:
+        """One plain torch copy of the prefix's bytes from a preallocated host buffer to one on
+        the model's device (CPU here: a memcpy); the best of 3."""
+        nbytes = n // self.block * self.engine.layout.nbytes
+        src, dst = self._copy_src[:nbytes], self._copy_dst[:nbytes]
+        sync = torch.cuda.synchronize if dst.is_cuda else (lambda: None)
+        dst.copy_(src)   # warm both buffers' pages
+        times = []
+        for _ in range(3):
+            sync()
+            t0 = time.perf_counter()
+            dst.copy_(src, non_blocking=True)
+            sync()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    def raw_disk(self, n: int) -> tuple[float, float]:
+        """(LMDB get, zstd decompress) seconds for the payloads the disk tier holds for the
+        prefix, each the best of 3 (the raw capability, not a sample of the load). The
+        decompress is the faster of zstd's own multi-threaded batch call and a pool of one
+        decompressor per thread (the batch call faults in one fresh output buffer per call,
+        which on this VM makes it the slower of the two).
+
+        Reads the tier's own LMDB environment directly (private attributes: the point is to
+        bypass DiskTier's verification and decoding)."""
+        disk = self.cache.disk
+        hashes = [k.hash for k in block_keys(self.engine.namespace(self.tenant(n)), self.prefix[n], self.block)]
+        threads = os.cpu_count() or 1
+        gets, decs = [], []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            with disk._env.begin() as txn:
+                payloads = [txn.get(h, db=disk._payload) for h in hashes]
+            gets.append(time.perf_counter() - t0)
+            if any(p is None for p in payloads):
+                raise RuntimeError(f"prefix {n}: not every block is on disk")
+            frames, sizes = [], []
+            for p in payloads:
+                h = disk.codec.peek_header(p)
+                frames.append(memoryview(p)[h.header_size:])   # the zstd frame after our header
+                sizes.append(h.raw_size)
+            sizes_buf = struct.pack(f"={len(sizes)}Q", *sizes)
+            t0 = time.perf_counter()
+            zstandard.ZstdDecompressor().multi_decompress_to_buffer(frames, decompressed_sizes=sizes_buf,
+                                                                    threads=threads)
+            decs.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            list(self._pool.map(_decompress, frames))
+            decs.append(time.perf_counter() - t0)
+        self.payload_bytes[n] = sum(len(p) for p in payloads)
+        return min(gets), min(decs)
+
+    @torch.inference_mode()
+    def hf_suffix(self, n: int) -> float:
+        """Reference only: transformers' own forward of a 16-token suffix over a DynamicCache
+        holding the prefix (what the device hit's suffix prefill costs without pages)."""
+        model = self.plain
+        dev = self.engine.loaded.device
+        if n not in self._hf_cache:
+            out = model(input_ids=torch.tensor([self.prefix[n]], device=dev), use_cache=True, logits_to_keep=1)
+            self._hf_cache = {n: out.past_key_values}     # one at a time: they are large
+        cache = self._hf_cache[n]
+        x = torch.tensor([self.suffix()], device=dev)
+        t0 = time.perf_counter()
+        model(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        dt = time.perf_counter() - t0
+        cache.crop(-SUFFIX_TOKENS)
+        return dt
+
+    # ---- report --------------------------------------------------------------------------
+    def cases(self) -> list[dict]:
+        rows = []
+        nbytes_block = self.engine.layout.nbytes
+        for n in self.lengths:
+            raw_bytes = n // self.block * nbytes_block
+            dev = _median(self.samples[(n, "device")])
+            copy_s = _median(self.copy_s[n])
+            get_s = _median([g for g, _ in self.disk_raw_s[n]])
+            dec_s = _median([d for _, d in self.disk_raw_s[n]])
+            limits = {
+                "recompute": (_median(self.hf_full[n]), "transformers forward of the full prompt (SDPA, no cache)"),
+                "device": (dev, "the device hit's own suffix prefill"),
+                "host": (dev + copy_s, f"device TTFT + {raw_bytes / 1e6:.1f} MB at {raw_bytes / copy_s / 1e9:.2f} GB/s "
+                                       f"(torch copy)"),
+                "disk": (dev + get_s + dec_s,
+                         f"device TTFT + LMDB get {get_s * 1e3:.1f} ms + zstd {dec_s * 1e3:.1f} ms "
+                         f"({raw_bytes / (get_s + dec_s) / 1e9:.2f} GB/s raw, "
+                         f"{self.payload_bytes[n] / 1e6:.1f} MB stored)"),
+            }
+            raw_restore = {"recompute": 0.0, "device": 0.0, "host": copy_s, "disk": get_s + dec_s}
+            for source in SOURCES:
+                samples = self.samples[(n, source)]
+                ttft = _median(samples)
+                limit, how = limits[source]
+                row = {"prefix_tokens": n, "source": source, "ttft_s": round(ttft, 5),
+                       "limit_s": round(limit, 5), "ratio": round(ttft / limit, 3),
+                       "target_met": None if source == "recompute" else ttft <= TARGET * limit,
+                       "best_ttft_s": round(min(samples), 5),
+                       # The restore alone (the engine's acquire: lookups, page allocation,
+                       # copies or reads + verification + decoding) beside the raw edge time.
+                       "restore_s": round(_median(self.restore[(n, source)]), 5),
+                       "raw_restore_s": round(raw_restore[source], 5),
+                       "limit": how, "samples_s": [round(x, 5) for x in samples]}
+                if source == "device":
+                    row["hf_suffix_s"] = round(_median(self.hf_suffix_s[n]), 5)
+                rows.append(row)
+        return rows
+
+
+def machine_note() -> str:
+    return (f"{platform.machine()}, {os.cpu_count()} CPU threads, torch {torch.__version__} "
+            f"({torch.get_num_threads()} intra-op threads), python {platform.python_version()}")
+
+
+def print_table(cases: list[dict], repeat: int, hits: int) -> None:
+    print(f"TTFT by prefix source: prefix + {SUFFIX_TOKENS}-token suffix, max_tokens=1; medians of {repeat} "
+          f"recomputes and {repeat * hits} hits per source")
+    print(f"{'prefix':>6}  {'source':<9}  {'ttft ms':>8}  {'best ms':>8}  {'limit ms':>8}  {'ratio':>6}  {'<=1.25x':<7}"
+          f"  {'restore ms':>10}  {'raw ms':>7}")
+    for c in cases:
+        met = "-" if c["target_met"] is None else ("met" if c["target_met"] else "MISSED")
+        print(f"{c['prefix_tokens']:>6}  {c['source']:<9}  {c['ttft_s'] * 1e3:>8.1f}  {c['best_ttft_s'] * 1e3:>8.1f}  "
+              f"{c['limit_s'] * 1e3:>8.1f}  {c['ratio']:>5.2f}x  {met:<7}  {c['restore_s'] * 1e3:>10.1f}  "
+              f"{c['raw_restore_s'] * 1e3:>7.1f}")
+    for c in cases:
+        if "hf_suffix_s" in c:
+            print(f"  reference, prefix {c['prefix_tokens']}: transformers' suffix forward over a DynamicCache "
+                  f"of the prefix {c['hf_suffix_s'] * 1e3:.1f} ms (device hit {c['ttft_s'] * 1e3:.1f} ms)")
+    print("limits:")
+    seen = set()
+    for c in cases:
+        if (c["prefix_tokens"], c["source"]) not in seen:
+            seen.add((c["prefix_tokens"], c["source"]))
+            print(f"  {c['prefix_tokens']:>5} {c['source']:<9} {c['limit']}")
+    print(f"machine: {machine_note()}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--prefix-lengths", default="256,1024,2048",
+                    help="comma-separated prefix lengths in tokens (multiples of the block size)")
+    ap.add_argument("--repeat", type=int, default=3, help="measured rounds per prefix length (median)")
+    ap.add_argument("--hits-per-round", type=int, default=3,
+                    help="device/host/disk hit cycles per round (one recompute per round)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    ap.add_argument("--cache-dir", default=None, help="disk tier directory (default: a temp dir, removed after)")
+    ap.add_argument("--model", default=None, help="model (default: SmolLM2-135M-Instruct)")
+    args = ap.parse_args(argv)
+    lengths = [int(x) for x in args.prefix_lengths.split(",") if x.strip()]
+    if not lengths or any(n < 16 or n % 16 for n in lengths):
+        ap.error("--prefix-lengths: expected positive multiples of 16")
+    if args.repeat < 1 or args.hits_per_round < 1:
+        ap.error("--repeat, --hits-per-round: expected >= 1")
+    logging.basicConfig(level=logging.WARNING)
+
+    tmp = tempfile.mkdtemp(prefix="tieredkv-ttft-") if args.cache_dir is None else None
+    disk_dir = os.path.join(args.cache_dir or tmp, "kv")
+    # 1 GiB each: room for the longest prompt (and a recompute of it) several times over in the
+    # device pool and in the host tier, so no measurement triggers an eviction.
+    cfg = CacheConfig(device_memory="1GiB", host_memory="1GiB", disk_dir=disk_dir, isolate_tenants=True)
+    bench = None
+    try:
+        engine = Engine.from_pretrained(args.model, cache=cfg)
+        blocks = -(-(max(lengths) + SUFFIX_TOKENS) // engine.block_size)
+        if engine.cache.pool.num_pages < 3 * blocks or engine.cache.host.num_slots < 2 * blocks:
+            raise SystemExit(f"--prefix-lengths: {max(lengths)} tokens do not fit three times in the 1 GiB device "
+                             f"pool and twice in the host tier for this model")
+        with engine:
+            bench = TTFTBench(engine, lengths, args.model)
+            for n in lengths:
+                bench.request(n, bench.tenant(n), expect=None)   # warm-up: first-call costs, untimed
+            for r in range(args.repeat):
+                for n in lengths:
+                    bench.round(n, args.hits_per_round)
+                    # Progress on stderr; stdout stays one table or one JSON object.
+                    print(f"round {r + 1}/{args.repeat} prefix {n}: "
+                          + ", ".join(f"{s} {bench.samples[(n, s)][-1] * 1e3:.0f} ms" for s in SOURCES),
+                          file=sys.stderr)
+            cases = bench.cases()
+            model_name = engine.model_name
+            layout = engine.layout
+    finally:
+        if bench is not None:
+            bench.close()
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    if args.json:
+        print(json.dumps({"cases": cases, "repeat": args.repeat, "hits_per_round": args.hits_per_round,
+                          "model": model_name,
+                          "block_bytes": layout.nbytes, "dtype": str(layout.dtype).removeprefix("torch."),
+                          "target_ratio": TARGET, "machine": machine_note()}))
+    else:
+        print_table(cases, args.repeat, args.hits_per_round)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
