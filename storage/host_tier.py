@@ -63,8 +63,9 @@ class HostTier:
         """Blocks in LRU order (least recent first)."""
         return list(self._lru)
 
-    def key_of(self, slot: int) -> BlockKey | None:
-        return self._keys[slot]
+    def blocks(self) -> list[tuple[int, BlockKey]]:
+        """(slot, key) of every block, in LRU order (least recent first)."""
+        return [(slot, self._keys[slot]) for slot in self._lru.values()]
 
     def reserve(self, block: BlockKey) -> int:
         """A slot for `block` (its old slot if it is already here). Evicts the LRU block when
@@ -76,7 +77,7 @@ class HostTier:
             self._lru.move_to_end(block.hash)
             return slot
         if not self._free:
-            self._evict_lru()
+            self.evict_lru()
         slot = self._free.popleft()
         self._keys[slot] = block
         self._lru[block.hash] = slot
@@ -84,9 +85,6 @@ class HostTier:
 
     def evict_lru(self) -> None:
         """Evict the least recently used block now (through `on_evict`)."""
-        self._evict_lru()
-
-    def _evict_lru(self) -> None:
         # NOTE invariant: capacity holds because a slot is only reused after its block left.
         h, slot = self._lru.popitem(last=False)
         key = self._keys[slot]

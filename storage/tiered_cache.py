@@ -222,18 +222,30 @@ class TieredKVCache:
     def _write_down(self, key: BlockKey, page: int) -> None:
         """Copy a device block into host (and, write-through, disk) unless already there."""
         if self.host.enabled:
-            if self.host.lookup(key) is None:
-                slot = self.host.reserve(key)
-                self.transfer.copy(self.host.slab[slot], self.pool.kv[page])
-                self._count_write("host")
-            if self.write_through and self.disk is not None and not self.disk.contains(key.hash):
-                self.transfer.sync_host()
-                self.disk.put(key, self.host.slab[self.host.lookup(key)])
-                self._count_write("disk")
-        elif self.disk is not None and not self.disk.contains(key.hash):
-            self.transfer.sync_host()
-            self.disk.put(key, self.pool.kv[page].cpu() if self.device.type != "cpu" else self.pool.kv[page])
-            self._count_write("disk")
+            self._to_host(key, page)
+            if self.write_through:
+                self._to_disk(key, self.host.slab[self.host.lookup(key)])
+        else:
+            self._to_disk(key, self.pool.kv[page])
+
+    def _to_host(self, key: BlockKey, page: int) -> bool:
+        """Copy a device page's block into the host slab unless it is there. True if copied."""
+        if self.host.lookup(key) is not None:
+            return False
+        slot = self.host.reserve(key)
+        self.transfer.copy(self.host.slab[slot], self.pool.kv[page])
+        self._count_write("host")
+        return True
+
+    def _to_disk(self, key: BlockKey, src: torch.Tensor) -> bool:
+        """Queue a block (a device page or a host slot) for disk unless the disk has it.
+        DiskTier.put copies the bytes, so `src` may be reused once this returns."""
+        if self.disk is None or self.disk.contains(key.hash):
+            return False
+        self.transfer.sync_host()   # earlier async copies into `src` are complete
+        self.disk.put(key, src.cpu())   # .cpu() is the tensor itself when it is on the CPU
+        self._count_write("disk")
+        return True
 
     def _count_write(self, tier: str) -> None:
         st = self._stats[tier]
@@ -245,12 +257,8 @@ class TieredKVCache:
         self._write_down(key, page)
 
     def _demote_from_host(self, key: BlockKey, slot_view: torch.Tensor) -> None:
-        # Called by the host tier before the slot is reused. DiskTier.put copies the bytes, so
-        # the slot is free for reuse as soon as put returns; compression happens off-thread.
-        if self.disk is not None and not self.disk.contains(key.hash):
-            self.transfer.sync_host()
-            self.disk.put(key, slot_view)
-            self._count_write("disk")
+        # Called by the host tier before the slot is reused; compression happens off-thread.
+        self._to_disk(key, slot_view)
 
     # ---- maintenance ---------------------------------------------------------------------
     def flush(self, timeout: float | None = None) -> int:
@@ -263,26 +271,13 @@ class TieredKVCache:
                 return 0
             for page in self.pool.cached_pages():
                 key = self.pool.key_of(page)
-                if lowest == "disk" and self.disk.contains(key.hash):
-                    continue
-                if lowest == "host" and self.host.lookup(key) is not None:
-                    continue
                 if lowest == "disk":
-                    self.transfer.sync_host()
-                    self.disk.put(key, self.pool.kv[page].cpu() if self.device.type != "cpu" else self.pool.kv[page])
+                    written += self._to_disk(key, self.pool.kv[page])
                 else:
-                    slot = self.host.reserve(key)
-                    self.transfer.copy(self.host.slab[slot], self.pool.kv[page])
-                self._count_write(lowest)
-                written += 1
-            if lowest == "disk" and self.host.enabled:
-                self.transfer.sync_host()
-                for h in self.host.hashes():
-                    if not self.disk.contains(h):
-                        slot = self.host._lru[h]
-                        self.disk.put(self.host.key_of(slot), self.host.slab[slot])
-                        self._count_write("disk")
-                        written += 1
+                    written += self._to_host(key, page)
+            if lowest == "disk":
+                for slot, key in self.host.blocks():
+                    written += self._to_disk(key, self.host.slab[slot])
             self.transfer.sync_host()
         if self.disk is not None:
             self.disk.flush(timeout)
