@@ -31,9 +31,9 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from storage.tiered_cache import TIERS, TieredKVCache
-from tieredkv.billing import Ledger, Prices, validate_tenant
-from tieredkv.config import CacheConfig
-from tieredkv.hashing import block_keys, namespace_digest, tenant_salt
+from engine.billing import Ledger, Prices, validate_tenant
+from storage.config import CacheConfig
+from storage.hashing import block_keys, namespace_digest, tenant_salt
 
 log = logging.getLogger("tieredkv.engine")
 

@@ -24,7 +24,7 @@ import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from tieredkv.config import default_cache_root
+from storage.config import default_cache_root
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from engine.gguf_cache import gguf_checkpoint
 from storage.layout import DTYPE_NAMES, BlockLayout, dtype_name
-from tieredkv.hashing import ModelIdentity, config_digest
+from storage.hashing import ModelIdentity, config_digest
 
 log = logging.getLogger(__name__)
 

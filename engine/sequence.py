@@ -14,7 +14,7 @@ from enum import Enum
 import torch
 
 from engine.sampling_params import SamplingParams
-from tieredkv.hashing import BlockKey, block_keys
+from storage.hashing import BlockKey, block_keys
 
 
 class SeqStatus(Enum):

@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass
 
 from service.errors import APIError, bad_request
-from tieredkv.billing import validate_tenant
+from engine.billing import validate_tenant
 
 DEFAULT_TENANT = "default"
 ROLES = ("admin", "user")

@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 from storage.layout import BlockLayout
-from tieredkv.hashing import BlockKey
+from storage.hashing import BlockKey
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,7 @@ import torch
 from storage.codec import Codec, CodecError
 from storage.disk_records import BlockMeta, Databases, load_info, lru_key
 from storage.layout import BlockLayout, dtype_name
-from tieredkv.hashing import BlockKey, hash_block
+from storage.hashing import BlockKey, hash_block
 
 
 @dataclass(frozen=True, slots=True)

@@ -37,7 +37,7 @@ from storage.disk_records import (DISK_FORMAT_VERSION, BlockMeta, StoreInfo, del
 from storage.disk_records import recount as recount_info
 from storage.disk_writer import DiskWriter
 from storage.layout import BlockLayout, dtype_name
-from tieredkv.hashing import BlockKey
+from storage.hashing import BlockKey
 
 __all__ = ["DISK_FORMAT_VERSION", "DamagedBlock", "DiskBlockInfo", "DiskStats", "DiskTier", "VerifyReport",
            "default_map_size"]

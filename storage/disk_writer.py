@@ -26,7 +26,7 @@ import torch
 from storage.codec import Codec
 from storage.disk_records import (BlockMeta, Databases, StoreInfo, delete_in_txn, load_info, lru_hash, lru_key,
                                   read_info, store_info)
-from tieredkv.hashing import BlockKey
+from storage.hashing import BlockKey
 
 log = logging.getLogger(__name__)
 

@@ -24,8 +24,8 @@ from storage.disk_tier import DiskTier
 from storage.host_tier import HostTier
 from storage.layout import BlockLayout
 from storage.transfer import Transfer
-from tieredkv.config import CacheConfig
-from tieredkv.hashing import BlockKey
+from storage.config import CacheConfig
+from storage.hashing import BlockKey
 
 TIERS = ("device", "host", "disk")
 

@@ -8,7 +8,7 @@ import pytest
 def default_model():
     """The real default model (SmolLM2-135M-Instruct), loaded once per session on the 'auto' device.
 
-    Uses the real user cache (tieredkv.config.default_cache_root()), so the one-time GGUF
+    Uses the real user cache (storage.config.default_cache_root()), so the one-time GGUF
     conversion (~25 s on 2 cores) is shared with later sessions, the demo and the server;
     later sessions load the cached safetensors in about a second.
     """

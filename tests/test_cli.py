@@ -154,7 +154,7 @@ def test_inspect_counts_blocks_per_namespace_and_draws_the_prefix_tree(cache: di
 
 def test_prefix_tree_keeps_blocks_whose_parent_is_gone_as_orphan_trees() -> None:
     from storage.disk_tier import DiskBlockInfo
-    from tieredkv.hashing import block_keys
+    from storage.hashing import block_keys
     from tieredkv.inspect_tree import build_forest
     ns = b"n" * 32
     keys = block_keys(ns, list(range(24)), BLOCK)             # one chain of 6 blocks

@@ -1,10 +1,10 @@
 """tieredkv: a tiered KV-cache store for LLM inference.
 
 Users import only this package: `from tieredkv import Engine, CacheConfig, SamplingParams`.
-The engine is imported lazily so that `import tieredkv` (config, hashing, billing, the CLI's
+The engine is imported lazily so that `import tieredkv` (the config, the CLI's
 help) does not pay for torch and transformers.
 """
-from tieredkv.config import CacheConfig
+from storage.config import CacheConfig
 
 __all__ = ["CacheConfig", "Engine", "SamplingParams"]
 __version__ = "0.1.0"

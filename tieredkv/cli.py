@@ -21,7 +21,7 @@ from rich.table import Table
 
 from tieredkv.cli_common import (CLIError, api_key_of, cache_root, err, existing_dir, friendly, get_json, micro, out,
                                  print_json, server_url, spinner)
-from tieredkv.config import format_size, parse_size
+from storage.config import format_size, parse_size
 
 TIERS = ("device", "host", "disk")
 
@@ -74,8 +74,8 @@ def serve(
     log_level: str = typer.Option("info", help="uvicorn log level."),
 ) -> None:
     """Run the OpenAI-compatible HTTP service on a model with the tiered KV cache."""
-    from tieredkv.billing import Prices
-    from tieredkv.config import CacheConfig
+    from engine.billing import Prices
+    from storage.config import CacheConfig
     root = cache_root(cache_dir)
     cache = CacheConfig(block_size=block_size, device_memory=device_memory, host_memory=host_memory,
                         disk_dir=str(root / "kv"), disk_capacity=disk_capacity)
@@ -271,7 +271,7 @@ def billing(
     if url:
         body = get_json(url, "/v1/cache/billing", api_key_of(api_key), {"tenant": tenant} if tenant else None)
     else:
-        from tieredkv.billing import Ledger
+        from engine.billing import Ledger
         root = cache_root(cache_dir)
         path = root / "billing"
         if not (path / "data.mdb").is_file():

@@ -3,7 +3,7 @@ JSON output, money formatting, and the HTTP client for commands that read a runn
 
 Knows: the exit statuses (1: something failed -- server unreachable, HTTP error, damage found;
 2: bad input -- a bad size, a missing cache dir, conflicting options), the default cache root
-(tieredkv.config.default_cache_root),
+(storage.config.default_cache_root),
 and how each way an HTTP GET can fail is told to the user.
 Doesn't know: the commands themselves (tieredkv/cli.py).
 """
@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import typer
 
-from tieredkv.config import default_cache_root
+from storage.config import default_cache_root
 from rich.console import Console
 
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -64,7 +64,7 @@ def friendly(fn: Callable) -> Callable:
 # ---- shared helpers ----------------------------------------------------------------------
 
 def cache_root(cache_dir: Optional[str]) -> Path:
-    """--cache-dir, else tieredkv.config.default_cache_root()."""
+    """--cache-dir, else storage.config.default_cache_root()."""
     if cache_dir:
         return Path(cache_dir).expanduser().absolute()
     return default_cache_root().absolute()

@@ -17,7 +17,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
-from tieredkv.hashing import namespace_digest, root_hash, tenant_salt
+from storage.hashing import namespace_digest, root_hash, tenant_salt
 
 PREVIEW_CHARS = 72
 
@@ -168,7 +168,7 @@ def limited(nodes: list[PrefixNode], max_width: int) -> tuple[list[PrefixNode], 
 
 def ledger_tenants(billing_dir: str) -> list[str]:
     """Tenants the billing ledger beside the disk tier knows (read-only); [] without one."""
-    from tieredkv.billing import Ledger
+    from engine.billing import Ledger
     try:
         with Ledger(billing_dir, readonly=True) as ledger:
             return ledger.tenants()
@@ -234,7 +234,7 @@ def overview(report: dict[str, Any]) -> Any:
     from rich.markup import escape
     from rich.table import Table
 
-    from tieredkv.config import format_size
+    from storage.config import format_size
     n = report["blocks"]
     head = (f"Disk tier {escape(report['path'])}\n"
             f"  {n:,} block{'s' if n != 1 else ''}, {format_size(report['stored_bytes'])} stored, "

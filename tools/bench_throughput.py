@@ -60,7 +60,7 @@ from bench_ttft import machine_note, prose_ids  # noqa: E402  (a sibling script,
 from engine.engine import Engine  # noqa: E402
 from engine.model import load_model  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
-from tieredkv.config import CacheConfig  # noqa: E402
+from storage.config import CacheConfig  # noqa: E402
 
 SYSTEMS = ("tieredkv", "tieredkv_nocache", "transformers_generate", "transformers_batch")
 DEFAULT_RATES = "0,0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1"

@@ -58,8 +58,8 @@ from storage.codec import Codec
 from storage.disk_tier import DiskTier, default_map_size
 from storage.layout import BlockLayout, dtype_from_name, dtype_name
 from storage.tiered_cache import TieredKVCache
-from tieredkv.config import CacheConfig
-from tieredkv.hashing import BlockKey, block_keys
+from storage.config import CacheConfig
+from storage.hashing import BlockKey, block_keys
 
 EDGES = ("device_to_host", "host_to_disk", "disk_to_host", "host_to_device")
 TARGET = 0.8

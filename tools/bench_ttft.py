@@ -57,8 +57,8 @@ import zstandard
 from engine.engine import Engine
 from engine.model import load_model
 from engine.sampling_params import SamplingParams
-from tieredkv.config import CacheConfig
-from tieredkv.hashing import block_keys
+from storage.config import CacheConfig
+from storage.hashing import block_keys
 
 SUFFIX_TOKENS = 16
 TARGET = 1.25

@@ -7,7 +7,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.service.conftest import check_usage
 from tests.service.tiny_engine import BLOCK_SIZE
-from tieredkv.billing import Prices
+from engine.billing import Prices
 
 TEXT = "Tiered caches keep hot blocks on the device, warm ones in host memory and cold ones on disk"
 

@@ -10,7 +10,7 @@ import httpx
 
 from tests.service.conftest import ServerProcess, check_usage
 from tests.service.tiny_engine import BLOCK_SIZE, build_engine
-from tieredkv.billing import Ledger
+from engine.billing import Ledger
 
 PROMPT = "Blocks that reached the disk tier survive the process: a restarted server restores them from LMDB"
 

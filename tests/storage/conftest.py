@@ -1,7 +1,7 @@
 import torch
 
 from storage.layout import BlockLayout
-from tieredkv.hashing import block_keys
+from storage.hashing import block_keys
 
 # A tiny layout: 2 layers, block of 4 tokens, 2 kv heads, head_dim 8 -> 256 elements per block.
 TINY = BlockLayout(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float32)

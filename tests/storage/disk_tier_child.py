@@ -18,7 +18,7 @@ import sys
 import torch
 
 from storage.disk_tier import DiskTier
-from tieredkv.hashing import BlockKey, hash_block, root_hash
+from storage.hashing import BlockKey, hash_block, root_hash
 
 NAMESPACE = bytes(range(32))
 SHAPE = (2, 2, 16, 3, 8)

@@ -17,8 +17,8 @@ from storage.disk_tier import DiskTier
 from storage.layout import BlockLayout
 from storage.tiered_cache import CacheMatch, TieredKVCache
 from tests.storage.conftest import TINY, block_data, keys
-from tieredkv.config import CacheConfig
-from tieredkv.hashing import BlockKey
+from storage.config import CacheConfig
+from storage.hashing import BlockKey
 
 DISK = 64 << 20
 

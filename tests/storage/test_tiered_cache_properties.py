@@ -20,8 +20,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from storage.codec import Codec
 from storage.tiered_cache import TieredKVCache
 from tests.storage.conftest import NS, TINY, block_data, keys
-from tieredkv.config import CacheConfig
-from tieredkv.hashing import BlockKey, block_keys
+from storage.config import CacheConfig
+from storage.hashing import BlockKey, block_keys
 
 # Three chains; B shares its first two blocks with A, then diverges.
 _A_TOKENS = list(range(6 * TINY.block_size))

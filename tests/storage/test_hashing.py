@@ -3,7 +3,7 @@ import struct
 import subprocess
 import sys
 
-from tieredkv.hashing import ModelIdentity, block_keys, hash_block, namespace_digest, root_hash
+from storage.hashing import ModelIdentity, block_keys, hash_block, namespace_digest, root_hash
 
 MODEL = ModelIdentity("m", "abc", "float32")
 NS_HEX = "d09a4c800b928a1a11a4b0479bfca09fc2444d02c242484dec8ecc79aa96b00a"
@@ -24,7 +24,7 @@ def test_golden_namespace_and_chain():
 
 
 def test_deterministic_across_processes():
-    code = ("from tieredkv.hashing import *; "
+    code = ("from storage.hashing import *; "
             "print(namespace_digest(ModelIdentity('m','abc','float32'),16,'t').hex())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={"PYTHONHASHSEED": "123", "PATH": ""}, cwd=".").stdout.strip()

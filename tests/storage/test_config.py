@@ -1,6 +1,6 @@
 import pytest
 
-from tieredkv.config import CacheConfig, parse_size
+from storage.config import CacheConfig, parse_size
 
 
 def test_defaults_parse():

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tieredkv.billing import Ledger, Prices, validate_tenant
+from engine.billing import Ledger, Prices, validate_tenant
 
 REPO = Path(__file__).resolve().parents[1]
 D1 = datetime(2025, 3, 1, 23, 59, 59, tzinfo=timezone.utc)
@@ -183,7 +183,7 @@ def test_reopen_in_another_process_while_open_here(tmp_path):
         # A read-only reader in another process (the CLI) while this writer keeps it open.
         out = run_py(f"""
             import json
-            from tieredkv.billing import Ledger
+            from engine.billing import Ledger
             led = Ledger({str(path)!r}, readonly=True)
             print(json.dumps(led.summary()))
             try:
@@ -212,7 +212,7 @@ def test_kill_9_mid_way_loses_no_acknowledged_request(tmp_path):
     path = tmp_path / "billing"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     child = subprocess.Popen([sys.executable, "-u", "-c", textwrap.dedent(f"""
-        from tieredkv.billing import Ledger
+        from engine.billing import Ledger
         led = Ledger({str(path)!r})
         i = 0
         while True:

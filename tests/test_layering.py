@@ -1,0 +1,47 @@
+"""The floors of the house: dependencies point one way, and a test keeps them there.
+
+    tieredkv (CLI, demo, re-exports)  ->  service  ->  engine  ->  storage
+
+storage owns the block vocabulary (hashing) and the cache config; engine owns the billing
+ledger (it records usage); tieredkv/ only faces the user. A module may import its own package
+and any package below it, never one above it. Read from the source with `ast`, so a lazy
+import inside a function counts too.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+FLOORS = ["storage", "engine", "service", "tieredkv"]  # bottom to top
+
+
+def _imported_packages(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module.split(".")[0])
+    return found & set(FLOORS)
+
+
+@pytest.mark.parametrize("package", FLOORS)
+def test_no_import_points_up(package: str) -> None:
+    above = set(FLOORS[FLOORS.index(package) + 1:])
+    offenders = {}
+    for path in sorted((ROOT / package).rglob("*.py")):
+        bad = _imported_packages(path) & above
+        if bad:
+            offenders[str(path.relative_to(ROOT))] = sorted(bad)
+    assert offenders == {}, f"imports pointing up from {package}/: {offenders}"
+
+
+def test_user_facing_names_still_importable_from_tieredkv() -> None:
+    import tieredkv
+    from storage.config import CacheConfig
+    assert tieredkv.CacheConfig is CacheConfig
+    assert set(tieredkv.__all__) == {"CacheConfig", "Engine", "SamplingParams"}
