@@ -1,9 +1,10 @@
 """The block codec: a KV block tensor <-> self-describing, checksummed, zstd-compressed bytes.
 
 Knows: the payload format (below), the byte-shuffle filter, and how to prove a payload is
-intact before handing bytes back. Anything wrong with a payload raises `CodecError`; a
-damaged payload never decodes to wrong bytes. Doesn't know: where payloads are stored, block
-keys, or eviction (that is storage/disk_tier.py).
+intact and is the one asked for before handing bytes back. Anything wrong with a payload
+raises `CodecError`; a damaged payload, or one stored under another block's key, never
+decodes to wrong bytes. Doesn't know: where payloads are stored, what a binding means (the
+disk tier binds a payload to its block hash and namespace), or eviction.
 
 Payload format (all integers little-endian):
 
@@ -15,15 +16,20 @@ Payload format (all integers little-endian):
     ndim                u8
     dims                ndim x u32
     raw size            u64  (bytes of the tensor before compression)
+    binding length      u8
+    binding             bytes (what the payload belongs to; the disk tier: block hash || namespace)
     header crc32        u32  over the header fields above
-    zstd frame          (content size and zstd's own content checksum on)
+    zstd frame          exactly one frame, with its content size and zstd's content checksum
 
-Two checks, each over what it is cheapest to check: the crc32 vouches for the header (so a
-damaged shape or size never drives an allocation or a wrong reshape), and zstd's content
+Three checks, each over what it is cheapest to check: the crc32 vouches for the header (so a
+damaged shape or size never drives an allocation or a wrong reshape); the binding inside that
+header must equal the one the reader asks for, so an intact payload found under the wrong key
+(a damaged LMDB page pointer, a misplaced record) is refused, not served; and zstd's content
 checksum (xxh64) vouches for the decompressed bytes -- damage in the frame either fails
-decompression or fails that checksum. Version 1 also had a crc32 over the whole frame; it
-cost ~22% of a block's restore time and guarded nothing zstd's checksum does not
-(docs/BENCHMARKS.md, "Tier edges").
+decompression or fails that checksum. A frame without a content checksum, or with bytes after
+it, is refused: zstd would decode either without complaint. Version 1 also had a crc32 over
+the whole frame; it cost ~22% of a block's restore time and guarded nothing zstd's checksum
+does not (docs/BENCHMARKS.md, "Tier edges"). Version 2 had no binding: this build refuses it.
 
 Byte-shuffle: element bytes are split into planes (all low bytes, then all high bytes, ...).
 The exponent/sign bytes of KV values repeat a lot while the mantissa bytes are noise, so
@@ -49,7 +55,7 @@ from storage.layout import dtype_from_name, dtype_name
 assert sys.byteorder == "little", "storage.codec assumes a little-endian machine"
 
 MAGIC = b"TKVB"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 _FLAG_SHUFFLE = 0x01
 # Stable codes for the dtype byte; they are on disk, so never renumber.
 _DTYPE_CODES: dict[str, int] = {"float32": 1, "float16": 2, "bfloat16": 3}
@@ -58,6 +64,7 @@ _FIXED = struct.Struct("<4sBBBbB")   # magic, version, flags, dtype code, level,
 _RAW_SIZE = struct.Struct("<Q")
 _CRC = struct.Struct("<I")
 _MAX_NDIM = 8
+MAX_BINDING = 255
 
 
 class CodecError(Exception):
@@ -72,6 +79,7 @@ class CodecHeader:
     raw_size: int
     shuffled: bool
     level: int
+    binding: bytes
     header_size: int    # bytes before the zstd frame
 
     @property
@@ -117,8 +125,11 @@ class Codec:
         if not isinstance(self.shuffle, bool):
             raise ValueError(f"shuffle: expected True or False, got {self.shuffle!r}")
 
-    def encode(self, block: torch.Tensor) -> bytes:
-        """Compress a contiguous CPU float32/float16/bfloat16 tensor into a payload."""
+    def encode(self, block: torch.Tensor, binding: bytes) -> bytes:
+        """Compress a contiguous CPU float32/float16/bfloat16 tensor into a payload bound to
+        `binding` (at most 255 bytes; decode() refuses the payload for any other binding)."""
+        if not isinstance(binding, bytes) or len(binding) > MAX_BINDING:
+            raise ValueError(f"binding: expected at most {MAX_BINDING} bytes, got {binding!r:.40}")
         if block.device.type != "cpu" or not block.is_contiguous():
             raise ValueError(f"block: expected a contiguous CPU tensor, got device={block.device}, "
                              f"contiguous={block.is_contiguous()}")
@@ -133,26 +144,39 @@ class Codec:
         frame = _compressor(self.level).compress(raw)
         header = (_FIXED.pack(MAGIC, FORMAT_VERSION, _FLAG_SHUFFLE if shuffled else 0, _DTYPE_CODES[name],
                               self.level, block.dim())
-                  + struct.pack(f"<{block.dim()}I", *block.shape) + _RAW_SIZE.pack(raw.size))
+                  + struct.pack(f"<{block.dim()}I", *block.shape) + _RAW_SIZE.pack(raw.size)
+                  + bytes((len(binding),)) + binding)
         return b"".join((header, _CRC.pack(zlib.crc32(header)), frame))
 
     def peek_header(self, payload: bytes | memoryview) -> CodecHeader:
         """Parse and sanity-check the header without checking the crc or decompressing."""
         return _parse_header(memoryview(payload))
 
-    def decode(self, payload: bytes | memoryview, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Verify and decompress a payload; the result has the header's dtype and shape.
-
-        `out`, when given, is a contiguous CPU tensor of the header's dtype and numel that
-        receives the bytes (no allocation); the returned tensor is a view of it. Raises
-        CodecError for any damage, ValueError when `out` does not fit the payload.
-        """
+    def check_header(self, payload: bytes | memoryview) -> CodecHeader:
+        """Parse the header and check its crc32 (no decompression): the fields, binding included,
+        are then the ones encode() wrote. Raises CodecError."""
         mv = memoryview(payload).cast("B")
         header = _parse_header(mv)
         fields_end = header.header_size - _CRC.size
         (crc,) = _CRC.unpack_from(mv, fields_end)
         if zlib.crc32(mv[:fields_end]) != crc:
             raise CodecError("header crc32 mismatch: payload damaged")
+        return header
+
+    def decode(self, payload: bytes | memoryview, binding: bytes, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Verify and decompress a payload; the result has the header's dtype and shape.
+
+        `binding` must equal the one the payload was encoded with. `out`, when given, is a
+        contiguous CPU tensor of the header's dtype and numel that receives the bytes (no
+        allocation); the returned tensor is a view of it. Raises CodecError for any damage or
+        a binding mismatch, ValueError when `out` does not fit the payload.
+        """
+        mv = memoryview(payload).cast("B")
+        header = self.check_header(mv)
+        # NOTE invariant: a payload is served only for the binding it was written with -- an
+        # intact payload under another key is refused here, before any byte is decoded.
+        if header.binding != binding:
+            raise CodecError("payload is bound to another block: stored under the wrong key")
         frame = mv[header.header_size:]
         dtype = dtype_from_name(header.dtype)
         if out is None:
@@ -166,7 +190,10 @@ class Codec:
             # (crc-checked) header promises.
             if zstandard.frame_content_size(frame) != header.raw_size:
                 raise CodecError("zstd frame content size does not match the header's raw size")
-            data = _decompressor().decompress(frame, max_output_size=header.raw_size)
+            # Without its content checksum a damaged frame can decode to wrong bytes silently.
+            if not zstandard.get_frame_parameters(frame).has_checksum:
+                raise CodecError("zstd frame has no content checksum")
+            data = _decompressor().decompress(frame, max_output_size=header.raw_size, allow_extra_data=False)
         except zstandard.ZstdError as e:
             raise CodecError(f"zstd: {e}") from e
         if len(data) != header.raw_size:
@@ -225,7 +252,11 @@ def _parse_header(mv: memoryview) -> CodecHeader:
         raise CodecError(f"unknown dtype code {code}")
     if ndim > _MAX_NDIM:
         raise CodecError(f"ndim {ndim} > {_MAX_NDIM}")
-    size = _FIXED.size + 4 * ndim + _RAW_SIZE.size + _CRC.size
+    binding_at = _FIXED.size + 4 * ndim + _RAW_SIZE.size
+    if len(mv) < binding_at + 1:
+        raise CodecError(f"truncated payload: {len(mv)} bytes")
+    binding = bytes(mv[binding_at + 1:binding_at + 1 + mv[binding_at]])
+    size = binding_at + 1 + mv[binding_at] + _CRC.size
     if len(mv) < size:
         raise CodecError(f"truncated payload: {len(mv)} bytes")
     shape = struct.unpack_from(f"<{ndim}I", mv, _FIXED.size)
@@ -237,4 +268,4 @@ def _parse_header(mv: memoryview) -> CodecHeader:
     if numel * dtype_from_name(dtype).itemsize != raw_size:
         raise CodecError(f"raw size {raw_size} does not match shape {shape} of {dtype}")
     return CodecHeader(version=version, dtype=dtype, shape=tuple(shape), raw_size=raw_size,
-                       shuffled=bool(flags & _FLAG_SHUFFLE), level=level, header_size=size)
+                       shuffled=bool(flags & _FLAG_SHUFFLE), level=level, binding=binding, header_size=size)

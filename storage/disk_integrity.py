@@ -1,7 +1,8 @@
 """What a sound disk tier looks like: the checks a stored block passes before it is served, the
 deeper checks of verify(), and check()'s audit of the counters and indexes.
 
-Knows: how a stored block must agree with the key asking for it (token ids, namespace, parent),
+Knows: how a stored block must agree with the key asking for it (token ids, namespace, parent in
+`meta`; the payload's binding -- block hash and namespace, inside the codec's checked header),
 with its metadata (sizes), with the codec (header, checksum, full decode) and the layout; that a
 stored block's hash must equal hash_block(parent, token_ids); and that the `info` counters and
 the `lru` index must match the `meta` records exactly.
@@ -18,6 +19,12 @@ from storage.codec import Codec, CodecError
 from storage.disk_records import BlockMeta, Databases, load_info, lru_key
 from storage.layout import BlockLayout, dtype_name
 from storage.hashing import BlockKey, hash_block
+
+
+def payload_binding(h: bytes, namespace: bytes) -> bytes:
+    """What a stored payload is bound to (codec header): its block hash and namespace. The hash
+    chains the parent and token ids, so a payload can serve one block of one namespace only."""
+    return h + namespace
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +67,7 @@ def verify_and_decode(codec: Codec, layout: BlockLayout | None, key: BlockKey, o
             return None, f"block is {header.shape} {header.dtype}, layout wants {layout.shape}"
         if out is not None and (dtype_name(out.dtype) != header.dtype or out.numel() != header.numel):
             return None, f"block is {header.shape} {header.dtype}, does not fit out"
-        return codec.decode(payload, out), None
+        return codec.decode(payload, payload_binding(key.hash, key.namespace), out), None
     except CodecError as e:
         return None, f"codec: {e}"
 

@@ -26,6 +26,7 @@ import torch
 from storage.codec import Codec
 from storage.disk_records import (BlockMeta, Databases, StoreInfo, delete_in_txn, load_info, lru_hash, lru_key,
                                   read_info, store_info)
+from storage.disk_integrity import payload_binding
 from storage.hashing import BlockKey
 
 log = logging.getLogger(__name__)
@@ -193,7 +194,7 @@ class DiskWriter:
         encoded = []
         for it in items:   # compress outside any transaction: the write lock is held only to commit
             try:
-                encoded.append((it.key, self._codec.encode(it.block), it.block.numel() * it.block.element_size()))
+                encoded.append((it.key, self._codec.encode(it.block, payload_binding(it.key.hash, it.key.namespace)), it.block.numel() * it.block.element_size()))
             except Exception:
                 log.exception("disk tier: encoding block %s failed", it.key.hash.hex()[:16])
                 self._count(write_errors=1)

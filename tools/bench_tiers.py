@@ -362,11 +362,11 @@ def compression(blocks32: torch.Tensor, level: int, repeat: int) -> dict:
             enc_s = dec_s = float("inf")
             for _ in range(repeat):
                 t0 = time.perf_counter()
-                payloads = [codec.encode(b) for b in blocks]
+                payloads = [codec.encode(b, BINDING) for b in blocks]
                 enc_s = min(enc_s, time.perf_counter() - t0)
                 t0 = time.perf_counter()
                 for p, d in zip(payloads, dst):
-                    codec.decode(p, out=d)
+                    codec.decode(p, BINDING, out=d)
                 dec_s = min(dec_s, time.perf_counter() - t0)
             assert same_bits(dst, blocks)
             out[f"{name}/{'shuffle' if shuffle else 'plain'}"] = {
@@ -375,13 +375,16 @@ def compression(blocks32: torch.Tensor, level: int, repeat: int) -> dict:
     return out
 
 
+BINDING = bytes(64)   # the disk tier binds each payload to block hash || namespace (64 bytes)
+
+
 def codec_profile(blocks: torch.Tensor, level: int, shuffle: bool, repeat: int) -> dict:
     """Single-thread microseconds per block of each step of Codec.encode / Codec.decode (the work
     the disk writer and get_many's decode threads do per block), best of `repeat`, warm buffers."""
     codec = Codec(level=level, shuffle=shuffle)
     itemsize = blocks.element_size()
     views = [b.reshape(-1).view(torch.uint8).numpy() for b in blocks]
-    payloads = [codec.encode(b) for b in blocks]
+    payloads = [codec.encode(b, BINDING) for b in blocks]
     headers = [codec.peek_header(p) for p in payloads]
     frames = [memoryview(p)[h.header_size:] for p, h in zip(payloads, headers)]
     planes = [codec_mod._shuffle(v, itemsize) for v in views] if shuffle else views
@@ -393,11 +396,11 @@ def codec_profile(blocks: torch.Tensor, level: int, shuffle: bool, repeat: int) 
         "encode.shuffle": lambda: [codec_mod._shuffle(v, itemsize) for v in views],
         "encode.zstd": lambda: [cctx.compress(p) for p in planes],
         "encode.crc32": lambda: [zlib.crc32(memoryview(p)[:h.header_size - 4]) for p, h in zip(payloads, headers)],
-        "encode.total": lambda: [codec.encode(b) for b in blocks],
+        "encode.total": lambda: [codec.encode(b, BINDING) for b in blocks],
         "decode.crc32": lambda: [zlib.crc32(memoryview(p)[:h.header_size - 4]) for p, h in zip(payloads, headers)],
         "decode.zstd": lambda: [_decompress_into(f, scratch) for f in frames],
         "decode.unshuffle": lambda: [codec_mod._unshuffle(p, out_np, itemsize) for p in planes],
-        "decode.total": lambda: [codec.decode(p, out=out) for p in payloads],
+        "decode.total": lambda: [codec.decode(p, BINDING, out=out) for p in payloads],
     }
     if not shuffle:
         del steps["encode.shuffle"], steps["decode.unshuffle"]

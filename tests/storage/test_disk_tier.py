@@ -14,6 +14,7 @@ import lmdb
 import pytest
 import torch
 
+from storage.disk_integrity import payload_binding
 from storage.codec import Codec
 from storage.disk_tier import DiskTier
 from storage.layout import BlockLayout
@@ -112,7 +113,7 @@ def test_capacity_bound_and_exact_lru_eviction_order(tmp_path: Path) -> None:
     names = "ABCDE"
     keys = {n: make_key(i) for i, n in enumerate(names)}
     blocks = {n: noise_block(i) for i, n in enumerate(names)}
-    sizes = {n: len(codec.encode(b)) for n, b in blocks.items()}
+    sizes = {n: len(codec.encode(b, payload_binding(keys[n].hash, keys[n].namespace))) for n, b in blocks.items()}
     size = sizes["A"]
     assert set(sizes.values()) == {size}
     with DiskTier(str(tmp_path), 3 * size, codec) as t:

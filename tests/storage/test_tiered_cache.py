@@ -12,6 +12,7 @@ import lmdb
 import pytest
 import torch
 
+from storage.disk_integrity import payload_binding
 from storage.codec import Codec
 from storage.disk_tier import DiskTier
 from storage.layout import BlockLayout
@@ -109,7 +110,7 @@ def damage_payload(path: Path, h: bytes) -> None:
 
 def test_eviction_cascades_device_host_disk_in_lru_order(caches) -> None:
     ks = keys(8)
-    sizes = [len(Codec().encode(block_data(k))) for k in ks]
+    sizes = [len(Codec().encode(block_data(k), payload_binding(k.hash, k.namespace))) for k in ks]
     cap = 2 * max(sizes)
     assert 3 * min(sizes) > cap                       # the disk holds exactly two blocks
     cache = caches(pages=2, host_slots=2, disk_bytes=cap)

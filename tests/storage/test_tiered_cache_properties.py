@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from storage.disk_integrity import payload_binding
 from storage.codec import Codec
 from storage.tiered_cache import TieredKVCache
 from tests.storage.conftest import NS, TINY, block_data, keys
@@ -32,7 +33,7 @@ CHAINS: list[list[BlockKey]] = [
 ]
 KEYS = {k.hash: k for chain in CHAINS for k in chain}
 DATA = {h: block_data(k) for h, k in KEYS.items()}
-BLOCK_ON_DISK = max(len(Codec().encode(d)) for d in DATA.values())
+BLOCK_ON_DISK = max(len(Codec().encode(d, payload_binding(h, KEYS[h].namespace))) for h, d in DATA.items())
 PAGES = 4
 
 
