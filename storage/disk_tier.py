@@ -16,6 +16,10 @@ opening scans nothing. Processes sharing a directory should pass the same capaci
 map_size): the capacity bound is enforced by whichever process writes.
 
 Hits/misses/corrupt/evictions/bytes counters in `stats()` are this process's own.
+
+NOTE invariant: the read paths (contains, get, get_many) never raise a storage error: an LMDB
+or OS error while reading is a miss, counted in `read_errors` and logged. A cache that cannot
+read must cost a recompute, never a failed or hung request (issue 7, item 2).
 """
 from __future__ import annotations
 
@@ -69,6 +73,7 @@ class DiskStats:
     bytes_read: int
     bytes_written: int
     write_errors: int
+    read_errors: int
     pending_writes: int
 
 
@@ -94,6 +99,7 @@ class _Counters:
     bytes_read: int = 0
     bytes_written: int = 0
     write_errors: int = 0
+    read_errors: int = 0
 
 
 class DiskTier:
@@ -165,8 +171,16 @@ class DiskTier:
         self._writer.submit(key, copy)   # waits while the queue is full (backpressure)
 
     def contains(self, h: bytes) -> bool:
+        """Whether the block is stored or pending; False (a counted read error) when the store
+        cannot be read."""
         self._check_open()
-        return self._writer.is_pending(h) or self._stored(h)
+        if self._writer.is_pending(h):
+            return True
+        try:
+            return self._stored(h)
+        except (lmdb.Error, OSError) as e:
+            self._read_failed("contains", e)
+            return False
 
     def get(self, key: BlockKey, out: torch.Tensor | None = None) -> torch.Tensor | None:
         """The verified block for `key`, or None (missing, or damaged: then counted and deleted).
@@ -185,6 +199,15 @@ class DiskTier:
         outs = [None] * len(keys) if outs is None else list(outs)
         if len(outs) != len(keys):
             raise ValueError(f"outs: expected {len(keys)} entries, got {len(outs)}")
+        try:
+            return self._get_many(keys, outs)
+        except (lmdb.Error, OSError) as e:
+            # Nothing was served: a decode writes only into `outs`, which the caller does not
+            # use for a miss. The whole call is one miss per key.
+            self._read_failed("get_many", e, misses=len(keys))
+            return [None] * len(keys)
+
+    def _get_many(self, keys: list[BlockKey], outs: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
         results: list[torch.Tensor | None] = [None] * len(keys)
         pending = self._writer.pending(k.hash for k in keys)
         todo, misses, hits = [], 0, 0
@@ -291,7 +314,7 @@ class DiskTier:
                          compression_ratio=info.raw_bytes / info.used_bytes if info.used_bytes else 0.0,
                          hits=c.hits, misses=c.misses, corrupt=c.corrupt, evictions=c.evictions,
                          bytes_read=c.bytes_read, bytes_written=c.bytes_written, write_errors=c.write_errors,
-                         pending_writes=pending)
+                         read_errors=c.read_errors, pending_writes=pending)
 
     def iter_blocks(self) -> Iterator[DiskBlockInfo]:
         """Every stored block's metadata, in hash order (undecodable records are skipped:
@@ -415,6 +438,10 @@ class DiskTier:
         except Exception:
             log.exception("disk tier: deleting blocks failed")
             return 0
+
+    def _read_failed(self, what: str, e: BaseException, misses: int = 0) -> None:
+        log.error("disk tier %s: %s failed (%s: %s): served as a miss", self.path, what, type(e).__name__, e)
+        self._count(read_errors=1, misses=misses)
 
     def _count(self, **deltas: int) -> None:
         with self._stats_lock:

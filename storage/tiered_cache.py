@@ -132,37 +132,15 @@ class TieredKVCache:
             t0 = time.perf_counter()
             pages: list[int] = []
             tiers: list[str] = []
-            disk_keys: list[tuple[int, BlockKey]] = []
-            for key, _ in match.blocks:
-                page = self.pool.lookup(key)
-                if page is not None:
-                    self.pool.acquire(page)
-                    pages.append(page)
-                    tiers.append("device")
-                    continue
-                if not self.pool.can_allocate(1):
-                    break
-                # Allocate first, then look the block up: the allocation may evict a device
-                # page whose demotion pushes this very block out of a full host tier.
-                (page,) = self.pool.allocate(1)
-                self.transfer.fence()  # the page's previous block finished copying out
-                slot = self.host.lookup(key) if self.host.enabled else None
-                if slot is not None:
-                    self.host.touch(key)
-                    self.transfer.copy(self.pool.kv[page], self.host.slab[slot])
-                    pages.append(page)
-                    tiers.append("host")
-                elif self.disk is not None and self.disk.contains(key.hash):
-                    pages.append(page)
-                    tiers.append("disk")
-                    disk_keys.append((len(pages) - 1, key))
-                else:
+            try:
+                pages, tiers = self._promote(match, pages, tiers)
+            except BaseException:
+                # NOTE invariant: pages are given back on every path. Storage read errors never
+                # get here (DiskTier serves them as misses); anything else fails this request
+                # alone, and its pages -- none registered yet -- return to the pool.
+                for page in pages:
                     self.pool.release(page)
-                    break  # the block left every tier since match(): the prefix ends here
-            if disk_keys:
-                self.transfer.fence()
-                pages, tiers = self._fill_from_disk(pages, tiers, disk_keys)
-            self.transfer.fence()  # NOTE invariant: promoted pages are complete before any read
+                raise
             for page, tier, (key, _) in zip(pages, tiers, match.blocks):
                 st = self._stats[tier]
                 st.hits += 1
@@ -171,6 +149,41 @@ class TieredKVCache:
                     st.promotions += 1
                     st.bytes_read += self.layout.nbytes
             return Acquired(tuple(pages), tuple(tiers), time.perf_counter() - t0)
+
+    def _promote(self, match: CacheMatch, pages: list[int], tiers: list[str]) -> tuple[list[int], list[str]]:
+        """acquire()'s copies. Appends each page to `pages` the moment it is held, so if anything
+        raises, acquire() knows every page to give back. Returns the final, possibly cut, lists."""
+        disk_keys: list[tuple[int, BlockKey]] = []
+        for key, _ in match.blocks:
+            page = self.pool.lookup(key)
+            if page is not None:
+                self.pool.acquire(page)
+                pages.append(page)
+                tiers.append("device")
+                continue
+            if not self.pool.can_allocate(1):
+                break
+            # Allocate first, then look the block up: the allocation may evict a device
+            # page whose demotion pushes this very block out of a full host tier.
+            pages.extend(self.pool.allocate(1))
+            page = pages[-1]
+            self.transfer.fence()  # the page's previous block finished copying out
+            slot = self.host.lookup(key) if self.host.enabled else None
+            if slot is not None:
+                self.host.touch(key)
+                self.transfer.copy(self.pool.kv[page], self.host.slab[slot])
+                tiers.append("host")
+            elif self.disk is not None and self.disk.contains(key.hash):
+                tiers.append("disk")
+                disk_keys.append((len(pages) - 1, key))
+            else:
+                self.pool.release(pages.pop())
+                break  # the block left every tier since match(): the prefix ends here
+        if disk_keys:
+            self.transfer.fence()
+            pages, tiers = self._fill_from_disk(pages, tiers, disk_keys)
+        self.transfer.fence()  # NOTE invariant: promoted pages are complete before any read
+        return pages, tiers
 
     def _fill_from_disk(self, pages: list[int], tiers: list[str],
                         disk_keys: list[tuple[int, BlockKey]]) -> tuple[list[int], list[str]]:
@@ -341,7 +354,8 @@ class TieredKVCache:
                 o.capacity_bytes, o.used_bytes, o.blocks, o.evictions = d.capacity_bytes, d.used_bytes, d.blocks, d.evictions
                 o.bytes_read = d.bytes_read
                 o.extra = {"enabled": True, "compression_ratio": d.compression_ratio, "pending_writes": d.pending_writes,
-                           "corrupt": d.corrupt, "write_errors": d.write_errors, "raw_bytes": d.raw_bytes,
+                           "corrupt": d.corrupt, "write_errors": d.write_errors, "read_errors": d.read_errors,
+                           "raw_bytes": d.raw_bytes,
                            "stored_bytes_written": d.bytes_written}
             else:
                 out["disk"].extra = {"enabled": False}
