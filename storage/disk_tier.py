@@ -275,7 +275,9 @@ class DiskTier:
 
     def flush(self, timeout: float | None = None) -> bool:
         """Block until every queued put and access update is committed (including those other
-        threads add meanwhile). False on timeout, or if the writer thread is gone."""
+        threads add meanwhile). False on timeout, if the writer thread is gone, or if any block
+        was dropped (no room even after evicting, an I/O error) while it waited: the dropped
+        blocks are counted in stats().write_errors."""
         if self.readonly or self._closed:
             return True
         return self._writer.flush(timeout)

@@ -8,7 +8,13 @@ runs out of map or disk (MapFull/ENOSPC: evict, retry smaller, drop what still d
 Doesn't know: the read path or verification (storage/disk_tier.py, storage/disk_integrity.py),
 or the byte layout of the records beyond storage/disk_records.py's functions.
 
-Write failures never reach the caller of put: they are logged and counted (write_errors).
+Write failures never reach the caller of put: they are logged and counted (write_errors), and
+flush() reports them: it is True only when nothing was dropped while it waited.
+
+Stale readers: a process killed inside a read transaction leaves its slot in LMDB's reader
+table, and LMDB then keeps every page that snapshot could see -- freed pages are never reused,
+the file grows past the capacity and commits fail with MapFull. The writer clears such slots
+(reader_check) at start, every few seconds, and before evicting for room.
 """
 from __future__ import annotations
 
@@ -30,6 +36,8 @@ from storage.disk_integrity import payload_binding
 from storage.hashing import BlockKey
 
 log = logging.getLogger(__name__)
+
+_READER_CHECK_S = 5.0   # how often the writer clears dead processes' reader slots
 
 
 @dataclass(slots=True)
@@ -77,7 +85,9 @@ class DiskWriter:
         self._cancelled: set[bytes] = set()             # deleted while in the writer's hands
         self._busy = False
         self._stopping = False
+        self._dropped = 0                               # blocks ever dropped (never committed)
         self._thread: threading.Thread | None = None
+        self._last_reader_check = 0.0                   # writer thread only
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="tieredkv-disk-writer", daemon=True)
@@ -141,9 +151,11 @@ class DiskWriter:
 
     def flush(self, timeout: float | None = None) -> bool:
         """Block until every queued put and access update is committed (including those other
-        threads add meanwhile). False on timeout, or if the writer thread is gone."""
+        threads add meanwhile). False on timeout, if the writer thread is gone, or if any block
+        was dropped instead of committed while waiting (NOTE: never True after a lost write)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
+            dropped_before = self._dropped
             while self._pending or self._touches or self._busy:
                 if self._thread is None or not self._thread.is_alive():
                     return False
@@ -151,7 +163,18 @@ class DiskWriter:
                 if left is not None and left <= 0:
                     return False
                 self._cond.wait(left)
-        return True
+            return self._dropped == dropped_before
+
+    def dropped(self) -> int:
+        with self._cond:
+            return self._dropped
+
+    def _lost(self, n: int) -> None:
+        """n blocks will never be committed: counted for stats() and for flush()'s answer."""
+        if n:
+            with self._cond:
+                self._dropped += n
+            self._count(write_errors=n)
 
     def stop(self) -> None:
         """Refuse new puts and let the thread exit once the queue and accesses are committed."""
@@ -165,7 +188,23 @@ class DiskWriter:
 
     # -- the writer thread -----------------------------------------------------------------
 
+    def clear_stale_readers(self, force: bool = False) -> int:
+        """Free the reader slots of dead processes (LMDB's reader_check). Returns how many."""
+        now = time.monotonic()
+        if not force and now - self._last_reader_check < _READER_CHECK_S:
+            return 0
+        self._last_reader_check = now
+        try:
+            n = self._env.reader_check()
+        except lmdb.Error as e:
+            log.warning("disk tier: reader_check failed: %s", e)
+            return 0
+        if n:
+            log.warning("disk tier: cleared %d stale reader slot(s) of dead processes", n)
+        return n
+
     def _loop(self) -> None:
+        self.clear_stale_readers(force=True)
         while True:
             with self._cond:
                 while not self._queue and not self._touches and not self._stopping:
@@ -177,10 +216,11 @@ class DiskWriter:
                 touches, self._touches = self._touches, {}
                 self._busy = True
             try:
+                self.clear_stale_readers()
                 self._write_batch(items, touches)
             except Exception:   # never let the writer die: the engine keeps running without disk writes
                 log.exception("disk tier: writing a batch of %d blocks failed; dropping it", len(items))
-                self._count(write_errors=len(items))
+                self._lost(len(items))
             finally:
                 with self._cond:
                     for it in items:
@@ -197,15 +237,15 @@ class DiskWriter:
                 encoded.append((it.key, self._codec.encode(it.block, payload_binding(it.key.hash, it.key.namespace)), it.block.numel() * it.block.element_size()))
             except Exception:
                 log.exception("disk tier: encoding block %s failed", it.key.hash.hex()[:16])
-                self._count(write_errors=1)
+                self._lost(1)
         if self._try_commit(encoded, touches):
             return
         if len(encoded) > 1:   # the batch does not fit as a whole: try each block alone
             for e in encoded:
                 if not self._try_commit([e], {}):
-                    self._count(write_errors=1)
+                    self._lost(1)
         else:
-            self._count(write_errors=len(encoded))
+            self._lost(len(encoded))
 
     def _try_commit(self, encoded: list, touches: dict[bytes, int]) -> bool:
         """Commit, making room on MapFull/ENOSPC; False when it still does not fit."""
@@ -218,6 +258,7 @@ class DiskWriter:
                 if not _is_no_space(e):
                     raise
                 log.warning("disk tier: %s; evicting to make room (attempt %d)", type(e).__name__, attempt + 1)
+                self.clear_stale_readers(force=True)   # a dead reader may be what pins the pages
             # Free at least the batch or 10% of the store, more on each attempt. LMDB reuses freed
             # pages only once no transaction can still see them, hence several attempts.
             info = read_info(self._env, self._dbs)
