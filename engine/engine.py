@@ -30,7 +30,7 @@ from engine.sampler import make_generator, sample
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
-from storage.tiered_cache import TIERS, TieredKVCache
+from storage.tiered_cache import TIERS, FlushResult, TieredKVCache
 from engine.billing import Ledger, Prices, validate_tenant
 from storage.config import CacheConfig
 from storage.hashing import block_keys, namespace_digest, tenant_salt
@@ -185,8 +185,9 @@ class Engine:
                 "engine": {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                            "preemptions": self.scheduler.preemptions}}
 
-    def flush(self) -> int:
-        """Push every cached block down to disk (or host without a disk tier)."""
+    def flush(self) -> FlushResult:
+        """Push every cached block down to disk (or host without a disk tier). `.complete` is
+        False when a write was dropped (see cache_status()'s disk write_errors)."""
         return self.cache.flush()
 
     def demote(self, tier: str) -> int:
@@ -207,7 +208,9 @@ class Engine:
         self._stop.set()
         self._inbox.put(None)
         self._thread.join(timeout=max(1.0, deadline - time.monotonic()))
-        self.cache.flush()
+        if not self.cache.flush().complete:
+            log.error("engine close: the final flush lost writes (disk write_errors in cache_status); "
+                      "those blocks will miss after a restart")
         self.cache.close()
         if self.ledger is not None:
             self.ledger.close()

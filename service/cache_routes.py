@@ -81,8 +81,9 @@ async def flush(request: Request) -> Any:
     c = ctx(request)
     require_admin(c.caller(request))
     req = await parse_body(request, FlushRequest, empty_ok=True)
+    result: dict = {"flushed": req.tier or "all"}
     if req.tier is None:
-        await _engine_call(c.engine.flush)
+        result.update((await _engine_call(c.engine.flush)).to_dict())
     else:
         await _engine_call(c.engine.drop_tier, req.tier)
-    return {"flushed": req.tier or "all", "cache": await _engine_call(c.engine.cache_status)}
+    return {**result, "cache": await _engine_call(c.engine.cache_status)}

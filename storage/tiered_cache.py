@@ -55,6 +55,18 @@ class Acquired:
     restore_s: float
 
 
+@dataclass(frozen=True, slots=True)
+class FlushResult:
+    """What a flush did: blocks written down, and whether every one of them (and every write
+    already queued) is now committed. complete=False is the truth after a dropped write (no room
+    even after evicting, an I/O error) or a timeout; the drops are in disk stats' write_errors."""
+    written: int
+    complete: bool
+
+    def to_dict(self) -> dict:
+        return {"written": self.written, "complete": self.complete}
+
+
 @dataclass
 class TierStats:
     capacity_bytes: int = 0
@@ -274,14 +286,14 @@ class TieredKVCache:
         self._to_disk(key, slot_view)
 
     # ---- maintenance ---------------------------------------------------------------------
-    def flush(self, timeout: float | None = None) -> int:
+    def flush(self, timeout: float | None = None) -> FlushResult:
         """Push every cached block down to the lowest tier (disk, else host) and wait for the
-        disk writer: after this a restarted process hits every block. Returns blocks written."""
+        disk writer: after a complete flush a restarted process hits every block."""
         with self._lock:
             written = 0
             lowest = "disk" if self.disk is not None else ("host" if self.host.enabled else None)
             if lowest is None:
-                return 0
+                return FlushResult(0, True)
             for page in self.pool.cached_pages():
                 key = self.pool.key_of(page)
                 if lowest == "disk":
@@ -292,9 +304,8 @@ class TieredKVCache:
                 for slot, key in self.host.blocks():
                     written += self._to_disk(key, self.host.slab[slot])
             self.transfer.sync_host()
-        if self.disk is not None:
-            self.disk.flush(timeout)
-        return written
+        complete = self.disk.flush(timeout) if self.disk is not None else True
+        return FlushResult(written, complete)
 
     def demote(self, tier: str) -> int:
         """Evict every unused cached block of `tier` one step down the cascade (device -> host

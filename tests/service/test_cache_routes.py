@@ -90,7 +90,8 @@ def test_flush_then_drop_serves_disk_hits_then_device_hits(client, engine, token
     hit = full_blocks(len(ids))
     complete(client, engine, ids, "flush")
     r = client.post("/v1/cache/flush", json={"tier": None})
-    assert r.status_code == 200 and r.json()["flushed"] == "all"
+    assert r.status_code == 200 and r.json()["flushed"] == "all" and r.json()["complete"] is True
+    assert r.json()["written"] >= hit // engine.block_size
     assert r.json()["cache"]["tiers"]["disk"]["pending_writes"] == 0
     for tier in ("device", "host"):
         r = client.post("/v1/cache/flush", json={"tier": tier})

@@ -233,7 +233,7 @@ def test_block_failing_verification_is_a_miss_at_acquire(tmp_path: Path, failure
     path = tmp_path / "disk"
     cache = make_cache(path, pages=4, host_slots=2)
     cache.release(fill(cache, ks))
-    assert cache.flush() == 3                         # device blocks straight to disk
+    assert cache.flush().written == 3                         # device blocks straight to disk
     assert cache.drop("device") == 3 and cache.drop("host") == 0
     cache.close()
     wanted = list(ks)
@@ -293,9 +293,9 @@ def test_flush_pushes_every_block_to_disk_and_a_new_cache_finds_them(tmp_path: P
     cache.release(fill(cache, ks[:4]))
     held = fill(cache, ks[4:6])                        # evicts k0, k1 into the host; k4, k5 stay held
     assert on_host(cache, ks) == ["k0", "k1"] and on_device(cache, ks) == {"k2", "k3", "k4", "k5"}
-    assert cache.flush() == 6                          # held pages are flushed too
+    assert cache.flush().written == 6                          # held pages are flushed too
     assert sorted(on_disk(cache, ks)) == [f"k{i}" for i in range(6)]
-    assert cache.flush() == 0                          # nothing left to write
+    assert cache.flush().written == 0                          # nothing left to write
     assert counts(cache, "disk")[2] == 6
     cache.release(held)
     cache.close()
