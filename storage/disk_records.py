@@ -22,7 +22,10 @@ from typing import Any, NamedTuple
 
 import lmdb
 
-DISK_FORMAT_VERSION = 1
+from storage.disk_preflight import DamagedEnvironment
+
+# 2: payloads are codec v3, bound to block hash || namespace (version 1's cannot be served).
+DISK_FORMAT_VERSION = 2
 SEQ = struct.Struct(">Q")        # big-endian so LMDB's byte order is numeric order
 _U64 = struct.Struct("<Q")
 _COUNTERS = struct.Struct("<QQQQ")
@@ -79,6 +82,10 @@ class StoreInfo:
     next_seq: int = 1
 
 
+class FormatMismatch(ValueError):
+    """The directory holds a disk tier of another format version."""
+
+
 class Databases(NamedTuple):
     """The four open database handles of one environment."""
     payload: Any
@@ -101,6 +108,14 @@ def open_databases(env: lmdb.Environment, path: str, readonly: bool) -> Database
         with env.begin() as txn:
             _check_format(path, txn.get(b"format", db=dbs.info))
         return dbs
+    if env.info()["last_pgno"] > 1:
+        # NOTE: a used environment must already hold our databases. If it holds none, its main
+        # database is damaged (or it is not ours): creating them would come up silently empty.
+        try:
+            env.open_db(b"info", create=False)
+        except lmdb.NotFoundError:
+            raise DamagedEnvironment(f"{path}: holds data but none of the disk tier's databases "
+                                     "(main database damaged, or not a tieredkv disk tier)") from None
     with env.begin(write=True) as txn:
         dbs = Databases(*(env.open_db(n, txn=txn) for n in _NAMES))
         fmt = txn.get(b"format", db=dbs.info)
@@ -113,7 +128,7 @@ def open_databases(env: lmdb.Environment, path: str, readonly: bool) -> Database
 
 def _check_format(path: str, fmt: bytes | None) -> None:
     if fmt is not None and _U64.unpack(fmt)[0] != DISK_FORMAT_VERSION:
-        raise ValueError(f"disk tier {path}: format version {_U64.unpack(fmt)[0]}, this build reads "
+        raise FormatMismatch(f"disk tier {path}: format version {_U64.unpack(fmt)[0]}, this build reads "
                          f"{DISK_FORMAT_VERSION}; point disk_dir elsewhere or delete the directory")
 
 

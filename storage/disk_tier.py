@@ -36,20 +36,39 @@ import torch
 
 from storage.codec import Codec
 from storage.disk_integrity import DamagedBlock, VerifyReport, audit, check_block, verify_and_decode
-from storage.disk_records import (DISK_FORMAT_VERSION, BlockMeta, StoreInfo, delete_in_txn, load_info, lru_key,
-                                  open_databases, read_info, store_info)
+from storage.disk_preflight import DamagedEnvironment, check_environment, move_aside, opening
+from storage.disk_records import (DISK_FORMAT_VERSION, BlockMeta, Databases, FormatMismatch, StoreInfo, delete_in_txn,
+                                  load_info, lru_key, open_databases, read_info, store_info)
 from storage.disk_records import recount as recount_info
 from storage.disk_writer import DiskWriter
 from storage.layout import BlockLayout, dtype_name
 from storage.hashing import BlockKey
 
-__all__ = ["DISK_FORMAT_VERSION", "DamagedBlock", "DiskBlockInfo", "DiskStats", "DiskTier", "VerifyReport",
+__all__ = ["DISK_FORMAT_VERSION", "DamagedBlock", "DamagedEnvironment", "DiskBlockInfo", "DiskStats", "DiskTier", "VerifyReport",
            "default_map_size"]
 
 log = logging.getLogger(__name__)
 
 _MAP_FLOOR = 1 << 30
 _CHUNK = 512                     # keys per read transaction when iterating the whole store
+
+
+def _open_env(path: str, map_size: int, readonly: bool) -> tuple[lmdb.Environment, Databases]:
+    """Check the files before mapping them (a truncated file would SIGBUS on the first read past
+    its end), then open the environment and our databases."""
+    meta = check_environment(path)
+    if meta is not None:
+        # Never map less than the file's own map size: another process may have grown it. A
+        # reader maps exactly that (it writes nothing, so it needs no room to grow).
+        map_size = meta.map_size if readonly else max(map_size, meta.map_size)
+    os.makedirs(path, exist_ok=True)
+    # lock=True (the default) is what lets several processes share the directory.
+    env = lmdb.open(path, map_size=map_size, max_dbs=4, readonly=readonly, readahead=False, max_readers=512)
+    try:
+        return env, open_databases(env, path, readonly)
+    except BaseException:
+        env.close()
+        raise
 
 
 def default_map_size(capacity_bytes: int) -> int:
@@ -75,6 +94,7 @@ class DiskStats:
     write_errors: int
     read_errors: int
     pending_writes: int
+    recovered: str | None = None   # a damaged tier found at open and moved aside: where, and why
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,15 +146,23 @@ class DiskTier:
         self._decode_threads = decode_threads or os.cpu_count() or 1
         if readonly and not os.path.isfile(os.path.join(self.path, "data.mdb")):
             raise FileNotFoundError(f"{self.path} holds no disk tier (no data.mdb)")
-        os.makedirs(self.path, exist_ok=True)
-        # lock=True (the default) is what lets several processes share the directory.
-        self._env = lmdb.open(self.path, map_size=map_size or default_map_size(capacity_bytes), max_dbs=4,
-                              readonly=readonly, readahead=False, max_readers=512)
-        try:
-            self._dbs = open_databases(self._env, self.path, readonly)
-        except BaseException:
-            self._env.close()
-            raise
+        self.recovered: str | None = None       # set when a damaged tier was moved aside at open
+        want_map = map_size or default_map_size(capacity_bytes)
+        if readonly:
+            self._env, self._dbs = _open_env(self.path, want_map, readonly=True)   # damage: raises
+        else:
+            with opening(self.path):
+                try:
+                    self._env, self._dbs = _open_env(self.path, want_map, readonly=False)
+                except (DamagedEnvironment, FormatMismatch, lmdb.Error) as e:
+                    # NOTE: a damaged or foreign environment is never served from and never
+                    # crashes the process: it is moved aside (kept for a post-mortem) and a
+                    # fresh tier starts. Loud in the log, and in stats().recovered.
+                    aside = move_aside(self.path, f"{type(e).__name__}: {e}")
+                    self.recovered = f"moved aside to {aside}: {e}"
+                    log.error("disk tier %s is unusable (%s): moved aside to %s; starting an empty disk tier",
+                              self.path, e, aside)
+                    self._env, self._dbs = _open_env(self.path, want_map, readonly=False)
         self._payload, self._meta, self._lru, self._info = self._dbs   # the handles, by name
         self._cond = threading.Condition()          # guards _stopping and _readers
         self._stopping = False
@@ -316,7 +344,7 @@ class DiskTier:
                          compression_ratio=info.raw_bytes / info.used_bytes if info.used_bytes else 0.0,
                          hits=c.hits, misses=c.misses, corrupt=c.corrupt, evictions=c.evictions,
                          bytes_read=c.bytes_read, bytes_written=c.bytes_written, write_errors=c.write_errors,
-                         read_errors=c.read_errors, pending_writes=pending)
+                         read_errors=c.read_errors, pending_writes=pending, recovered=self.recovered)
 
     def iter_blocks(self) -> Iterator[DiskBlockInfo]:
         """Every stored block's metadata, in hash order (undecodable records are skipped:

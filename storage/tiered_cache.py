@@ -366,6 +366,7 @@ class TieredKVCache:
                 o.bytes_read = d.bytes_read
                 o.extra = {"enabled": True, "compression_ratio": d.compression_ratio, "pending_writes": d.pending_writes,
                            "corrupt": d.corrupt, "write_errors": d.write_errors, "read_errors": d.read_errors,
+                           "recovered": d.recovered,
                            "raw_bytes": d.raw_bytes,
                            "stored_bytes_written": d.bytes_written}
             else:

@@ -296,3 +296,21 @@ def test_demo_json_hits_every_tier_and_matches_the_ledger(tmp_path: Path, defaul
     assert bill["requests"] == len(rows) == report["totals"]["requests"]
     assert bill["cost_pico"] == sum(r["cost_pico"] for r in rows) == report["totals"]["cost_pico"]
     assert bill["hit_tokens_by_tier"] == report["totals"]["hit_tokens_by_tier"]
+
+
+def test_verify_and_inspect_refuse_a_truncated_disk_tier_and_repair_moves_it_aside(tmp_path: Path) -> None:
+    # Issue 7, item 6: mapping a truncated data.mdb was a SIGBUS in verify and inspect.
+    from storage.disk_tier import DiskTier
+    from tests.storage.disk_tier_child import make_block, make_key
+    kv = tmp_path / "kv"
+    with DiskTier(str(kv), 64 << 20) as t:
+        for i in range(20):
+            t.put(make_key(i), make_block(i))
+    os.truncate(kv / "data.mdb", os.path.getsize(kv / "data.mdb") // 2)
+    r = tkv("verify", "--cache-dir", str(tmp_path))
+    assert r.returncode == 1 and "damaged disk tier" in r.stdout + r.stderr and "truncated" in r.stdout + r.stderr
+    r = tkv("inspect", "--cache-dir", str(tmp_path))
+    assert r.returncode == 1 and "truncated" in r.stderr, (r.returncode, r.stderr)
+    r = tkv("verify", "--cache-dir", str(tmp_path), "--repair")
+    assert r.returncode == 0 and "moved aside" in r.stdout, (r.returncode, r.stdout, r.stderr)
+    assert not kv.exists() and len(list(tmp_path.glob("kv.damaged-*"))) == 1

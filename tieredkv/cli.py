@@ -231,6 +231,20 @@ def verify(
     store is opened read-only, so it is safe while a server runs.
     """
     root = cache_root(cache_dir)
+    from storage.disk_preflight import DamagedEnvironment, move_aside
+    try:
+        open_disk_tier(root, readonly=True).close()     # checks the files before anything maps them
+    except DamagedEnvironment as e:
+        # The environment itself is damaged (truncated, bad meta page, damaged index): no block
+        # in it can be trusted. --repair moves it aside, as a server would at its next start.
+        if not repair:
+            err.print(f"[bold red]damaged disk tier:[/] {escape(str(e))}\n"
+                      "run `tieredkv verify --repair` to move it aside (a fresh tier starts in its place)")
+            raise typer.Exit(1)
+        aside = move_aside(str(root / "kv"), f"tieredkv verify --repair: {e}")
+        out.print(f"damaged disk tier moved aside to {escape(aside)} ({escape(str(e))}); "
+                  "a fresh tier starts at the next open")
+        return
     tier = open_disk_tier(root, readonly=not repair)
     try:
         report = tier.verify(repair=repair)

@@ -401,8 +401,9 @@ def test_close_waits_for_a_disk_promotion_in_progress(tmp_path: Path) -> None:
     result: dict = {}
     promotion = threading.Thread(target=lambda: result.update(got=cache.acquire(m)))
     promotion.start()
-    # Every page is allocated just before the decode starts (pool read without the cache lock).
-    while cache.pool.stats().in_use_pages < len(ks) and promotion.is_alive():
+    # Wait until the read holds views into the map (DiskTier counts it) or has already ended;
+    # waiting on the pool's pages left a window before the read began, where close() won.
+    while disk._readers == 0 and promotion.is_alive():
         time.sleep(0)
     cache.close()                                         # must wait for that read to end
     promotion.join()
