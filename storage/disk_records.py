@@ -6,7 +6,8 @@ Databases in the environment directory:
     payload  hash -> codec payload (storage/codec.py)
     meta     hash -> BlockMeta (parent, namespace, token ids, sizes, created, last access seq, hits)
     lru      8-byte big-endian access sequence || hash -> b""   (key order == LRU order)
-    info     b"counters" -> used bytes, blocks, raw bytes, next sequence; b"format" -> version
+    info     b"counters" -> used bytes, blocks, raw bytes, next sequence; b"format" -> version;
+             b"capacity" -> the stored-bytes bound every writing process enforces
 
 Knows: how each record is packed and unpacked (a damaged one raises ValueError), the format
 version and how to refuse another one, how to open the databases, and the in-transaction edits
@@ -144,9 +145,13 @@ def store_info(txn: lmdb.Transaction, dbs: Databases, info: StoreInfo) -> None:
             db=dbs.info)
 
 
-def read_info(env: lmdb.Environment, dbs: Databases) -> StoreInfo:
-    with env.begin() as txn:
-        return load_info(txn, dbs)
+def load_capacity(txn: lmdb.Transaction, dbs: Databases) -> int | None:
+    raw = txn.get(b"capacity", db=dbs.info)
+    return None if raw is None else _U64.unpack(raw)[0]
+
+
+def store_capacity(txn: lmdb.Transaction, dbs: Databases, capacity_bytes: int) -> None:
+    txn.put(b"capacity", _U64.pack(capacity_bytes), db=dbs.info)
 
 
 # -- edits inside a write transaction: `info` changes with the blocks it counts ---------------

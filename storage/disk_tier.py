@@ -12,8 +12,13 @@ Every counter that defines capacity lives in `info` and changes in the same writ
 transaction as the blocks it counts, so several processes sharing one directory keep them
 right (LMDB serializes writers across processes). LMDB commits are atomic, so the directory
 opens after a crash at the last committed state; the index is the `meta` database, so
-opening scans nothing. Processes sharing a directory should pass the same capacity (and
-map_size): the capacity bound is enforced by whichever process writes.
+opening scans nothing.
+
+Capacity is a property of the store, not of a process: it lives in `info`, each writer reads it
+inside its commit, so processes sharing a directory always enforce one bound. A process opening
+with another capacity sets it (a restart with a new setting takes effect) and says so loudly;
+a process whose own setting was overridden meanwhile warns once. The map size follows: a process
+maps at least the file's own size and adopts a size another process grew (_begin).
 
 Hits/misses/corrupt/evictions/bytes counters in `stats()` are this process's own.
 
@@ -38,7 +43,7 @@ from storage.codec import Codec
 from storage.disk_integrity import DamagedBlock, VerifyReport, audit, check_block, verify_and_decode
 from storage.disk_preflight import DamagedEnvironment, check_environment, move_aside, opening
 from storage.disk_records import (DISK_FORMAT_VERSION, BlockMeta, Databases, FormatMismatch, StoreInfo, delete_in_txn,
-                                  load_info, lru_key, open_databases, read_info, store_info)
+                                  load_capacity, load_info, lru_key, open_databases, store_capacity, store_info)
 from storage.disk_records import recount as recount_info
 from storage.disk_writer import DiskWriter
 from storage.layout import BlockLayout, dtype_name
@@ -163,17 +168,20 @@ class DiskTier:
                     log.error("disk tier %s is unusable (%s): moved aside to %s; starting an empty disk tier",
                               self.path, e, aside)
                     self._env, self._dbs = _open_env(self.path, want_map, readonly=False)
+                self._set_capacity(capacity_bytes)
         self._payload, self._meta, self._lru, self._info = self._dbs   # the handles, by name
-        self._cond = threading.Condition()          # guards _stopping and _readers
+        self._cond = threading.Condition()          # guards _stopping, _in_txn and _resizing
         self._stopping = False
-        self._readers = 0                           # get_many calls reading the map in place
+        self._in_txn = 0                            # this process's open transactions (any thread)
+        self._resizing = False                      # a thread is adopting a map another process grew
         self._closed = False
         self._stats_lock = threading.Lock()
         self._counters = _Counters()
         self._last_info = self._read_info()
         self._pool: ThreadPoolExecutor | None = None
         # Built readonly too (nothing pending, ever), but its thread runs only for a writer.
-        self._writer = DiskWriter(self._env, self._dbs, codec, capacity_bytes, queue_blocks, batch_blocks, self._count)
+        self._writer = DiskWriter(self._env, self._dbs, codec, capacity_bytes, queue_blocks, batch_blocks, self._count,
+                                  self._begin)
         if not readonly:
             self._writer.start()
 
@@ -242,8 +250,8 @@ class DiskTier:
         # NOTE: buffers=True reads payloads in place from the map: no copy into fresh memory per
         # block (~8-10% of a get_many, tools/bench_tiers.py). They are valid only inside the
         # transaction, so decoding happens inside it too; decoded tensors never alias them, and
-        # close() waits for _reading() so the map is never unmapped under a decode.
-        with self._reading(), self._env.begin(buffers=True) as txn:
+        # close() waits for every _begin() so the map is never unmapped under a decode.
+        with self._begin(buffers=True) as txn:
             for i, (key, p) in enumerate(zip(keys, pending)):
                 if p is not None:
                     # Served from the raw copy awaiting the writer; a key or `out` that does
@@ -293,7 +301,7 @@ class DiskTier:
         """Delete every block, pending ones included. Returns how many stored blocks went."""
         self._check_open(write=True)
         self._writer.cancel_all()
-        with self._env.begin(write=True) as txn:
+        with self._begin(write=True) as txn:
             info = load_info(txn, self._dbs)
             n = txn.stat(self._meta)["entries"]
             for db in (self._payload, self._meta, self._lru):
@@ -316,15 +324,15 @@ class DiskTier:
             return
         self.flush()
         self._writer.stop()
+        self._writer.join()        # before _stopping: its last commits still need transactions
+        self._last_info, self._last_capacity = self._read_info(), self._store_capacity()
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
-            while self._readers:   # NOTE: never unmap the environment under a get_many's decode
+            while self._in_txn:    # NOTE: never unmap the environment under a get_many's decode
                 self._cond.wait()
-        self._writer.join()
         if self._pool is not None:
             self._pool.shutdown()
-        self._last_info = self._read_info()
         self._closed = True
         self._env.close()
 
@@ -339,7 +347,8 @@ class DiskTier:
         with self._stats_lock:
             c = _Counters(**{f: getattr(self._counters, f) for f in _Counters.__slots__})
         pending = self._writer.pending_count()
-        return DiskStats(capacity_bytes=self.capacity_bytes, used_bytes=info.used_bytes, raw_bytes=info.raw_bytes,
+        capacity = self._last_capacity if self._closed else self._store_capacity()
+        return DiskStats(capacity_bytes=capacity, used_bytes=info.used_bytes, raw_bytes=info.raw_bytes,
                          blocks=info.blocks,
                          compression_ratio=info.raw_bytes / info.used_bytes if info.used_bytes else 0.0,
                          hits=c.hits, misses=c.misses, corrupt=c.corrupt, evictions=c.evictions,
@@ -369,7 +378,7 @@ class DiskTier:
         checked = 0
         for start in range(0, len(hashes), _CHUNK):
             chunk = hashes[start:start + _CHUNK]
-            with self._env.begin() as txn:
+            with self._begin() as txn:
                 rows = [(h, txn.get(h, db=self._payload), txn.get(h, db=self._meta)) for h in chunk]
                 # A block whose payload and meta are both gone was evicted or deleted after the
                 # listing (a live cache keeps evicting): not damage. A delete removes both in one
@@ -397,7 +406,7 @@ class DiskTier:
         """Audit: recompute every counter and index from the databases and compare.
         Returns the problems found (empty when consistent)."""
         self._check_open()
-        return audit(self._env, self._dbs, self.capacity_bytes)
+        return audit(self._env, self._dbs, self._store_capacity())
 
     # -- internals: reading --------------------------------------------------------------
 
@@ -408,21 +417,56 @@ class DiskTier:
             raise RuntimeError(f"DiskTier {self.path} was opened readonly")
 
     @contextlib.contextmanager
-    def _reading(self) -> Iterator[None]:
-        """A read that holds views into the map: close() waits for it before closing."""
+    def _begin(self, **kw: object) -> Iterator[lmdb.Transaction]:
+        """Every transaction of this process (reads, deletes, the writer's commits) goes through
+        here. close() and a map resize wait until none is open, since both unmap the file that
+        buffers=True reads hold views into. A transaction must never open another one.
+
+        Another process may grow the map (it opened with a larger capacity): LMDB then refuses
+        our next transaction with MAP_RESIZED until this process adopts the new size, which
+        is only safe while no transaction of ours is open (item 5 of issue 7)."""
+        for attempt in range(3):
+            with self._cond:
+                while self._resizing:
+                    self._cond.wait()
+                if self._stopping:
+                    raise RuntimeError("DiskTier is closed")
+                self._in_txn += 1
+            try:
+                try:
+                    txn = self._env.begin(**kw)
+                except lmdb.MapResizedError:
+                    if attempt == 2:
+                        raise
+                    txn = None
+                if txn is not None:
+                    with txn:
+                        yield txn
+                    return
+            finally:
+                with self._cond:
+                    self._in_txn -= 1
+                    self._cond.notify_all()
+            self._adopt_map_size()
+
+    def _adopt_map_size(self) -> None:
         with self._cond:
-            if self._stopping:
-                raise RuntimeError("DiskTier is closed")
-            self._readers += 1
+            while self._resizing:
+                self._cond.wait()
+            self._resizing = True
+            while self._in_txn:
+                self._cond.wait()
         try:
-            yield
+            self._env.set_mapsize(0)   # 0: take the size another process set
+            log.warning("disk tier %s: another process grew the map; now %d bytes", self.path,
+                        self._env.info()["map_size"])
         finally:
             with self._cond:
-                self._readers -= 1
+                self._resizing = False
                 self._cond.notify_all()
 
     def _stored(self, h: bytes) -> bool:
-        with self._env.begin() as txn:
+        with self._begin() as txn:
             return txn.get(h, db=self._meta) is not None
 
     def _executor(self) -> ThreadPoolExecutor:
@@ -434,7 +478,7 @@ class DiskTier:
     def _iter_db(self, db: object, values: bool = True) -> Iterator[tuple[bytes, bytes | None]]:
         last = None
         while True:
-            with self._env.begin() as txn:
+            with self._begin() as txn:
                 cur = txn.cursor(db=db)
                 ok = cur.first() if last is None else cur.set_range(last + b"\x00")
                 rows = []
@@ -452,13 +496,27 @@ class DiskTier:
 
     # -- internals: info, direct deletes, counters -----------------------------------------
 
+    def _set_capacity(self, capacity_bytes: int) -> None:
+        with self._env.begin(write=True) as txn:       # at open, before any other thread exists
+            before = load_capacity(txn, self._dbs)
+            store_capacity(txn, self._dbs, capacity_bytes)
+        if before is not None and before != capacity_bytes:
+            log.warning("disk tier %s: capacity changed from %d to %d bytes by this process; every process "
+                        "sharing the directory now bounds it at %d (blocks beyond it are evicted, LRU first)",
+                        self.path, before, capacity_bytes, capacity_bytes)
+
+    def _store_capacity(self) -> int:
+        with self._begin() as txn:
+            return load_capacity(txn, self._dbs) or self.capacity_bytes
+
     def _read_info(self) -> StoreInfo:
-        return read_info(self._env, self._dbs)
+        with self._begin() as txn:
+            return load_info(txn, self._dbs)
 
     def _delete_now(self, hashes: Iterable[bytes], recount: bool = False) -> int:
         """Delete blocks in a short write transaction of the calling thread. Returns how many."""
         try:
-            with self._env.begin(write=True) as txn:
+            with self._begin(write=True) as txn:
                 info = load_info(txn, self._dbs)
                 n = sum(delete_in_txn(txn, self._dbs, h, info) for h in hashes)
                 if recount:

@@ -24,14 +24,14 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable, ContextManager, Iterable
 
 import lmdb
 import torch
 
 from storage.codec import Codec
-from storage.disk_records import (BlockMeta, Databases, StoreInfo, delete_in_txn, load_info, lru_hash, lru_key,
-                                  read_info, store_info)
+from storage.disk_records import (BlockMeta, Databases, StoreInfo, delete_in_txn, load_capacity, load_info, lru_hash,
+                                  lru_key, store_info)
 from storage.disk_integrity import payload_binding
 from storage.hashing import BlockKey
 
@@ -70,8 +70,10 @@ class DiskWriter:
     """
 
     def __init__(self, env: lmdb.Environment, dbs: Databases, codec: Codec, capacity_bytes: int,
-                 queue_blocks: int, batch_blocks: int, count: Callable[..., None]) -> None:
+                 queue_blocks: int, batch_blocks: int, count: Callable[..., None],
+                 begin: Callable[..., ContextManager[lmdb.Transaction]]) -> None:
         self._env = env
+        self._begin = begin      # the tier's transactions: counted for close(), map resizes adopted
         self._dbs = dbs
         self._codec = codec
         self._capacity_bytes = capacity_bytes
@@ -88,6 +90,7 @@ class DiskWriter:
         self._dropped = 0                               # blocks ever dropped (never committed)
         self._thread: threading.Thread | None = None
         self._last_reader_check = 0.0                   # writer thread only
+        self._warned_capacity = False                   # writer thread only
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="tieredkv-disk-writer", daemon=True)
@@ -261,7 +264,8 @@ class DiskWriter:
                 self.clear_stale_readers(force=True)   # a dead reader may be what pins the pages
             # Free at least the batch or 10% of the store, more on each attempt. LMDB reuses freed
             # pages only once no transaction can still see them, hence several attempts.
-            info = read_info(self._env, self._dbs)
+            with self._begin() as txn:
+                info = load_info(txn, self._dbs)
             if self._make_room(max(need, info.used_bytes // 10) << attempt) == 0 and info.blocks == 0:
                 break
         log.warning("disk tier: no room for %d block(s) after evicting; dropping them", len(encoded))
@@ -270,8 +274,9 @@ class DiskWriter:
     def _commit(self, encoded: list, touches: dict[bytes, int]) -> None:
         dbs = self._dbs
         written = evicted = 0
-        with self._env.begin(write=True) as txn:
+        with self._begin(write=True) as txn:
             info = load_info(txn, dbs)
+            capacity = self._capacity_in(txn)
             with self._cond:
                 # NOTE: read inside the write txn, so a delete() either lands in this set or
                 # starts its own write txn after this one commits (and then sees the block).
@@ -306,9 +311,19 @@ class DiskWriter:
             # NOTE: the capacity invariant (used_bytes <= capacity_bytes) is enforced here, in the
             # same transaction that added the bytes: no committed state exceeds it, whichever
             # process committed it.
-            evicted = self._evict_in_txn(txn, info, lambda: info.used_bytes > self._capacity_bytes)
+            evicted = self._evict_in_txn(txn, info, lambda: info.used_bytes > capacity)
             store_info(txn, dbs, info)
         self._count(bytes_written=written, evictions=evicted)
+
+    def _capacity_in(self, txn: lmdb.Transaction) -> int:
+        """The store's capacity, read in the committing transaction (another process may have
+        changed it); warns once when it is not this process's configured one."""
+        capacity = load_capacity(txn, self._dbs) or self._capacity_bytes
+        if capacity != self._capacity_bytes and not self._warned_capacity:
+            self._warned_capacity = True
+            log.warning("disk tier: another process set the capacity to %d bytes (this one was configured "
+                        "with %d); enforcing the store's %d", capacity, self._capacity_bytes, capacity)
+        return capacity
 
     def _make_room(self, target: int) -> int:
         """Evict LRU blocks until `target` stored bytes are freed, in a transaction of its own
@@ -316,7 +331,7 @@ class DiskWriter:
         freed, per_txn = 0, 64
         while freed < target:
             try:
-                with self._env.begin(write=True) as txn:
+                with self._begin(write=True) as txn:
                     info = load_info(txn, self._dbs)
                     before, limit = info.used_bytes, [per_txn]
 
@@ -337,7 +352,7 @@ class DiskWriter:
         # LMDB reuses a page freed by transaction N only from transaction N+2 on (N+1 may still
         # be read against N's snapshot), so commit one small transaction before the retry.
         try:
-            with self._env.begin(write=True) as txn:
+            with self._begin(write=True) as txn:
                 store_info(txn, self._dbs, load_info(txn, self._dbs))
         except Exception as e:
             if not _is_no_space(e):

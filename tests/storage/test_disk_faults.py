@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 
 from storage.disk_tier import DiskTier
-from tests.storage.disk_tier_child import make_block, make_key
+from tests.storage.disk_tier_child import make_block, make_key, same_bits
+
+REPO = Path(__file__).resolve().parents[2]
 
 SHAPE = (2, 2, 16, 4, 16)            # 16 KiB of fp32 per block
 # Opens the environment, starts a read transaction (a reader slot with this pid) and waits to be killed.
@@ -43,3 +45,41 @@ def test_a_killed_readers_slot_is_cleared_and_no_write_is_lost(tmp_path: Path) -
         assert t.check() == []
     assert os.path.getsize(tmp_path / "data.mdb") <= 8 << 20
 
+
+
+def run_child(*args: object) -> str:
+    r = subprocess.run([sys.executable, "-m", "tests.storage.disk_tier_child", *map(str, args)], cwd=REPO,
+                       capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert r.returncode == 0, r.stderr
+    return r.stderr
+
+
+def test_a_process_that_grows_the_map_does_not_break_another(tmp_path: Path) -> None:
+    # Item 5: the other process used to die of MapResizedError at its next transaction.
+    with DiskTier(str(tmp_path), 64 << 20, map_size=8 << 20) as t:   # this process maps 8 MiB
+        t.put(make_key(0), make_block(0))
+        assert t.flush()
+        run_child("write", tmp_path, 64 << 20, 1, 2000)               # maps 1 GiB and writes ~12 MiB past ours
+        assert os.path.getsize(tmp_path / "data.mdb") > 8 << 20
+        assert same_bits(t.get(make_key(1999)), make_block(1999))     # adopted, not an error
+        t.put(make_key(50), make_block(50))
+        assert t.flush() is True
+        s = t.stats()
+        assert (s.read_errors, s.write_errors) == (0, 0)
+        assert t._env.info()["map_size"] == 1 << 30
+        assert t.check() == []
+
+
+def test_capacity_lives_in_the_store_and_a_change_is_loud_and_enforced_by_all(tmp_path: Path) -> None:
+    block = make_block(0).numel() * 4
+    with DiskTier(str(tmp_path), 64 << 20) as t:
+        for i in range(30):
+            t.put(make_key(i), make_block(i))
+        assert t.flush() and t.stats().blocks == 30
+        stderr = run_child("write", tmp_path, 10 * block, 100, 1)     # another process, a smaller capacity
+        assert "capacity changed from" in stderr
+        s = t.stats()
+        assert s.capacity_bytes == 10 * block and s.used_bytes <= 10 * block
+        t.put(make_key(200), make_block(200))                          # this process enforces the store's bound
+        assert t.flush()
+        assert t.stats().used_bytes <= 10 * block and t.check() == []

@@ -399,12 +399,12 @@ def test_close_waits_for_a_disk_promotion_in_progress(tmp_path: Path) -> None:
     m = cache.match(ks)
     assert [t for _, t in m.blocks] == ["disk"] * len(ks)
     result: dict = {}
+    decoding = threading.Event()                          # set by the first decode, inside the read
+    verify_and_decode = disk._verify_and_decode
+    disk._verify_and_decode = lambda item: (decoding.set(), verify_and_decode(item))[1]
     promotion = threading.Thread(target=lambda: result.update(got=cache.acquire(m)))
     promotion.start()
-    # Wait until the read holds views into the map (DiskTier counts it) or has already ended;
-    # waiting on the pool's pages left a window before the read began, where close() won.
-    while disk._readers == 0 and promotion.is_alive():
-        time.sleep(0)
+    assert decoding.wait(30)                              # the read holds views into the map now
     cache.close()                                         # must wait for that read to end
     promotion.join()
     got = result["got"]
