@@ -26,10 +26,10 @@ from engine.model import LoadedModel, kv_layout, load_model
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, LookupResult, RequestMetrics, StreamChunk, Usage
 from engine.paged_attention import ATTN_NAME, register
-from engine.sampler import make_generator, sample
+from engine.sampler import SamplingError, make_generator, sample
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.sequence import Sequence
+from engine.sequence import Sequence, SeqStatus
 from storage.tiered_cache import TIERS, FlushResult, TieredKVCache
 from engine.billing import Ledger, Prices, validate_tenant
 from storage.config import CacheConfig
@@ -257,37 +257,73 @@ class Engine:
                 continue
             try:
                 self._step()
-            except Exception as e:  # a bug or a device error: fail the batch, keep serving
+            except Exception as e:
+                # Last resort only: _step isolates each sequence's admission, forward and token
+                # handling, so reaching here is a bug outside any one request. Keep serving.
                 log.exception("engine step failed")
                 for seq in list(self.scheduler.running):
-                    self.scheduler.finish(seq)
-                    self._done(seq)
-                    seq.events.put(("error", RuntimeError(f"engine step failed: {e}")))
+                    self._fail(seq, RuntimeError(f"engine step failed: {e}"))
 
     def _done(self, seq: Sequence) -> None:
         with self._inflight_lock:
             self._inflight -= 1
 
+    def _fail(self, seq: Sequence, error: Exception) -> None:
+        """Fail one request: its pages go back, its caller gets the error, nothing else changes.
+        A failed request is not billed (it produced nothing the caller can use)."""
+        log.error("request %s failed: %s: %s", seq.request_id, type(error).__name__, error)
+        if seq.status is not SeqStatus.FINISHED:
+            self.scheduler.finish(seq)
+            self._done(seq)
+        seq.events.put(("error", error))
+
     def _step(self) -> None:
+        # NOTE invariant: one request's failure fails that request alone. Admission failures
+        # come back from the scheduler per sequence; a failed forward is retried one sequence at
+        # a time to find the one that fails (re-running a chunk rewrites the same KV slots with
+        # the same values); sampling and token handling are guarded per sequence.
         scheduled = self.scheduler.schedule()
+        for seq, error in self.scheduler.take_failed():
+            self._fail(seq, error)
         if not scheduled:
             time.sleep(0.001)
             return
-        logits = self.runner.forward(scheduled)
+        try:
+            rows = list(self.runner.forward(scheduled))
+        except Exception as batch_error:
+            log.exception("a forward pass of %d sequences failed", len(scheduled))
+            rows = []
+            for s in list(scheduled):
+                try:
+                    if len(scheduled) == 1:
+                        raise batch_error
+                    rows.append(self.runner.forward([s])[0])
+                except Exception as e:
+                    self._fail(s.seq, RuntimeError(f"forward pass failed: {e}"))
+                    scheduled.remove(s)
         self.scheduler.after_step(scheduled)
+        for seq, error in self.scheduler.take_failed():
+            self._fail(seq, error)
         now = time.perf_counter()
-        for s, row in zip(scheduled, logits):
+        for s, row in zip(scheduled, rows):
             seq = s.seq
-            if seq.num_computed < seq.num_tokens:
-                continue   # a prefill chunk that is not the last: no token yet
-            token = sample(row, seq.params, seq.generator)
-            if seq.params.logprobs:
-                top = torch.log_softmax(row.float(), dim=-1).topk(seq.params.logprobs)
-                seq.logprobs.append(list(zip(top.indices.tolist(), top.values.tolist())))
-            seq.output_ids.append(token)
-            if seq.first_token_at is None:
-                seq.first_token_at = now
-            self._after_token(seq, token)
+            if seq.status is SeqStatus.FINISHED or seq.num_computed < seq.num_tokens:
+                # failed above, or a prefill chunk that is not the last: no token yet
+                continue
+            try:
+                self._take_token(seq, row, now)
+            except Exception as e:
+                self._fail(seq, e if isinstance(e, SamplingError) else RuntimeError(f"handling a token failed: {e}"))
+
+    def _take_token(self, seq: Sequence, row: torch.Tensor, now: float) -> None:
+        token = sample(row, seq.params, seq.generator)
+        if seq.params.logprobs:
+            top = torch.log_softmax(row.float(), dim=-1).topk(seq.params.logprobs)
+            seq.logprobs.append(list(zip(top.indices.tolist(), top.values.tolist())))
+        seq.output_ids.append(token)
+        if seq.first_token_at is None:
+            seq.first_token_at = now
+        self._after_token(seq, token)
 
     def _after_token(self, seq: Sequence, token: int) -> None:
         p = seq.params

@@ -9,6 +9,10 @@ Per step: running sequences first (oldest first: each decode takes 1 token, an u
 prefill takes its next chunk), then admissions from the waiting queue while budget and pages
 last. A sequence that cannot get pages preempts the newest running one; the victim's full
 blocks are registered in the cache already, so its re-admission hits them.
+
+NOTE invariant: an exception while admitting, reserving for or advancing one sequence is that
+sequence's failure alone: it is set aside (take_failed) with whatever pages it holds, for the
+engine to fail and release, and the step goes on for the others.
 """
 from __future__ import annotations
 
@@ -37,6 +41,12 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []       # admission order: oldest first
         self.preemptions = 0
+        self._failed: list[tuple[Sequence, Exception]] = []   # engine thread only
+
+    def take_failed(self) -> list[tuple[Sequence, Exception]]:
+        """Sequences whose own handling raised since the last call (the engine fails them)."""
+        failed, self._failed = self._failed, []
+        return failed
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -54,7 +64,11 @@ class Scheduler:
             if seq.status is not SeqStatus.RUNNING:
                 continue   # preempted earlier in this loop
             n = min(seq.num_tokens - seq.num_computed, budget)
-            if not self._reserve(seq, n, out):
+            try:
+                if not self._reserve(seq, n, out):
+                    continue
+            except Exception as e:
+                self._failed.append((seq, e))
                 continue
             out.append(Scheduled(seq, n))
             budget -= n
@@ -64,7 +78,11 @@ class Scheduler:
         skipped: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
             seq = self.waiting.popleft()
-            admitted = self._admit(seq, budget, pending)
+            try:
+                admitted = self._admit(seq, budget, pending)
+            except Exception as e:
+                self._failed.append((seq, e))
+                continue
             if admitted is None:
                 skipped.append(seq)
                 continue
@@ -145,7 +163,10 @@ class Scheduler:
         for s in scheduled:
             seq = s.seq
             seq.num_computed += s.num_tokens
-            self.register_full_blocks(seq)
+            try:
+                self.register_full_blocks(seq)
+            except Exception as e:
+                self._failed.append((seq, e))     # no token for it: the engine fails it
 
     def register_full_blocks(self, seq: Sequence) -> None:
         # Prompt and generated blocks alike: the next turn of a chat hits them.
