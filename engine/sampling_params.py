@@ -33,8 +33,9 @@ class SamplingParams:
             raise ValueError(f"top_p: expected a number in (0, 1], got {self.top_p!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k: expected an int >= 0 (0 = off), got {self.top_k!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ValueError(f"seed: expected an int or None, got {self.seed!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not -2**63 <= self.seed < 2**64):
+            raise ValueError(f"seed: expected an int in [-2**63, 2**64) or None, got {self.seed!r}")
         if isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs: expected an int in [0, 20], got {self.logprobs!r}")
         if not all(isinstance(s, str) and s for s in self.stop):

@@ -21,11 +21,12 @@ from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service import cache_routes, openai_routes
-from service.auth import ApiKeys
+from service.auth import ApiKeys, require_admin
 from service.context import AppContext, ctx
 from service.dispatch import Dispatcher
 from service.errors import APIError, install_error_handlers
 from service.metrics import ServiceMetrics
+from service.openapi import install_openapi
 from service.settings import ServiceSettings
 
 log = logging.getLogger("tieredkv.service")
@@ -42,8 +43,10 @@ def create_app(engine: Any, settings: ServiceSettings = ServiceSettings()) -> Fa
         yield
         await shutdown(context)
 
-    app = FastAPI(title="tieredkv", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    # The OpenAPI document is served (clients and fuzzers read it); the HTML docs pages are not.
+    app = FastAPI(title="tieredkv", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.state.tieredkv = context
+    app.state.max_body_bytes = settings.max_body_bytes
     install_error_handlers(app)
     app.include_router(openai_routes.router)
     app.include_router(cache_routes.router)
@@ -57,9 +60,15 @@ def create_app(engine: Any, settings: ServiceSettings = ServiceSettings()) -> Fa
 
     @app.get("/metrics")
     async def prometheus(request: Request) -> Response:
-        body = await run_in_threadpool(ctx(request).metrics.render)      # reads cache_status(): may block
+        c = ctx(request)
+        if c.settings.protect_metrics and c.keys is not None:
+            require_admin(c.caller(request))
+        body = await run_in_threadpool(c.metrics.render)      # reads cache_status(): may block
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
+    install_openapi(app)
+    # Added last, so it runs first (outermost): the error catch-all sits inside the counting.
+    app.add_middleware(CatchAll)
     app.add_middleware(CountRequests, metrics=metrics)
     return app
 
@@ -75,6 +84,35 @@ async def shutdown(c: AppContext) -> None:
         await asyncio.to_thread(c.engine.close)
         log.info("engine closed: cached blocks flushed")
     c.dispatcher.shutdown()
+
+
+class CatchAll:
+    """Any exception a route lets escape becomes a 500 with OpenAI's body, and the connection
+    stays open. (A FastAPI handler for Exception runs in Starlette's outermost middleware, which
+    re-raises after answering; uvicorn then drops the keep-alive connection.)"""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_wrapper(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+        try:
+            await self.app(scope, receive, send_wrapper)
+        except Exception:
+            log.exception("unhandled error in %s %s", scope.get("method"), scope.get("path"))
+            if started:
+                raise      # a response is under way: nothing well-formed can be sent now
+            response = APIError(500, "internal server error", code="internal_error").response()
+            await response(scope, receive, send)
 
 
 class CountRequests:

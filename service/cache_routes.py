@@ -1,6 +1,8 @@
 """Cache routes: /v1/cache/status, /v1/cache/lookup, /v1/cache/billing, /v1/cache/flush.
 
-Knows: who may see what -- status is for any caller; lookup answers for the caller's own
+Knows: who may see what -- status shows the whole cache to an admin (and to everyone on a
+server without keys), and to any other key only that key's own tenant's usage: tier-wide hit
+counts describe other tenants' traffic, so they are not every tenant's to read; lookup answers for the caller's own
 tenant (the engine salts hashes by tenant, so a tenant can never probe another's cache);
 billing shows the caller's tenant, and an admin any tenant (?tenant=X) or all of them;
 flush is admin-only. Blocking engine and ledger calls run in Starlette's threadpool.
@@ -31,8 +33,13 @@ async def _engine_call(fn: Any, *args: Any, **kwargs: Any) -> Any:
 @router.get("/status")
 async def status(request: Request) -> Any:
     c = ctx(request)
-    c.caller(request)
-    return await _engine_call(c.engine.cache_status)
+    caller = c.caller(request)
+    if caller.admin:
+        return await _engine_call(c.engine.cache_status)
+    ledger = getattr(c.engine, "ledger", None)
+    usage = None if ledger is None else (await run_in_threadpool(ledger.tenant, caller.tenant)).to_dict()
+    return {"tenant": caller.tenant, "usage": usage,
+            "note": "tier-wide cache status is shown to admin keys only"}
 
 
 @router.post("/lookup")

@@ -119,7 +119,4 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _engine(request: Request, exc: Exception) -> JSONResponse:
         return from_engine_error(exc).response()
 
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        # Starlette logs the traceback as it re-raises; the server itself keeps serving.
-        return APIError(500, "internal server error", code="internal_error").response()
+    # Anything else is answered by service.app.CatchAll (a 500 that keeps the connection open).

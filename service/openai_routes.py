@@ -36,10 +36,14 @@ async def completions(request: Request) -> Any:
     c.check_model(req.model)
     params = _params(req, req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS)
     engine, tenant, prompt = c.engine, caller.tenant, req.prompt
+
+    def prompt_ids() -> list[int]:   # on a worker thread: tokenizing a long prompt is real work
+        return _with_room(engine, engine.encode(prompt), req.max_tokens)
     if req.stream:
-        return await _stream(c, lambda: engine.stream(prompt, params, tenant=tenant), chat=False,
+        return await _stream(c, lambda: engine.stream(prompt_ids(), params, tenant=tenant), chat=False,
                              include_usage=req.include_usage)
-    out = await c.dispatcher.call(engine.generate, prompt, params, tenant=tenant, timeout=c.settings.request_timeout_s)
+    out = await c.dispatcher.call(lambda: engine.generate(prompt_ids(), params, tenant=tenant),
+                                  timeout=c.settings.request_timeout_s)
     c.metrics.observe_request(out.usage, out.metrics)
     return JSONResponse(completion_body(out, c.model_name, int(time.time())), headers={"x-request-id": out.request_id})
 
@@ -54,12 +58,15 @@ async def chat_completions(request: Request) -> Any:
     params = _params(req, req.requested_max_tokens, c.settings.default_chat_max_tokens)
     engine, tenant = c.engine, caller.tenant
     messages = [m.to_dict() for m in req.messages]
+
+    def prompt_ids() -> list[int]:
+        return _with_room(engine, engine.apply_chat_template(messages), req.requested_max_tokens)
     # Streaming and non-streaming chat both run the template and then generate/stream, so the
     # two see the same prompt ids and give the same greedy text.
     if req.stream:
-        return await _stream(c, lambda: engine.stream(engine.apply_chat_template(messages), params, tenant=tenant),
+        return await _stream(c, lambda: engine.stream(prompt_ids(), params, tenant=tenant),
                              chat=True, include_usage=req.include_usage)
-    out = await c.dispatcher.call(lambda: engine.generate(engine.apply_chat_template(messages), params, tenant=tenant),
+    out = await c.dispatcher.call(lambda: engine.generate(prompt_ids(), params, tenant=tenant),
                                   timeout=c.settings.request_timeout_s)
     c.metrics.observe_request(out.usage, out.metrics)
     return JSONResponse(chat_body(out, c.model_name, int(time.time())), headers={"x-request-id": out.request_id})
@@ -83,6 +90,15 @@ async def get_model(model_id: str, request: Request) -> Any:
 def _model_card(c: AppContext) -> dict[str, Any]:
     return {"id": c.model_name, "object": "model", "created": c.started, "owned_by": "tieredkv",
             "max_model_len": c.engine.max_context}
+
+
+def _with_room(engine: Any, ids: list[int], max_tokens: int | None) -> list[int]:
+    """The prompt ids, after checking that an explicit max_tokens fits the context (400, as vLLM
+    does: never silently clamped). A default max_tokens is cut at the context's end instead."""
+    if max_tokens is not None and len(ids) + max_tokens > engine.max_context:
+        raise ValueError(f"max_tokens: the context is {engine.max_context} tokens and the prompt takes {len(ids)}, "
+                         f"so at most {engine.max_context - len(ids)} can be generated; {max_tokens} were asked for")
+    return ids
 
 
 def _params(req: Any, max_tokens: int | None, default_max_tokens: int) -> Any:

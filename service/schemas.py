@@ -4,9 +4,14 @@ Knows: OpenAI's request shapes for /v1/completions and /v1/chat/completions (sin
 text or token-id prompts), the cache routes' bodies, and OpenAI's defaults (temperature 1,
 top_p 1, completions max_tokens 16). Types are strict: "5" is not an int and 1 is not a
 string. Unknown fields are ignored, as vLLM does; known OpenAI fields this server cannot
-honour (n > 1, logprobs, penalties, logit_bias, echo, best_of > 1) are refused with a 400
-rather than silently ignored.
-Doesn't know: tenants, the engine, or HTTP statuses beyond raising APIError 400.
+honour are refused with a 400 naming the field rather than silently ignored, so a user never
+believes they got something they did not: n > 1, logprobs (any value, 0 included), penalties,
+logit_bias, echo, best_of > 1, suffix, tools / tool_choice / parallel_tool_calls / functions,
+response_format other than text, modalities other than text, audio, prediction, a message's
+name, stream_options without stream. A body is at most `max_body_bytes` (413 past it, counted
+while it streams in), its JSON at most as deep as Python's parser goes (400 past it), and its
+strings valid Unicode (a lone surrogate such as "\ud800" is a 400 naming the field).
+Doesn't know: tenants or the engine.
 """
 from __future__ import annotations
 
@@ -17,7 +22,9 @@ from fastapi import Request
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from engine.sampling_params import SamplingParams
-from service.errors import bad_request, validation_error
+from service.errors import APIError, bad_request, validation_error
+
+DEFAULT_MAX_BODY_BYTES = 8 << 20
 
 _STRICT = ConfigDict(strict=True, extra="ignore")
 M = TypeVar("M", bound=BaseModel)
@@ -42,10 +49,23 @@ class StreamOptions(BaseModel):
     include_usage: bool | None = False
 
 
+def _refuse(v: Any) -> Any:
+    """For fields this server cannot honour: any value but null is a 400 naming the field."""
+    if v is not None:
+        raise ValueError("not supported by this server")
+    return v
+
+
 class ChatMessage(BaseModel):
     model_config = _STRICT
     role: Literal["system", "developer", "user", "assistant"]
     content: str
+    name: Any = None           # refused: the chat template has no place for a participant's name
+
+    @field_validator("name", mode="before")
+    @classmethod
+    def _no_name(cls, v: Any) -> Any:
+        return _refuse(v)
 
     @field_validator("content", mode="before")
     @classmethod
@@ -109,6 +129,10 @@ class _GenerationRequest(BaseModel):
             raise ValueError("logit_bias is not supported")
         return v
 
+    def model_post_init(self, _: Any) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options: only allowed when stream is true", param="stream_options")
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -137,7 +161,12 @@ class CompletionRequest(_GenerationRequest):
     def _prompt(cls, v: Any) -> str | list[int]:
         return check_prompt(v)
 
-    @field_validator("echo", "logprobs", "suffix")
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _no_logprobs(cls, v: Any) -> Any:
+        return _refuse(v)          # 0 too: it asks for the sampled token's log-probability
+
+    @field_validator("echo", "suffix")
     @classmethod
     def _unsupported(cls, v: Any) -> Any:
         if v:
@@ -157,6 +186,48 @@ class ChatRequest(_GenerationRequest):
     max_completion_tokens: int | None = None   # OpenAI's newer name for max_tokens
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    modalities: Any = None
+    audio: Any = None
+    prediction: Any = None
+
+    @field_validator("tools", "functions", mode="before")
+    @classmethod
+    def _no_tools(cls, v: Any) -> Any:
+        if v not in (None, []):
+            raise ValueError("tool and function calling are not supported by this server")
+        return v
+
+    @field_validator("tool_choice", "function_call", mode="before")
+    @classmethod
+    def _no_tool_choice(cls, v: Any) -> Any:
+        if v not in (None, "none"):
+            raise ValueError("tool and function calling are not supported by this server")
+        return v
+
+    @field_validator("response_format", mode="before")
+    @classmethod
+    def _text_format(cls, v: Any) -> Any:
+        if v is not None and v != {"type": "text"}:
+            raise ValueError('only {"type": "text"} is supported (no JSON mode or JSON schema)')
+        return v
+
+    @field_validator("modalities", mode="before")
+    @classmethod
+    def _text_only(cls, v: Any) -> Any:
+        if v is not None and v != ["text"]:
+            raise ValueError('only ["text"] is supported')
+        return v
+
+    @field_validator("parallel_tool_calls", "audio", "prediction", mode="before")
+    @classmethod
+    def _refused(cls, v: Any) -> Any:
+        return _refuse(v)
 
     @field_validator("messages")
     @classmethod
@@ -165,12 +236,17 @@ class ChatRequest(_GenerationRequest):
             raise ValueError("expected at least one message")
         return v
 
-    @field_validator("logprobs", "top_logprobs")
+    @field_validator("logprobs")
     @classmethod
-    def _unsupported(cls, v: Any) -> Any:
+    def _no_logprobs(cls, v: Any) -> Any:
         if v:
             raise ValueError("not supported by this server")
         return v
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _no_top_logprobs(cls, v: Any) -> Any:
+        return _refuse(v)
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -201,10 +277,47 @@ class FlushRequest(BaseModel):
     tier: Literal["device", "host", "disk"] | None = None
 
 
+async def read_body(request: Request) -> bytes:
+    """The body, refused with 413 once it passes the limit: checked against Content-Length
+    first, then counted as it streams in, so a 200 MB body is never buffered."""
+    limit = getattr(request.app.state, "max_body_bytes", DEFAULT_MAX_BODY_BYTES)
+    too_big = APIError(413, f"request body: larger than the server's limit of {limit} bytes",
+                       code="request_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_big
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_big
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _bad_string(data: Any) -> str | None:
+    """The path of the first string that is not valid Unicode (a lone surrogate), or None.
+    Iterative: the parsed JSON may be nested as deep as the parser allowed."""
+    stack: list[tuple[Any, str]] = [(data, "")]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return path or "request body"
+        elif isinstance(value, dict):
+            stack.extend((v, f"{path}.{k}" if path else str(k)) for k, v in value.items())
+        elif isinstance(value, list):
+            stack.extend((v, f"{path}[{i}]") for i, v in enumerate(value))
+    return None
+
+
 async def parse_body(request: Request, model: type[M], *, empty_ok: bool = False) -> M:
     """The request's JSON body as `model`; APIError 400 for malformed JSON, a body that is not
-    an object, or any field of the wrong type (the message names the field)."""
-    raw = await request.body()
+    an object, or any field of the wrong type (the message names the field); 413 past the size
+    limit."""
+    raw = await read_body(request)
     if not raw.strip() and empty_ok:
         data: Any = {}
     else:
@@ -212,8 +325,13 @@ async def parse_body(request: Request, model: type[M], *, empty_ok: bool = False
             data = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise bad_request(f"malformed JSON body: {e}", code="invalid_json") from None
+        except RecursionError:
+            raise bad_request("malformed JSON body: nested too deeply", code="invalid_json") from None
     if not isinstance(data, dict):
         raise bad_request("request body: expected a JSON object")
+    bad = _bad_string(data)
+    if bad is not None:
+        raise bad_request(f"{bad}: not valid Unicode (a lone surrogate such as \\ud800)", param=bad)
     try:
         return model.model_validate(data)
     except ValidationError as e:

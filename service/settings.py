@@ -38,6 +38,11 @@ class ServiceSettings:
     port: int = 8000
     # Close the engine (flushing cached blocks to disk) when the app shuts down.
     close_engine_on_shutdown: bool = True
+    # Largest request body accepted; past it, 413 (counted as the body streams in).
+    max_body_bytes: int = 8 << 20
+    # /metrics needs an admin key (when keys are configured). Off by default, as Prometheus
+    # scrapers usually reach it on a private port; turn it on when the port is public.
+    protect_metrics: bool = False
 
     def __post_init__(self) -> None:
         if self.api_keys_file is not None and not isinstance(self.api_keys_file, (str, os.PathLike)):
@@ -56,6 +61,10 @@ class ServiceSettings:
             raise ValueError(f"host: expected a host name or address, got {self.host!r}")
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             raise ValueError(f"port: expected an int in [0, 65535], got {self.port!r}")
+        if isinstance(self.max_body_bytes, bool) or not isinstance(self.max_body_bytes, int) or self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes: expected an int >= 1024, got {self.max_body_bytes!r}")
+        if not isinstance(self.protect_metrics, bool):
+            raise ValueError(f"protect_metrics: expected True or False, got {self.protect_metrics!r}")
         if not isinstance(self.close_engine_on_shutdown, bool):
             raise ValueError(f"close_engine_on_shutdown: expected True or False, got {self.close_engine_on_shutdown!r}")
 

@@ -72,6 +72,9 @@ def serve(
     device: str = typer.Option("auto", help="auto, cpu, cuda, cuda:N."),
     dtype: str = typer.Option("auto", help="auto, float32, bfloat16, float16."),
     log_level: str = typer.Option("info", help="uvicorn log level."),
+    max_body: str = typer.Option("8MiB", help="Largest request body accepted (413 past it)."),
+    protect_metrics: bool = typer.Option(False, "--protect-metrics",
+                                         help="/metrics needs an admin key (with --api-keys)."),
 ) -> None:
     """Run the OpenAI-compatible HTTP service on a model with the tiered KV cache."""
     from engine.billing import Prices
@@ -86,7 +89,8 @@ def serve(
     from service.auth import ApiKeys
     from service.server import check_bind
     from service.settings import ServiceSettings
-    settings = ServiceSettings(api_keys_file=api_keys, host=host, port=port)
+    settings = ServiceSettings(api_keys_file=api_keys, host=host, port=port, max_body_bytes=parse_size(max_body, "--max-body"),
+                               protect_metrics=protect_metrics)
     check_bind(host, settings)
     if api_keys:
         ApiKeys.from_file(api_keys)            # a bad keys file fails now, not after the model loads

@@ -137,3 +137,28 @@ def test_loopback_hosts_need_no_keys(host):
 def test_settings_validation(kwargs, field):
     with pytest.raises(ValueError, match=f"^{field}:"):
         ServiceSettings(**kwargs)
+
+
+def test_status_shows_a_user_key_only_its_own_tenant(keyed):
+    # Issue 7, item 11: tier-wide hit counts describe every tenant's traffic.
+    engine = keyed.engine
+    with as_(keyed, ACME) as c:
+        assert gen(c, engine, prompt=PROMPT + " (status)").status_code == 200
+        mine = c.get("/v1/cache/status").json()
+        assert set(mine) == {"tenant", "usage", "note"} and mine["tenant"] == "acme"
+        assert mine["usage"]["tenant"] == "acme" and mine["usage"]["requests"] >= 1
+    with as_(keyed, ADMIN) as c:
+        full = c.get("/v1/cache/status").json()
+        assert {"device", "host", "disk"} <= set(full["tiers"])
+
+
+def test_metrics_can_require_an_admin_key(tmp_path, tokenizer):
+    settings = ServiceSettings(api_keys_file=write_keys(tmp_path / "keys.json", KEYS), protect_metrics=True)
+    with ServerThread(build_engine(tmp_path, tokenizer), settings) as s:
+        with s.client() as c:
+            assert c.get("/metrics").status_code == 401 and c.get("/health").status_code == 200
+        with as_(s, ACME) as c:
+            assert c.get("/metrics").status_code == 403
+        with as_(s, ADMIN) as c:
+            r = c.get("/metrics")
+            assert r.status_code == 200 and "tieredkv" in r.text

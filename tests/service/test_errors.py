@@ -55,6 +55,39 @@ CASES = [
     ("flush-tier", "POST", "/v1/cache/flush", {"tier": "gpu"}, 400, "tier", None),
     ("billing-tenant", "GET", "/v1/cache/billing?tenant=", None, 400, "tenant", None),
     ("unknown-route", "GET", "/v1/nothing", None, 404, None, "unknown_url"),
+    # Issue 7, item 8: input that used to be a 500.
+    ("lone-surrogate", "POST", COMPL, b'{"model": "m", "prompt": "a\\ud800b"}', 400, "prompt", None),
+    ("lone-surrogate-chat", "POST", CHAT,
+     b'{"model": "m", "messages": [{"role": "user", "content": "\\udfff"}]}', 400, "messages[0].content", None),
+    ("lone-surrogate-lookup", "POST", "/v1/cache/lookup", b'{"prompt": "\\ud800"}', 400, "prompt", None),
+    ("nested-100k", "POST", COMPL, b'{"model": "m", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, None,
+     "invalid_json"),
+    # Issue 7, item 9: fields a user would believe were honoured are refused, naming the field.
+    ("tools", "POST", CHAT, {"model": M, "messages": OK_CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]},
+     400, "tools", None),
+    ("tool-choice", "POST", CHAT, {"model": M, "messages": OK_CHAT, "tool_choice": "required"}, 400, "tool_choice", None),
+    ("parallel-tool-calls", "POST", CHAT, {"model": M, "messages": OK_CHAT, "parallel_tool_calls": True}, 400,
+     "parallel_tool_calls", None),
+    ("json-mode", "POST", CHAT, {"model": M, "messages": OK_CHAT, "response_format": {"type": "json_object"}}, 400,
+     "response_format", None),
+    ("json-schema", "POST", CHAT, {"model": M, "messages": OK_CHAT, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}}, 400, "response_format", None),
+    ("modalities", "POST", CHAT, {"model": M, "messages": OK_CHAT, "modalities": ["text", "audio"]}, 400, "modalities",
+     None),
+    ("audio", "POST", CHAT, {"model": M, "messages": OK_CHAT, "audio": {"voice": "alloy", "format": "wav"}}, 400,
+     "audio", None),
+    ("prediction", "POST", CHAT, {"model": M, "messages": OK_CHAT, "prediction": {"type": "content", "content": "x"}},
+     400, "prediction", None),
+    ("message-name", "POST", CHAT, {"model": M, "messages": [{"role": "user", "content": "hi", "name": "bob"}]}, 400,
+     "messages[0].name", None),
+    ("chat-top-logprobs", "POST", CHAT, {"model": M, "messages": OK_CHAT, "top_logprobs": 0}, 400, "top_logprobs", None),
+    ("logprobs-0", "POST", COMPL, {"model": M, "prompt": "x", "logprobs": 0}, 400, "logprobs", None),
+    ("stream-options-no-stream", "POST", COMPL, {"model": M, "prompt": "x", "stream_options": {"include_usage": True}},
+     400, "stream_options", None),
+    ("max-tokens-past-context", "POST", COMPL, {"model": M, "prompt": "x", "max_tokens": 10**6}, 400, "max_tokens", None),
+    ("chat-max-tokens-past-context", "POST", CHAT, {"model": M, "messages": OK_CHAT, "max_completion_tokens": 10**6}, 400,
+     "max_tokens", None),
+    ("seed-huge", "POST", COMPL, {"model": M, "prompt": "x", "seed": 2**70}, 400, "seed", None),
     ("wrong-method", "GET", COMPL, None, 405, None, "method_not_allowed"),
 ]
 
@@ -166,3 +199,40 @@ def test_client_disconnect_mid_stream_lets_the_request_finish(client, engine):
     assert client.get("/v1/cache/billing", params={"tenant": "t-gone"}).json()["completion_tokens"] == LONG
     wait_for(lambda: client.get("/health").json()["in_flight"] == 0)
     assert client.post(COMPL, json={"model": engine.model_name, "prompt": "next", "max_tokens": 2}).status_code == 200
+
+
+def test_a_body_past_the_limit_is_413_without_being_buffered(engine):
+    settings = ServiceSettings(max_body_bytes=64 << 10, close_engine_on_shutdown=False)
+    with ServerThread(engine, settings) as s, s.client() as c:
+        big = b'{"model": "m", "prompt": "' + b"x" * (1 << 20) + b'"}'
+        for kw in ({"content": big}, {"content": iter([big[i:i + 4096] for i in range(0, len(big), 4096)])}):
+            r = c.post(COMPL, headers={"content-type": "application/json"}, **kw)   # sized, then chunked
+            assert r.status_code == 413, r.text
+            assert r.json()["error"]["type"] == "invalid_request_error" and r.json()["error"]["code"] == "request_too_large"
+        assert c.post(COMPL, json={"model": engine.model_name, "prompt": "x", "max_tokens": 1}).status_code == 200
+
+
+def test_an_unhandled_error_is_a_500_and_the_connection_stays_open(engine):
+    # A route that fails with a bug, added to the real app (the server has no such route): the
+    # catch-all must answer with OpenAI's body and keep the keep-alive connection usable.
+    with ServerThread(engine, ServiceSettings(close_engine_on_shutdown=False)) as s:
+        @s.app.get("/test-only/bug")
+        async def bug() -> None:
+            raise KeyError("a bug")
+        with s.client() as c:
+            r = c.get("/test-only/bug")
+            assert r.status_code == 500 and r.json()["error"] == {
+                "message": "internal server error", "type": "server_error", "param": None, "code": "internal_error"}
+            assert r.headers.get("connection", "").lower() != "close"
+            r2 = c.post(COMPL, json={"model": engine.model_name, "prompt": "x", "max_tokens": 1})
+            assert r2.status_code == 200
+            assert r.extensions["network_stream"] is r2.extensions["network_stream"]   # the same connection
+
+
+def test_the_openapi_document_describes_the_request_bodies(client):
+    doc = client.get("/openapi.json").json()
+    body = doc["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert body == {"$ref": "#/components/schemas/CompletionRequest"}
+    props = doc["components"]["schemas"]["CompletionRequest"]["properties"]
+    assert {"model", "prompt", "max_tokens", "stream"} <= set(props)
+    assert "ChatMessage" in doc["components"]["schemas"]
