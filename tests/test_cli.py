@@ -36,9 +36,9 @@ A = [(7 * i + 3) % 128 for i in range(40)]
 A2 = A[:32] + [(11 * i + 5) % 128 for i in range(16)]
 
 
-def tkv(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tieredkv.cli", *args], cwd=REPO, env=ENV, capture_output=True,
-                          text=True, timeout=timeout)
+def tkv(*args: str, timeout: float = 120, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tieredkv.cli", *args], cwd=REPO, env={**ENV, **env},
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def tkv_json(*args: str) -> dict:
@@ -257,6 +257,16 @@ def test_serve_then_status_and_billing_over_http(tmp_path: Path, default_model_c
         assert (bill["requests"], bill["prompt_tokens"], bill["miss_tokens"]) == (1, p, p)
         assert bill["cost_pico"] == p * 1_000_000 + c * 1_100_000     # --prices took effect (output: default)
         assert tkv_json("billing", "--url", url, "--tenant", "carol")["requests"] == 1
+        # Issue 7, item 12: 80 columns lose no column and cut no number; an OpenAI-style base URL
+        # (.../v1) and $TIEREDKV_URL reach the same server.
+        narrow = tkv("status", "--url", url, COLUMNS="80")
+        assert narrow.returncode == 0 and "…" not in narrow.stdout, narrow.stdout
+        assert all(h in narrow.stdout for h in ("Tier", "Capacity", "Used", "Blocks", "Hit tok", "Evicted"))
+        narrow = tkv("billing", "--url", url, COLUMNS="80")
+        assert "…" not in narrow.stdout and "Tenant" in narrow.stdout and "carol" in narrow.stdout, narrow.stdout
+        assert tkv_json("status", "--url", f"{url}/v1")["tiers"]["device"]["blocks"] == blocks
+        r = tkv("billing", "--json", TIEREDKV_URL=url, TIEREDKV_HOME=str(tmp_path / "nothing-here"))
+        assert r.returncode == 0 and json.loads(r.stdout)["tenants"]["carol"]["requests"] == 1, r.stderr
         # The server's own error message comes through, in one line.
         assert_one_line_error(tkv("billing", "--url", url, "--tenant", "x\ty"), 1, "HTTP 400", "tenant")
     finally:
@@ -314,3 +324,15 @@ def test_verify_and_inspect_refuse_a_truncated_disk_tier_and_repair_moves_it_asi
     r = tkv("verify", "--cache-dir", str(tmp_path), "--repair")
     assert r.returncode == 0 and "moved aside" in r.stdout, (r.returncode, r.stdout, r.stderr)
     assert not kv.exists() and len(list(tmp_path.glob("kv.damaged-*"))) == 1
+
+
+def test_demo_on_a_short_context_model_says_what_it_needs(tmp_path: Path, default_model_converted: None) -> None:
+    # Issue 7, item 12: a 1k-context model used to fail deep inside with "prompt: ... no room".
+    from tests.service.tiny_engine import default_tokenizer_dir, load_tokenizer, tiny_config
+    from transformers import LlamaForCausalLM
+    tokenizer = load_tokenizer(default_tokenizer_dir())
+    model_dir = tmp_path / "tiny-1k"
+    LlamaForCausalLM(tiny_config(len(tokenizer))).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    r = tkv("demo", "--model", str(model_dir), "--cache-dir", str(tmp_path / "demo"), timeout=300)
+    assert_one_line_error(r, 2, "--model", "context", "1,024")

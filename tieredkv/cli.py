@@ -36,6 +36,12 @@ JSON_HELP = "Print one JSON object instead of tables."
 CACHE_HELP = "Cache root holding kv/ and billing/ (default $TIEREDKV_HOME or ~/.cache/tieredkv)."
 
 
+def narrow_table(**kw: Any) -> Table:
+    """A table that fits 80 columns: SIMPLE_HEAD's column divider is already a space, so one
+    more on the left and none on the right (rich's default padding cut the last columns)."""
+    return Table(box=box.SIMPLE_HEAD, padding=(0, 0, 0, 1), pad_edge=False, **kw)
+
+
 # ---- serve -------------------------------------------------------------------------------
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -160,8 +166,8 @@ def status(
     if json_out:
         return print_json(body)
     tiers = body.get("tiers", {})
-    t = Table(title=f"{body.get('model', '?')} at {url} — block size {body.get('block_size', '?')}",
-              box=box.SIMPLE_HEAD, caption="Hit tok: prompt tokens served from the tier; Promoted: blocks copied "
+    t = narrow_table(title=f"{body.get('model', '?')} at {url} — block size {body.get('block_size', '?')}",
+                     caption="Hit tok: prompt tokens served from the tier; Promoted: blocks copied "
               "up to the device pool; Demoted: blocks written down into the tier; Evicted: blocks that left it")
     for col in ("Tier", "Capacity", "Used", "Blocks", "Hit tok", "Promoted", "Demoted", "Evicted"):
         t.add_column(col, justify="left" if col == "Tier" else "right", no_wrap=True)
@@ -277,7 +283,8 @@ def verify(
 @app.command()
 @friendly
 def billing(
-    url: Optional[str] = typer.Option(None, help="Read a running server's ledger (GET /v1/cache/billing)."),
+    url: Optional[str] = typer.Option(None, help="Read a running server's ledger (GET /v1/cache/billing; "
+                                      "default $TIEREDKV_URL when set, else the ledger file)."),
     cache_dir: Optional[str] = typer.Option(None, help="Read the ledger file read-only: " + CACHE_HELP),
     tenant: Optional[str] = typer.Option(None, help="Only this tenant."),
     json_out: bool = typer.Option(False, "--json", help=JSON_HELP),
@@ -286,6 +293,8 @@ def billing(
     """Per-tenant bills: requests, tokens by origin, cost. From a server (--url) or the ledger file."""
     if url and cache_dir:
         raise CLIError("give --url or --cache-dir, not both", code=2)
+    if not url and not cache_dir and os.environ.get("TIEREDKV_URL"):
+        url = server_url(None)        # $TIEREDKV_URL names the server, as for `status`
     if url:
         body = get_json(url, "/v1/cache/billing", api_key_of(api_key), {"tenant": tenant} if tenant else None)
     else:
@@ -299,11 +308,14 @@ def billing(
     if json_out:
         return print_json(body)
     bills = [body] if "tenant" in body else list(body.get("tenants", {}).values())
-    t = Table(title="Billing" + (f" — tenant {tenant}" if tenant else ""), box=box.SIMPLE_HEAD,
-              caption="Device/Host/Disk: prompt tokens hit in that tier; Miss: computed; Output: completion "
-              "tokens; cost in micro-dollars")
-    for col in ("Tenant", "Requests", "Prompt", "Device", "Host", "Disk", "Miss", "Output", "Cost µ$"):
-        t.add_column(col, justify="left" if col == "Tenant" else "right", no_wrap=col != "Tenant")
+    t = narrow_table(title="Billing" + (f" — tenant {tenant}" if tenant else ""),
+                     caption="Device/Host/Disk: prompt tokens hit in that tier; Miss: computed; Output: "
+                     "completion tokens; cost in micro-dollars")
+    # The tenant name folds onto more lines rather than vanish (rich squeezed a wrappable
+    # column to nothing at 80 columns); numbers never wrap.
+    t.add_column("Tenant", justify="left", min_width=8, max_width=14, overflow="fold")
+    for col in ("Reqs", "Prompt", "Device", "Host", "Disk", "Miss", "Output", "Cost µ$"):
+        t.add_column(col, justify="right", no_wrap=True)
 
     def row(name: str, b: dict) -> list[str]:
         hits = b.get("hit_tokens_by_tier", {})

@@ -90,7 +90,10 @@ def get_json(url: str, path: str, api_key: Optional[str], params: Optional[dict]
     import httpx
     if not url.startswith(("http://", "https://")):
         raise CLIError(f"--url: expected an http:// or https:// URL, got {url!r}", code=2)
-    full = url.rstrip("/") + path
+    base = url.rstrip("/")
+    if base.endswith("/v1") and path.startswith("/v1/"):
+        base = base[:-3]        # an OpenAI-style base URL (http://host:8000/v1) names the same server
+    full = base + path
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
         r = httpx.get(full, headers=headers, params=params, timeout=30)

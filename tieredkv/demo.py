@@ -147,6 +147,12 @@ class Demo:
         doc = document()
         doc_prompts = [self._encode([{"role": "system", "content": SYSTEM},
                                      {"role": "user", "content": f"{doc}\n\nQuestion: {q}"}]) for q in QUESTIONS]
+        need = max(map(len, doc_prompts)) + self.max_tokens
+        if need > self.engine.max_context:
+            raise ValueError(f"--model: the demo's shared document takes {need - self.max_tokens:,} tokens "
+                             f"(+{self.max_tokens} to generate), but {self.engine.model_name} holds "
+                             f"{self.engine.max_context:,} tokens of context; use a model with a context of at "
+                             f"least {need:,} tokens (the default, SmolLM2-135M-Instruct, has 8,192)")
 
         p = self._phase(phases, "document", f"Three questions over one shared manual ({len(doc_prompts[0]):,} tokens)")
         for i, ids in enumerate(doc_prompts):
