@@ -32,6 +32,7 @@ import contextlib
 import logging
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Sequence
@@ -177,6 +178,7 @@ class DiskTier:
         self._closed = False
         self._stats_lock = threading.Lock()
         self._counters = _Counters()
+        self._last_read_error_log = -1e9
         self._last_info = self._read_info()
         self._pool: ThreadPoolExecutor | None = None
         # Built readonly too (nothing pending, ever), but its thread runs only for a writer.
@@ -528,8 +530,14 @@ class DiskTier:
             return 0
 
     def _read_failed(self, what: str, e: BaseException, misses: int = 0) -> None:
-        log.error("disk tier %s: %s failed (%s: %s): served as a miss", self.path, what, type(e).__name__, e)
         self._count(read_errors=1, misses=misses)
+        now = time.monotonic()
+        with self._stats_lock:      # one line per 10 s: a failing store is read on every lookup
+            if now - self._last_read_error_log < 10:
+                return
+            self._last_read_error_log = now
+        log.error("disk tier %s: %s failed (%s: %s): served as a miss (read_errors=%d)", self.path, what,
+                  type(e).__name__, e, self._counters.read_errors)
 
     def _count(self, **deltas: int) -> None:
         with self._stats_lock:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -57,9 +58,21 @@ class PendingBlock:
         return out.view(self.block.shape).copy_(self.block)
 
 
-def _is_no_space(e: BaseException) -> bool:
-    # lmdb.DiskError is LMDB's ENOSPC; an OSError may carry it too.
-    return isinstance(e, (lmdb.MapFullError, lmdb.DiskError)) or getattr(e, "errno", None) == errno.ENOSPC
+def _is_no_space(e: BaseException, path: str) -> bool:
+    # lmdb.DiskError is LMDB's ENOSPC; an OSError may carry it too. A full filesystem can also
+    # show up as EIO from a short write at commit: then the filesystem's free space decides.
+    if isinstance(e, (lmdb.MapFullError, lmdb.DiskError)) or getattr(e, "errno", None) == errno.ENOSPC:
+        return True
+    if isinstance(e, lmdb.Error) and "Input/output error" in str(e):
+        try:
+            st = os.statvfs(path)
+        except OSError:
+            return False
+        return st.f_bavail * st.f_frsize < _LOW_SPACE_BYTES
+    return False
+
+
+_LOW_SPACE_BYTES = 1 << 20   # below this much free space, an EIO at commit is taken as "disk full"
 
 
 class DiskWriter:
@@ -258,7 +271,7 @@ class DiskWriter:
                 self._commit(encoded, touches)
                 return True
             except Exception as e:
-                if not _is_no_space(e):
+                if not _is_no_space(e, self._env.path()):
                     raise
                 log.warning("disk tier: %s; evicting to make room (attempt %d)", type(e).__name__, attempt + 1)
                 self.clear_stale_readers(force=True)   # a dead reader may be what pins the pages
@@ -341,7 +354,7 @@ class DiskWriter:
                     n = self._evict_in_txn(txn, info, more)
                     store_info(txn, self._dbs, info)
             except Exception as e:
-                if not _is_no_space(e) or per_txn == 1:
+                if not _is_no_space(e, self._env.path()) or per_txn == 1:
                     raise
                 per_txn = max(1, per_txn // 4)
                 continue
@@ -355,7 +368,7 @@ class DiskWriter:
             with self._begin(write=True) as txn:
                 store_info(txn, self._dbs, load_info(txn, self._dbs))
         except Exception as e:
-            if not _is_no_space(e):
+            if not _is_no_space(e, self._env.path()):
                 raise
         return freed
 
