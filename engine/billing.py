@@ -195,6 +195,16 @@ def _utc_day(when: datetime | None) -> str:
     return when.astimezone(timezone.utc).date().isoformat()
 
 
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One request's usage, validated and priced, ready to be written (Ledger.prepare)."""
+    request_key: bytes
+    tenant_key: bytes
+    day_key: bytes
+    record: bytes
+    bucket: "Bucket"
+
+
 class Ledger:
     """Per-tenant billing in an LMDB environment at `path` (a directory of its own).
 
@@ -235,6 +245,12 @@ class Ledger:
                hit_tokens_by_tier: dict[str, int], miss_tokens: int, when: datetime | None = None) -> bool:
         """Bill one finished request. Returns False (and changes nothing) if `request_id` was
         already recorded. Durable when it returns: the caller may then complete the response."""
+        return self.record_many([self.prepare(tenant, request_id, prompt_tokens, completion_tokens,
+                                              hit_tokens_by_tier, miss_tokens, when)])[0]
+
+    def prepare(self, tenant: str, request_id: str, prompt_tokens: int, completion_tokens: int,
+                hit_tokens_by_tier: dict[str, int], miss_tokens: int, when: datetime | None = None) -> "Entry":
+        """Validate and price one request's usage (ValueError naming the field); nothing is written."""
         if self.readonly:
             raise PermissionError(f"ledger at {self.path} was opened read-only")
         tenant_key = _check_name(tenant, "tenant")
@@ -256,18 +272,29 @@ class Ledger:
         cost = (miss_tokens * self.prices.miss + completion_tokens * self.prices.completion
                 + sum(n * self.prices.hit(t) for t, n in hits.items()))
         one = Bucket(1, prompt_tokens, completion_tokens, hits, miss_tokens, cost)
-        entry = json.dumps({"tenant": tenant, "day": day, **one._stored()}, separators=(",", ":")).encode()
-        day_key = tenant_key + b"\x00" + day.encode()
+        record = json.dumps({"tenant": tenant, "day": day, **one._stored()}, separators=(",", ":")).encode()
+        return Entry(rid_key, tenant_key, tenant_key + b"\x00" + day.encode(), record, one)
+
+    def record_many(self, entries: list["Entry"]) -> list[bool]:
+        """Bill several prepared requests in one write transaction: one fsync for all of them
+        (group commit). Per entry, False if its request id was already recorded. Durable when
+        it returns, or nothing of it is: the transaction commits whole or not at all."""
+        if self.readonly:
+            raise PermissionError(f"ledger at {self.path} was opened read-only")
+        done = []
         with self._write_lock, self._env.begin(write=True) as txn:
-            # NOTE idempotency: the request id, the totals and the day bucket change in one
-            # transaction, so a request is counted in all of them or in none, exactly once.
-            if not txn.put(rid_key, entry, db=self._requests, overwrite=False):
-                return False
-            for db, key in ((self._totals, tenant_key), (self._days, day_key)):
-                b = Bucket._decode(txn.get(key, db=db))
-                b.add(one)
-                txn.put(key, b._encode(), db=db)
-        return True
+            for e in entries:
+                # NOTE idempotency: the request id, the totals and the day bucket change in one
+                # transaction, so a request is counted in all of them or in none, exactly once.
+                if not txn.put(e.request_key, e.record, db=self._requests, overwrite=False):
+                    done.append(False)
+                    continue
+                for db, key in ((self._totals, e.tenant_key), (self._days, e.day_key)):
+                    b = Bucket._decode(txn.get(key, db=db))
+                    b.add(e.bucket)
+                    txn.put(key, b._encode(), db=db)
+                done.append(True)
+        return done
 
     # -- reading ---------------------------------------------------------------------------
 

@@ -32,6 +32,7 @@ from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SeqStatus
 from storage.tiered_cache import TIERS, FlushResult, TieredKVCache
 from engine.billing import Ledger, Prices, validate_tenant
+from engine.billing_writer import BillingWriter
 from storage.config import CacheConfig
 from storage.hashing import block_keys, namespace_digest, tenant_salt
 
@@ -62,6 +63,8 @@ class Engine:
         if ledger_dir is None and cache.disk_path is not None:
             ledger_dir = os.path.join(os.path.dirname(cache.disk_path), "billing")
         self.ledger = Ledger(ledger_dir, prices or Prices()) if ledger_dir is not None else None
+        # Owns the ledger's writes: the engine thread never waits for an fsync.
+        self.billing = BillingWriter(self.ledger) if self.ledger is not None else None
         self.vocab_size = loaded.model.config.vocab_size
         eos = loaded.model.config.eos_token_id
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -212,6 +215,8 @@ class Engine:
             log.error("engine close: the final flush lost writes (disk write_errors in cache_status); "
                       "those blocks will miss after a restart")
         self.cache.close()
+        if self.billing is not None:
+            self.billing.close()        # commits every finished request's bill, then stops
         if self.ledger is not None:
             self.ledger.close()
 
@@ -370,19 +375,27 @@ class Engine:
         metrics = RequestMetrics(ttft_s=(seq.first_token_at or now) - seq.arrival, restore_s=seq.restore_s,
                                  total_s=now - seq.arrival, queue_s=(seq.admitted_at or now) - seq.arrival)
         self._done(seq)
-        if self.ledger is not None:
-            # NOTE: committed before the caller sees the result, so a completed request is billed;
-            # a request whose bill cannot be written fails instead of being served unbilled.
-            try:
-                self.ledger.record(seq.tenant, seq.request_id, usage.prompt_tokens, usage.completion_tokens,
-                                   usage.hit_tokens_by_tier, usage.prompt_cache_miss_tokens)
-            except Exception as e:
-                log.exception("billing failed for %s", seq.request_id)
-                seq.events.put(("error", RuntimeError(f"billing failed: {e}")))
-                return
         text, ids = seq.pending_final
-        seq.events.put(("delta", StreamChunk(seq.request_id, text, ids, reason, usage, metrics)))
         out = CompletionOutput(seq.request_id, seq.text if self.tokenizer is not None else "", list(seq.output_ids),
                                reason, usage, metrics, list(seq.prompt_ids),
                                seq.logprobs if seq.params.logprobs else None)
-        seq.events.put(("final", out))
+
+        def complete(recorded: bool | None = True, error: Exception | None = None) -> None:
+            # NOTE: runs after the ledger committed this request (billing thread), so a caller
+            # never sees a result that is not billed; a bill that cannot be written fails the
+            # request instead of serving it unbilled.
+            if error is not None:
+                seq.events.put(("error", RuntimeError(f"billing failed: {error}")))
+                return
+            seq.events.put(("delta", StreamChunk(seq.request_id, text, ids, reason, usage, metrics)))
+            seq.events.put(("final", out))
+        if self.billing is None:
+            complete()
+            return
+        try:
+            entry = self.ledger.prepare(seq.tenant, seq.request_id, usage.prompt_tokens, usage.completion_tokens,
+                                        usage.hit_tokens_by_tier, usage.prompt_cache_miss_tokens)
+            self.billing.submit(entry, complete)
+        except Exception as e:
+            log.exception("billing failed for %s", seq.request_id)
+            complete(None, e)
