@@ -33,6 +33,7 @@ from engine.sequence import Sequence, SeqStatus
 from storage.tiered_cache import TIERS, FlushResult, TieredKVCache
 from engine.billing import Ledger, Prices, validate_tenant
 from engine.billing_writer import BillingWriter
+from engine.detokenizer import IncrementalDetokenizer
 from storage.config import CacheConfig
 from storage.hashing import block_keys, namespace_digest, tenant_salt
 
@@ -336,7 +337,9 @@ class Engine:
         if (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
             reason = "stop"
         if self.tokenizer is not None:
-            seq.text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
+            if seq.detok is None:
+                seq.detok = IncrementalDetokenizer(self.tokenizer)
+            seq.text = seq.detok.add(token)      # == decode(output_ids), in O(new tokens)
             for stop in p.stop:
                 i = seq.text.find(stop, max(0, seq.sent_chars - len(stop)))
                 if i >= 0:

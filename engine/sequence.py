@@ -9,6 +9,7 @@ from __future__ import annotations
 import queue
 import time
 from dataclasses import dataclass, field
+from typing import Any
 from enum import Enum
 
 import torch
@@ -49,6 +50,7 @@ class Sequence:
     # Output plumbing: the engine thread puts events here, the caller's thread reads them.
     events: "queue.Queue" = field(default_factory=queue.Queue)
     text: str = ""                                # detokenized output so far
+    detok: Any = None                             # its IncrementalDetokenizer (engine thread)
     sent_chars: int = 0                           # text already streamed
     sent_tokens: int = 0                          # token ids already streamed
     logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
