@@ -160,7 +160,8 @@ class DevicePool:
 
     # ---- reporting -----------------------------------------------------------------------
     def stats(self) -> PoolStats:
-        in_use = sum(1 for r in self._ref if r > 0)
+        # O(1): every page is free, evictable (cached, refcount 0) or in use (audit() checks it).
+        in_use = self.num_pages - len(self._free) - len(self._evictable)
         used_pages = self.num_pages - len(self._free)
         return PoolStats(capacity_bytes=self.num_pages * self.layout.nbytes,
                          used_bytes=used_pages * self.layout.nbytes, pages=self.num_pages,

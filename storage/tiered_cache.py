@@ -349,6 +349,9 @@ class TieredKVCache:
 
     # ---- reporting -----------------------------------------------------------------------
     def stats(self) -> dict[str, TierStats]:
+        """Per-tier counters, O(1) in the number of pages and blocks (/metrics reads this on every
+        scrape). The disk's are read outside the cache lock: they need an LMDB read."""
+        disk = self.disk.stats() if self.disk is not None else None
         with self._lock:
             out = {t: TierStats(**{**self._stats[t].__dict__, "extra": {}}) for t in TIERS}
             p = self.pool.stats()
@@ -359,8 +362,8 @@ class TieredKVCache:
             out["host"].capacity_bytes, out["host"].used_bytes = h.capacity_bytes, h.used_bytes
             out["host"].blocks, out["host"].evictions = h.blocks, h.evictions
             out["host"].extra = {"pinned": h.pinned, "enabled": self.host.enabled}
-            if self.disk is not None:
-                d = self.disk.stats()
+            if disk is not None:
+                d = disk
                 o = out["disk"]
                 o.capacity_bytes, o.used_bytes, o.blocks, o.evictions = d.capacity_bytes, d.used_bytes, d.blocks, d.evictions
                 o.bytes_read = d.bytes_read

@@ -97,3 +97,26 @@ def test_pool_tensor_shape_and_stats():
     st = pool.stats()
     assert st.capacity_bytes == 5 * TINY.nbytes == 5 * 256 * 4
     assert st.used_bytes == 0 and st.free_pages == 5
+
+
+
+def test_stats_count_pages_in_use_without_walking_them() -> None:
+    # Issue 8, item 5: /metrics reads these on every scrape; in_use is derived (free + evictable
+    # + in use == pages) and must agree with the refcounts after every transition.
+    pool = DevicePool(TINY, 6)
+    ks = keys(3)
+
+    def in_use() -> int:
+        return sum(1 for p in range(pool.num_pages) if pool.refcount(p) > 0)
+    seen = []
+    a = pool.allocate(3)
+    for p, k in zip(a, ks):
+        pool.register(p, k)
+    for op in (lambda: pool.release(a[0]), lambda: pool.acquire(a[0]), lambda: pool.acquire(a[1]),
+               lambda: pool.release(a[2]), lambda: pool.allocate(2), lambda: pool.release(a[1]),
+               lambda: pool.release(a[1]), lambda: pool.evict(a[1]), lambda: pool.release(a[0])):
+        op()
+        assert pool.stats().in_use_pages == in_use()
+        seen.append(in_use())
+    assert seen == [2, 3, 3, 2, 4, 4, 3, 3, 2]
+    pool.audit()
