@@ -42,6 +42,7 @@ import torch
 
 from storage.codec import Codec
 from storage.disk_integrity import DamagedBlock, VerifyReport, audit, check_block, verify_and_decode
+from storage.disk_index import DiskIndex
 from storage.disk_preflight import DamagedEnvironment, check_environment, move_aside, opening
 from storage.disk_records import (DISK_FORMAT_VERSION, BlockMeta, Databases, FormatMismatch, StoreInfo, delete_in_txn,
                                   load_capacity, load_info, lru_key, open_databases, store_capacity, store_info)
@@ -182,8 +183,11 @@ class DiskTier:
         self._last_info = self._read_info()
         self._pool: ThreadPoolExecutor | None = None
         # Built readonly too (nothing pending, ever), but its thread runs only for a writer.
+        # Every stored hash, read once at open: contains() is asked for every block of every
+        # waiting request on every engine step, and must not read LMDB each time.
+        self._index = DiskIndex(h for h, _ in self._iter_db(self._meta, values=False))
         self._writer = DiskWriter(self._env, self._dbs, codec, capacity_bytes, queue_blocks, batch_blocks, self._count,
-                                  self._begin)
+                                  self._begin, self._index)
         if not readonly:
             self._writer.start()
 
@@ -202,23 +206,17 @@ class DiskTier:
         if self.layout is not None and (tuple(block.shape) != self.layout.shape or block.dtype != self.layout.dtype):
             raise ValueError(f"block: expected shape {self.layout.shape} of {self.layout.dtype}, "
                              f"got {tuple(block.shape)} of {block.dtype}")
-        if self._writer.is_pending(key.hash) or self._stored(key.hash):
+        if self._writer.is_pending(key.hash) or key.hash in self._index:
             return
         copy = torch.empty(block.shape, dtype=block.dtype)
         copy.copy_(block.detach())
         self._writer.submit(key, copy)   # waits while the queue is full (backpressure)
 
     def contains(self, h: bytes) -> bool:
-        """Whether the block is stored or pending; False (a counted read error) when the store
-        cannot be read."""
+        """Whether the block is pending or (as far as this process knows: storage/disk_index.py)
+        stored. Reads no LMDB: answered from memory."""
         self._check_open()
-        if self._writer.is_pending(h):
-            return True
-        try:
-            return self._stored(h)
-        except (lmdb.Error, OSError) as e:
-            self._read_failed("contains", e)
-            return False
+        return self._writer.is_pending(h) or h in self._index
 
     def get(self, key: BlockKey, out: torch.Tensor | None = None) -> torch.Tensor | None:
         """The verified block for `key`, or None (missing, or damaged: then counted and deleted).
@@ -249,6 +247,7 @@ class DiskTier:
         results: list[torch.Tensor | None] = [None] * len(keys)
         pending = self._writer.pending(k.hash for k in keys)
         todo, misses, hits = [], 0, 0
+        gone: list[bytes] = []
         # NOTE: buffers=True reads payloads in place from the map: no copy into fresh memory per
         # block (~8-10% of a get_many, tools/bench_tiers.py). They are valid only inside the
         # transaction, so decoding happens inside it too; decoded tensors never alias them, and
@@ -264,6 +263,7 @@ class DiskTier:
                 payload, meta = txn.get(key.hash, db=self._payload), txn.get(key.hash, db=self._meta)
                 if payload is None and meta is None:
                     misses += 1
+                    gone.append(key.hash)     # evicted by another process, or never stored
                 else:
                     todo.append((i, key, outs[i], payload, meta))
             if len(todo) > 1 and self._decode_threads > 1:
@@ -271,6 +271,7 @@ class DiskTier:
             else:
                 checked = [self._verify_and_decode(t) for t in todo]
             sizes = [0 if payload is None else len(payload) for _, _, _, payload, _ in todo]
+        self._index.discard(gone)
         damaged, touched, bytes_read = [], [], 0
         for (i, key, _, _, _), size, (tensor, reason) in zip(todo, sizes, checked):
             if tensor is None:
@@ -309,6 +310,7 @@ class DiskTier:
             for db in (self._payload, self._meta, self._lru):
                 txn.drop(db, delete=False)
             store_info(txn, self._dbs, StoreInfo(next_seq=info.next_seq))
+        self._index.clear()
         return n
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -467,10 +469,6 @@ class DiskTier:
                 self._resizing = False
                 self._cond.notify_all()
 
-    def _stored(self, h: bytes) -> bool:
-        with self._begin() as txn:
-            return txn.get(h, db=self._meta) is not None
-
     def _executor(self) -> ThreadPoolExecutor:
         with self._stats_lock:
             if self._pool is None:
@@ -518,12 +516,14 @@ class DiskTier:
     def _delete_now(self, hashes: Iterable[bytes], recount: bool = False) -> int:
         """Delete blocks in a short write transaction of the calling thread. Returns how many."""
         try:
+            hashes = list(hashes)
             with self._begin(write=True) as txn:
                 info = load_info(txn, self._dbs)
                 n = sum(delete_in_txn(txn, self._dbs, h, info) for h in hashes)
                 if recount:
                     recount_info(txn, self._dbs, info)
                 store_info(txn, self._dbs, info)
+            self._index.discard(hashes)
             return n
         except Exception:
             log.exception("disk tier: deleting blocks failed")

@@ -33,6 +33,7 @@ import torch
 from storage.codec import Codec
 from storage.disk_records import (BlockMeta, Databases, StoreInfo, delete_in_txn, load_capacity, load_info, lru_hash,
                                   lru_key, store_info)
+from storage.disk_index import DiskIndex
 from storage.disk_integrity import payload_binding
 from storage.hashing import BlockKey
 
@@ -84,8 +85,9 @@ class DiskWriter:
 
     def __init__(self, env: lmdb.Environment, dbs: Databases, codec: Codec, capacity_bytes: int,
                  queue_blocks: int, batch_blocks: int, count: Callable[..., None],
-                 begin: Callable[..., ContextManager[lmdb.Transaction]]) -> None:
+                 begin: Callable[..., ContextManager[lmdb.Transaction]], index: DiskIndex) -> None:
         self._env = env
+        self._index = index      # updated after each commit, before a put stops being pending
         self._begin = begin      # the tier's transactions: counted for close(), map resizes adopted
         self._dbs = dbs
         self._codec = codec
@@ -286,7 +288,9 @@ class DiskWriter:
 
     def _commit(self, encoded: list, touches: dict[bytes, int]) -> None:
         dbs = self._dbs
-        written = evicted = 0
+        written = 0
+        stored: list[bytes] = []
+        evicted: list[bytes] = []
         with self._begin(write=True) as txn:
             info = load_info(txn, dbs)
             capacity = self._capacity_in(txn)
@@ -310,8 +314,11 @@ class DiskWriter:
             now = time.time()
             for key, payload, raw_size in encoded:
                 h = key.hash
-                if h in cancelled or txn.get(h, db=dbs.meta) is not None:
-                    continue   # deleted meanwhile, or another process stored it first
+                if h in cancelled:
+                    continue   # deleted meanwhile
+                if txn.get(h, db=dbs.meta) is not None:
+                    stored.append(h)   # another process stored it first
+                    continue
                 m = BlockMeta(key.parent, key.namespace, key.token_ids, raw_size, len(payload), now, info.next_seq, 0)
                 info.next_seq += 1
                 txn.put(h, payload, db=dbs.payload)
@@ -321,12 +328,17 @@ class DiskWriter:
                 info.raw_bytes += raw_size
                 info.blocks += 1
                 written += len(payload)
+                stored.append(h)
             # NOTE: the capacity invariant (used_bytes <= capacity_bytes) is enforced here, in the
             # same transaction that added the bytes: no committed state exceeds it, whichever
             # process committed it.
-            evicted = self._evict_in_txn(txn, info, lambda: info.used_bytes > capacity)
+            self._evict_in_txn(txn, info, lambda: info.used_bytes > capacity, evicted)
             store_info(txn, dbs, info)
-        self._count(bytes_written=written, evictions=evicted)
+        # Committed: now the index says so (evictions first: a block evicted and stored again in
+        # one batch is stored).
+        self._index.discard(evicted)
+        self._index.add(stored)
+        self._count(bytes_written=written, evictions=len(evicted))
 
     def _capacity_in(self, txn: lmdb.Transaction) -> int:
         """The store's capacity, read in the committing transaction (another process may have
@@ -351,8 +363,10 @@ class DiskWriter:
                     def more() -> bool:
                         limit[0] -= 1
                         return limit[0] >= 0 and before - info.used_bytes + freed < target
-                    n = self._evict_in_txn(txn, info, more)
+                    gone: list[bytes] = []
+                    n = self._evict_in_txn(txn, info, more, gone)
                     store_info(txn, self._dbs, info)
+                self._index.discard(gone)
             except Exception as e:
                 if not _is_no_space(e, self._env.path()) or per_txn == 1:
                     raise
@@ -372,8 +386,10 @@ class DiskWriter:
                 raise
         return freed
 
-    def _evict_in_txn(self, txn: lmdb.Transaction, info: StoreInfo, more: Callable[[], bool]) -> int:
-        """Delete least recently used blocks while more() says so. Returns how many."""
+    def _evict_in_txn(self, txn: lmdb.Transaction, info: StoreInfo, more: Callable[[], bool],
+                      evicted: list[bytes]) -> int:
+        """Delete least recently used blocks while more() says so, appending their hashes to
+        `evicted`. Returns how many."""
         n = 0
         while more():
             cur = txn.cursor(db=self._dbs.lru)
@@ -382,6 +398,7 @@ class DiskWriter:
             h = lru_hash(cur.key())
             if delete_in_txn(txn, self._dbs, h, info):
                 n += 1
+                evicted.append(h)
             else:
                 cur.delete()   # stray LRU entry without a block
         return n

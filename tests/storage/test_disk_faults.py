@@ -109,3 +109,46 @@ def test_a_full_filesystem_evicts_instead_of_dropping(small_filesystem: Path) ->
         assert same_bits(t.get(make_key(1499)), make_block(1499))
     with DiskTier(str(small_filesystem / "kv"), 64 << 20, map_size=64 << 20) as t:
         assert t.check() == [] and t.verify().damaged == ()
+
+
+class CountingEnv:
+    """The tier's LMDB environment, counting the transactions begun through it."""
+
+    def __init__(self, env) -> None:
+        self._env, self.begins = env, 0
+
+    def begin(self, *a, **kw):
+        self.begins += 1
+        return self._env.begin(*a, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self._env, name)
+
+
+def test_contains_reads_no_lmdb_and_follows_commits_evictions_and_deletes(tmp_path: Path) -> None:
+    # Issue 8, item 1: match() asks contains() for every block of every waiting request on
+    # every engine step; it is answered from memory (storage/disk_index.py).
+    from storage.codec import Codec
+    from storage.disk_integrity import payload_binding
+    size = {i: len(Codec().encode(make_block(i), payload_binding(make_key(i).hash, make_key(i).namespace)))
+            for i in (0, 1, 2, 3, 4, 10)}                          # stored bytes of each block
+    capacity = sum(size[i] for i in range(4))
+    with DiskTier(str(tmp_path), capacity) as t:
+        for i in range(4):
+            t.put(make_key(i), make_block(i))
+        assert t.flush()
+    with DiskTier(str(tmp_path), capacity) as t:                   # loaded at open
+        counting = CountingEnv(t._env)
+        t._env = counting
+        assert [t.contains(make_key(i).hash) for i in range(5)] == [True] * 4 + [False]
+        assert counting.begins == 0
+        t.put(make_key(4), make_block(4))                          # evicts block 0 (LRU)
+        assert t.flush()
+        assert [t.contains(make_key(i).hash) for i in range(5)] == [False] + [True] * 4
+        assert t.delete(make_key(2).hash) and not t.contains(make_key(2).hash)
+        run_child("write", tmp_path, size[3] + size[4] + size[10], 10, 1)   # another process: stores 10, evicts 1
+        assert t.contains(make_key(1).hash)                          # not known here yet...
+        assert t.get(make_key(1)) is None                            # ...the read finds it gone: a miss
+        assert not t.contains(make_key(1).hash)                      # and forgets it
+        assert not t.contains(make_key(10).hash)                     # another's block: a missed hit only
+        assert same_bits(t.get(make_key(10)), make_block(10))        # still served if asked for
