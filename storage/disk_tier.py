@@ -101,6 +101,7 @@ class DiskStats:
     write_errors: int
     read_errors: int
     pending_writes: int
+    queue_full_drops: int = 0      # blocks the eviction cascade could not queue (queue full)
     recovered: str | None = None   # a damaged tier found at open and moved aside: where, and why
 
 
@@ -127,6 +128,7 @@ class _Counters:
     bytes_written: int = 0
     write_errors: int = 0
     read_errors: int = 0
+    queue_full_drops: int = 0
 
 
 class DiskTier:
@@ -193,13 +195,15 @@ class DiskTier:
 
     # -- public API ----------------------------------------------------------------------
 
-    def put(self, key: BlockKey, block: torch.Tensor) -> None:
+    def put(self, key: BlockKey, block: torch.Tensor, wait: bool = True) -> bool:
         """Queue `block` for the background writer and return without compressing.
 
         The block's bytes are copied to CPU before returning, so the caller may reuse its
         memory at once. Skipped when the hash is already stored or pending. The queue is
-        bounded (queue_blocks): when it is full, put blocks until the writer catches up
-        (backpressure). Write failures are never raised here: see stats().write_errors.
+        bounded (queue_blocks): when it is full, put waits until the writer catches up
+        (backpressure), or with wait=False returns False at once (counted in
+        stats().queue_full_drops): the engine's eviction cascade must never wait on the disk.
+        Write failures are never raised here: see stats().write_errors.
         """
         self._check_open(write=True)
         dtype_name(block.dtype)
@@ -207,10 +211,13 @@ class DiskTier:
             raise ValueError(f"block: expected shape {self.layout.shape} of {self.layout.dtype}, "
                              f"got {tuple(block.shape)} of {block.dtype}")
         if self._writer.is_pending(key.hash) or key.hash in self._index:
-            return
+            return True
         copy = torch.empty(block.shape, dtype=block.dtype)
         copy.copy_(block.detach())
-        self._writer.submit(key, copy)   # waits while the queue is full (backpressure)
+        if self._writer.submit(key, copy, wait):   # waits while the queue is full, if wait
+            return True
+        self._count(queue_full_drops=1)
+        return False
 
     def contains(self, h: bytes) -> bool:
         """Whether the block is pending or (as far as this process knows: storage/disk_index.py)
@@ -357,7 +364,8 @@ class DiskTier:
                          compression_ratio=info.raw_bytes / info.used_bytes if info.used_bytes else 0.0,
                          hits=c.hits, misses=c.misses, corrupt=c.corrupt, evictions=c.evictions,
                          bytes_read=c.bytes_read, bytes_written=c.bytes_written, write_errors=c.write_errors,
-                         read_errors=c.read_errors, pending_writes=pending, recovered=self.recovered)
+                         read_errors=c.read_errors, pending_writes=pending, recovered=self.recovered,
+                         queue_full_drops=c.queue_full_drops)
 
     def iter_blocks(self) -> Iterator[DiskBlockInfo]:
         """Every stored block's metadata, in hash order (undecodable records are skipped:

@@ -125,12 +125,16 @@ class DiskWriter:
         with self._cond:
             return len(self._pending)
 
-    def submit(self, key: BlockKey, block: torch.Tensor) -> None:
-        """Queue `block` (a private CPU copy) unless its hash is pending already."""
+    def submit(self, key: BlockKey, block: torch.Tensor, wait: bool = True) -> bool:
+        """Queue `block` (a private CPU copy) unless its hash is pending already. False when the
+        queue is full and wait=False (the block is not queued)."""
         h = key.hash
         with self._cond:
-            # NOTE: the queue bound -- put waits here while queue_blocks blocks are pending.
+            # NOTE: the queue bound -- put waits here while queue_blocks blocks are pending, or,
+            # with wait=False (the engine's eviction cascade), refuses at once.
             while len(self._pending) >= self._queue_blocks and not self._stopping:
+                if not wait:
+                    return False
                 self._cond.wait()
             if self._stopping:
                 raise RuntimeError("DiskTier is closed")
@@ -138,6 +142,7 @@ class DiskWriter:
                 self._pending[h] = PendingBlock(key, block)
                 self._queue.append(h)
                 self._cond.notify_all()
+            return True
 
     def record_accesses(self, hashes: Iterable[bytes]) -> None:
         """One hit for each hash, committed (LRU position and hit count) with the next batch."""

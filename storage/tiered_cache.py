@@ -7,7 +7,11 @@ promotion fills device pages from host or disk; eviction cascades device -> host
 engine hands in BlockKeys and page ids and gets typed results back.
 
 Thread safety: every public method takes one lock, so the engine thread, HTTP threads (lookup,
-status) and the disk writer thread (inside DiskTier) can run at once.
+status) and the disk writer thread (inside DiskTier) can run at once. NOTE invariant: the lock
+is never held while waiting on the disk writer: the eviction cascade queues for disk without
+waiting (a full queue drops the block, counted), and flush/demote("host") copy blocks out under
+the lock in small batches and hand them to the writer (which may wait) outside it, so the
+engine's next allocate/register never waits for a flush.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ from storage.config import CacheConfig
 from storage.hashing import BlockKey
 
 TIERS = ("device", "host", "disk")
+_FLUSH_BATCH = 32     # blocks copied out per hold of the lock by flush/demote
 
 
 @dataclass(frozen=True, slots=True)
@@ -263,14 +268,44 @@ class TieredKVCache:
         return True
 
     def _to_disk(self, key: BlockKey, src: torch.Tensor) -> bool:
-        """Queue a block (a device page or a host slot) for disk unless the disk has it.
+        """Queue a block (a device page or a host slot) for disk unless the disk has it; never
+        waits (the caller holds the lock): a full queue drops it (disk stats' queue_full_drops).
         DiskTier.put copies the bytes, so `src` may be reused once this returns."""
         if self.disk is None or self.disk.contains(key.hash):
             return False
         self.transfer.sync_host()   # earlier async copies into `src` are complete
-        self.disk.put(key, src.cpu())   # .cpu() is the tensor itself when it is on the CPU
+        if not self.disk.put(key, src.cpu(), wait=False):   # .cpu(): the tensor itself on CPU
+            return False
         self._count_write("disk")
         return True
+
+    def _copy_down_to_disk(self, host_only: bool = False) -> int:
+        """Every cached block the disk lacks (device pages unless host_only, then host slots),
+        copied out under the lock a batch at a time and queued outside it, waiting on the writer
+        there. A block that moved or left meanwhile is taken from where it is now, or skipped
+        (its own eviction queued it). Returns blocks queued."""
+        with self._lock:
+            todo = [] if host_only else [self.pool.key_of(p) for p in self.pool.cached_pages()]
+            todo += [key for _, key in self.host.blocks()]
+        written = 0
+        for start in range(0, len(todo), _FLUSH_BATCH):
+            copies = []
+            with self._lock:
+                self.transfer.sync_host()
+                for key in todo[start:start + _FLUSH_BATCH]:
+                    if self.disk.contains(key.hash):
+                        continue
+                    page = None if host_only else self.pool.lookup(key)
+                    slot = self.host.lookup(key) if page is None else None
+                    src = self.pool.kv[page] if page is not None else (None if slot is None else self.host.slab[slot])
+                    if src is not None:
+                        copies.append((key, src.to("cpu", copy=True)))
+            queued = [key for key, block in copies if self.disk.put(key, block)]   # may wait: no lock held
+            with self._lock:
+                for _ in queued:
+                    self._count_write("disk")
+            written += len(queued)
+        return written
 
     def _count_write(self, tier: str) -> None:
         st = self._stats[tier]
@@ -289,29 +324,23 @@ class TieredKVCache:
     def flush(self, timeout: float | None = None) -> FlushResult:
         """Push every cached block down to the lowest tier (disk, else host) and wait for the
         disk writer: after a complete flush a restarted process hits every block."""
-        with self._lock:
-            written = 0
-            lowest = "disk" if self.disk is not None else ("host" if self.host.enabled else None)
-            if lowest is None:
-                return FlushResult(0, True)
-            for page in self.pool.cached_pages():
-                key = self.pool.key_of(page)
-                if lowest == "disk":
-                    written += self._to_disk(key, self.pool.kv[page])
-                else:
-                    written += self._to_host(key, page)
-            if lowest == "disk":
-                for slot, key in self.host.blocks():
-                    written += self._to_disk(key, self.host.slab[slot])
+        if self.disk is not None:
+            written = self._copy_down_to_disk()
+            return FlushResult(written, self.disk.flush(timeout))
+        if not self.host.enabled:
+            return FlushResult(0, True)
+        with self._lock:   # no disk tier: device blocks into the host slab (memcpy, no waiting)
+            written = sum(self._to_host(self.pool.key_of(page), page) for page in self.pool.cached_pages())
             self.transfer.sync_host()
-        complete = self.disk.flush(timeout) if self.disk is not None else True
-        return FlushResult(written, complete)
+        return FlushResult(written, True)
 
     def demote(self, tier: str) -> int:
         """Evict every unused cached block of `tier` one step down the cascade (device -> host
         -> disk), exactly as capacity pressure would. Returns blocks evicted."""
         if tier not in ("device", "host"):
             raise ValueError(f"tier: can demote 'device' or 'host', got {tier!r}")
+        if tier == "host" and self.disk is not None:
+            self._copy_down_to_disk(host_only=True)   # the writes, outside the lock; then evict
         with self._lock:
             if tier == "device":
                 pages = self.pool.evictable_pages()
