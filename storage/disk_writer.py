@@ -339,10 +339,11 @@ class DiskWriter:
             # process committed it.
             self._evict_in_txn(txn, info, lambda: info.used_bytes > capacity, evicted)
             store_info(txn, dbs, info)
-        # Committed: now the index says so (evictions first: a block evicted and stored again in
-        # one batch is stored).
-        self._index.discard(evicted)
+        # Committed: now the index says so. In the transaction every put came before every
+        # eviction (a batch larger than the capacity evicts its own first blocks), so the same
+        # order here: stored, then evicted.
         self._index.add(stored)
+        self._index.discard(evicted)
         self._count(bytes_written=written, evictions=len(evicted))
 
     def _capacity_in(self, txn: lmdb.Transaction) -> int:

@@ -152,3 +152,21 @@ def test_contains_reads_no_lmdb_and_follows_commits_evictions_and_deletes(tmp_pa
         assert not t.contains(make_key(1).hash)                      # and forgets it
         assert not t.contains(make_key(10).hash)                     # another's block: a missed hit only
         assert same_bits(t.get(make_key(10)), make_block(10))        # still served if asked for
+
+
+def test_a_batch_larger_than_the_store_leaves_the_index_exact(tmp_path: Path) -> None:
+    # One commit stores 4 blocks into room for 3 and evicts its own first block in the same
+    # transaction: the index must say it is gone (found by the state-machine test: the block was
+    # matched on disk, then missed).
+    from storage.codec import Codec
+    from storage.disk_integrity import payload_binding
+    size = [len(Codec().encode(make_block(i), payload_binding(make_key(i).hash, make_key(i).namespace)))
+            for i in range(4)]
+    with DiskTier(str(tmp_path), sum(size[1:]), batch_blocks=8) as t:
+        with t._writer._cond:            # (re-entrant) the writer cannot take a batch until all four are queued
+            for i in range(4):
+                t.put(make_key(i), make_block(i))
+        assert t.flush()
+        on_disk = {b.hash for b in t.iter_blocks()}
+        assert [t.contains(make_key(i).hash) for i in range(4)] == [make_key(i).hash in on_disk for i in range(4)]
+        assert len(on_disk) == 3
