@@ -10,6 +10,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 from storage.config import CacheConfig
@@ -36,8 +37,10 @@ def test_engine_calls_complete_while_a_flush_waits_on_a_stalled_writer(tmp_path:
         flush = threading.Thread(target=lambda: result.update(r=cache.flush()))
         result: dict = {}
         flush.start()
+        deadline = time.monotonic() + 30
         while disk.stats().pending_writes < 4:                    # the queue is full: flush waits
-            pass
+            assert time.monotonic() < deadline and flush.is_alive(), "the flush never filled the queue"
+            time.sleep(0.001)
         engine_done = threading.Event()
 
         def engine_steps() -> None:
