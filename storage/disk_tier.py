@@ -184,10 +184,10 @@ class DiskTier:
         self._last_read_error_log = -1e9
         self._last_info = self._read_info()
         self._pool: ThreadPoolExecutor | None = None
-        # Built readonly too (nothing pending, ever), but its thread runs only for a writer.
         # Every stored hash, read once at open: contains() is asked for every block of every
         # waiting request on every engine step, and must not read LMDB each time.
         self._index = DiskIndex(h for h, _ in self._iter_db(self._meta, values=False))
+        # Built readonly too (nothing pending, ever), but its thread runs only for a writer.
         self._writer = DiskWriter(self._env, self._dbs, codec, capacity_bytes, queue_blocks, batch_blocks, self._count,
                                   self._begin, self._index)
         if not readonly:
