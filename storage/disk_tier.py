@@ -201,8 +201,9 @@ class DiskTier:
         The block's bytes are copied to CPU before returning, so the caller may reuse its
         memory at once. Skipped when the hash is already stored or pending. The queue is
         bounded (queue_blocks): when it is full, put waits until the writer catches up
-        (backpressure), or with wait=False returns False at once (counted in
-        stats().queue_full_drops): the engine's eviction cascade must never wait on the disk.
+        (backpressure); with wait=False it never waits, may fill the queue to twice its bound,
+        and past that returns False (counted in stats().queue_full_drops): the engine's
+        eviction cascade must never wait on the disk.
         Write failures are never raised here: see stats().write_errors.
         """
         self._check_open(write=True)
@@ -218,6 +219,11 @@ class DiskTier:
             return True
         self._count(queue_full_drops=1)
         return False
+
+    def wait_for_room(self, timeout: float | None = None) -> bool:
+        """Block until the writer's queue is below its bound: what a caller that may wait (and
+        holds no lock) does between batches of cascade puts, so they are never dropped."""
+        return self.readonly or self._closed or self._writer.wait_for_room(timeout)
 
     def contains(self, h: bytes) -> bool:
         """Whether the block is pending or (as far as this process knows: storage/disk_index.py)

@@ -126,15 +126,16 @@ class DiskWriter:
             return len(self._pending)
 
     def submit(self, key: BlockKey, block: torch.Tensor, wait: bool = True) -> bool:
-        """Queue `block` (a private CPU copy) unless its hash is pending already. False when the
-        queue is full and wait=False (the block is not queued)."""
+        """Queue `block` (a private CPU copy) unless its hash is pending already. With
+        wait=False (the engine's eviction cascade) it never waits: it may fill the queue to twice
+        its bound, and past that returns False (the block is not queued)."""
         h = key.hash
         with self._cond:
-            # NOTE: the queue bound -- put waits here while queue_blocks blocks are pending, or,
-            # with wait=False (the engine's eviction cascade), refuses at once.
-            while len(self._pending) >= self._queue_blocks and not self._stopping:
-                if not wait:
-                    return False
+            # NOTE: the queue bound -- put waits here while queue_blocks blocks are pending; the
+            # cascade, which must not wait, has a second bound of as many again before it drops.
+            if not wait and len(self._pending) >= 2 * self._queue_blocks:
+                return False
+            while wait and len(self._pending) >= self._queue_blocks and not self._stopping:
                 self._cond.wait()
             if self._stopping:
                 raise RuntimeError("DiskTier is closed")
@@ -187,6 +188,17 @@ class DiskWriter:
                     return False
                 self._cond.wait(left)
             return self._dropped == dropped_before
+
+    def wait_for_room(self, timeout: float | None = None) -> bool:
+        """Block until fewer than queue_blocks puts are pending (False on timeout or stop)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while len(self._pending) >= self._queue_blocks and not self._stopping:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left)
+            return not self._stopping
 
     def dropped(self) -> int:
         with self._cond:

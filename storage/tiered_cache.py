@@ -341,12 +341,22 @@ class TieredKVCache:
             raise ValueError(f"tier: can demote 'device' or 'host', got {tier!r}")
         if tier == "host" and self.disk is not None:
             self._copy_down_to_disk(host_only=True)   # the writes, outside the lock; then evict
+        if tier == "device":
+            # In batches: each eviction may cascade host -> disk (a put that never waits), so
+            # between batches, holding no lock, wait for the writer's queue to have room: an
+            # explicit demote never drops a block for a full queue, and never stalls the engine.
+            evicted = 0
+            while True:
+                with self._lock:
+                    pages = self.pool.evictable_pages()[:_FLUSH_BATCH]
+                    for page in pages:
+                        self.pool.evict(page)
+                evicted += len(pages)
+                if len(pages) < _FLUSH_BATCH:
+                    return evicted
+                if self.disk is not None:
+                    self.disk.wait_for_room()
         with self._lock:
-            if tier == "device":
-                pages = self.pool.evictable_pages()
-                for page in pages:
-                    self.pool.evict(page)
-                return len(pages)
             n = len(self.host)
             for _ in range(n):
                 self.host.evict_lru()

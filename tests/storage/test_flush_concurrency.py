@@ -48,7 +48,8 @@ def test_engine_calls_complete_while_a_flush_waits_on_a_stalled_writer(tmp_path:
             pages = fill(cache, ks[32:40])
             cache.match(ks)
             cache.release(pages)
-            cache.demote("device")                                # device -> host -> (disk, full queue)
+            pages = cache.allocate(48)                            # evicts every cached page: device ->
+            cache.release(pages)                                  # host -> disk, whose queue is full
             engine_done.set()
         engine = threading.Thread(target=engine_steps)
         engine.start()
@@ -60,6 +61,7 @@ def test_engine_calls_complete_while_a_flush_waits_on_a_stalled_writer(tmp_path:
         flush.join(60)
         engine.join(60)
         assert not stalled, "the engine waited for the flush"
+        assert disk.stats().queue_full_drops > 0                  # past twice the bound: dropped, counted
         assert result["r"].written > 0
         disk.flush()
         for info in disk.iter_blocks():                           # what reached disk is exact
