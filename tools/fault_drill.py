@@ -49,7 +49,7 @@ NAMESPACE = b"\x07" * 32
 SHAPE = (2, 2, 16, 3, 8)
 CAP = 256 << 20
 
-# The helpers below are repeated in the child scripts, which import this module by path.
+# The child scripts below import these helpers from this module (tools/ on their path).
 
 
 def make_key(i: int) -> BlockKey:

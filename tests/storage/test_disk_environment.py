@@ -23,7 +23,7 @@ CAP = 64 << 20
 OPEN_AND_READ = """
 import sys
 from storage.disk_tier import DiskTier
-from tests.storage.disk_tier_child import make_key
+from tests.storage.disk_tier_child import make_block, make_key
 readonly = sys.argv[2] == "ro"
 try:
     t = DiskTier(sys.argv[1], 64 << 20, readonly=readonly)
@@ -32,7 +32,8 @@ except Exception as e:
     sys.exit(3)
 got = [t.get(make_key(i)) is not None for i in range(40)]
 print("opened", sum(got), "recovered" if t.stats().recovered else "as-is")
-t.put(make_key(99), __import__("tests.storage.disk_tier_child", fromlist=["x"]).make_block(99)) if not readonly else None
+if not readonly:
+    t.put(make_key(99), make_block(99))
 t.close()
 """
 
