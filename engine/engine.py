@@ -370,6 +370,9 @@ class Engine:
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq)
+        # Right after finish: a FINISHED sequence has always left the in-flight count, so _fail
+        # (if anything below raises) neither counts it twice nor leaves it counted.
+        self._done(seq)
         seq.finish_reason = reason
         hits = seq.hit_tokens_by_tier or dict.fromkeys(TIERS, 0)
         usage = Usage(prompt_tokens=len(seq.prompt_ids), completion_tokens=len(seq.output_ids),
@@ -377,7 +380,6 @@ class Engine:
         now = time.perf_counter()
         metrics = RequestMetrics(ttft_s=(seq.first_token_at or now) - seq.arrival, restore_s=seq.restore_s,
                                  total_s=now - seq.arrival, queue_s=(seq.admitted_at or now) - seq.arrival)
-        self._done(seq)
         text, ids = seq.pending_final
         out = CompletionOutput(seq.request_id, seq.text if self.tokenizer is not None else "", list(seq.output_ids),
                                reason, usage, metrics, list(seq.prompt_ids),

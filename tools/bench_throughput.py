@@ -21,8 +21,19 @@ time the same workload on four systems:
                              Its own prefix sharing (allow_block_sharing) stays on, as shipped,
                              and it is served the same untimed warm-up prompt as tieredkv before
                              each timed batch, so whatever it can reuse across calls it may.
-                             It runs at every hit rate (the peer's curve beside ours): what it
-                             reuses is read off its curve (its req/s at 100% against 0%).
+                             It runs at every hit rate (the peer's curve beside ours), and what
+                             it reuses is measured: the "peer hit" column counts the prompt
+                             tokens its prefix match returned (PagedAttentionCache.
+                             search_prefix_match, wrapped). What it reuses: full pages
+                             (page_size tokens, 256 by default; --peer-page-size) of a prefix
+                             it computed earlier in the same persistent manager -- the warm-up
+                             prompt's pages survive the call as unreferenced "cached blocks"
+                             until the pool needs room. What it does not: a prefix shorter
+                             than a page, the tail of a prefix past its last full page, blocks
+                             it evicted (all cached blocks go at once under memory pressure),
+                             anything across processes or restarts (no host or disk tier), and
+                             pages of requests admitted in the same step (a page is matchable
+                             only after the forward that completed it).
 
 Every request produces exactly M tokens (ignore_eos / no eos). Requests/s = N / wall time of
 the whole batch (all N submitted at once). Each engine run starts from an empty cache (all
@@ -118,6 +129,32 @@ class _Clock:
         self.wall, self.cpu = time.perf_counter() - self.w0, time.process_time() - self.c0
 
 
+class _PeerHits:
+    """Prompt tokens transformers' continuous batching took from its own cache during a `with`
+    block: the return value of PagedAttentionCache.search_prefix_match (matched tokens, whole
+    pages), counted by wrapping it. 0 when this transformers has no such method."""
+
+    def __enter__(self) -> "_PeerHits":
+        self.tokens = 0
+        try:
+            from transformers.generation.continuous_batching.cache import PagedAttentionCache
+        except ImportError:
+            self._cls = None
+            return self
+        self._cls, self._orig = PagedAttentionCache, getattr(PagedAttentionCache, "search_prefix_match", None)
+        if self._orig is not None:
+            def counted(cache, request_id, prompt_ids, _orig=self._orig):
+                n = _orig(cache, request_id, prompt_ids)
+                self.tokens += n
+                return n
+            PagedAttentionCache.search_prefix_match = counted
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._cls is not None and self._orig is not None:
+            self._cls.search_prefix_match = self._orig
+
+
 class Runner:
     def __init__(self, args) -> None:
         self.args = args
@@ -198,16 +235,21 @@ class Runner:
         m = self.args.max_tokens
         gc = GenerationConfig(max_new_tokens=m, do_sample=False, eos_token_id=None,
                               pad_token_id=self.tok.pad_token_id or 0)
+        cb = None
+        if self.args.peer_page_size:
+            from transformers import ContinuousBatchingConfig
+            cb = ContinuousBatchingConfig(page_size=self.args.peer_page_size)
         if w.warm is not None:     # the same untimed warm-up prompt tieredkv is served
             self.plain.generate_batch(inputs=[w.warm], generation_config=GenerationConfig(
                 max_new_tokens=1, do_sample=False, eos_token_id=None, pad_token_id=self.tok.pad_token_id or 0),
-                persistent_manager=True)
-        with _Clock() as c:
+                continuous_batching_config=cb, persistent_manager=True)
+        with _PeerHits() as hits, _Clock() as c:
             # persistent_manager: the manager (its KV cache, its thread) is built once, in the
             # untimed warm-up, as the engines are; a fresh one costs seconds per call on CPU.
-            out = self.plain.generate_batch(inputs=w.prompts, generation_config=gc, persistent_manager=True)
+            out = self.plain.generate_batch(inputs=w.prompts, generation_config=gc, continuous_batching_config=cb,
+                                            persistent_manager=True)
         _check_lengths([o.generated_tokens for o in out.values()], m, "transformers_batch")
-        return Run(c.wall, c.cpu, 0, sum(len(p) for p in w.prompts))
+        return Run(c.wall, c.cpu, hits.tokens, sum(len(p) for p in w.prompts))
 
     def warm_up(self, funcs: dict) -> dict[str, str]:
         """First-call costs (allocator, kernels for these shapes, transformers' CB manager) out
@@ -236,6 +278,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peer-rates", default="all",
                     help="hit rates at which transformers_batch runs ('all' = --rates)")
     ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"subset of {SYSTEMS}")
+    ap.add_argument("--peer-page-size", type=int, default=None,
+                    help="transformers_batch's page size in tokens, its prefix-sharing granularity "
+                         "(default: transformers' own, 256; our block size is 16)")
     ap.add_argument("--repeat", type=int, default=1, help="runs per (rate, system) above 0%% hits (median)")
     ap.add_argument("--repeat-zero", type=int, default=2,
                     help="runs per system at 0%% hits, where the targets compare systems (median)")
@@ -252,6 +297,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--systems: expected a subset of {SYSTEMS}")
     if any(not 0 <= r <= 1 for r in rates + base_rates + peer_rates):
         ap.error("--rates: expected numbers in [0, 1]")
+    if args.peer_page_size is not None and args.peer_page_size < 4:
+        ap.error("--peer-page-size: expected an int >= 4 (transformers' minimum)")
     if args.n < 1 or args.length < 16 or args.max_tokens < 1 or args.repeat < 1 or args.repeat_zero < 1:
         ap.error("--n, --length (>= 16), --max-tokens, --repeat, --repeat-zero: expected positive values")
     logging.basicConfig(level=logging.WARNING)
@@ -284,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
                         continue
                     samples[s].append(run)
                     # Progress on stderr; stdout stays one table or one JSON object.
-                    print(f"rate {rate:.1f} {s:<22} {args.n / run.wall_s:7.3f} req/s  (wall {run.wall_s:.2f}s, "
+                    print(f"rate {rate:4.0%} {s:<22} {args.n / run.wall_s:7.3f} req/s  (wall {run.wall_s:.2f}s, "
                           f"cpu {run.cpu_s:.1f}s, hit {run.hit_tokens / run.prompt_tokens:.1%})", file=sys.stderr)
             for s in systems:
                 runs = samples[s]
@@ -303,6 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"rows": rows, "targets": targets(rows, args), "failures": failures,
               "config": {"n": args.n, "length": args.length, "max_tokens": args.max_tokens,
                          "repeat": args.repeat, "repeat_zero": args.repeat_zero, "block_size": runner.block,
+                         "peer_page_size": args.peer_page_size or "transformers default (256)",
                          "engine": {"max_batch_tokens": runner.cached.scheduler.max_batch_tokens,
                                     "max_seqs": runner.cached.scheduler.max_seqs}},
               "machine": machine_note()}
@@ -360,13 +408,16 @@ def print_table(result: dict) -> None:
     rows = result["rows"]
     print(f"Throughput: N={cfg['n']} prompts x L={cfg['length']} tokens, M={cfg['max_tokens']} output tokens; "
           f"req/s, median of {cfg['repeat_zero']} runs at 0% and {cfg['repeat']} above")
-    print(f"{'hit rate':>8}  {'measured':>8}" + "".join(f"  {s:>22}" for s in SYSTEMS) + "  tieredkv cpu s/req")
+    print(f"{'hit rate':>8}  {'measured':>8}  {'peer hit':>8}" + "".join(f"  {s:>22}" for s in SYSTEMS)
+          + "  tieredkv cpu s/req")
     for rate in sorted({r["hit_rate"] for r in rows}):
-        meas = _row(rows, rate, "tieredkv")
+        meas, peer = _row(rows, rate, "tieredkv"), _row(rows, rate, "transformers_batch")
         cells = "".join(f"  {(format(r['req_per_s'], '.3f') if (r := _row(rows, rate, s)) else '-'):>22}"
                         for s in SYSTEMS)
         cpu = format(meas["cpu_s_per_req"], ".2f") if meas else "-"
-        print(f"{rate:>8.0%}  {(format(meas['measured_hit_rate'], '.1%') if meas else '-'):>8}{cells}  {cpu:>18}")
+        hit = format(meas["measured_hit_rate"], ".1%") if meas else "-"
+        peer_hit = format(peer["measured_hit_rate"], ".1%") if peer else "-"
+        print(f"{rate:>8.0%}  {hit:>8}  {peer_hit:>8}{cells}  {cpu:>18}")
     print("at 0% hits, every run:")
     for s in SYSTEMS:
         r = _row(rows, 0.0, s)

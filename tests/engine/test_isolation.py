@@ -17,12 +17,18 @@ from tieredkv import SamplingParams
 
 
 def run_all(eng, jobs):
-    """Submit every (prompt, params, tenant) at once from its own thread; results or exceptions."""
+    """Submit every (prompt, params, tenant[, "stream"]) at once, each from its own thread; results
+    or exceptions. A streamed job's result is (token ids, finish_reason, request id) from its chunks."""
     results: list = [None] * len(jobs)
 
-    def one(i, prompt, params, tenant):
+    def one(i, prompt, params, tenant, mode="generate"):
         try:
-            results[i] = eng.generate(prompt, params, tenant=tenant)
+            if mode == "stream":
+                chunks = list(eng.stream(prompt, params, tenant=tenant))
+                results[i] = ([t for c in chunks for t in c.token_ids], chunks[-1].finish_reason,
+                              chunks[-1].request_id)
+            else:
+                results[i] = eng.generate(prompt, params, tenant=tenant)
         except Exception as e:   # recorded, asserted on below
             results[i] = e
     threads = [threading.Thread(target=one, args=(i, *job)) for i, job in enumerate(jobs)]
@@ -42,12 +48,21 @@ def test_a_tenants_extreme_sampling_fails_no_other_request(tmp_path, hostile) ->
     with make_engine(tmp_path / "alone", disk=False) as eng:
         expected = [eng.generate(p, greedy, tenant="alice").token_ids for p in prompts]
     with make_engine(tmp_path) as eng:
-        jobs = [(p, greedy, "alice") for p in prompts] + [(random_prompt(11, seed=7), hostile, "mallory")]
-        results = run_all(eng, jobs)
+        # The issue's victims: two JSON-style (generate) and two SSE-style (stream) requests.
+        jobs = [(p, greedy, "alice", "stream" if i % 2 else "generate") for i, p in enumerate(prompts)]
+        results = run_all(eng, jobs + [(random_prompt(11, seed=7), hostile, "mallory")])
         assert not any(isinstance(r, Exception) for r in results), results
-        assert [r.token_ids for r in results[:4]] == expected
+        for i, r in enumerate(results[:4]):
+            if i % 2:
+                assert r[0] == expected[i] and r[1] == "length"
+            else:
+                assert r.token_ids == expected[i] and r.finish_reason == "length"
         mallory = results[4]
         assert len(mallory.token_ids) == 8 and mallory.finish_reason == "length"
+        # Every request billed once, the hostile one included (the issue: it was not billed).
+        for rid in [r[2] if i % 2 else r.request_id for i, r in enumerate(results[:4])] + [mallory.request_id]:
+            assert eng.ledger.has(rid)
+        assert eng.ledger.tenant("alice").requests == 4 and eng.ledger.tenant("mallory").requests == 1
         assert eng.cache.pool.num_free == eng.cache.pool.num_pages
         eng.cache.audit()
 
@@ -86,3 +101,25 @@ def test_a_failure_while_handling_one_sequence_fails_only_that_one(tmp_path) -> 
         assert eng.cache.pool.num_free == eng.cache.pool.num_pages
         assert eng._inflight == 0
         eng.cache.audit()
+
+
+def test_a_failure_while_finishing_a_request_fails_it_alone_and_leaves_nothing_counted(tmp_path, monkeypatch) -> None:
+    # A fault after the scheduler let go of the sequence (building the result): that caller gets
+    # the error, the engine's in-flight count is back to 0 (close would otherwise wait it out),
+    # and the next request is served.
+    import engine.engine as engine_module
+    real, calls = engine_module.RequestMetrics, []
+
+    def metrics(*a, **kw):
+        calls.append(1)
+        if len(calls) == 1:
+            raise ValueError("injected")
+        return real(*a, **kw)
+    monkeypatch.setattr(engine_module, "RequestMetrics", metrics)
+    with make_engine(tmp_path) as eng:
+        with pytest.raises(RuntimeError, match="injected"):
+            eng.generate(random_prompt(9, seed=5), SamplingParams(max_tokens=3))
+        assert eng._inflight == 0
+        assert len(eng.generate(random_prompt(9, seed=6), SamplingParams(max_tokens=3)).token_ids) == 3
+        assert eng._inflight == 0
+        assert eng.cache.pool.num_free == eng.cache.pool.num_pages
