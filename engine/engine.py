@@ -133,6 +133,9 @@ class Engine:
             if self._inflight - len(self.scheduler.running) >= self.max_queue:
                 raise QueueFullError(f"engine queue is full ({self.max_queue} requests waiting); retry later")
             self._inflight += 1
+        # Its disk blocks start moving to the host tier now, so its wait in the queue overlaps
+        # the drive (storage/loader.py; reads only memory here).
+        seq.prefetch = self.cache.prefetch(seq.prefix_keys())
         self._inbox.put(seq)
         return seq
 
@@ -187,6 +190,7 @@ class Engine:
                 "block_bytes": self.layout.nbytes, "write_policy": self.config.write_policy,
                 "tiers": tiers,
                 "engine": {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+                           "loading": len(self.scheduler.loading),
                            "preemptions": self.scheduler.preemptions}}
 
     def flush(self) -> FlushResult:

@@ -1,14 +1,18 @@
 """Continuous batching over the paged pool: who runs this step, and with how many tokens.
 
-Knows: the waiting queue and the running set, the per-step token budget, prefix matching and
-promotion at admission, chunked prefill, page allocation, preemption (newest first) and
+Knows: the waiting queue, the loading set and the running set, the per-step token budget,
+prefix matching at admission, chunked prefill, page allocation, preemption (newest first) and
 in-batch dedup of shared prefix blocks. Doesn't know: the model, sampling or outputs -- the
-engine runs the forward pass on what `schedule()` returns and reports back via `after_step()`.
+engine runs the forward pass on what `schedule()` returns and reports back via `after_step()` --
+nor how blocks are restored: the cache's loader fills pages on its own threads.
 
 Per step: running sequences first (oldest first: each decode takes 1 token, an unfinished
-prefill takes its next chunk), then admissions from the waiting queue while budget and pages
-last. A sequence that cannot get pages preempts the newest running one; the victim's full
-blocks are registered in the cache already, so its re-admission hits them.
+prefill takes its next chunk), then sequences whose prefix finished loading (their first prefill
+chunk), then admissions from the waiting queue while budget and pages last. An admission whose
+prefix has host or disk blocks is planned (pages held, fills started) and waits in `loading`
+without taking budget: the others keep stepping while its bytes are read (at most `max_loading`
+such sequences at once). A sequence that cannot get pages preempts the newest running one; the
+victim's full blocks are registered in the cache already, so its re-admission hits them.
 
 NOTE invariant: an exception while admitting, reserving for or advancing one sequence is that
 sequence's failure alone: it is set aside (take_failed) with whatever pages it holds, for the
@@ -21,7 +25,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from engine.sequence import Sequence, SeqStatus
-from storage.tiered_cache import TieredKVCache
+from storage.tiered_cache import Acquired, TieredKVCache
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,15 +35,18 @@ class Scheduled:
 
 
 class Scheduler:
-    def __init__(self, cache: TieredKVCache, max_batch_tokens: int = 512, max_seqs: int = 64) -> None:
-        if max_batch_tokens < 1 or max_seqs < 1:
-            raise ValueError("max_batch_tokens and max_seqs must be >= 1")
+    def __init__(self, cache: TieredKVCache, max_batch_tokens: int = 512, max_seqs: int = 64,
+                 max_loading: int = 8) -> None:
+        if max_batch_tokens < 1 or max_seqs < 1 or max_loading < 1:
+            raise ValueError("max_batch_tokens, max_seqs and max_loading must be >= 1")
         self.cache = cache
         self.block_size = cache.layout.block_size
         self.max_batch_tokens = max_batch_tokens
         self.max_seqs = max_seqs
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []       # admission order: oldest first
+        self.loading: list[Sequence] = []       # prefix being filled by the loader, oldest first
+        self.max_loading = max_loading
         self.preemptions = 0
         self._failed: list[tuple[Sequence, Exception]] = []   # engine thread only
 
@@ -52,7 +59,7 @@ class Scheduler:
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
 
     # ---- the step --------------------------------------------------------------------------
     def schedule(self) -> list[Scheduled]:
@@ -72,11 +79,27 @@ class Scheduler:
                 continue
             out.append(Scheduled(seq, n))
             budget -= n
+        for seq in list(self.loading):
+            if budget == 0:
+                break
+            if not seq.load.ready():
+                continue
+            self.loading.remove(seq)
+            try:
+                acquired = self.cache.finish_load(seq.load)
+                seq.load = None        # its pages are the sequence's own now
+                started = self._start(seq, acquired, budget)
+            except Exception as e:
+                self._failed.append((seq, e))
+                continue
+            if started is not None:
+                out.append(started)
+                budget -= started.num_tokens
         # In-batch dedup: a waiting request whose next uncached block is being computed by a
         # running prefill waits one step, then hits the registered block instead of computing it.
         pending = self._pending_prompt_blocks()
         skipped: list[Sequence] = []
-        while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
+        while self.waiting and budget > 0 and len(self.running) + len(self.loading) < self.max_seqs:
             seq = self.waiting.popleft()
             try:
                 admitted = self._admit(seq, budget, pending)
@@ -89,6 +112,8 @@ class Scheduler:
             if admitted is False:
                 self.waiting.appendleft(seq)
                 break
+            if admitted is True:
+                continue    # now loading: no budget taken
             out.append(admitted)
             budget -= admitted.num_tokens
             pending |= {k.hash for k in seq.prefix_keys()[seq.registered:]}
@@ -103,12 +128,16 @@ class Scheduler:
         return pending
 
     def _admit(self, seq: Sequence, budget: int, pending: set[bytes]) -> Scheduled | bool | None:
-        """Match + promote + first chunk. None: wait for a block another request computes now;
-        False: not enough pages now (stop admitting this step)."""
+        """Match, then plan the prefix and either start the first chunk or wait for the loader.
+        Scheduled: running now; True: loading; None: wait (a block another request computes
+        now, or too many loads in flight); False: not enough pages now (stop admitting)."""
         keys = seq.prefix_keys()
         match = self.cache.match(keys)
         if len(match) < len(keys) and keys[len(match)].hash in pending:
             return None
+        needs_load = any(tier != "device" for _, tier in match.blocks)
+        if needs_load and len(self.loading) >= self.max_loading:
+            return None     # back-pressure on the loader; requests without a load go ahead
         remaining = seq.num_tokens - len(match) * self.block_size
         n = min(remaining, budget)
         need = len(match) + -(-n // self.block_size)   # conservative: every matched block may need a page
@@ -116,13 +145,24 @@ class Scheduler:
             # With nothing running every page is free or evictable, and the engine only accepts
             # sequences that fit the pool (Sequence.max_len), so this cannot stall forever.
             return False
-        acquired = self.cache.acquire(match)
+        load = self.cache.plan(match, seq.prefetch)
+        if load.pending:
+            seq.load, seq.status = load, SeqStatus.LOADING
+            self.loading.append(seq)
+            return True
+        return self._start(seq, self.cache.finish_load(load), budget)
+
+    def _start(self, seq: Sequence, acquired: Acquired, budget: int) -> Scheduled | None:
+        """A sequence holding its prefix's pages starts running with its first chunk. None when
+        the pages for that chunk are not there now (only after a load: the pool changed while it
+        loaded): it gives its pages back and waits first in line; its restored blocks stay cached,
+        so the next admission hits them on the device."""
         seq.pages = list(acquired.pages)
         seq.registered = len(acquired.pages)
         seq.num_computed = len(acquired.pages) * self.block_size
         if seq.hit_tokens_by_tier is None:
-            # NOTE billing: decided once, at the first admission. A preempted request's
-            # recompute is our cost, not the tenant's.
+            # NOTE billing: decided once, at the first admission, from the blocks actually
+            # served. A preempted request's recompute is our cost, not the tenant's.
             hits = {"device": 0, "host": 0, "disk": 0}
             for tier in acquired.tiers:
                 hits[tier] += self.block_size
@@ -130,7 +170,13 @@ class Scheduler:
             seq.restore_s = acquired.restore_s
             seq.admitted_at = time.perf_counter()
         n = min(seq.num_tokens - seq.num_computed, budget)
-        seq.pages.extend(self.cache.allocate(seq.pages_needed(seq.num_computed + n)))
+        need = seq.pages_needed(seq.num_computed + n)
+        if not self.cache.can_allocate(need):
+            self.cache.release(seq.pages)
+            seq.reset_for_preemption()
+            self.waiting.appendleft(seq)
+            return None
+        seq.pages.extend(self.cache.allocate(need))
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
         return Scheduled(seq, n)
@@ -176,10 +222,17 @@ class Scheduler:
             seq.registered += 1
 
     def finish(self, seq: Sequence) -> None:
+        """The sequence is done (or failed): wherever it is, its pages go back. A loading one
+        gives back its planned pages; the fills in flight end on their own references."""
         seq.status = SeqStatus.FINISHED
         if seq in self.running:
             self.running.remove(seq)
+        elif seq in self.loading:
+            self.loading.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        if seq.load is not None:
+            self.cache.cancel_load(seq.load)
+            seq.load = None
         self.cache.release(seq.pages)
         seq.pages = []

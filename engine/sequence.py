@@ -16,10 +16,12 @@ import torch
 
 from engine.sampling_params import SamplingParams
 from storage.hashing import BlockKey, block_keys
+from storage.loader import Load, Prefetch
 
 
 class SeqStatus(Enum):
     WAITING = "waiting"
+    LOADING = "loading"      # its prefix is being filled by the loader; it holds those pages
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -43,6 +45,8 @@ class Sequence:
     # Billing: decided at the first admission; a preempted request is not billed again.
     hit_tokens_by_tier: dict[str, int] | None = None
     restore_s: float = 0.0
+    load: Load | None = None                      # its prefix being filled, while LOADING
+    prefetch: Prefetch | None = None              # its disk -> host prefetch, started at submit
     arrival: float = field(default_factory=time.perf_counter)
     admitted_at: float | None = None
     first_token_at: float | None = None

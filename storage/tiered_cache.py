@@ -26,6 +26,7 @@ from storage.codec import Codec
 from storage.device_pool import DevicePool
 from storage.disk_tier import DiskTier
 from storage.host_tier import HostTier
+from storage.loader import Fill, Load, Loader, Prefetch
 from storage.layout import BlockLayout
 from storage.transfer import Transfer
 from storage.config import CacheConfig
@@ -115,6 +116,7 @@ class TieredKVCache:
         self.disk = disk
         self.write_through = config.write_policy == "write_through"
         self._stats = {t: TierStats() for t in TIERS}
+        self.loader = Loader(self)
 
     # ---- lookup --------------------------------------------------------------------------
     def _tier_of(self, key: BlockKey) -> str | None:
@@ -139,88 +141,104 @@ class TieredKVCache:
             return CacheMatch(tuple(found))
 
     # ---- promotion -----------------------------------------------------------------------
-    def acquire(self, match: CacheMatch) -> Acquired:
-        """Hold device pages for a matched prefix, promoting host/disk blocks into new pages.
+    def plan(self, match: CacheMatch, prefetch: Prefetch | None = None) -> Load:
+        """Hold device pages for a matched prefix and start filling the host/disk ones on the
+        loader (storage/loader.py). Returns at once: no copy, read or decode happens here.
 
-        Pages being filled are allocated with refcount 1 and registered only once filled, so
-        they are never evicted mid-copy nor found by another lookup before they hold the bytes.
+        A device hit is acquired; a block another request is filling now shares that fill's
+        page; any other block gets a new page (refcount: the fill's and the request's), left
+        unregistered until filled. Stops early (a shorter prefix) when the pool is out of pages
+        or the block left every tier since match(). `prefetch`: blocks that request's own
+        prefetch brought from disk into the host tier are billed as disk hits.
         """
         with self._lock:
-            t0 = time.perf_counter()
             pages: list[int] = []
             tiers: list[str] = []
-            try:
-                pages, tiers = self._promote(match, pages, tiers)
-            except BaseException:
-                # NOTE invariant: pages are given back on every path. Storage read errors never
-                # get here (DiskTier serves them as misses); anything else fails this request
-                # alone, and its pages -- none registered yet -- return to the pool.
-                for page in pages:
-                    self.pool.release(page)
-                raise
-            for page, tier, (key, _) in zip(pages, tiers, match.blocks):
-                st = self._stats[tier]
-                st.hits += 1
-                if tier != "device":
-                    self.pool.register(page, key)
-                    st.promotions += 1
-                    st.bytes_read += self.layout.nbytes
-            return Acquired(tuple(pages), tuple(tiers), time.perf_counter() - t0)
+            fills: list[Fill | None] = []
+            new: list[Fill] = []
+            for key, _ in match.blocks:
+                page = self.pool.lookup(key)
+                if page is not None:
+                    self.pool.acquire(page)
+                    pages.append(page), tiers.append("device"), fills.append(None)
+                    continue
+                fill = self.loader.inflight.get(key.hash)
+                if fill is None or fill.key.token_ids != key.token_ids:
+                    if not self.pool.can_allocate(1):
+                        break
+                    # Allocate first, then look the block up: the allocation may evict a device
+                    # page whose demotion pushes this very block out of a full host tier.
+                    page = self.pool.allocate(1)[0]     # the fill's reference
+                    source = self._source_of(key)
+                    if source is None:
+                        self.pool.release(page)
+                        break   # the block left every tier since match(): the prefix ends here
+                    fill = Fill(key, page, source)
+                    self.loader.inflight[key.hash] = fill
+                    new.append(fill)
+                self.pool.acquire(fill.page)            # the request's reference
+                tier = fill.source
+                if tier == "host" and prefetch is not None and key.hash in prefetch.moved:
+                    tier = "disk"
+                pages.append(fill.page), tiers.append(tier), fills.append(fill)
+            if new:
+                # NOTE: pages just allocated may still be copying their evicted blocks out (CUDA):
+                # those copies finish before a loader thread writes the pages.
+                self.transfer.sync_host()
+            self.loader.start(new)
+            return Load(pages, tiers, fills)
 
-    def _promote(self, match: CacheMatch, pages: list[int], tiers: list[str]) -> tuple[list[int], list[str]]:
-        """acquire()'s copies. Appends each page to `pages` the moment it is held, so if anything
-        raises, acquire() knows every page to give back. Returns the final, possibly cut, lists."""
-        disk_keys: list[tuple[int, BlockKey]] = []
-        for key, _ in match.blocks:
-            page = self.pool.lookup(key)
-            if page is not None:
-                self.pool.acquire(page)
-                pages.append(page)
-                tiers.append("device")
-                continue
-            if not self.pool.can_allocate(1):
-                break
-            # Allocate first, then look the block up: the allocation may evict a device
-            # page whose demotion pushes this very block out of a full host tier.
-            pages.extend(self.pool.allocate(1))
-            page = pages[-1]
-            self.transfer.fence()  # the page's previous block finished copying out
-            slot = self.host.lookup(key) if self.host.enabled else None
-            if slot is not None:
-                self.host.touch(key)
-                self.transfer.copy(self.pool.kv[page], self.host.slab[slot])
-                tiers.append("host")
-            elif self.disk is not None and self.disk.contains(key.hash):
-                tiers.append("disk")
-                disk_keys.append((len(pages) - 1, key))
-            else:
-                self.pool.release(pages.pop())
-                break  # the block left every tier since match(): the prefix ends here
-        if disk_keys:
-            self.transfer.fence()
-            pages, tiers = self._fill_from_disk(pages, tiers, disk_keys)
-        self.transfer.fence()  # NOTE invariant: promoted pages are complete before any read
-        return pages, tiers
+    def _source_of(self, key: BlockKey) -> str | None:
+        if self.host.enabled and self.host.lookup(key) is not None:
+            return "host"
+        if self.disk is not None and self.disk.contains(key.hash):
+            return "disk"
+        return None
 
-    def _fill_from_disk(self, pages: list[int], tiers: list[str],
-                        disk_keys: list[tuple[int, BlockKey]]) -> tuple[list[int], list[str]]:
-        """Decode disk blocks straight into their pages (on CPU) or via host memory (on CUDA),
-        in parallel. A block that fails verification cuts the prefix there; later pages go back."""
-        keys = [k for _, k in disk_keys]
-        if self.device.type == "cpu":
-            outs = [self.pool.kv[pages[i]] for i, _ in disk_keys]
-            got = self.disk.get_many(keys, outs)
-        else:
-            got = self.disk.get_many(keys)
-        cut = len(pages)
-        for (i, _), block in zip(disk_keys, got):
-            if block is None:
-                cut = min(cut, i)
-            elif self.device.type != "cpu" and i < cut:
-                self.transfer.copy(self.pool.kv[pages[i]], block.view(self.layout.shape))
-        for page in pages[cut:]:
-            self.pool.release(page)
-        return pages[:cut], tiers[:cut]
+    def finish_load(self, load: Load) -> Acquired:
+        """A ready Load (load.ready()) as the prefix its request keeps: pages up to the first
+        block that failed to fill (a damaged or vanished block ends the prefix; the request
+        computes the rest), the pages after it given back."""
+        with self._lock:
+            cut = next((i for i, f in enumerate(load.fills) if f is not None and not f.ok), len(load.fills))
+            for page in load.pages[cut:]:
+                self.pool.release(page)
+            for tier in load.tiers[:cut]:
+                self._stats[tier].hits += 1
+            return Acquired(tuple(load.pages[:cut]), tuple(load.tiers[:cut]), time.perf_counter() - load.started)
+
+    def cancel_load(self, load: Load) -> None:
+        """The request behind a Load is gone: give its pages back now. Fills in flight finish on
+        their own references (their pages become cached blocks or free pages when done)."""
+        self.release(load.pages)
+
+    def acquire(self, match: CacheMatch) -> Acquired:
+        """plan() and wait for it: device pages for a matched prefix, filled (tests, tools)."""
+        load = self.plan(match)
+        load.wait()
+        return self.finish_load(load)
+
+    def prefetch(self, keys: Sequence[BlockKey]) -> Prefetch:
+        """Start reading a new request's disk blocks into the host tier (or, with no host tier,
+        into the OS page cache), so its time in the queue overlaps the drive. At most half the
+        host tier per request, so one long prompt cannot flush everyone's host blocks."""
+        out = Prefetch()
+        if self.disk is None:
+            return out
+        with self._lock:
+            todo = []
+            limit = self.host.num_slots // 2 if self.host.enabled else len(keys)
+            for key in keys:
+                if self.pool.lookup(key) is not None or key.hash in self.loader.inflight:
+                    continue
+                if self.host.enabled and self.host.lookup(key) is not None:
+                    continue
+                if not self.disk.contains(key.hash):
+                    break    # the chain's first missing block: nothing after it can hit
+                if key.hash not in self.loader.prefetching and len(todo) < limit:
+                    todo.append(key)
+            self.loader.prefetch(todo, out)
+        return out
 
     # ---- new blocks ----------------------------------------------------------------------
     def can_allocate(self, n: int) -> bool:
@@ -383,6 +401,7 @@ class TieredKVCache:
         return self.disk.clear()
 
     def close(self) -> None:
+        self.loader.close()        # fills and prefetches read the disk: they end first
         if self.disk is not None:
             self.disk.close()
 

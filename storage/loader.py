@@ -1,0 +1,229 @@
+"""The loader: fills device pages from the host and disk tiers off the engine thread.
+
+Knows: the pages being filled right now (hash -> Fill, so two requests needing one block load it
+once), the blocks being prefetched from disk into the host tier (hash -> future), and the two
+worker pools that do the work. Doesn't know: sequences or scheduling -- TieredKVCache.plan()
+hands it the fills of one request and the scheduler polls `Load.ready()` between steps.
+
+Threads (NOTE: who owns what):
+- plan/finish (TieredKVCache) run on the engine thread under the cache lock and only allocate,
+  acquire, release and register pages: no copy, read or decode.
+- a fill runs on a `tieredkv-load` worker. It takes the cache lock for one host block at a time
+  (look the slot up, copy it into the page: a memcpy, or on CUDA a copy it waits for before
+  letting go, since the slot may be reused once the lock is free) and to finish its fills; disk
+  reads and decodes run with no lock held, straight into the page on CPU.
+- a prefetch runs on a `tieredkv-prefetch` worker: disk blocks decoded with no lock held, then
+  put into the host tier under the lock. Fills may wait on prefetches; prefetches never wait on
+  fills (separate pools, so a full pool of waiting fills cannot starve the prefetches they wait
+  for).
+
+NOTE invariant: a page being filled holds a reference of its own (the fill's) from its
+allocation until the fill ends, and is registered only once its bytes are complete: it is never
+evicted, reused or found by another lookup mid-fill, even when every request waiting for it has
+gone (its pages released). A fill that fails leaves its page unregistered; the requests that
+wait for it cut their prefix there.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+
+from storage.hashing import BlockKey
+
+if TYPE_CHECKING:
+    from storage.tiered_cache import TieredKVCache
+
+log = logging.getLogger("tieredkv.loader")
+
+LOAD_WORKERS = 2        # requests whose blocks are read at once (each read decodes in parallel)
+PREFETCH_WORKERS = 1    # a prefetch is I/O-bound readahead; one at a time keeps the drive streaming
+
+
+@dataclass(eq=False)
+class Fill:
+    """One device page being filled with one block. `ok` is meaningful once `done` is set."""
+    key: BlockKey
+    page: int
+    source: str                                   # "host" or "disk" when planned
+    done: threading.Event = field(default_factory=threading.Event)
+    ok: bool = False
+
+
+@dataclass(eq=False)
+class Load:
+    """One request's planned prefix: the pages it holds (prefix order), the tier each block is
+    billed from, and the fill each page waits for (None: a device hit, ready now)."""
+    pages: list[int]
+    tiers: list[str]
+    fills: list[Fill | None]
+    started: float = field(default_factory=time.perf_counter)
+
+    def ready(self) -> bool:
+        return all(f is None or f.done.is_set() for f in self.fills)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for f in self.fills:
+            if f is not None and not f.done.wait(None if deadline is None else max(0.0, deadline - time.monotonic())):
+                return False
+        return True
+
+    @property
+    def pending(self) -> bool:
+        return any(f is not None for f in self.fills)
+
+
+@dataclass(eq=False)
+class Prefetch:
+    """A request's disk -> host prefetch. `moved` collects (under the cache lock) the hashes this
+    prefetch brought into the host tier: the request is billed for them as disk hits."""
+    future: Future | None = None
+    moved: set[bytes] = field(default_factory=set)
+
+
+class Loader:
+    def __init__(self, cache: "TieredKVCache") -> None:
+        self.cache = cache
+        self.inflight: dict[bytes, Fill] = {}          # under the cache lock
+        self.prefetching: dict[bytes, Future] = {}     # under the cache lock
+        self._fills = ThreadPoolExecutor(LOAD_WORKERS, thread_name_prefix="tieredkv-load")
+        self._prefetches = ThreadPoolExecutor(PREFETCH_WORKERS, thread_name_prefix="tieredkv-prefetch")
+        cuda = cache.device.type == "cuda"
+        self._stream = torch.cuda.Stream(device=cache.device) if cuda else None
+        self.prefetched_blocks = 0
+        self.failed_fills = 0
+
+    # ---- fills ---------------------------------------------------------------------------
+    def start(self, fills: list[Fill]) -> None:
+        """Run these fills (planned under the cache lock, their pages held) on a worker."""
+        if fills:
+            self._fills.submit(self._run_fills, fills)
+
+    def _run_fills(self, fills: list[Fill]) -> None:
+        ok: dict[int, bool] = {}
+        try:
+            self._wait_for_prefetches(fills)
+            disk_fills = []
+            for f in fills:
+                if self._fill_from_host(f):
+                    ok[id(f)] = True
+                else:
+                    disk_fills.append(f)
+            if disk_fills:
+                got = self._fill_from_disk(disk_fills)
+                for f, good in zip(disk_fills, got):
+                    ok[id(f)] = good
+        except Exception:
+            log.exception("loading %d blocks failed: their requests recompute them", len(fills))
+        finally:
+            self._finish_fills(fills, ok)
+
+    def _wait_for_prefetches(self, fills: list[Fill]) -> None:
+        # A block a prefetch is decoding now lands in the host tier: wait for it rather than
+        # decoding it a second time (a prefetch's own failure is a miss, seen below).
+        with self.cache._lock:
+            futures = {self.prefetching[f.key.hash] for f in fills if f.key.hash in self.prefetching}
+        if futures:
+            wait(futures)
+
+    def _fill_from_host(self, f: Fill) -> bool:
+        c = self.cache
+        if not c.host.enabled:
+            return False
+        with c._lock:
+            slot = c.host.lookup(f.key)
+            if slot is None:
+                return False
+            c.host.touch(f.key)
+            c.transfer.sync_host()   # earlier async copies into the slot are complete
+            self._copy(c.pool.kv[f.page], c.host.slab[slot])
+        return True
+
+    def _fill_from_disk(self, fills: list[Fill]) -> list[bool]:
+        c = self.cache
+        if c.disk is None:
+            return [False] * len(fills)
+        keys = [f.key for f in fills]
+        if c.device.type == "cpu":
+            # Decoded straight into the held pages: nothing else reads or writes them (see the
+            # module's invariant), so no lock is needed for the bytes.
+            got = c.disk.get_many(keys, [c.pool.kv[f.page] for f in fills])
+        else:
+            got = c.disk.get_many(keys)
+            for f, block in zip(fills, got):
+                if block is not None:
+                    self._copy(c.pool.kv[f.page], block.view(c.layout.shape))
+        return [b is not None for b in got]
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """dst <- src, complete when this returns (a fill is done only when its bytes are)."""
+        if self._stream is None:
+            dst.copy_(src)
+            return
+        with torch.cuda.stream(self._stream):
+            dst.copy_(src, non_blocking=True)
+        self._stream.synchronize()
+
+    def _finish_fills(self, fills: list[Fill], ok: dict[int, bool]) -> None:
+        c = self.cache
+        with c._lock:
+            for f in fills:
+                f.ok = ok.get(id(f), False)
+                if f.ok:
+                    # Registered before the fill's own reference goes: if every request waiting
+                    # for it is gone, the page becomes a cached block, not a free page.
+                    c.pool.register(f.page, f.key)
+                    st = c._stats[f.source]
+                    st.promotions += 1
+                    st.bytes_read += c.layout.nbytes
+                else:
+                    self.failed_fills += 1
+                if self.inflight.get(f.key.hash) is f:
+                    del self.inflight[f.key.hash]
+                c.pool.release(f.page)
+                f.done.set()
+
+    # ---- prefetch ------------------------------------------------------------------------
+    def prefetch(self, keys: Sequence[BlockKey], into: Prefetch) -> None:
+        """Read these disk blocks into the host tier in the background (called under the cache
+        lock, with the blocks on disk, not in flight and not prefetched yet)."""
+        if not keys:
+            return
+        fut = self._prefetches.submit(self._run_prefetch, list(keys), into)
+        into.future = fut
+        for k in keys:
+            self.prefetching[k.hash] = fut
+
+    def _run_prefetch(self, keys: list[BlockKey], into: Prefetch) -> None:
+        c = self.cache
+        try:
+            if not c.host.enabled:
+                c.disk.read_ahead(keys)    # no host tier to hold them: warm the OS page cache
+                return
+            blocks = c.disk.get_many(keys)
+            with c._lock:
+                c.transfer.sync_host()     # no async copy into a slot is still in flight
+                for key, block in zip(keys, blocks):
+                    if block is None or c.pool.lookup(key) is not None or c.host.lookup(key) is not None:
+                        continue
+                    slot = c.host.reserve(key)
+                    c.host.slab[slot].copy_(block.view(c.layout.shape))
+                    into.moved.add(key.hash)
+                    self.prefetched_blocks += 1
+        except Exception:
+            log.exception("prefetching %d disk blocks failed: their requests read them later", len(keys))
+        finally:
+            with c._lock:
+                for k in keys:
+                    if self.prefetching.get(k.hash) is into.future:
+                        del self.prefetching[k.hash]
+
+    def close(self) -> None:
+        self._prefetches.shutdown(wait=True)
+        self._fills.shutdown(wait=True)
