@@ -2,12 +2,15 @@
 
 Knows: the three tiers (device pool, host slab, disk), where each block lives, and how blocks
 move: lookups walk a prompt's block chain and take the fastest tier holding each block;
-promotion fills device pages from host or disk; eviction cascades device -> host -> disk
-(write-back by default, or write-through). Doesn't know: models, sequences or requests -- the
-engine hands in BlockKeys and page ids and gets typed results back.
+promotion is planned here (pages held) and done by the loader (storage/loader.py) on its own
+threads; eviction cascades device -> host -> disk (write-back by default, or write-through).
+Doesn't know: models, sequences or requests -- the engine hands in BlockKeys and page ids and
+gets typed results back.
 
 Thread safety: every public method takes one lock, so the engine thread, HTTP threads (lookup,
-status) and the disk writer thread (inside DiskTier) can run at once. NOTE invariant: the lock
+status), the loader's threads and the disk writer thread (inside DiskTier) can run at once.
+NOTE invariant: the engine thread never reads or decodes a disk block (plan() only holds pages;
+test: tests/engine/test_async_restore.py). The lock
 is never held while waiting on the disk writer: the eviction cascade queues for disk without
 waiting (a full queue drops the block, counted), and flush/demote("host") copy blocks out under
 the lock in small batches and hand them to the writer (which may wait) outside it, so the
@@ -160,7 +163,9 @@ class TieredKVCache:
                 page = self.pool.lookup(key)
                 if page is not None:
                     self.pool.acquire(page)
-                    pages.append(page), tiers.append("device"), fills.append(None)
+                    pages.append(page)
+                    tiers.append("device")
+                    fills.append(None)
                     continue
                 fill = self.loader.inflight.get(key.hash)
                 if fill is None or fill.key.token_ids != key.token_ids:
@@ -180,7 +185,9 @@ class TieredKVCache:
                 tier = fill.source
                 if tier == "host" and prefetch is not None and key.hash in prefetch.moved:
                     tier = "disk"
-                pages.append(fill.page), tiers.append(tier), fills.append(fill)
+                pages.append(fill.page)
+                tiers.append(tier)
+                fills.append(fill)
             if new:
                 # NOTE: pages just allocated may still be copying their evicted blocks out (CUDA):
                 # those copies finish before a loader thread writes the pages.

@@ -1,0 +1,131 @@
+"""The loader's page protocol (storage/loader.py) over a real LMDB disk tier and real zstd: a
+request that goes away mid-load gives its pages back while the fill ends safely on its own
+reference; two plans share one fill; a block that leaves the disk between plan and fill cuts
+the prefix; prefetch moves disk blocks into the host tier and is billed as disk."""
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from storage.disk_tier import DiskTier
+from tests.storage.conftest import block_data, keys
+from tests.storage.test_tiered_cache import fill, make_cache, same_bits
+
+
+@pytest.fixture
+def held_reads(monkeypatch):
+    """DiskTier.get_many waits for `gate` before its real read (the bytes are the real ones)."""
+    gate = threading.Event()
+    real = DiskTier.get_many
+    monkeypatch.setattr(DiskTier, "get_many", lambda tier, ks, outs=None: (gate.wait(10), real(tier, ks, outs))[1])
+    return gate
+
+
+def disk_only(tmp_path: Path, n: int, pages: int = 6, host_slots: int = 0):
+    ks = keys(n)
+    cache = make_cache(tmp_path / "disk", pages=pages, host_slots=host_slots)
+    cache.release(fill(cache, ks))
+    assert cache.flush().complete
+    cache.drop("device")
+    cache.drop("host")
+    return cache, ks
+
+
+def test_a_request_gone_mid_load_gives_its_pages_back_and_the_fill_ends_safely(tmp_path, held_reads) -> None:
+    cache, ks = disk_only(tmp_path, 3)
+    try:
+        load = cache.plan(cache.match(ks))
+        assert load.pending and not load.ready()
+        assert [cache.pool.refcount(p) for p in load.pages] == [2, 2, 2]    # the fill's + the request's
+        cache.cancel_load(load)
+        assert [cache.pool.refcount(p) for p in load.pages] == [1, 1, 1]    # the fills still hold them
+        assert cache.pool.stats().free_pages == 3
+        held_reads.set()
+        assert load.wait(10)
+        cache.audit()
+        p = cache.pool.stats()
+        assert (p.in_use_pages, p.cached_blocks) == (0, 3)    # filled pages became cached blocks
+        for page, k in zip(load.pages, ks):
+            assert same_bits(cache.pool.kv[page], block_data(k))
+        again = cache.acquire(cache.match(ks))
+        assert again.tiers == ("device",) * 3 and list(again.pages) == load.pages
+        cache.release(again.pages)
+        cache.audit()
+    finally:
+        held_reads.set()
+        cache.close()
+
+
+def test_two_plans_share_one_fill_per_block(tmp_path, held_reads) -> None:
+    cache, ks = disk_only(tmp_path, 3)
+    try:
+        first = cache.plan(cache.match(ks))
+        second = cache.plan(cache.match(ks[:2]))
+        assert second.pages == first.pages[:2] and second.fills == first.fills[:2]
+        assert [cache.pool.refcount(p) for p in first.pages] == [3, 3, 2]
+        held_reads.set()
+        assert first.wait(10) and second.wait(10)
+        a, b = cache.finish_load(first), cache.finish_load(second)
+        assert a.tiers == ("disk",) * 3 and b.tiers == ("disk",) * 2
+        assert cache.stats()["disk"].promotions == 3 and cache.stats()["disk"].hits == 5
+        cache.release(a.pages + b.pages)
+        cache.audit()
+    finally:
+        held_reads.set()
+        cache.close()
+
+
+def test_a_block_gone_between_plan_and_fill_cuts_the_prefix(tmp_path, held_reads) -> None:
+    cache, ks = disk_only(tmp_path, 3)
+    try:
+        load = cache.plan(cache.match(ks))
+        assert cache.disk.delete(ks[1].hash)          # another process evicted it meanwhile
+        held_reads.set()
+        assert load.wait(10)
+        got = cache.finish_load(load)
+        assert got.tiers == ("disk",) and same_bits(cache.pool.kv[got.pages[0]], block_data(ks[0]))
+        p = cache.pool.stats()
+        assert (p.in_use_pages, p.cached_blocks, p.free_pages) == (1, 2, 4)   # k1's page is free
+        cache.release(got.pages)
+        cache.audit()
+    finally:
+        held_reads.set()
+        cache.close()
+
+
+def test_prefetch_moves_disk_blocks_into_host_and_a_plan_bills_them_as_disk(tmp_path) -> None:
+    cache, ks = disk_only(tmp_path, 3, host_slots=8)
+    try:
+        pre = cache.prefetch(ks)
+        pre.future.result(10)
+        assert pre.moved == {k.hash for k in ks}
+        assert [cache.host.lookup(k) is not None for k in ks] == [True] * 3
+        assert cache.prefetch(ks).future is None            # nothing left to prefetch
+        load = cache.plan(cache.match(ks), pre)
+        assert load.wait(10)
+        got = cache.finish_load(load)
+        assert got.tiers == ("disk",) * 3
+        for page, k in zip(got.pages, ks):
+            assert same_bits(cache.pool.kv[page], block_data(k))
+        cache.release(got.pages)
+        # Someone else's prefetch is not this request's: the same blocks from host bill as host.
+        cache.drop("device")
+        other = cache.acquire(cache.match(ks))
+        assert other.tiers == ("host",) * 3
+        cache.release(other.pages)
+        cache.audit()
+    finally:
+        cache.close()
+
+
+def test_prefetch_takes_at_most_half_the_host_tier(tmp_path) -> None:
+    cache, ks = disk_only(tmp_path, 6, pages=8, host_slots=4)
+    try:
+        pre = cache.prefetch(ks)
+        pre.future.result(10)
+        assert len(pre.moved) == 2 and len(cache.host) == 2
+        cache.audit()
+    finally:
+        cache.close()
