@@ -12,10 +12,10 @@ Threads (NOTE: who owns what):
   (look the slot up, copy it into the page: a memcpy, or on CUDA a copy it waits for before
   letting go, since the slot may be reused once the lock is free) and to finish its fills; disk
   reads and decodes run with no lock held, straight into the page on CPU.
-- a prefetch runs on a `tieredkv-prefetch` worker: disk blocks decoded with no lock held, then
-  put into the host tier under the lock. Fills may wait on prefetches; prefetches never wait on
-  fills (separate pools, so a full pool of waiting fills cannot starve the prefetches they wait
-  for).
+- a prefetch runs on a `tieredkv-prefetch` worker, a chunk of blocks at a time: decoded with no
+  lock held, then put into the host tier under the lock. A fill waits for a chunk being read
+  and claims the blocks of chunks not started; prefetches never wait on fills (separate pools,
+  so a full pool of waiting fills cannot starve the prefetches they wait for).
 
 NOTE invariant: a page being filled holds a reference of its own (the fill's) from its
 allocation until the fill ends, and is registered only once its bytes are complete: it is never
@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
@@ -43,6 +43,7 @@ log = logging.getLogger("tieredkv.loader")
 
 LOAD_WORKERS = 2        # requests whose blocks are read at once (each read decodes in parallel)
 PREFETCH_WORKERS = 1    # a prefetch is I/O-bound readahead; one at a time keeps the drive streaming
+PREFETCH_CHUNK = 8      # blocks per prefetch task: a fill claims the chunks not started yet
 
 
 @dataclass(eq=False)
@@ -80,18 +81,30 @@ class Load:
 
 
 @dataclass(eq=False)
+class _Chunk:
+    """Blocks one prefetch task reads together. `started` (under the cache lock): past this
+    point a fill waits for `done` instead of claiming the block."""
+    keys: list[BlockKey]
+    started: bool = False
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass(eq=False)
 class Prefetch:
     """A request's disk -> host prefetch. `moved` collects (under the cache lock) the hashes this
     prefetch brought into the host tier: the request is billed for them as disk hits."""
-    future: Future | None = None
+    chunks: list[_Chunk] = field(default_factory=list)
     moved: set[bytes] = field(default_factory=set)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return all(c.done.wait(timeout) for c in self.chunks)
 
 
 class Loader:
     def __init__(self, cache: "TieredKVCache") -> None:
         self.cache = cache
         self.inflight: dict[bytes, Fill] = {}          # under the cache lock
-        self.prefetching: dict[bytes, Future] = {}     # under the cache lock
+        self.prefetching: dict[bytes, _Chunk] = {}     # under the cache lock
         self._fills = ThreadPoolExecutor(LOAD_WORKERS, thread_name_prefix="tieredkv-load")
         self._prefetches = ThreadPoolExecutor(PREFETCH_WORKERS, thread_name_prefix="tieredkv-prefetch")
         cuda = cache.device.type == "cuda"
@@ -126,11 +139,21 @@ class Loader:
 
     def _wait_for_prefetches(self, fills: list[Fill]) -> None:
         # A block a prefetch is decoding now lands in the host tier: wait for it rather than
-        # decoding it a second time (a prefetch's own failure is a miss, seen below).
+        # decoding it twice. A block only queued for prefetch is claimed (the prefetch skips it)
+        # and read here, straight into its page: a request admitted at once never waits for a
+        # prefetch that has not started. (A prefetch's own failure is a miss, seen below.)
         with self.cache._lock:
-            futures = {self.prefetching[f.key.hash] for f in fills if f.key.hash in self.prefetching}
-        if futures:
-            wait(futures)
+            started = set()
+            for f in fills:
+                chunk = self.prefetching.get(f.key.hash)
+                if chunk is None:
+                    continue
+                if chunk.started:
+                    started.add(chunk)
+                else:
+                    del self.prefetching[f.key.hash]
+        for chunk in started:
+            chunk.done.wait()
 
     def _fill_from_host(self, f: Fill) -> bool:
         c = self.cache
@@ -191,18 +214,25 @@ class Loader:
 
     # ---- prefetch ------------------------------------------------------------------------
     def prefetch(self, keys: Sequence[BlockKey], into: Prefetch) -> None:
-        """Read these disk blocks into the host tier in the background (called under the cache
-        lock, with the blocks on disk, not in flight and not prefetched yet)."""
-        if not keys:
-            return
-        fut = self._prefetches.submit(self._run_prefetch, list(keys), into)
-        into.future = fut
-        for k in keys:
-            self.prefetching[k.hash] = fut
+        """Read these disk blocks into the host tier in the background, PREFETCH_CHUNK at a time
+        (called under the cache lock, with the blocks on disk, not in flight, not prefetched)."""
+        for i in range(0, len(keys), PREFETCH_CHUNK):
+            chunk = _Chunk(list(keys[i:i + PREFETCH_CHUNK]))
+            for k in chunk.keys:
+                self.prefetching[k.hash] = chunk
+            into.chunks.append(chunk)
+            self._prefetches.submit(self._run_prefetch, chunk, into)
 
-    def _run_prefetch(self, keys: list[BlockKey], into: Prefetch) -> None:
+    def _run_prefetch(self, chunk: "_Chunk", into: Prefetch) -> None:
         c = self.cache
+        keys: list[BlockKey] = []
         try:
+            with c._lock:
+                # Only what is still this chunk's: a fill may have claimed a block meanwhile.
+                keys = [k for k in chunk.keys if self.prefetching.get(k.hash) is chunk]
+                chunk.started = True
+            if not keys:
+                return
             if not c.host.enabled:
                 c.disk.read_ahead(keys)    # no host tier to hold them: warm the OS page cache
                 return
@@ -221,8 +251,9 @@ class Loader:
         finally:
             with c._lock:
                 for k in keys:
-                    if self.prefetching.get(k.hash) is into.future:
+                    if self.prefetching.get(k.hash) is chunk:
                         del self.prefetching[k.hash]
+            chunk.done.set()
 
     def close(self) -> None:
         self._prefetches.shutdown(wait=True)

@@ -5,6 +5,7 @@ the prefix; prefetch moves disk blocks into the host tier and is billed as disk.
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -99,10 +100,10 @@ def test_prefetch_moves_disk_blocks_into_host_and_a_plan_bills_them_as_disk(tmp_
     cache, ks = disk_only(tmp_path, 3, host_slots=8)
     try:
         pre = cache.prefetch(ks)
-        pre.future.result(10)
+        assert pre.wait(10)
         assert pre.moved == {k.hash for k in ks}
         assert [cache.host.lookup(k) is not None for k in ks] == [True] * 3
-        assert cache.prefetch(ks).future is None            # nothing left to prefetch
+        assert cache.prefetch(ks).chunks == []              # nothing left to prefetch
         load = cache.plan(cache.match(ks), pre)
         assert load.wait(10)
         got = cache.finish_load(load)
@@ -124,8 +125,35 @@ def test_prefetch_takes_at_most_half_the_host_tier(tmp_path) -> None:
     cache, ks = disk_only(tmp_path, 6, pages=8, host_slots=4)
     try:
         pre = cache.prefetch(ks)
-        pre.future.result(10)
+        assert pre.wait(10)
         assert len(pre.moved) == 2 and len(cache.host) == 2
         cache.audit()
     finally:
+        cache.close()
+
+
+def test_a_fill_waits_for_a_started_prefetch_chunk_and_claims_the_rest(tmp_path, monkeypatch, held_reads) -> None:
+    monkeypatch.setattr("storage.loader.PREFETCH_CHUNK", 1)
+    cache, ks = disk_only(tmp_path, 3, host_slots=8)
+    read: list[bytes] = []
+    real = DiskTier.get_many
+    monkeypatch.setattr(DiskTier, "get_many", lambda tier, keys, outs=None: (read.extend(k.hash for k in keys),
+                                                                            real(tier, keys, outs))[1])
+    try:
+        pre = cache.prefetch(ks)                 # chunk k0 starts (its read is held); k1, k2 wait
+        while not pre.chunks[0].started:
+            time.sleep(0.001)
+        load = cache.plan(cache.match(ks), pre)
+        held_reads.set()
+        assert load.wait(10) and pre.wait(10)
+        got = cache.finish_load(load)
+        assert got.tiers == ("disk",) * 3        # k0 via its own prefetch: still billed as disk
+        assert sorted(read) == sorted(k.hash for k in ks), "every block is read exactly once"
+        assert pre.moved == {ks[0].hash}          # the fill claimed k1 and k2 from the prefetch
+        for page, k in zip(got.pages, ks):
+            assert same_bits(cache.pool.kv[page], block_data(k))
+        cache.release(got.pages)
+        cache.audit()
+    finally:
+        held_reads.set()
         cache.close()
