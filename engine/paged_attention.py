@@ -9,8 +9,9 @@ tiers, or sampling.
 
 Per layer: write the new K/V into their slots, gather each sequence's whole context back from
 its page table, and run SDPA with a causal mask over absolute positions. Decode sequences
-(one new token each) are batched in one group; each prefill chunk is a group of its own, so a
-long prefill never pads a batch of decodes to its length.
+(one new token each) are batched in one group; prefill chunks are grouped by context length
+(`prefill_groups`) so short ones share a call and a long prefill never pads a batch of decodes
+or of short prefills to its length.
 """
 from __future__ import annotations
 
@@ -62,7 +63,7 @@ class PagedBatch:
         decodes = [s for s in seqs if s.q_len == 1]
         prefills = [s for s in seqs if s.q_len > 1]
         self.groups = ([self._group(decodes, block_size, dev)] if decodes else []) + \
-                      [self._group([s], block_size, dev) for s in prefills]
+                      [self._group(g, block_size, dev) for g in prefill_groups(prefills)]
         self.num_tokens = len(write_pages)
 
     @staticmethod
@@ -89,6 +90,33 @@ class PagedBatch:
             mask[i, 0, s.q_len:] = False
             mask[i, 0, s.q_len:, 0] = True   # padded query rows attend to one key: no NaN
         return _Group(q_index.to(dev), q_valid.to(dev), kv_pages.to(dev), kv_slots.to(dev), mask.to(dev))
+
+
+# What one more attention group costs beyond its scores, in score elements (query x key): the
+# gathers, the mask and the SDPA call per layer. Measured on SmolLM2 on CPU: 20 prefills of 8
+# tokens as 20 groups made a step 3.7x a decode step; as one group, 1.2x.
+GROUP_OVERHEAD = 4096
+
+
+def prefill_groups(prefills: list[SeqSlice]) -> list[list[SeqSlice]]:
+    """Prefill chunks batched into groups whose padding stays cheap: sorted by context, a chunk
+    joins the current group while the padded scores (S x max Q x max C) cost at most twice the
+    real ones plus the overhead a group of its own would cost. So many short prefills share one
+    SDPA call, and a long prefill never pads short ones (nor the decodes) to its length."""
+    groups: list[list[SeqSlice]] = []
+    real = 0
+    for s in sorted(prefills, key=lambda s: (s.context_len, s.q_len)):
+        cost = s.q_len * s.context_len
+        if groups:
+            g = groups[-1]
+            padded = (len(g) + 1) * max(s.q_len, max(x.q_len for x in g)) * s.context_len
+            if padded <= 2 * (real + cost) + GROUP_OVERHEAD:
+                g.append(s)
+                real += cost
+                continue
+        groups.append([s])
+        real = cost
+    return groups
 
 
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
