@@ -29,7 +29,7 @@ class HostStats:
 
 class HostTier:
     def __init__(self, layout: BlockLayout, capacity_bytes: int, pin: bool | None = None,
-                 on_evict: Callable[[BlockKey, torch.Tensor], None] | None = None) -> None:
+                 on_evict: Callable[[BlockKey, int], None] | None = None) -> None:
         self.layout = layout
         self.num_slots = layout.blocks_in(capacity_bytes)
         if pin is None:
@@ -89,7 +89,7 @@ class HostTier:
         h, slot = self._lru.popitem(last=False)
         key = self._keys[slot]
         if self.on_evict is not None:
-            self.on_evict(key, self.slab[slot])
+            self.on_evict(key, slot)     # the slot's bytes are intact until this returns
         self._keys[slot] = None
         self._free.append(slot)
         self.evictions += 1

@@ -164,7 +164,7 @@ class Loader:
             if slot is None:
                 return False
             c.host.touch(f.key)
-            c.transfer.sync_host()   # earlier async copies into the slot are complete
+            c.transfer.wait_host(slot)   # the copy into the slot is complete before we read it
             self._copy(c.pool.kv[f.page], c.host.slab[slot])
         return True
 
@@ -238,11 +238,11 @@ class Loader:
                 return
             blocks = c.disk.get_many(keys)
             with c._lock:
-                c.transfer.sync_host()     # no async copy into a slot is still in flight
                 for key, block in zip(keys, blocks):
                     if block is None or c.pool.lookup(key) is not None or c.host.lookup(key) is not None:
                         continue
                     slot = c.host.reserve(key)
+                    c.transfer.wait_host(slot)     # a dropped block's late copy must not land on ours
                     c.host.slab[slot].copy_(block.view(c.layout.shape))
                     into.moved.add(key.hash)
                     self.prefetched_blocks += 1

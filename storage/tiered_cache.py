@@ -97,7 +97,7 @@ class TierStats:
 
 class TieredKVCache:
     def __init__(self, layout: BlockLayout, config: CacheConfig, device: str | torch.device = "cpu",
-                 num_pages: int | None = None, disk: DiskTier | None = None) -> None:
+                 num_pages: int | None = None, disk: DiskTier | None = None, transfer: Transfer | None = None) -> None:
         if layout.block_size != config.block_size:
             raise ValueError(f"layout block_size {layout.block_size} != config block_size {config.block_size}")
         self.layout = layout
@@ -109,7 +109,7 @@ class TieredKVCache:
                 raise ValueError(f"device_memory: {config.device_bytes} bytes holds {num_pages} blocks of "
                                  f"{layout.nbytes} bytes; need at least 2")
         self._lock = threading.RLock()
-        self.transfer = Transfer(self.device)
+        self.transfer = transfer or Transfer(self.device)   # tests pass Transfer(deferred=True)
         self.pool = DevicePool(layout, num_pages, self.device, on_evict=self._demote_from_device)
         self.host = HostTier(layout, config.host_bytes, pin=self.device.type == "cuda",
                              on_evict=self._demote_from_host)
@@ -279,7 +279,7 @@ class TieredKVCache:
         if self.host.enabled:
             self._to_host(key, page)
             if self.write_through:
-                self._to_disk(key, self.host.slab[self.host.lookup(key)])
+                self._host_to_disk(key, self.host.lookup(key))
         else:
             self._to_disk(key, self.pool.kv[page])
 
@@ -288,17 +288,22 @@ class TieredKVCache:
         if self.host.lookup(key) is not None:
             return False
         slot = self.host.reserve(key)
-        self.transfer.copy(self.host.slab[slot], self.pool.kv[page])
+        self.transfer.copy_to_host(self.host.slab, slot, self.pool.kv[page])
         self._count_write("host")
         return True
 
-    def _to_disk(self, key: BlockKey, src: torch.Tensor) -> bool:
-        """Queue a block (a device page or a host slot) for disk unless the disk has it; never
-        waits (the caller holds the lock): a full queue drops it (disk stats' queue_full_drops).
-        DiskTier.put copies the bytes, so `src` may be reused once this returns."""
+    def _host_to_disk(self, key: BlockKey, slot: int) -> bool:
         if self.disk is None or self.disk.contains(key.hash):
             return False
-        self.transfer.sync_host()   # earlier async copies into `src` are complete
+        self.transfer.wait_host(slot)   # NOTE: the copy into the slot is complete before put reads it
+        return self._to_disk(key, self.host.slab[slot])
+
+    def _to_disk(self, key: BlockKey, src: torch.Tensor) -> bool:
+        """Queue a block (a device page, or a host slot already waited for) for disk unless the
+        disk has it; never waits (the caller holds the lock): a full queue drops it (disk stats'
+        queue_full_drops). DiskTier.put copies the bytes, so `src` may be reused once this returns."""
+        if self.disk is None or self.disk.contains(key.hash):
+            return False
         if not self.disk.put(key, src.cpu(), wait=False):   # .cpu(): the tensor itself on CPU
             return False
         self._count_write("disk")
@@ -341,9 +346,9 @@ class TieredKVCache:
         # Called by the pool while the evicted page's bytes are intact.
         self._write_down(key, page)
 
-    def _demote_from_host(self, key: BlockKey, slot_view: torch.Tensor) -> None:
+    def _demote_from_host(self, key: BlockKey, slot: int) -> None:
         # Called by the host tier before the slot is reused; compression happens off-thread.
-        self._to_disk(key, slot_view)
+        self._host_to_disk(key, slot)
 
     # ---- maintenance ---------------------------------------------------------------------
     def flush(self, timeout: float | None = None) -> FlushResult:
@@ -409,6 +414,7 @@ class TieredKVCache:
 
     def close(self) -> None:
         self.loader.close()        # fills and prefetches read the disk: they end first
+        self.transfer.close()
         if self.disk is not None:
             self.disk.close()
 

@@ -1,43 +1,87 @@
-"""Copies between the device pool and host memory.
+"""Copies from the device pool into host slots, and who waits for them.
 
-Knows: on CUDA, copies run non-blocking on a dedicated copy stream (host memory is pinned, so
-they are truly asynchronous) and `fence()` makes the compute stream wait for them before any
-page they filled is read. On CPU every copy is a plain synchronous memcpy and `fence()` is free.
+Knows: on CUDA, a copy runs non-blocking on a dedicated copy stream (the slab is pinned, so it
+is truly asynchronous) and records an event for the host slot it writes. Two different waits
+follow from that, and they must never be confused:
+- `fence()`: device-side. Compute-stream work issued after it sees every copy issued before it
+  (a page is rewritten only after its block was copied out). The CPU does not wait.
+- `wait_host(slot)` / `sync_host()`: CPU-side. Host code (the disk writer's put, the loader's
+  copy into a page, a prefetch writing the slot) reads or rewrites a slot only after the copy
+  into it is complete.
+NOTE invariant (issue 9, item 1): a fence never clears what a CPU-side wait checks. The old
+protocol kept one "pending" flag for both, so after a fence the disk writer could checksum a
+slot whose copy was still queued, and the stale bytes passed verification forever.
+
+On CPU a copy is a plain memcpy and both waits are free. Tests use `deferred=True` on CPU: each
+copy snapshots its source (what a stream-ordered device copy would read) and writes the slot
+later on a worker thread, so a missing CPU-side wait shows up as wrong bytes, as on CUDA.
 Doesn't know: which blocks move or why.
 """
 from __future__ import annotations
+
+import random
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 
 class Transfer:
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, deferred: bool = False) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device=device) if self.cuda else None
-        self._pending = False
+        self._device_pending = False                         # copies the compute stream has not waited for
+        self._host_pending: dict[int, object] = {}           # slot -> completion of its last copy (Event / Future)
+        self._late = ThreadPoolExecutor(1, thread_name_prefix="tieredkv-late-copy") if deferred and not self.cuda else None
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """dst <- src. On CUDA: asynchronous on the copy stream, ordered after the compute
-        stream's work so far (the source page may have just been written by attention)."""
-        if not self.cuda:
+    def copy_to_host(self, slab: torch.Tensor, slot: int, src: torch.Tensor) -> None:
+        """slab[slot] <- src (a device page). On CUDA: asynchronous on the copy stream, ordered
+        after the compute stream's work so far (the page may have just been written)."""
+        dst = slab[slot]
+        if self.cuda:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.stream):
+                dst.copy_(src, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(self.stream)
+            self._host_pending[slot] = done
+            self._device_pending = True
+        elif self._late is not None:
+            self._host_pending[slot] = self._late.submit(_late_copy, dst, src.clone())
+        else:
             dst.copy_(src)
-            return
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
-            dst.copy_(src, non_blocking=True)
-        self._pending = True
 
-    def fence(self) -> None:
-        """Compute-stream work issued after this sees every copy issued before it.
-        NOTE invariant: called before a promoted page is read and before a page is reused."""
-        if self.cuda and self._pending:
-            torch.cuda.current_stream(self.device).wait_stream(self.stream)
-            self._pending = False
+    def wait_host(self, slot: int) -> None:
+        """The CPU may read or rewrite host slot `slot`: every copy into it is complete.
+        NOTE: called before every CPU access to a slot that a copy may have targeted."""
+        done = self._host_pending.pop(slot, None)
+        if done is None:
+            return
+        if isinstance(done, Future):
+            done.result()
+        else:
+            done.synchronize()
 
     def sync_host(self) -> None:
-        """Host code (the disk writer) may read host buffers written by earlier copies."""
-        if self.cuda and self._pending:
-            self.stream.synchronize()
+        """Every copy into every host slot is complete (a flush reading many slots)."""
+        for slot in list(self._host_pending):
+            self.wait_host(slot)
+
+    def fence(self) -> None:
+        """Compute-stream work issued after this sees every copy issued before it; the CPU does
+        not wait, and host slots are not known complete after it (use wait_host for that).
+        NOTE invariant: called before a page whose block was copied out is reused."""
+        if self.cuda and self._device_pending:
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
-            self._pending = False
+            self._device_pending = False
+
+    def close(self) -> None:
+        self.sync_host()
+        if self._late is not None:
+            self._late.shutdown(wait=True)
+
+
+def _late_copy(dst: torch.Tensor, snapshot: torch.Tensor) -> None:
+    time.sleep(random.uniform(0.0005, 0.003))     # long enough for a missing wait to read early
+    dst.copy_(snapshot)

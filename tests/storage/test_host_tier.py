@@ -6,7 +6,8 @@ from tests.storage.conftest import TINY, block_data, keys
 
 def test_capacity_in_whole_blocks_and_lru_eviction_order():
     evicted = []
-    host = HostTier(TINY, 3 * TINY.nbytes + 100, on_evict=lambda k, t: evicted.append((k.hash, t.clone())))
+    host = HostTier(TINY, 3 * TINY.nbytes + 100,
+                    on_evict=lambda k, slot: evicted.append((k.hash, host.slab[slot].clone())))
     assert host.num_slots == 3
     a, b, c, d = keys(4)
     for k in (a, b, c):
