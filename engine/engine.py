@@ -329,8 +329,10 @@ class Engine:
     def _take_token(self, seq: Sequence, row: torch.Tensor, now: float) -> None:
         token = sample(row, seq.params, seq.generator)
         if seq.params.logprobs:
-            top = torch.log_softmax(row.float(), dim=-1).topk(seq.params.logprobs)
+            logprobs = torch.log_softmax(row.float(), dim=-1)
+            top = logprobs.topk(seq.params.logprobs)
             seq.logprobs.append(list(zip(top.indices.tolist(), top.values.tolist())))
+            seq.token_logprobs.append(logprobs[token].item())
         seq.output_ids.append(token)
         if seq.first_token_at is None:
             seq.first_token_at = now
@@ -369,7 +371,7 @@ class Engine:
             return
         seq.sent_chars, seq.sent_tokens = max(seq.sent_chars, end), len(seq.output_ids)
         if not final:
-            seq.events.put(("delta", StreamChunk(seq.request_id, text, ids)))
+            seq.events.put(("delta", StreamChunk(seq.request_id, text, ids, **_logprobs_of_last(seq, len(ids)))))
         else:
             seq.pending_final = (text, ids)
 
@@ -388,7 +390,9 @@ class Engine:
         text, ids = seq.pending_final
         out = CompletionOutput(seq.request_id, seq.text if self.tokenizer is not None else "", list(seq.output_ids),
                                reason, usage, metrics, list(seq.prompt_ids),
-                               seq.logprobs if seq.params.logprobs else None)
+                               seq.logprobs if seq.params.logprobs else None,
+                               seq.token_logprobs if seq.params.logprobs else None)
+        last_logprobs = _logprobs_of_last(seq, len(ids))
 
         def complete(recorded: bool | None = True, error: Exception | None = None) -> None:
             # NOTE: runs after the ledger committed this request (billing thread), so a caller
@@ -397,7 +401,7 @@ class Engine:
             if error is not None:
                 seq.events.put(("error", RuntimeError(f"billing failed: {error}")))
                 return
-            seq.events.put(("delta", StreamChunk(seq.request_id, text, ids, reason, usage, metrics)))
+            seq.events.put(("delta", StreamChunk(seq.request_id, text, ids, reason, usage, metrics, **last_logprobs)))
             seq.events.put(("final", out))
         if self.billing is None:
             complete()
@@ -409,3 +413,11 @@ class Engine:
         except Exception as e:
             log.exception("billing failed for %s", seq.request_id)
             complete(None, e)
+
+
+def _logprobs_of_last(seq: Sequence, n: int) -> dict:
+    """StreamChunk's logprobs fields for the sequence's last n output tokens (none when not asked)."""
+    if not seq.params.logprobs:
+        return {}
+    start = len(seq.output_ids) - n
+    return {"logprobs": seq.logprobs[start:], "token_logprobs": seq.token_logprobs[start:]}

@@ -59,20 +59,25 @@ class CompletionOutput:
     usage: Usage
     metrics: RequestMetrics
     prompt_token_ids: list[int] = field(default_factory=list)
-    # Per generated token, its top-n (token id, log-probability), when params.logprobs = n.
+    # Per generated token, its top-n (token id, log-probability), when params.logprobs = n,
+    # and the sampled token's own log-probability (it need not be in the top n).
     logprobs: list[list[tuple[int, float]]] | None = None
+    token_logprobs: list[float] | None = None
 
 
 @dataclass(frozen=True)
 class StreamChunk:
     """Only the new part: text and token ids produced since the previous chunk.
-    The last chunk also carries finish_reason, usage and metrics."""
+    The last chunk also carries finish_reason, usage and metrics. With params.logprobs = n,
+    `logprobs` and `token_logprobs` are CompletionOutput's, for this chunk's token_ids."""
     request_id: str
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
     usage: Usage | None = None
     metrics: RequestMetrics | None = None
+    logprobs: list[list[tuple[int, float]]] | None = None
+    token_logprobs: list[float] | None = None
 
 
 @dataclass(frozen=True)

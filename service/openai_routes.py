@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from service.context import AppContext, ctx
 from service.errors import APIError, from_engine_error
-from service.responses import SSE_DONE, ChunkWriter, chat_body, completion_body, sse
+from service.responses import SSE_DONE, ChunkWriter, Logprobs, chat_body, completion_body, sse
 from service.schemas import ChatRequest, CompletionRequest, parse_body
 
 router = APIRouter()
@@ -36,16 +36,17 @@ async def completions(request: Request) -> Any:
     c.check_model(req.model)
     params = _params(req, req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS)
     engine, tenant, prompt = c.engine, caller.tenant, req.prompt
+    logprobs = _logprobs(engine, req, chat=False)
 
     def prompt_ids() -> list[int]:   # on a worker thread: tokenizing a long prompt is real work
         return _with_room(engine, engine.encode(prompt), req.max_tokens)
     if req.stream:
         return await _stream(c, lambda: engine.stream(prompt_ids(), params, tenant=tenant), chat=False,
-                             include_usage=req.include_usage)
-    out = await c.dispatcher.call(lambda: engine.generate(prompt_ids(), params, tenant=tenant),
-                                  timeout=c.settings.request_timeout_s)
+                             include_usage=req.include_usage, logprobs=logprobs)
+    out, lp = await c.dispatcher.call(lambda: _with_logprobs(engine.generate(prompt_ids(), params, tenant=tenant),
+                                                             logprobs), timeout=c.settings.request_timeout_s)
     c.metrics.observe_request(out.usage, out.metrics)
-    return JSONResponse(completion_body(out, c.model_name, int(time.time())), headers={"x-request-id": out.request_id})
+    return JSONResponse(completion_body(out, c.model_name, int(time.time()), lp), headers={"x-request-id": out.request_id})
 
 
 @router.post("/v1/chat/completions")
@@ -58,6 +59,7 @@ async def chat_completions(request: Request) -> Any:
     params = _params(req, req.requested_max_tokens, c.settings.default_chat_max_tokens)
     engine, tenant = c.engine, caller.tenant
     messages = [m.to_dict() for m in req.messages]
+    logprobs = _logprobs(engine, req, chat=True)
 
     def prompt_ids() -> list[int]:
         return _with_room(engine, engine.apply_chat_template(messages), req.requested_max_tokens)
@@ -65,11 +67,11 @@ async def chat_completions(request: Request) -> Any:
     # two see the same prompt ids and give the same greedy text.
     if req.stream:
         return await _stream(c, lambda: engine.stream(prompt_ids(), params, tenant=tenant),
-                             chat=True, include_usage=req.include_usage)
-    out = await c.dispatcher.call(lambda: engine.generate(prompt_ids(), params, tenant=tenant),
-                                  timeout=c.settings.request_timeout_s)
+                             chat=True, include_usage=req.include_usage, logprobs=logprobs)
+    out, lp = await c.dispatcher.call(lambda: _with_logprobs(engine.generate(prompt_ids(), params, tenant=tenant),
+                                                             logprobs), timeout=c.settings.request_timeout_s)
     c.metrics.observe_request(out.usage, out.metrics)
-    return JSONResponse(chat_body(out, c.model_name, int(time.time())), headers={"x-request-id": out.request_id})
+    return JSONResponse(chat_body(out, c.model_name, int(time.time()), lp), headers={"x-request-id": out.request_id})
 
 
 @router.get("/v1/models")
@@ -101,6 +103,16 @@ def _with_room(engine: Any, ids: list[int], max_tokens: int | None) -> list[int]
     return ids
 
 
+def _logprobs(engine: Any, req: Any, chat: bool) -> Logprobs | None:
+    n = req.top_logprobs_n
+    return None if n is None else Logprobs(engine.tokenizer, n, chat=chat)
+
+
+def _with_logprobs(out: Any, logprobs: Logprobs | None) -> tuple[Any, dict[str, Any] | None]:
+    """The output and its logprobs object, built on the worker thread (it decodes every token)."""
+    return out, None if logprobs is None else logprobs.of(out)
+
+
 def _params(req: Any, max_tokens: int | None, default_max_tokens: int) -> Any:
     try:
         return req.sampling_params(max_tokens, default_max_tokens)
@@ -108,7 +120,8 @@ def _params(req: Any, max_tokens: int | None, default_max_tokens: int) -> Any:
         raise from_engine_error(e) from None
 
 
-async def _stream(c: AppContext, make_iter: Any, chat: bool, include_usage: bool) -> StreamingResponse:
+async def _stream(c: AppContext, make_iter: Any, chat: bool, include_usage: bool,
+                  logprobs: Logprobs | None) -> StreamingResponse:
     events = await c.dispatcher.stream(make_iter, timeout=c.settings.request_timeout_s)
     first = await anext(events, None)       # errors before the first chunk raise here: real statuses
     if first is None:
@@ -121,18 +134,19 @@ async def _stream(c: AppContext, make_iter: Any, chat: bool, include_usage: bool
         chunk = first
         try:
             while chunk is not None:
+                lp = None if logprobs is None else logprobs.of(chunk)
                 if chunk.finish_reason is not None:
                     if chat and chunk.text:
-                        yield writer.text(chunk.text)
+                        yield writer.text(chunk.text, logprobs=lp)
                         yield writer.text("", chunk.finish_reason)
                     else:
-                        yield writer.text(chunk.text, chunk.finish_reason)
+                        yield writer.text(chunk.text, chunk.finish_reason, lp)
                     c.metrics.observe_request(chunk.usage, chunk.metrics)
                     if include_usage and chunk.usage is not None:
                         yield writer.usage(chunk.usage)
                     break
-                if chunk.text:
-                    yield writer.text(chunk.text)
+                if chunk.text or lp:
+                    yield writer.text(chunk.text, logprobs=lp)
                 chunk = await anext(events, None)
         except APIError as e:
             yield sse(e.body())

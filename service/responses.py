@@ -6,6 +6,7 @@ object -- OpenAI's fields, DeepSeek's cache fields, and the per-tier split:
   prompt_cache_hit_tokens, prompt_cache_miss_tokens            (DeepSeek)
   prompt_tokens_details: {cached_tokens}                       (OpenAI)
   prompt_cache_hit_tokens_by_tier: {device, host, disk}        (tieredkv)
+and the `logprobs` object of a choice, in completions' and chat's shapes.
 Doesn't know: how the output was produced, tenants, or HTTP statuses.
 """
 from __future__ import annotations
@@ -14,6 +15,7 @@ import json
 from typing import Any
 
 SSE_DONE = b"data: [DONE]\n\n"
+LOGPROB_FLOOR = -9999.0    # -inf and NaN are not JSON: lower log-probabilities are sent as this (as vLLM's)
 
 
 def usage_dict(usage: Any) -> dict[str, Any]:
@@ -36,27 +38,80 @@ def completion_id(request_id: str, chat: bool) -> str:
     return f"{'chatcmpl' if chat else 'cmpl'}-{request_id.removeprefix('cmpl-')}"
 
 
-def completion_body(out: Any, model: str, created: int) -> dict[str, Any]:
+def completion_body(out: Any, model: str, created: int, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     return {
         "id": completion_id(out.request_id, chat=False),
         "object": "text_completion",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason}],
+        "choices": [{"index": 0, "text": out.text, "logprobs": logprobs, "finish_reason": out.finish_reason}],
         "usage": usage_dict(out.usage),
     }
 
 
-def chat_body(out: Any, model: str, created: int) -> dict[str, Any]:
+def chat_body(out: Any, model: str, created: int, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     return {
         "id": completion_id(out.request_id, chat=True),
         "object": "chat.completion",
         "created": created,
         "model": model,
         "choices": [{"index": 0, "message": {"role": "assistant", "content": out.text},
-                     "logprobs": None, "finish_reason": out.finish_reason}],
+                     "logprobs": logprobs, "finish_reason": out.finish_reason}],
         "usage": usage_dict(out.usage),
     }
+
+
+class Logprobs:
+    """One response's `logprobs` objects, from the engine's per-token log-probabilities (a
+    CompletionOutput's or a StreamChunk's `token_ids`, `logprobs` (top n) and `token_logprobs`).
+
+    Completions: {tokens, token_logprobs, top_logprobs, text_offset}; each top_logprobs dict
+    holds the n most likely tokens and the sampled one (up to n + 1 entries, as OpenAI's), and
+    text_offset runs on across a stream's chunks. Chat: {content: [{token, logprob, bytes,
+    top_logprobs: [n x {token, logprob, bytes}]}], refusal: null}. A token's text is its own
+    decoding, as vLLM's: a token holding part of a multi-byte character reads as U+FFFD.
+    """
+
+    def __init__(self, tokenizer: Any, n: int, chat: bool) -> None:
+        self.tokenizer = tokenizer
+        self.n = n
+        self.chat = chat
+        self.text_offset = 0
+
+    def _names(self, ids: set[int]) -> dict[int, str]:
+        order = sorted(ids)
+        if self.tokenizer is None:
+            return {i: f"token_id:{i}" for i in order}
+        return dict(zip(order, self.tokenizer.batch_decode([[i] for i in order])))
+
+    def of(self, out: Any) -> dict[str, Any] | None:
+        """The object for `out`'s tokens; None when it has none (or logprobs were not asked)."""
+        if not out.token_ids or out.token_logprobs is None:
+            return None
+        tops = [step[:self.n] for step in out.logprobs]
+        name = self._names({i for step in tops for i, _ in step} | set(out.token_ids))
+        if self.chat:
+            def entry(i: int, lp: float) -> dict[str, Any]:
+                return {"token": name[i], "logprob": _finite(lp), "bytes": list(name[i].encode("utf-8"))}
+            return {"content": [{**entry(t, lp), "top_logprobs": [entry(i, x) for i, x in top]}
+                                for t, lp, top in zip(out.token_ids, out.token_logprobs, tops)],
+                    "refusal": None}
+        offsets = []
+        for t in out.token_ids:
+            offsets.append(self.text_offset)
+            self.text_offset += len(name[t])
+        top_dicts = []
+        for t, lp, top in zip(out.token_ids, out.token_logprobs, tops):
+            d: dict[str, float] = {}
+            for i, x in [*top, (t, lp)]:          # the likeliest wins a name clash
+                d.setdefault(name[i], _finite(x))
+            top_dicts.append(d)
+        return {"tokens": [name[t] for t in out.token_ids], "token_logprobs": [_finite(lp) for lp in out.token_logprobs],
+                "top_logprobs": top_dicts, "text_offset": offsets}
+
+
+def _finite(lp: float) -> float:
+    return lp if lp > LOGPROB_FLOOR else LOGPROB_FLOOR       # NaN too
 
 
 class ChunkWriter:
@@ -85,12 +140,12 @@ class ChunkWriter:
         return sse(self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
                                  "logprobs": None, "finish_reason": None}]))
 
-    def text(self, text: str, finish_reason: str | None = None) -> bytes:
+    def text(self, text: str, finish_reason: str | None = None, logprobs: dict[str, Any] | None = None) -> bytes:
         if self.chat:
-            choice = {"index": 0, "delta": {"content": text} if text else {}, "logprobs": None,
+            choice = {"index": 0, "delta": {"content": text} if text else {}, "logprobs": logprobs,
                       "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         return sse(self._chunk([choice]))
 
     def usage(self, usage: Any) -> bytes:

@@ -5,12 +5,14 @@ text or token-id prompts), the cache routes' bodies, and OpenAI's defaults (temp
 top_p 1, completions max_tokens 16). Types are strict: "5" is not an int and 1 is not a
 string. Unknown fields are ignored, as vLLM does; known OpenAI fields this server cannot
 honour are refused with a 400 naming the field rather than silently ignored, so a user never
-believes they got something they did not: n > 1, logprobs (any value, 0 included), penalties,
-logit_bias, echo, best_of > 1, suffix, tools / tool_choice / parallel_tool_calls / functions,
-response_format other than text, modalities other than text, audio, prediction, a message's
-name, stream_options without stream. A body is at most `max_body_bytes` (413 past it, counted
-while it streams in), its JSON at most as deep as Python's parser goes (400 past it), and its
-strings valid Unicode (a lone surrogate such as "\ud800" is a 400 naming the field).
+believes they got something they did not: n > 1, penalties, logit_bias, echo, best_of > 1,
+suffix, tools / tool_choice / parallel_tool_calls / functions, response_format other than
+text, modalities other than text, audio, prediction, a message's name, stream_options without
+stream, chat top_logprobs without logprobs. Log-probabilities are honoured: completions
+`logprobs` (0-20) and chat `logprobs` / `top_logprobs` (0-20). A body is at most
+`max_body_bytes` (413 past it, counted while it streams in), its JSON at most as deep as
+Python's parser goes (400 past it), and its strings valid Unicode (a lone surrogate such as
+"\ud800" is a 400 naming the field).
 Doesn't know: tenants or the engine.
 """
 from __future__ import annotations
@@ -25,6 +27,7 @@ from engine.sampling_params import SamplingParams
 from service.errors import APIError, bad_request, validation_error
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20
+MAX_LOGPROBS = 20          # top log-probabilities per token, as OpenAI's chat and vLLM's default
 
 _STRICT = ConfigDict(strict=True, extra="ignore")
 M = TypeVar("M", bound=BaseModel)
@@ -47,6 +50,12 @@ def check_prompt(v: Any) -> str | list[int]:
 class StreamOptions(BaseModel):
     model_config = _STRICT
     include_usage: bool | None = False
+
+
+def _top_n(v: int | None) -> int | None:
+    if v is not None and not 0 <= v <= MAX_LOGPROBS:
+        raise ValueError(f"expected an int in [0, {MAX_LOGPROBS}], got {v}")
+    return v
 
 
 def _refuse(v: Any) -> Any:
@@ -137,6 +146,11 @@ class _GenerationRequest(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def top_logprobs_n(self) -> int | None:
+        """How many top log-probabilities per token the response carries; None: no logprobs."""
+        return None
+
     def sampling_params(self, max_tokens: int | None, default_max_tokens: int) -> SamplingParams:
         """The engine's SamplingParams; its own checks raise ValueError naming the field."""
         return SamplingParams(
@@ -146,7 +160,9 @@ class _GenerationRequest(BaseModel):
             top_k=self.top_k or 0,
             seed=self.seed,
             stop=self.stop or (),
-            ignore_eos=bool(self.ignore_eos))
+            ignore_eos=bool(self.ignore_eos),
+            # The engine returns the sampled token's log-probability with any top n >= 1.
+            logprobs=0 if self.top_logprobs_n is None else max(self.top_logprobs_n, 1))
 
 
 class CompletionRequest(_GenerationRequest):
@@ -161,10 +177,14 @@ class CompletionRequest(_GenerationRequest):
     def _prompt(cls, v: Any) -> str | list[int]:
         return check_prompt(v)
 
-    @field_validator("logprobs", mode="before")
+    @field_validator("logprobs")
     @classmethod
-    def _no_logprobs(cls, v: Any) -> Any:
-        return _refuse(v)          # 0 too: it asks for the sampled token's log-probability
+    def _logprobs(cls, v: int | None) -> int | None:
+        return _top_n(v)           # 0: only the sampled token's log-probability
+
+    @property
+    def top_logprobs_n(self) -> int | None:
+        return self.logprobs
 
     @field_validator("echo", "suffix")
     @classmethod
@@ -236,17 +256,19 @@ class ChatRequest(_GenerationRequest):
             raise ValueError("expected at least one message")
         return v
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, v: Any) -> Any:
-        if v:
-            raise ValueError("not supported by this server")
-        return v
-
     @field_validator("top_logprobs")
     @classmethod
-    def _no_top_logprobs(cls, v: Any) -> Any:
-        return _refuse(v)
+    def _top_logprobs(cls, v: int | None) -> int | None:
+        return _top_n(v)
+
+    def model_post_init(self, context: Any) -> None:
+        super().model_post_init(context)
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs: only allowed when logprobs is true", param="top_logprobs")
+
+    @property
+    def top_logprobs_n(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def requested_max_tokens(self) -> int | None:

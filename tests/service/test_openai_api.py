@@ -1,6 +1,7 @@
 """OpenAI-compatible routes on a real server: shapes, streaming, usage and cache hits, concurrency."""
 from __future__ import annotations
 
+import json
 import threading
 
 import openai
@@ -165,3 +166,80 @@ def test_32_concurrent_clients_match_serial_runs(server, engine):
         assert isinstance(res, tuple) and res[0] == 200, (i, res)
         check_usage(res[1]["usage"])
         assert res[1]["choices"][0]["text"] == serial[i], i
+
+
+# Issue 7, item 9: log-probabilities are honoured (the engine computes them), in OpenAI's shapes.
+
+def _names(tokenizer, ids):
+    return tokenizer.batch_decode([[i] for i in ids])
+
+
+def test_completion_logprobs_are_the_engines(client, engine, tokenizer):
+    lp = completion(client, engine.model_name, TEXT, max_tokens=5, logprobs=3, user="t-lp")["choices"][0]["logprobs"]
+    want = engine.generate(TEXT, SamplingParams(max_tokens=5, logprobs=3), tenant="t-lp-direct")
+    assert set(lp) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
+    assert lp["tokens"] == _names(tokenizer, want.token_ids)
+    assert lp["token_logprobs"] == pytest.approx(want.token_logprobs, abs=1e-4)
+    assert [list(d) for d in lp["top_logprobs"]] == [_names(tokenizer, [i for i, _ in s]) for s in want.logprobs]
+    assert [list(d.values()) for d in lp["top_logprobs"]] == \
+        [pytest.approx([x for _, x in s], abs=1e-4) for s in want.logprobs]
+    # Greedy: the sampled token is the likeliest one.
+    assert [max(d.values()) for d in lp["top_logprobs"]] == pytest.approx(lp["token_logprobs"], abs=1e-6)
+    assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(5)]
+
+
+def test_completion_logprobs_0_give_the_sampled_tokens_own(client, engine, tokenizer):
+    # Sampled at temperature 1 on the random tiny model, a token is rarely the likeliest one: its
+    # own log-probability is reported, not the top token's.
+    got = completion(client, engine.model_name, TEXT, max_tokens=6, logprobs=0, temperature=1.0, seed=11)
+    lp = got["choices"][0]["logprobs"]
+    want = engine.generate(TEXT, SamplingParams(max_tokens=6, temperature=1.0, seed=11, logprobs=1))
+    assert lp["tokens"] == _names(tokenizer, want.token_ids)
+    assert lp["token_logprobs"] == pytest.approx(want.token_logprobs, abs=1e-4)
+    assert lp["top_logprobs"] == [{t: x} for t, x in zip(lp["tokens"], lp["token_logprobs"])]
+    assert any(x < s[0][1] - 1e-3 for x, s in zip(want.token_logprobs, want.logprobs))
+
+
+def test_streamed_completion_logprobs_equal_the_whole(client, engine):
+    kw = {"max_tokens": 6, "logprobs": 2, "user": "t-lp-stream"}
+    whole = completion(client, engine.model_name, TEXT, **kw)["choices"][0]["logprobs"]
+    body = {"model": engine.model_name, "prompt": TEXT, "temperature": 0, "stream": True, **kw}
+    with client.stream("POST", "/v1/completions", json=body) as r:
+        chunks = [e["choices"][0]["logprobs"] for e in sse_events(r)[:-1]]
+    assert all(c is not None for c in chunks)
+    joined = {k: [x for c in chunks for x in c[k]] for k in whole}
+    assert joined["tokens"] == whole["tokens"] and joined["text_offset"] == whole["text_offset"]
+    assert joined["token_logprobs"] == pytest.approx(whole["token_logprobs"], abs=1e-4)
+    assert [list(d) for d in joined["top_logprobs"]] == [list(d) for d in whole["top_logprobs"]]
+
+
+def test_chat_logprobs_with_the_openai_client(oai, engine):
+    messages = [{"role": "user", "content": "Name a colour."}]
+    kw = {"model": engine.model_name, "messages": messages, "max_tokens": 5, "temperature": 0}
+    r = oai.chat.completions.create(**kw, logprobs=True, top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    want = engine.generate(engine.apply_chat_template(messages), SamplingParams(max_tokens=5, logprobs=2))
+    assert len(content) == r.usage.completion_tokens == 5
+    assert [e.logprob for e in content] == pytest.approx(want.token_logprobs, abs=1e-4)
+    for e, top in zip(content, want.logprobs):
+        assert [t.logprob for t in e.top_logprobs] == pytest.approx([x for _, x in top], abs=1e-4)
+        assert e.token == e.top_logprobs[0].token and bytes(e.bytes).decode() == e.token
+    streamed = [e for c in oai.chat.completions.create(**kw, logprobs=True, top_logprobs=2, stream=True)
+                if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-4)
+    # logprobs alone: no top list; not asked: null.
+    assert [e.top_logprobs for e in oai.chat.completions.create(**kw, logprobs=True).choices[0].logprobs.content] == \
+        [[]] * 5
+    assert oai.chat.completions.create(**kw).choices[0].logprobs is None
+
+
+def test_logprobs_that_are_not_finite_are_sent_as_valid_json():
+    # log_softmax gives -inf for a token whose logit is -inf; JSON has no -inf or NaN.
+    from types import SimpleNamespace
+    from service.responses import LOGPROB_FLOOR, Logprobs
+    out = SimpleNamespace(token_ids=[5], token_logprobs=[float("-inf")], logprobs=[[(7, float("nan")), (5, float("-inf"))]])
+    for chat in (False, True):
+        body = Logprobs(None, 2, chat=chat).of(out)
+        json.dumps(body, allow_nan=False)
+        assert LOGPROB_FLOOR in (body["token_logprobs"] if not chat else [body["content"][0]["logprob"]])
