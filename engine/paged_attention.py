@@ -39,7 +39,8 @@ class SeqSlice:
 class _Group:
     """Sequences attended together: padded gather indices, queries and mask built once per pass."""
     q_index: torch.Tensor      # [S, Q] packed positions of the queries (padded with 0)
-    q_valid: torch.Tensor      # [S, Q] which query rows are real
+    out_rows: torch.Tensor     # [n] packed positions of the real queries...
+    res_rows: torch.Tensor     # [n] ...and their rows in the flattened [S * Q] result
     kv_pages: torch.Tensor     # [S, C] page of each context position (padded with 0)
     kv_slots: torch.Tensor     # [S, C] slot of each context position
     mask: torch.Tensor         # [S, 1, Q, C] True = attend
@@ -89,7 +90,12 @@ class PagedBatch:
             mask[i, 0] = (pos.unsqueeze(0) <= q_pos) & (pos.unsqueeze(0) < s.context_len)
             mask[i, 0, s.q_len:] = False
             mask[i, 0, s.q_len:, 0] = True   # padded query rows attend to one key: no NaN
-        return _Group(q_index.to(dev), q_valid.to(dev), kv_pages.to(dev), kv_slots.to(dev), mask.to(dev))
+        # Integer indices, built here once per pass: a boolean index in the layer loop would be a
+        # nonzero() -- a device -> host sync on CUDA -- per group per layer.
+        res_rows = q_valid.reshape(-1).nonzero().squeeze(1)
+        out_rows = q_index.reshape(-1)[res_rows]
+        return _Group(q_index.to(dev), out_rows.to(dev), res_rows.to(dev), kv_pages.to(dev), kv_slots.to(dev),
+                      mask.to(dev))
 
 
 # What one more attention group costs beyond its scores, in score elements (query x key): the
@@ -147,8 +153,9 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         o = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
             attn_mask=g.mask, scale=scaling, enable_gqa=True)   # [S, heads, Q, D]
-        o = o.transpose(1, 2)                         # [S, Q, heads, D]
-        out[g.q_index[g.q_valid]] = o[g.q_valid]
+        S, H, Q, D = o.shape
+        o = o.transpose(1, 2).reshape(S * Q, H, D)
+        out.index_copy_(0, g.out_rows, o.index_select(0, g.res_rows))
     return out.unsqueeze(0), None
 
 

@@ -11,6 +11,8 @@ produces a token.
 """
 from __future__ import annotations
 
+import secrets
+
 import torch
 
 from engine.sampling_params import SamplingParams
@@ -27,7 +29,9 @@ def make_generator(params: SamplingParams) -> torch.Generator | None:
     if is_greedy(params):
         return None
     g = torch.Generator()
-    g.manual_seed(params.seed if params.seed is not None else torch.seed())
+    # Not torch.seed(): it reseeds the process's default generators (every CUDA device's too),
+    # from a request thread, under every other request's feet.
+    g.manual_seed(params.seed if params.seed is not None else secrets.randbits(63))
     return g
 
 

@@ -69,8 +69,11 @@ def _open_env(path: str, map_size: int, readonly: bool) -> tuple[lmdb.Environmen
         # reader maps exactly that (it writes nothing, so it needs no room to grow).
         map_size = meta.map_size if readonly else max(map_size, meta.map_size)
     os.makedirs(path, exist_ok=True)
-    # lock=True (the default) is what lets several processes share the directory.
-    env = lmdb.open(path, map_size=map_size, max_dbs=4, readonly=readonly, readahead=False, max_readers=512)
+    # lock=True (the default) is what lets several processes share the directory. readahead=True:
+    # a stored block is one run of contiguous overflow pages (~0.1-1 MB), read whole; with
+    # readahead off (MADV_RANDOM) a cold read faulted it in 4 KiB at a time -- a burst of two
+    # 2048-token restores from a cold page cache took 1.1-1.4 s instead of 0.18-0.42 s.
+    env = lmdb.open(path, map_size=map_size, max_dbs=4, readonly=readonly, readahead=True, max_readers=512)
     try:
         return env, open_databases(env, path, readonly)
     except BaseException:
