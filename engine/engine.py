@@ -44,7 +44,8 @@ Prompt = str | Seq[int]
 
 class Engine:
     def __init__(self, loaded: LoadedModel, cache: CacheConfig | None = None, *, max_batch_tokens: int = 512,
-                 max_seqs: int = 64, max_queue: int = 256, max_loading: int = 8, ledger_dir: str | None = None,
+                 max_seqs: int = 64, max_queue: int = 256, max_loading: int = 8,
+                 decode_step_tokens: int | None = None, ledger_dir: str | None = None,
                  num_pages: int | None = None, prices: Prices | None = None) -> None:
         cache = cache or CacheConfig()
         self.loaded = loaded
@@ -60,7 +61,7 @@ class Engine:
         # A sequence never outgrows the pool (else it could neither run nor be preempted).
         self.max_context = min(loaded.max_context, self.cache.pool.num_pages * self.block_size)
         self.scheduler = Scheduler(self.cache, max_batch_tokens=max_batch_tokens, max_seqs=max_seqs,
-                                   max_loading=max_loading)
+                                   max_loading=max_loading, decode_step_tokens=decode_step_tokens)
         self.runner = ModelRunner(loaded.model, self.cache.pool.kv, self.block_size)
         if ledger_dir is None and cache.disk_path is not None:
             ledger_dir = os.path.join(os.path.dirname(cache.disk_path), "billing")

@@ -36,9 +36,16 @@ class Scheduled:
 
 class Scheduler:
     def __init__(self, cache: TieredKVCache, max_batch_tokens: int = 512, max_seqs: int = 64,
-                 max_loading: int = 8) -> None:
+                 max_loading: int = 8, decode_step_tokens: int | None = None) -> None:
         if max_batch_tokens < 1 or max_seqs < 1 or max_loading < 1:
             raise ValueError("max_batch_tokens, max_seqs and max_loading must be >= 1")
+        if decode_step_tokens is not None and decode_step_tokens < 1:
+            raise ValueError("decode_step_tokens must be >= 1 (or None: off)")
+        # Stall-free batching (Sarathi-Serve's idea): while any sequence is decoding, a step takes
+        # at most this many tokens, decodes first, so prefills (chunked to fit) never stretch the
+        # time between a decoder's tokens past one step of this size. None: max_batch_tokens
+        # always (more prefill per step: throughput over inter-token latency).
+        self.decode_step_tokens = decode_step_tokens
         self.cache = cache
         self.block_size = cache.layout.block_size
         self.max_batch_tokens = max_batch_tokens
@@ -64,8 +71,14 @@ class Scheduler:
     # ---- the step --------------------------------------------------------------------------
     def schedule(self) -> list[Scheduled]:
         budget = self.max_batch_tokens
+        running = list(self.running)
+        if self.decode_step_tokens is not None:
+            decoding = [s for s in running if s.num_tokens - s.num_computed == 1]
+            if decoding:
+                budget = max(len(decoding), min(budget, self.decode_step_tokens))
+                running = decoding + [s for s in running if s.num_tokens - s.num_computed != 1]
         out: list[Scheduled] = []
-        for seq in list(self.running):
+        for seq in running:
             if budget == 0:
                 break
             if seq.status is not SeqStatus.RUNNING:

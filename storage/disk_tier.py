@@ -40,6 +40,7 @@ from typing import Iterable, Iterator, Sequence
 import lmdb
 import torch
 
+from storage.priority import background_priority
 from storage.codec import Codec
 from storage.disk_integrity import DamagedBlock, VerifyReport, audit, check_block, verify_and_decode
 from storage.disk_index import DiskIndex
@@ -506,7 +507,8 @@ class DiskTier:
     def _executor(self) -> ThreadPoolExecutor:
         with self._stats_lock:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(self._decode_threads, thread_name_prefix="tieredkv-disk-decode")
+                self._pool = ThreadPoolExecutor(self._decode_threads, thread_name_prefix="tieredkv-disk-decode",
+                                                initializer=background_priority)
             return self._pool
 
     def _iter_db(self, db: object, values: bool = True) -> Iterator[tuple[bytes, bytes | None]]:

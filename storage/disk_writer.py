@@ -30,6 +30,7 @@ from typing import Callable, ContextManager, Iterable
 import lmdb
 import torch
 
+from storage.priority import background_priority
 from storage.codec import Codec
 from storage.disk_records import (BlockMeta, Databases, StoreInfo, delete_in_txn, load_capacity, load_info, lru_hash,
                                   lru_key, store_info)
@@ -239,7 +240,7 @@ class DiskWriter:
         return n
 
     def _loop(self) -> None:
-        _background_priority()
+        background_priority()   # compression yields the CPU to forward passes
         self.clear_stale_readers(force=True)
         while True:
             with self._cond:
@@ -422,17 +423,3 @@ class DiskWriter:
                 cur.delete()   # stray LRU entry without a block
         return n
 
-
-WRITER_NICE = 10
-
-
-def _background_priority() -> None:
-    """The writer compresses in the background: on Linux it lowers its own thread's priority
-    (a thread's niceness is its own there), so on a busy CPU the engine's forward passes win and
-    decode latency holds (tools/bench_interference.py, flush case). A writer that falls behind
-    fills its queue -- a flush then waits longer, the cascade drops (counted) -- it never stalls
-    a step. Elsewhere, or without permission, it runs at normal priority."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
-    except (AttributeError, OSError):
-        pass

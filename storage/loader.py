@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 
 from storage.hashing import BlockKey
+from storage.priority import background_priority
 
 if TYPE_CHECKING:
     from storage.tiered_cache import TieredKVCache
@@ -105,8 +106,10 @@ class Loader:
         self.cache = cache
         self.inflight: dict[bytes, Fill] = {}          # under the cache lock
         self.prefetching: dict[bytes, _Chunk] = {}     # under the cache lock
-        self._fills = ThreadPoolExecutor(LOAD_WORKERS, thread_name_prefix="tieredkv-load")
-        self._prefetches = ThreadPoolExecutor(PREFETCH_WORKERS, thread_name_prefix="tieredkv-prefetch")
+        self._fills = ThreadPoolExecutor(LOAD_WORKERS, thread_name_prefix="tieredkv-load",
+                                         initializer=background_priority)
+        self._prefetches = ThreadPoolExecutor(PREFETCH_WORKERS, thread_name_prefix="tieredkv-prefetch",
+                                              initializer=background_priority)
         cuda = cache.device.type == "cuda"
         self._stream = torch.cuda.Stream(device=cache.device) if cuda else None
         self.prefetched_blocks = 0

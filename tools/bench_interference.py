@@ -21,7 +21,7 @@ Targets on a 2-core CPU (issue 8): ratio_p99 <= 1.3 (disk_burst_cold), <= 1.5 (f
     {"cases": [{"name", "itl_p50_ms", "itl_p99_ms", "baseline_p50_ms", "baseline_p99_ms", "ratio_p99"}],
      "cold_ttft": {...}, "page_cache_dropped": bool, "config": {...}, "machine": "..."}
 
-    python tools/bench_interference.py [--decoders 2] [--burst 2] [--prefix 2048] [--json]
+    python tools/bench_interference.py [--decoders 2] [--burst 2] [--prefix 2048] [--decode-step-tokens N] [--json]
 """
 from __future__ import annotations
 
@@ -117,11 +117,14 @@ def main() -> int:
     ap.add_argument("--prefix", type=int, default=2048, help="prefix tokens of each burst request")
     ap.add_argument("--flush-prompts", type=int, default=6, help="prompts whose blocks the flush writes")
     ap.add_argument("--short", type=int, default=40, help="short requests in the billing case")
+    ap.add_argument("--decode-step-tokens", type=int, default=None,
+                    help="Engine(decode_step_tokens=...): a step's token cap while anything decodes (default: off)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="tieredkv-interference-")
     engine = Engine.from_pretrained(None, cache=CacheConfig(device_memory="1GiB", host_memory="64MiB",
-                                                            disk_dir=os.path.join(tmp, "kv"), disk_capacity="8GiB"))
+                                                            disk_dir=os.path.join(tmp, "kv"), disk_capacity="8GiB"),
+                                    decode_step_tokens=args.decode_step_tokens)
     tok = engine.tokenizer
     cases = []
     try:
