@@ -96,6 +96,7 @@ def test_flush_and_demote_beside_new_blocks_store_exact_bytes(tmp_path) -> None:
     try:
         assert not errors, errors
         assert_every_tier_exact(cache, ks)
+        assert cache.flush().complete
         for k in ks:      # after a complete flush every block is on disk, and exact
             got = cache.disk.get(k)
             assert got is not None and same_bits(got.view(TINY.shape), block_data(k))
