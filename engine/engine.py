@@ -11,6 +11,7 @@ TieredKVCache, whose lock makes them safe beside the engine thread.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -26,7 +27,7 @@ from engine.model import LoadedModel, kv_layout, load_model
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, LookupResult, RequestMetrics, StreamChunk, Usage
 from engine.paged_attention import ATTN_NAME, register
-from engine.sampler import SamplingError, make_generator, sample
+from engine.sampler import RowResult, SamplingError, make_generator, sample_batch
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SeqStatus
@@ -46,7 +47,8 @@ class Engine:
     def __init__(self, loaded: LoadedModel, cache: CacheConfig | None = None, *, max_batch_tokens: int = 512,
                  max_seqs: int = 64, max_queue: int = 256, max_loading: int = 8,
                  decode_step_tokens: int | None = None, ledger_dir: str | None = None,
-                 num_pages: int | None = None, prices: Prices | None = None) -> None:
+                 num_pages: int | None = None, prices: Prices | None = None, sync_debug: str | None = None,
+                 attention: str | None = None) -> None:
         cache = cache or CacheConfig()
         self.loaded = loaded
         self.config = cache
@@ -54,6 +56,11 @@ class Engine:
         self.model_name = loaded.identity.name
         self.block_size = cache.block_size
         self.max_queue = max_queue
+        if sync_debug not in (None, "warn", "error"):
+            raise ValueError(f"sync_debug: expected None, 'warn' or 'error', got {sync_debug!r}")
+        # CUDA only: the device part of every step (metadata upload, forward, sampling) runs
+        # under torch.cuda.set_sync_debug_mode(sync_debug), so a host sync there warns or fails.
+        self.sync_debug = sync_debug if loaded.device.type == "cuda" else None
         register()
         loaded.model.set_attn_implementation(ATTN_NAME)
         self.layout = kv_layout(loaded, cache.block_size)
@@ -62,7 +69,7 @@ class Engine:
         self.max_context = min(loaded.max_context, self.cache.pool.num_pages * self.block_size)
         self.scheduler = Scheduler(self.cache, max_batch_tokens=max_batch_tokens, max_seqs=max_seqs,
                                    max_loading=max_loading, decode_step_tokens=decode_step_tokens)
-        self.runner = ModelRunner(loaded.model, self.cache.pool.kv, self.block_size)
+        self.runner = ModelRunner(loaded.model, self.cache.pool.kv, self.block_size, attention)
         if ledger_dir is None and cache.disk_path is not None:
             ledger_dir = os.path.join(os.path.dirname(cache.disk_path), "billing")
         self.ledger = Ledger(ledger_dir, prices or Prices()) if ledger_dir is not None else None
@@ -130,7 +137,7 @@ class Engine:
         seq = Sequence(request_id=f"cmpl-{uuid.uuid4().hex[:24]}", prompt_ids=ids, params=params, tenant=tenant,
                        namespace=self.namespace(tenant), block_size=self.block_size,
                        max_len=min(self.max_context, len(ids) + params.max_tokens),
-                       generator=make_generator(params))
+                       generator=make_generator(params, self.loaded.device))
         with self._inflight_lock:
             if self._inflight - len(self.scheduler.running) >= self.max_queue:
                 raise QueueFullError(f"engine queue is full ({self.max_queue} requests waiting); retry later")
@@ -193,6 +200,7 @@ class Engine:
                 "tiers": tiers,
                 "engine": {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                            "loading": len(self.scheduler.loading),
+                           "attention": self.runner.backend.name, "sync_debug": self.sync_debug,
                            "preemptions": self.scheduler.preemptions}}
 
     def flush(self) -> FlushResult:
@@ -301,7 +309,8 @@ class Engine:
             time.sleep(0.001)
             return
         try:
-            rows = list(self.runner.forward(scheduled))
+            with self._sync_check():
+                rows = list(self.runner.forward(scheduled))
         except Exception as batch_error:
             log.exception("a forward pass of %d sequences failed", len(scheduled))
             rows = []
@@ -317,23 +326,45 @@ class Engine:
         for seq, error in self.scheduler.take_failed():
             self._fail(seq, error)
         now = time.perf_counter()
-        for s, row in zip(scheduled, rows):
-            seq = s.seq
-            if seq.status is SeqStatus.FINISHED or seq.num_computed < seq.num_tokens:
-                # failed above, or a prefill chunk that is not the last: no token yet
-                continue
+        producing = [(s.seq, row) for s, row in zip(scheduled, rows)
+                     # failed above, or a prefill chunk that is not the last: no token yet
+                     if s.seq.status is not SeqStatus.FINISHED and s.seq.num_computed >= s.seq.num_tokens]
+        if not producing:
+            return
+        try:
+            with self._sync_check():
+                step = sample_batch(torch.stack([row for _, row in producing]), [q.params for q, _ in producing],
+                                    [q.generator for q, _ in producing])
+            results = step.read()        # the step's one wait for the device
+        except Exception as e:
+            log.exception("sampling a step of %d sequences failed", len(producing))
+            for seq, _ in producing:
+                self._fail(seq, RuntimeError(f"sampling failed: {e}"))
+            return
+        for (seq, _), result in zip(producing, results):
             try:
-                self._take_token(seq, row, now)
+                self._take_token(seq, result, now)
             except Exception as e:
                 self._fail(seq, e if isinstance(e, SamplingError) else RuntimeError(f"handling a token failed: {e}"))
 
-    def _take_token(self, seq: Sequence, row: torch.Tensor, now: float) -> None:
-        token = sample(row, seq.params, seq.generator)
+    @contextlib.contextmanager
+    def _sync_check(self):
+        if self.sync_debug is None:
+            yield
+            return
+        torch.cuda.set_sync_debug_mode(self.sync_debug)
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+
+    def _take_token(self, seq: Sequence, result: RowResult, now: float) -> None:
+        if result.nan:
+            raise SamplingError("the model produced NaN logits for this request")
+        token = result.token
         if seq.params.logprobs:
-            logprobs = torch.log_softmax(row.float(), dim=-1)
-            top = logprobs.topk(seq.params.logprobs)
-            seq.logprobs.append(list(zip(top.indices.tolist(), top.values.tolist())))
-            seq.token_logprobs.append(logprobs[token].item())
+            seq.logprobs.append(result.top)
+            seq.token_logprobs.append(result.token_logprob)
         seq.output_ids.append(token)
         if seq.first_token_at is None:
             seq.first_token_at = now

@@ -8,16 +8,25 @@ from __future__ import annotations
 
 import torch
 
+from engine.attention_backends import AttentionBackend, make_backend
 from engine.paged_attention import PagedBatch, SeqSlice
 from engine.scheduler import Scheduled
+from engine.staging import StepUpload
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv: torch.Tensor, block_size: int) -> None:
+    def __init__(self, model: torch.nn.Module, kv: torch.Tensor, block_size: int,
+                 attention: str | None = None) -> None:
         self.model = model
         self.kv = kv
         self.block_size = block_size
         self.device = kv.device
+        self.backend: AttentionBackend = make_backend(attention, kv.device, block_size)
+        self.staging = StepUpload(kv.device)    # owned by the engine thread, like the runner
+        # A 4-D attention_mask makes transformers take it as prepared and skip building one:
+        # our attention reads its masks from the PagedBatch, and the mask builder's check for
+        # packed sequences in position_ids is a host sync (`.all()` in a Python `if`) per forward.
+        self._prepared_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=kv.device)
 
     @torch.inference_mode()
     def forward(self, scheduled: list[Scheduled]) -> torch.Tensor:
@@ -31,9 +40,11 @@ class ModelRunner:
             slices.append(SeqSlice(q_start=len(ids), q_len=s.num_tokens, context_len=end, pages=tuple(seq.pages)))
             ids.extend(seq.tokens[start:end])
             positions.extend(range(start, end))
-        batch = PagedBatch(self.kv, slices, self.block_size)
-        last = torch.tensor([sl.q_start + sl.q_len - 1 for sl in slices], device=self.device)
-        out = self.model(input_ids=torch.tensor([ids], device=self.device),
-                         position_ids=torch.tensor([positions], device=self.device),
-                         use_cache=False, logits_to_keep=last, tkv_batch=batch)
+        # The model's inputs travel in the same upload as the attention's metadata: one copy.
+        batch = PagedBatch(self.kv, slices, self.block_size, self.backend, self.staging,
+                           extra={"ids": ids, "positions": positions,
+                                  "last": [sl.q_start + sl.q_len - 1 for sl in slices]})
+        out = self.model(input_ids=batch.extra["ids"].unsqueeze(0), position_ids=batch.extra["positions"].unsqueeze(0),
+                         attention_mask=self._prepared_mask, use_cache=False, logits_to_keep=batch.extra["last"],
+                         tkv_batch=batch)
         return out.logits[0]

@@ -17,11 +17,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
-import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from engine.attention_backends import GATHER_SDPA, AttentionBackend
+from engine.staging import StepUpload
 
 ATTN_NAME = "tieredkv_paged"
 
@@ -36,66 +39,103 @@ class SeqSlice:
 
 
 @dataclass(frozen=True)
-class _Group:
-    """Sequences attended together: padded gather indices, queries and mask built once per pass."""
+class Group:
+    """Sequences attended together, padded to S x Q queries over C keys. Device tensors, derived
+    once per pass from the step's one upload (engine/staging.py), shared by every layer."""
+    size: int                  # S
+    max_q: int                 # Q
+    max_context: int           # C
     q_index: torch.Tensor      # [S, Q] packed positions of the queries (padded with 0)
     out_rows: torch.Tensor     # [n] packed positions of the real queries...
     res_rows: torch.Tensor     # [n] ...and their rows in the flattened [S * Q] result
-    kv_pages: torch.Tensor     # [S, C] page of each context position (padded with 0)
-    kv_slots: torch.Tensor     # [S, C] slot of each context position
-    mask: torch.Tensor         # [S, 1, Q, C] True = attend
+    block_table: torch.Tensor  # [S, ceil(C / block)] pages (padded with 0)
+    context_len: torch.Tensor  # [S]
+    q_first: torch.Tensor      # [S] absolute position of each sequence's first new token
+    q_len: torch.Tensor        # [S]
 
 
 class PagedBatch:
-    """Everything the attention needs for one forward pass, built once and shared by all layers."""
+    """Everything the attention needs for one forward pass, built once and shared by all layers.
 
-    def __init__(self, kv: torch.Tensor, seqs: list[SeqSlice], block_size: int) -> None:
+    The integers (write slots, every group's block table and query rows, plus `extra` --
+    the model's input ids and positions) go to the device in one upload; what the backend
+    derives from them (masks, gather indices, block masks) is computed there, once per pass.
+    NOTE invariant (issue 9): building a batch never waits for the device.
+    """
+
+    def __init__(self, kv: torch.Tensor, seqs: list[SeqSlice], block_size: int,
+                 backend: "AttentionBackend | None" = None, staging: StepUpload | None = None,
+                 extra: dict[str, list[int]] | None = None) -> None:
         self.kv = kv                  # the pool: [page, layer, 2, slot, kv_head, head_dim]
         self.seqs = seqs
-        dev = kv.device
+        self.block_size = block_size
+        self.backend = backend or GATHER_SDPA
+        parts: list[np.ndarray] = []
+        layout: list[tuple[str, int, tuple[int, ...]]] = []
+
+        def put(name: str, values, shape: tuple[int, ...] | None = None) -> None:
+            arr = np.asarray(values, dtype=np.int64).reshape(-1)
+            parts.append(arr)
+            layout.append((name, arr.size, shape or (arr.size,)))
+
+        for name, values in (extra or {}).items():
+            put(name, values)
         write_pages, write_slots = [], []
         for s in seqs:
             first = s.context_len - s.q_len
-            for pos in range(first, s.context_len):
-                write_pages.append(s.pages[pos // block_size])
-                write_slots.append(pos % block_size)
-        self.write_pages = torch.tensor(write_pages, dtype=torch.long, device=dev)
-        self.write_slots = torch.tensor(write_slots, dtype=torch.long, device=dev)
+            pos = np.arange(first, s.context_len)
+            write_pages.append(np.asarray(s.pages, dtype=np.int64)[pos // block_size])
+            write_slots.append(pos % block_size)
+        put("write_pages", np.concatenate(write_pages) if seqs else [])
+        put("write_slots", np.concatenate(write_slots) if seqs else [])
         decodes = [s for s in seqs if s.q_len == 1]
         prefills = [s for s in seqs if s.q_len > 1]
-        self.groups = ([self._group(decodes, block_size, dev)] if decodes else []) + \
-                      [self._group(g, block_size, dev) for g in prefill_groups(prefills)]
-        self.num_tokens = len(write_pages)
+        plans = ([decodes] if decodes else []) + prefill_groups(prefills)
+        shapes = []
+        for i, g in enumerate(plans):
+            shapes.append(self._plan_group(i, g, block_size, put))
+        values = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        flat = (staging or StepUpload(kv.device)).upload(values)
+        views: dict[str, torch.Tensor] = {}
+        at = 0
+        for name, n, shape in layout:
+            views[name] = flat[at:at + n].view(shape)
+            at += n
+        self.extra = {name: views[name] for name in (extra or {})}
+        self.write_pages = views["write_pages"]
+        self.write_slots = views["write_slots"]
+        self.groups = [Group(S, Q, C, *(views[f"g{i}.{f}"] for f in _GROUP_FIELDS))
+                       for i, (S, Q, C) in enumerate(shapes)]
+        self.num_tokens = int(sum(s.q_len for s in seqs))
+        self.prepared = [self.backend.prepare(self, g) for g in self.groups]
 
     @staticmethod
-    def _group(seqs: list[SeqSlice], block_size: int, dev: torch.device) -> _Group:
+    def _plan_group(i: int, seqs: list[SeqSlice], block_size: int, put) -> tuple[int, int, int]:
         S = len(seqs)
         Q = max(s.q_len for s in seqs)
         C = max(s.context_len for s in seqs)
-        q_index = torch.zeros((S, Q), dtype=torch.long)
-        q_valid = torch.zeros((S, Q), dtype=torch.bool)
-        kv_pages = torch.zeros((S, C), dtype=torch.long)
-        kv_slots = torch.zeros((S, C), dtype=torch.long)
-        mask = torch.zeros((S, 1, Q, C), dtype=torch.bool)
-        pos = torch.arange(C)
-        for i, s in enumerate(seqs):
-            q_index[i, :s.q_len] = torch.arange(s.q_start, s.q_start + s.q_len)
-            q_valid[i, :s.q_len] = True
-            pages = torch.tensor(s.pages, dtype=torch.long)
-            kv_pages[i, :s.context_len] = pages[pos[:s.context_len] // block_size]
-            kv_slots[i, :s.context_len] = pos[:s.context_len] % block_size
-            # Query j sits at absolute position first + j and sees keys 0..first + j (causal).
-            first = s.context_len - s.q_len
-            q_pos = torch.arange(first, first + Q).unsqueeze(1)
-            mask[i, 0] = (pos.unsqueeze(0) <= q_pos) & (pos.unsqueeze(0) < s.context_len)
-            mask[i, 0, s.q_len:] = False
-            mask[i, 0, s.q_len:, 0] = True   # padded query rows attend to one key: no NaN
-        # Integer indices, built here once per pass: a boolean index in the layer loop would be a
+        nb = -(-C // block_size)
+        q_index = np.zeros((S, Q), dtype=np.int64)
+        table = np.zeros((S, nb), dtype=np.int64)
+        for j, s in enumerate(seqs):
+            q_index[j, :s.q_len] = np.arange(s.q_start, s.q_start + s.q_len)
+            n = -(-s.context_len // block_size)
+            table[j, :n] = s.pages[:n]
+        q_len = np.array([s.q_len for s in seqs], dtype=np.int64)
+        # Integer rows, built here once per pass: a boolean index in the layer loop would be a
         # nonzero() -- a device -> host sync on CUDA -- per group per layer.
-        res_rows = q_valid.reshape(-1).nonzero().squeeze(1)
-        out_rows = q_index.reshape(-1)[res_rows]
-        return _Group(q_index.to(dev), out_rows.to(dev), res_rows.to(dev), kv_pages.to(dev), kv_slots.to(dev),
-                      mask.to(dev))
+        res_rows = (np.arange(Q)[None, :] < q_len[:, None]).reshape(-1).nonzero()[0]
+        put(f"g{i}.q_index", q_index, (S, Q))
+        put(f"g{i}.out_rows", q_index.reshape(-1)[res_rows])
+        put(f"g{i}.res_rows", res_rows)
+        put(f"g{i}.block_table", table, (S, nb))
+        put(f"g{i}.context_len", [s.context_len for s in seqs])
+        put(f"g{i}.q_first", [s.context_len - s.q_len for s in seqs])
+        put(f"g{i}.q_len", q_len)
+        return S, Q, C
+
+
+_GROUP_FIELDS = ("q_index", "out_rows", "res_rows", "block_table", "context_len", "q_first", "q_len")
 
 
 # What one more attention group costs beyond its scores, in score elements (query x key): the
@@ -146,15 +186,8 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
 
     q_all = query[0].transpose(0, 1)                  # [T, heads, D]
     out = torch.empty_like(q_all)
-    for g in batch.groups:
-        k = kv[g.kv_pages, layer, 0, g.kv_slots]      # [S, C, kv_heads, D]
-        v = kv[g.kv_pages, layer, 1, g.kv_slots]
-        q = q_all[g.q_index]                          # [S, Q, heads, D]
-        o = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
-            attn_mask=g.mask, scale=scaling, enable_gqa=True)   # [S, heads, Q, D]
-        S, H, Q, D = o.shape
-        o = o.transpose(1, 2).reshape(S * Q, H, D)
+    for g, prepared in zip(batch.groups, batch.prepared):
+        o = batch.backend.attend(q_all, kv, layer, g, prepared, scaling)    # [S * Q, heads, D]
         out.index_copy_(0, g.out_rows, o.index_select(0, g.res_rows))
     return out.unsqueeze(0), None
 

@@ -1,17 +1,23 @@
-"""Picks the next token from a row of logits: greedy, or temperature + top-k + top-p.
+"""Picks the next token of every sequence in a step from its logits row, on the logits' device.
 
-Knows: SamplingParams and a per-request torch.Generator (seeded -> reproducible), and what makes
-sampling numerically safe for any valid params: a temperature too small to matter is greedy
-(logits / 1e-38 overflow to inf and softmax turns them into NaN), the arithmetic is done in
-float64 after subtracting the row's max, top-p always keeps the top token, and a row with no
-usable probability mass falls back to argmax. A row with NaN logits is the model's fault, not
-the request's params: SamplingError, which fails that one request.
-Doesn't know sequences or batching; the engine hands it one logits row per sequence that
-produces a token.
+Knows: SamplingParams and a per-request torch.Generator on the model's device (seeded ->
+reproducible on that device), and what makes sampling numerically safe for any valid params: a
+temperature too small to matter is greedy (logits / 1e-38 overflow to inf and softmax turns them
+into NaN), the arithmetic is done in float64 after subtracting the row's max, top-p always keeps
+the top token, and a row with no usable probability mass falls back to argmax. A row with NaN
+logits is the model's fault, not the request's params: SamplingError, which fails that request.
+
+NOTE invariant (issue 9): nothing here waits for the device. Every row's choice, NaN flag and
+logprobs stay on the device until `SampledStep.read()`, which copies them all back at once (one
+transfer into pinned memory and one event wait per step, not one `.item()` per sequence).
+A draw is an exponential race (argmax of p / Exp(1) noise, a multinomial draw without the
+host-side checks `torch.multinomial` makes).
+Doesn't know sequences or batching; the engine hands it the rows that produce a token.
 """
 from __future__ import annotations
 
 import secrets
+from dataclasses import dataclass
 
 import torch
 
@@ -25,10 +31,10 @@ class SamplingError(RuntimeError):
     """No token can be chosen from this row (NaN logits)."""
 
 
-def make_generator(params: SamplingParams) -> torch.Generator | None:
+def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -> torch.Generator | None:
     if is_greedy(params):
         return None
-    g = torch.Generator()
+    g = torch.Generator(device=device)
     # Not torch.seed(): it reseeds the process's default generators (every CUDA device's too),
     # from a request thread, under every other request's feet.
     g.manual_seed(params.seed if params.seed is not None else secrets.randbits(63))
@@ -39,13 +45,83 @@ def is_greedy(params: SamplingParams) -> bool:
     return params.temperature < MIN_TEMPERATURE
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """logits: [vocab] (any dtype/device). Returns one token id; raises SamplingError on NaN."""
-    if torch.isnan(logits).any():
-        raise SamplingError("the model produced NaN logits for this request")
-    if is_greedy(params) or generator is None:
-        return int(torch.argmax(logits))
-    x = logits.double().cpu()
+@dataclass(frozen=True)
+class RowResult:
+    token: int
+    nan: bool                                   # the row had NaN logits: SamplingError for its request
+    top: list[tuple[int, float]] | None         # (token, logprob) of the top `logprobs`, when asked
+    token_logprob: float | None                 # the chosen token's logprob, when asked
+
+
+class SampledStep:
+    """One step's choices, still on the device; `read()` brings them all back with one wait."""
+
+    def __init__(self, tokens: torch.Tensor, nan: torch.Tensor, lp_index: torch.Tensor | None,
+                 lp_value: torch.Tensor | None, widths: list[int]) -> None:
+        self._widths = widths                    # logprobs asked per row (0: none)
+        packed = [tokens, nan.long()] + ([lp_index] if lp_index is not None else [])
+        ints = torch.cat(packed)
+        if ints.is_cuda:
+            # Pinned destinations, so the copies are truly asynchronous and the one event wait
+            # below is the step's only synchronisation.
+            self._ints = torch.empty(ints.shape, dtype=ints.dtype, pin_memory=True)
+            self._ints.copy_(ints, non_blocking=True)
+            self._floats = None
+            if lp_value is not None:
+                self._floats = torch.empty(lp_value.shape, dtype=lp_value.dtype, pin_memory=True)
+                self._floats.copy_(lp_value, non_blocking=True)
+            self._done = torch.cuda.Event()
+            self._done.record()
+        else:
+            self._ints, self._floats, self._done = ints, lp_value, None
+
+    def read(self) -> list[RowResult]:
+        if self._done is not None:
+            self._done.synchronize()
+        n = len(self._widths)
+        ints = self._ints.tolist()
+        floats = self._floats.tolist() if self._floats is not None else []
+        tokens, nans, lp_index = ints[:n], ints[n:2 * n], ints[2 * n:]
+        out, at = [], 0
+        for i, w in enumerate(self._widths):
+            if w:
+                # Per asked row: its chosen token's logprob, then its top-w (index, logprob).
+                top = list(zip(lp_index[at + 1:at + 1 + w], floats[at + 1:at + 1 + w]))
+                out.append(RowResult(tokens[i], bool(nans[i]), top, floats[at]))
+                at += w + 1
+            else:
+                out.append(RowResult(tokens[i], bool(nans[i]), None, None))
+        return out
+
+
+def sample_batch(logits: torch.Tensor, params: list[SamplingParams],
+                 generators: list[torch.Generator | None]) -> SampledStep:
+    """logits [N, vocab] (any dtype, any device), one params and generator per row."""
+    nan = torch.isnan(logits).any(dim=-1)
+    tokens = torch.argmax(logits, dim=-1)
+    for i, (p, g) in enumerate(zip(params, generators)):
+        if not is_greedy(p) and g is not None:
+            tokens[i] = _draw(logits[i], p, g)
+    widths = [p.logprobs or 0 for p in params]
+    lp_index = lp_value = None
+    if any(widths):
+        idx, val = [], []
+        for i, w in enumerate(widths):
+            if not w:
+                continue
+            lp = torch.log_softmax(logits[i].float(), dim=-1)
+            top = lp.topk(w)
+            # Padded for the index list so a row's ints line up with its floats (see read()).
+            idx += [top.indices[:1], top.indices]
+            val += [lp.gather(0, tokens[i:i + 1]), top.values]     # (lp[tokens[i]] would sync)
+        lp_index = torch.cat(idx)
+        lp_value = torch.cat(val)
+    return SampledStep(tokens, nan, lp_index, lp_value, widths)
+
+
+def _draw(row: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> torch.Tensor:
+    """A 0-d device tensor: the token drawn from temperature + top-k + top-p over `row`."""
+    x = row.double()
     x = (x - x.max()) / params.temperature          # finite: the max is 0, the rest <= 0 or -inf
     if params.top_k and params.top_k < x.numel():
         kth = torch.topk(x, params.top_k).values[-1]
@@ -54,13 +130,22 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     if params.top_p < 1.0:
         sorted_p, idx = torch.sort(probs, descending=True)
         cum = torch.cumsum(sorted_p, dim=-1)
-        # Keep the smallest prefix whose mass reaches top_p. NOTE: the top token is always kept
-        # (its preceding mass is 0 < top_p), however small top_p is.
+        # Keep the smallest prefix whose mass reaches top_p. NOTE: the top token is always kept:
+        # its preceding mass is exactly 0.0 (cum[0] - sorted_p[0]) and top_p > 0, however small
+        # (no `drop[0] = False`: a store of a host scalar is a host -> device copy, a sync).
         drop = cum - sorted_p >= params.top_p
-        drop[0] = False
-        sorted_p[drop] = 0.0
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p)
-    total = float(probs.sum())
-    if not total > 0 or total != total:              # no mass left (or NaN): the top token
-        return int(torch.argmax(x))
-    return int(torch.multinomial(probs, 1, generator=generator))
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    drawn = torch.argmax(probs / noise)
+    total = probs.sum()
+    # No mass left (or NaN): the top token. Chosen on the device, so no host check is needed.
+    return torch.where(total > 0, drawn, torch.argmax(x))
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """One row (tests and tools): the token id; raises SamplingError on NaN."""
+    row = sample_batch(logits.unsqueeze(0), [params], [generator]).read()[0]
+    if row.nan:
+        raise SamplingError("the model produced NaN logits for this request")
+    return row.token

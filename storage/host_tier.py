@@ -1,7 +1,9 @@
 """The host tier: one preallocated slab of block slots in host memory.
 
 Knows: hash -> slot, LRU order of slots, capacity in bytes (whole blocks). The slab is pinned
-when CUDA is available so device <-> host copies can run asynchronously on a copy stream.
+when CUDA is available so device <-> host copies can run asynchronously on a copy stream; it is
+exactly the slots' size (storage/pinned.py: not rounded up to a power of two), and pageable
+with `pinned: false` in stats when the OS refuses to lock it.
 Doesn't know: the device pool or the disk -- a full slab hands its LRU block to `on_evict`
 (the path to disk) before the slot is reused.
 """
@@ -15,6 +17,7 @@ import torch
 
 from storage.layout import BlockLayout
 from storage.hashing import BlockKey
+from storage.pinned import host_buffer
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,8 +37,10 @@ class HostTier:
         self.num_slots = layout.blocks_in(capacity_bytes)
         if pin is None:
             pin = torch.cuda.is_available()
-        self.pinned = bool(pin and self.num_slots > 0)
-        self.slab = torch.empty((self.num_slots, *layout.shape), dtype=layout.dtype, pin_memory=self.pinned)
+        self._buffer = host_buffer(self.num_slots * layout.nbytes, bool(pin and self.num_slots > 0))
+        self.pinned = self._buffer.pinned
+        self.pinned_bytes = self._buffer.pinned_bytes
+        self.slab = self._buffer.tensor.view(layout.dtype).view(self.num_slots, *layout.shape)
         self.on_evict = on_evict
         self._keys: list[BlockKey | None] = [None] * self.num_slots
         self._lru: OrderedDict[bytes, int] = OrderedDict()   # hash -> slot, LRU first
@@ -106,6 +111,12 @@ class HostTier:
         n = len(self._lru)
         return HostStats(capacity_bytes=self.num_slots * self.layout.nbytes, used_bytes=n * self.layout.nbytes,
                          slots=self.num_slots, blocks=n, evictions=self.evictions, pinned=self.pinned)
+
+    def close(self) -> None:
+        """Give the slab back (unpinned). NOTE: the caller has waited for every copy into it."""
+        self.slab = torch.empty((0, *self.layout.shape), dtype=self.layout.dtype)
+        self._buffer.close()
+        self.pinned, self.pinned_bytes = False, 0
 
     def audit(self) -> None:
         assert len(self._lru) + len(self._free) == self.num_slots, "host slots leaked or doubled"

@@ -194,7 +194,9 @@ class Loader:
             return
         with torch.cuda.stream(self._stream):
             dst.copy_(src, non_blocking=True)
-        self._stream.synchronize()
+            done = torch.cuda.Event()
+            done.record(self._stream)
+        done.synchronize()        # this copy only (a stream sync would also wait for later work)
 
     def _finish_fills(self, fills: list[Fill], ok: dict[int, bool]) -> None:
         c = self.cache

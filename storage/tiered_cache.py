@@ -414,7 +414,8 @@ class TieredKVCache:
 
     def close(self) -> None:
         self.loader.close()        # fills and prefetches read the disk: they end first
-        self.transfer.close()
+        self.transfer.close()      # every copy into the host slab is complete...
+        self.host.close()          # ...before it is unpinned
         if self.disk is not None:
             self.disk.close()
 

@@ -1,0 +1,191 @@
+"""Attention backends: how one group of sequences attends to its context in the page pool.
+
+Knows: two ways to compute attention for a group (S sequences, Q queries padded, C keys):
+- `gather_sdpa` (the default everywhere, and the CPU path): gather each sequence's context from
+  its pages into [S, C] contiguous K/V per layer and run SDPA with a causal mask. Simple, exact,
+  but it copies the whole context per layer per step.
+- `flex_paged` (`torch.nn.attention.flex_attention`): reads the pool in place. The pool
+  [page, layer, k/v, slot, head, dim] is viewed as one long sequence of slots; for layer l, K is
+  the view starting at that layer's first K slot and V the one a block further, so the rows of
+  page p are p * 2L * B .. + B in both. A block mask lists each sequence's pages (one mask block
+  per page) and a mask_mod maps a physical row back to its logical position for causality. No
+  gather, no padding of the context. Compiled once (dynamic shapes); on CPU it runs too (slower
+  than gather_sdpa there, so it is never the CPU default).
+Each backend's `prepare` runs once per forward pass (device ops only, no host sync) and its
+`attend` once per layer per group. Doesn't know: scheduling, tiers, or how groups are formed
+(engine/paged_attention.py).
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from engine.paged_attention import Group, PagedBatch
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("gather_sdpa", "flex_paged")
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def prepare(self, batch: "PagedBatch", g: "Group") -> Any: ...
+
+    def attend(self, q_all: torch.Tensor, kv: torch.Tensor, layer: int, g: "Group", prepared: Any,
+               scaling: float | None) -> torch.Tensor:
+        """q_all [T, heads, D] -> the group's output [S * Q, heads, D] (padded rows included)."""
+        ...
+
+
+@dataclass(frozen=True)
+class _Gather:
+    kv_pages: torch.Tensor     # [S, C] page of each context position (padded with 0)
+    kv_slots: torch.Tensor     # [S, C] slot of each context position
+    mask: torch.Tensor         # [S, 1, Q, C] True = attend
+
+
+def _query_rows(g: "Group") -> tuple[torch.Tensor, torch.Tensor]:
+    """[S, Q] absolute position of each query, and whether it is a real (unpadded) query."""
+    j = torch.arange(g.max_q, device=g.q_len.device)
+    return g.q_first[:, None] + j[None, :], j[None, :] < g.q_len[:, None]
+
+
+class GatherSDPA:
+    name = "gather_sdpa"
+
+    def prepare(self, batch: "PagedBatch", g: "Group") -> _Gather:
+        S, C, B = g.size, g.max_context, batch.block_size
+        pos = torch.arange(C, device=g.block_table.device)
+        kv_pages = g.block_table.gather(1, (pos // B).unsqueeze(0).expand(S, C))
+        kv_slots = (pos % B).unsqueeze(0).expand(S, C)
+        q_pos, q_real = _query_rows(g)
+        # Query j sits at absolute position q_first + j and sees keys 0..q_first + j (causal).
+        mask = (pos[None, None, :] <= q_pos[:, :, None]) & (pos[None, None, :] < g.context_len[:, None, None])
+        mask &= q_real[:, :, None]
+        mask |= (~q_real)[:, :, None] & (pos == 0)[None, None, :]   # padded rows attend to one key: no NaN
+        return _Gather(kv_pages, kv_slots, mask.unsqueeze(1))
+
+    def attend(self, q_all, kv, layer, g, prepared: _Gather, scaling):
+        k = kv[prepared.kv_pages, layer, 0, prepared.kv_slots]      # [S, C, kv_heads, D]
+        v = kv[prepared.kv_pages, layer, 1, prepared.kv_slots]
+        q = q_all[g.q_index]                                       # [S, Q, heads, D]
+        o = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
+            attn_mask=prepared.mask, scale=scaling, enable_gqa=True)   # [S, heads, Q, D]
+        S, H, Q, D = o.shape
+        return o.transpose(1, 2).reshape(S * Q, H, D)
+
+
+@dataclass(frozen=True)
+class _Flex:
+    block_mask: Any
+
+
+class FlexPaged:
+    """flex_attention over the pool in place (see the module docstring for the row mapping)."""
+    name = "flex_paged"
+
+    def __init__(self, device: torch.device) -> None:
+        from torch.nn.attention.flex_attention import flex_attention
+        # On CUDA one compiled (Triton) kernel for every shape: dynamic, so new batch sizes and
+        # context lengths do not recompile; the first call compiles. On CPU flex runs eagerly
+        # (its reference path: dense scores over the whole view, fine for the tiny test models
+        # it is there for); inductor's CPU template fails to build with dynamic shapes in
+        # torch 2.13, and a static compile per shape costs ~20 s each.
+        self._flex = torch.compile(flex_attention, dynamic=True) if device.type == "cuda" else flex_attention
+
+    @staticmethod
+    def _rows(kv: torch.Tensor) -> tuple[int, int, int]:
+        P, L, _, B = kv.shape[:4]
+        stride = 2 * L * B                      # rows from one page's slots to the next page's
+        return P, stride, (P - 1) * stride + B  # ... and the length every layer's view has
+
+    def prepare(self, batch: "PagedBatch", g: "Group") -> _Flex:
+        from torch.nn.attention.flex_attention import BlockMask
+        kv, B = batch.kv, batch.block_size
+        P, stride, M = self._rows(kv)
+        S, nb = g.block_table.shape
+        dev = kv.device
+        blocks = torch.arange(nb, device=dev)
+        used = blocks[None, :] < (g.context_len[:, None] + B - 1) // B          # [S, nb]
+        # physical page -> logical block of each sequence (-1: not its page); column P takes
+        # the padding entries of the table.
+        p2l = torch.full((S, P + 1), -1, dtype=torch.long, device=dev)
+        p2l.scatter_(1, torch.where(used, g.block_table, P), torch.where(used, blocks[None, :], -1))
+        p2l = p2l[:, :P]
+        # One mask block per page: the block index of page p's rows is p * 2L (rows / B). The
+        # index has a column per block of the whole view (flex checks the mask covers it);
+        # only the first kv_num of each row are read.
+        n_q_blocks = -(-g.max_q // self._q_block(g.max_q))
+        kv_indices = torch.zeros((S, 1, n_q_blocks, M // B + 1), dtype=torch.int32, device=dev)
+        kv_indices[:, :, :, :nb] = (g.block_table * (stride // B)).to(torch.int32)[:, None, None, :]
+        kv_num = ((g.context_len + B - 1) // B).to(torch.int32).view(S, 1, 1).expand(S, 1, n_q_blocks).contiguous()
+        q_first, ctx, q_len = g.q_first, g.context_len, g.q_len
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            page, row = kv_idx // stride, kv_idx % stride
+            logical = p2l[b, page]
+            k_pos = logical * B + row
+            # row < B: this layer's K (V) slots of the page, not another layer's (the block mask
+            # already says so; the mask says it again for partial and unfused evaluation).
+            return (row < B) & (logical >= 0) & (k_pos <= q_first[b] + q_idx) & (k_pos < ctx[b]) & (q_idx < q_len[b])
+
+        block_mask = BlockMask.from_kv_blocks(
+            kv_num, kv_indices, BLOCK_SIZE=(self._q_block(g.max_q), B), mask_mod=mask_mod, seq_lengths=(g.max_q, M),
+            compute_q_blocks=False)     # forward only: no transposed (backward) index
+        return _Flex(block_mask)
+
+    @staticmethod
+    def _q_block(max_q: int) -> int:
+        return 128 if max_q > 128 else max(16, 1 << (max_q - 1).bit_length())
+
+    def attend(self, q_all, kv, layer, g, prepared: _Flex, scaling):
+        P, stride, M = self._rows(kv)
+        _, L, _, B, H_kv, D = kv.shape
+        flat = kv.view(-1, H_kv, D)
+        k = flat[layer * 2 * B: layer * 2 * B + M]              # [M, kv_heads, D], a view
+        v = flat[layer * 2 * B + B: layer * 2 * B + B + M]
+        S = g.size
+        q = q_all[g.q_index].transpose(1, 2)                    # [S, heads, Q, D]
+        k = k.permute(1, 0, 2).unsqueeze(0).expand(S, H_kv, M, D)
+        v = v.permute(1, 0, 2).unsqueeze(0).expand(S, H_kv, M, D)
+        # One mask block per page: the kernel's key tile is the page (Triton needs >= 16, a
+        # power of two; make_backend checks), its query tile at most the group's padded Q.
+        q_block = self._q_block(g.max_q)
+        o = self._flex(q, k.to(q.dtype), v.to(q.dtype), block_mask=prepared.block_mask, scale=scaling,
+                       enable_gqa=True, kernel_options={"BLOCK_M": min(q_block, 64), "BLOCK_N": B})   # [S, heads, Q, D]
+        S, H, Q, D = o.shape
+        return o.transpose(1, 2).reshape(S * Q, H, D)
+
+
+GATHER_SDPA = _GATHER = GatherSDPA()
+_FLEX: dict[str, FlexPaged] = {}
+
+
+def make_backend(name: str | None, device: torch.device, block_size: int = 16) -> AttentionBackend:
+    """'gather_sdpa', 'flex_paged', or None/'auto' (TIEREDKV_ATTENTION overrides 'auto'): on CUDA,
+    flex_paged when the block size suits its kernel (a power of two >= 16); gather_sdpa otherwise,
+    and always on CPU (flex's unfused CPU path is for tests only)."""
+    auto = name in (None, "auto")
+    if auto:
+        name = os.environ.get("TIEREDKV_ATTENTION") or ("flex_paged" if device.type == "cuda" else "gather_sdpa")
+    if name not in BACKENDS:
+        raise ValueError(f"attention: expected one of {BACKENDS} or 'auto', got {name!r}")
+    if name == "gather_sdpa":
+        return _GATHER
+    if device.type == "cuda" and (block_size < 16 or block_size & (block_size - 1)):
+        if not auto:
+            raise ValueError(f"attention: flex_paged on CUDA needs a block size that is a power of two >= 16, "
+                             f"got {block_size}")
+        log.warning("attention: block size %d does not suit flex_paged; using gather_sdpa", block_size)
+        return _GATHER
+    if device.type not in _FLEX:
+        _FLEX[device.type] = FlexPaged(device)
+    return _FLEX[device.type]
