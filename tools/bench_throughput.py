@@ -160,9 +160,9 @@ class Runner:
         self.args = args
         self.tmp = tempfile.mkdtemp(prefix="tieredkv-tput-")
         self.cached = Engine.from_pretrained(args.model, cache=CacheConfig(
-            device_memory="1GiB", host_memory="1GiB", disk_dir=os.path.join(self.tmp, "kv")))
+            device_memory=args.device_memory, host_memory="1GiB", disk_dir=os.path.join(self.tmp, "kv")))
         self.nocache = Engine.from_loaded(self.cached.loaded, cache=CacheConfig(
-            device_memory="1GiB", host_memory=0, disk_dir=None))
+            device_memory=args.device_memory, host_memory=0, disk_dir=None))
         self.tok = self.cached.tokenizer
         self.block = self.cached.block_size
         self.params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
@@ -285,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat-zero", type=int, default=2,
                     help="runs per system at 0%% hits, where the targets compare systems (median)")
     ap.add_argument("--model", default=None, help="model (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--device-memory", default="1GiB",
+                    help="each engine's device pool (a GPU run of 32 x 4096 tokens needs ~3.5 GiB in bf16 to hold them all)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = ap.parse_args(argv)
     rates = [float(r) for r in args.rates.split(",") if r.strip()]

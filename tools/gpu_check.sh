@@ -48,7 +48,8 @@ for step in $STEPS; do
                   TIEREDKV_ATTENTION=$a run ttft_$a $PY tools/bench_ttft.py $MARGS --prefix-lengths 2048,8192 --json; done ;;
         throughput) for a in gather_sdpa flex_paged; do
                   TIEREDKV_ATTENTION=$a run throughput_$a $PY tools/bench_throughput.py $MARGS --n 32 --length 4096 \
-                      --max-tokens 64 --rates 0,1 --peer-rates 0 --systems tieredkv,transformers_batch --repeat-zero 1 --json; done ;;
+                      --max-tokens 128 --rates 0,1 --peer-rates 0 --systems tieredkv,transformers_batch --repeat-zero 1 \
+                      --device-memory 8GiB --json; done ;;
         *) echo "gpu_check: unknown step $step" >&2; status=1 ;;
     esac
 done
