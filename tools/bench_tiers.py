@@ -110,11 +110,14 @@ no longer travel, written in a short list at the back with the dates of their fi
 # ---- real KV blocks ------------------------------------------------------------------------
 
 @torch.inference_mode()
-def real_kv_blocks(n_blocks: int, block_size: int = 16) -> tuple[BlockLayout, torch.Tensor, list[int]]:
-    """(fp32 layout, [n_blocks, *layout.shape] fp32 KV, the token ids it covers)."""
+def real_kv_blocks(n_blocks: int, block_size: int = 16,
+                   model: str | None = None) -> tuple[BlockLayout, torch.Tensor, list[int]]:
+    """(fp32 layout, [n_blocks, *layout.shape] fp32 KV, the token ids it covers), computed on
+    the CPU by `model` (None: the default model; a random-weight copy of its shape times the
+    same, but its KV compresses like noise, so ratios from it do not hold)."""
     from engine.model import kv_layout, load_model
 
-    loaded = load_model(device="cpu", dtype="float32")
+    loaded = load_model(model, device="cpu", dtype="float32")
     layout = kv_layout(loaded, block_size)
     base = loaded.tokenizer(PROSE)["input_ids"]
     need = n_blocks * block_size
@@ -456,6 +459,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shuffle", action="store_true", help="edges with the byte-shuffle filter (off by default, as in CacheConfig)")
     ap.add_argument("--torch-threads", type=int, default=None,
                     help="torch intra-op threads for the copies (default: torch's own choice)")
+    ap.add_argument("--model", default=None, help="model whose KV is moved (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = ap.parse_args(argv)
     if args.blocks < 1 or args.repeat < 1:
@@ -467,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
     Codec(level=args.level)   # validates the level
     logging.basicConfig(level=logging.WARNING)
 
-    layout32, blocks32, stream = real_kv_blocks(args.blocks)
+    layout32, blocks32, stream = real_kv_blocks(args.blocks, model=args.model)
     dtype = dtype_from_name(args.dtype)
     layout = BlockLayout(layout32.num_layers, layout32.block_size, layout32.num_kv_heads, layout32.head_dim, dtype)
     blocks = blocks32.to(dtype)

@@ -413,7 +413,11 @@ def main(argv: list[str] | None = None) -> int:
     bench = None
     try:
         engine = Engine.from_pretrained(args.model, cache=cfg)
-        blocks = -(-(max(lengths) + SUFFIX_TOKENS) // engine.block_size)
+        longest = max(lengths) + SUFFIX_TOKENS
+        if longest >= engine.loaded.max_context:
+            raise SystemExit(f"--prefix-lengths: {max(lengths)} + a {SUFFIX_TOKENS}-token suffix does not fit "
+                             f"the model's {engine.loaded.max_context}-token context")
+        blocks = -(-longest // engine.block_size)
         if engine.cache.pool.num_pages < 3 * blocks or engine.cache.host.num_slots < 2 * blocks:
             raise SystemExit(f"--prefix-lengths: {max(lengths)} tokens do not fit three times in the 1 GiB device "
                              f"pool and twice in the host tier for this model")
