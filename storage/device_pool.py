@@ -2,7 +2,8 @@
 
 Knows: which pages are free, which hold a cached block (hash -> page), how many sequences use
 each page (refcounts), and the LRU order of cached pages nobody uses. Doesn't know: the host or
-disk tiers -- eviction hands the block to `on_evict` (the demotion path) before the page is reused.
+disk tiers -- eviction hands the evicted blocks to `on_evict` (the demotion path), all of one
+allocation in one call (so their copies out go as one batch), before any of their pages is reused.
 
 Page states:
   free       refcount 0, no block            -> in `_free` (FIFO, so page ids are predictable)
@@ -34,7 +35,7 @@ class PoolStats:
 
 class DevicePool:
     def __init__(self, layout: BlockLayout, num_pages: int, device: str | torch.device = "cpu",
-                 on_evict: Callable[[BlockKey, int], None] | None = None) -> None:
+                 on_evict: Callable[[list[tuple[BlockKey, int]]], None] | None = None) -> None:
         if num_pages < 1:
             raise ValueError(f"num_pages: need at least 1 page, got {num_pages}")
         self.layout = layout
@@ -84,28 +85,36 @@ class DevicePool:
         """n pages with refcount 1, holding no block. Takes free pages first, then evicts LRU."""
         if not self.can_allocate(n):
             raise RuntimeError(f"device pool: cannot allocate {n} pages ({self.num_free} available)")
-        pages = []
+        pages, victims = [], []
         for _ in range(n):
             if self._free:
                 page = self._free.popleft()
             else:
                 page, _ = self._evictable.popitem(last=False)
-                self._evict(page)
-            self._ref[page] = 1
+                victims.append(page)
             pages.append(page)
+        self._evict(victims)
+        for page in pages:
+            self._ref[page] = 1
         return pages
 
-    def _evict(self, page: int) -> None:
+    def _evict(self, pages: list[int]) -> None:
         # NOTE invariant: only pages from `_evictable` (refcount 0) reach here, so a page with
-        # refcount > 0 is never evicted. The block is handed to the demotion path before the
-        # page is reused, while its bytes are still intact.
-        key = self._key[page]
-        assert key is not None and self._ref[page] == 0
+        # refcount > 0 is never evicted. The blocks are handed to the demotion path, in eviction
+        # order and in one call, before any of the pages is reused, while their bytes are intact.
+        if not pages:
+            return
+        victims = []
+        for page in pages:
+            key = self._key[page]
+            assert key is not None and self._ref[page] == 0
+            victims.append((key, page))
         if self.on_evict is not None:
-            self.on_evict(key, page)
-        del self._index[key.hash]
-        self._key[page] = None
-        self.evictions += 1
+            self.on_evict(victims)
+        for key, page in victims:
+            del self._index[key.hash]
+            self._key[page] = None
+        self.evictions += len(victims)
 
     def acquire(self, page: int) -> None:
         """One more user of a cached page (a prefix hit); it stops being evictable."""
@@ -141,13 +150,17 @@ class DevicePool:
             else:
                 self._free.append(page)
 
-    def evict(self, page: int) -> None:
-        """Evict one unused cached page now (through `on_evict`, like an allocation would)."""
-        if page not in self._evictable:
-            raise RuntimeError(f"device pool: page {page} is in use or not cached; cannot evict it")
-        del self._evictable[page]
-        self._evict(page)
-        self._free.append(page)
+    def evict(self, pages: list[int]) -> None:
+        """Evict unused cached pages now (through `on_evict`, in one batch, like an allocation)."""
+        for page in pages:
+            if page not in self._evictable:
+                raise RuntimeError(f"device pool: page {page} is in use or not cached; cannot evict it")
+        if len(set(pages)) != len(pages):
+            raise ValueError(f"device pool: pages to evict repeat: {pages}")
+        for page in pages:
+            del self._evictable[page]
+        self._evict(pages)
+        self._free.extend(pages)
 
     def drop(self, page: int) -> None:
         """Forget the cached block of an unused page without demoting it (used by drop_tier)."""

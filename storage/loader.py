@@ -8,10 +8,11 @@ hands it the fills of one request and the scheduler polls `Load.ready()` between
 Threads (NOTE: who owns what):
 - plan/finish (TieredKVCache) run on the engine thread under the cache lock and only allocate,
   acquire, release and register pages: no copy, read or decode.
-- a fill runs on a `tieredkv-load` worker. It takes the cache lock for one host block at a time
-  (look the slot up, copy it into the page: a memcpy, or on CUDA a copy it waits for before
-  letting go, since the slot may be reused once the lock is free) and to finish its fills; disk
-  reads and decodes run with no lock held, straight into the page on CPU.
+- a fill runs on a `tieredkv-load` worker. It takes the cache lock once for all its host blocks
+  (look the slots up, copy them into the pages: memcpys, or on CUDA one batch of copies it
+  waits for before letting go, since a slot may be reused once the lock is free) and to finish
+  its fills; disk reads and decodes run with no lock held, straight into the pages on CPU, into
+  the worker's pinned staging blocks on CUDA (then one batch of copies into the pages).
 - a prefetch runs on a `tieredkv-prefetch` worker, a chunk of blocks at a time: decoded with no
   lock held, then put into the host tier under the lock. A fill waits for a chunk being read
   and claims the blocks of chunks not started; prefetches never wait on fills (separate pools,
@@ -35,6 +36,7 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 
 from storage.hashing import BlockKey
+from storage.pinned import host_buffer
 from storage.priority import background_priority
 
 if TYPE_CHECKING:
@@ -42,6 +44,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tieredkv.loader")
 
+STAGE_BLOCKS = 32       # a load worker's pinned staging blocks for disk fills (a GPU device)
 LOAD_WORKERS = 2        # requests whose blocks are read at once (each read decodes in parallel)
 PREFETCH_WORKERS = 1    # a prefetch is I/O-bound readahead; one at a time keeps the drive streaming
 PREFETCH_CHUNK = 8      # blocks per prefetch task: a fill claims the chunks not started yet
@@ -112,25 +115,31 @@ class Loader:
                                               initializer=background_priority)
         cuda = cache.device.type == "cuda"
         self._stream = torch.cuda.Stream(device=cache.device) if cuda else None
+        # Disk fills decode into staging blocks and copy from there (a device the CPU cannot
+        # write directly); on CPU they decode straight into the pages. Tests set it on CPU to
+        # run the staged path's bookkeeping.
+        self.stage_decodes = cache.device.type != "cpu"
+        self._local = threading.local()         # each load worker's staging blocks
+        self._buffers: list = []                # their HostBuffers, released by close()
         self.prefetched_blocks = 0
         self.failed_fills = 0
 
     # ---- fills ---------------------------------------------------------------------------
-    def start(self, fills: list[Fill]) -> None:
-        """Run these fills (planned under the cache lock, their pages held) on a worker."""
+    def start(self, fills: list[Fill], after: object = None) -> None:
+        """Run these fills (planned under the cache lock, their pages held) on a worker. `after`:
+        a CUDA event the copies into the pages wait for (their old blocks' copies out)."""
         if fills:
-            self._fills.submit(self._run_fills, fills)
+            self._fills.submit(self._run_fills, fills, after)
 
-    def _run_fills(self, fills: list[Fill]) -> None:
+    def _run_fills(self, fills: list[Fill], after: object = None) -> None:
         ok: dict[int, bool] = {}
         try:
+            if after is not None:
+                self._stream.wait_event(after)    # device-side: the CPU does not wait
             self._wait_for_prefetches(fills)
-            disk_fills = []
-            for f in fills:
-                if self._fill_from_host(f):
-                    ok[id(f)] = True
-                else:
-                    disk_fills.append(f)
+            for f in self._fill_from_host(fills):
+                ok[id(f)] = True
+            disk_fills = [f for f in fills if id(f) not in ok]
             if disk_fills:
                 got = self._fill_from_disk(disk_fills)
                 for f, good in zip(disk_fills, got):
@@ -158,45 +167,72 @@ class Loader:
         for chunk in started:
             chunk.done.wait()
 
-    def _fill_from_host(self, f: Fill) -> bool:
+    def _fill_from_host(self, fills: list[Fill]) -> list[Fill]:
+        """The fills whose block is in the host tier, copied into their pages as one batch.
+        NOTE: under the cache lock until the copies are complete: a slot may be reused once
+        the lock is free (one wait per batch, and host -> device from pinned memory is fast)."""
         c = self.cache
         if not c.host.enabled:
-            return False
+            return []
+        done, copies = [], []
         with c._lock:
-            slot = c.host.lookup(f.key)
-            if slot is None:
-                return False
-            c.host.touch(f.key)
-            c.transfer.wait_host(slot)   # the copy into the slot is complete before we read it
-            self._copy(c.pool.kv[f.page], c.host.slab[slot])
-        return True
+            for f in fills:
+                slot = c.host.lookup(f.key)
+                if slot is None:
+                    continue
+                c.host.touch(f.key)
+                c.transfer.wait_host(slot)   # the copy into the slot is complete before we read it
+                copies.append((c.pool.kv[f.page], c.host.slab[slot]))
+                done.append(f)
+            self._copy_many(copies)
+        return done
 
     def _fill_from_disk(self, fills: list[Fill]) -> list[bool]:
         c = self.cache
         if c.disk is None:
             return [False] * len(fills)
-        keys = [f.key for f in fills]
-        if c.device.type == "cpu":
+        if not self.stage_decodes:
             # Decoded straight into the held pages: nothing else reads or writes them (see the
             # module's invariant), so no lock is needed for the bytes.
-            got = c.disk.get_many(keys, [c.pool.kv[f.page] for f in fills])
-        else:
-            got = c.disk.get_many(keys)
-            for f, block in zip(fills, got):
-                if block is not None:
-                    self._copy(c.pool.kv[f.page], block.view(c.layout.shape))
-        return [b is not None for b in got]
+            got = c.disk.get_many([f.key for f in fills], [c.pool.kv[f.page] for f in fills])
+            return [b is not None for b in got]
+        # A device the CPU cannot write: decode into this worker's pinned staging blocks, then
+        # one batch of truly asynchronous copies into the pages (issue 9, item 4: a decode into
+        # fresh pageable memory made each copy a staged, serialised one).
+        stage = self._staging()
+        ok: list[bool] = []
+        for start in range(0, len(fills), STAGE_BLOCKS):
+            part = fills[start:start + STAGE_BLOCKS]
+            got = c.disk.get_many([f.key for f in part], [stage[i] for i in range(len(part))])
+            self._copy_many([(c.pool.kv[f.page], stage[i]) for i, (f, b) in enumerate(zip(part, got)) if b is not None])
+            ok += [b is not None for b in got]
+        return ok
 
-    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """dst <- src, complete when this returns (a fill is done only when its bytes are)."""
+    def _staging(self) -> torch.Tensor:
+        """This worker's staging blocks [STAGE_BLOCKS, *layout.shape] (pinned on CUDA)."""
+        stage = getattr(self._local, "stage", None)
+        if stage is None:
+            layout = self.cache.layout
+            buf = host_buffer(STAGE_BLOCKS * layout.nbytes, pin=self._stream is not None)
+            self._buffers.append(buf)
+            stage = self._local.stage = buf.tensor.view(layout.dtype).view(STAGE_BLOCKS, *layout.shape)
+        return stage
+
+    def _copy_many(self, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """dst <- src for each pair, complete when this returns (a fill is done only when its
+        bytes are, and the sources are reused next)."""
         if self._stream is None:
-            dst.copy_(src)
+            for dst, src in copies:
+                dst.copy_(src)
+            return
+        if not copies:
             return
         with torch.cuda.stream(self._stream):
-            dst.copy_(src, non_blocking=True)
+            for dst, src in copies:
+                dst.copy_(src, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self._stream)
-        done.synchronize()        # this copy only (a stream sync would also wait for later work)
+        done.synchronize()        # these copies only (a stream sync would also wait for later work)
 
     def _finish_fills(self, fills: list[Fill], ok: dict[int, bool]) -> None:
         c = self.cache
@@ -263,3 +299,6 @@ class Loader:
     def close(self) -> None:
         self._prefetches.shutdown(wait=True)
         self._fills.shutdown(wait=True)
+        for buf in self._buffers:      # every copy out of them completed inside _copy_many
+            buf.close()
+        self._buffers.clear()

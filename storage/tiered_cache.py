@@ -19,6 +19,7 @@ engine's next allocate/register never waits for a flush.
 from __future__ import annotations
 
 import threading
+from collections import deque
 import time
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -118,6 +119,9 @@ class TieredKVCache:
                             layout=layout)
         self.disk = disk
         self.write_through = config.write_policy == "write_through"
+        # Write-through blocks copied to host whose disk write waits for that copy (engine thread,
+        # under the lock): queued for disk once their copy is done, never waited for on a step.
+        self._through: deque[tuple[BlockKey, int]] = deque()
         self._stats = {t: TierStats() for t in TIERS}
         self.loader = Loader(self)
 
@@ -188,11 +192,10 @@ class TieredKVCache:
                 pages.append(fill.page)
                 tiers.append(tier)
                 fills.append(fill)
-            if new:
-                # NOTE: pages just allocated may still be copying their evicted blocks out (CUDA):
-                # those copies finish before a loader thread writes the pages.
-                self.transfer.sync_host()
-            self.loader.start(new)
+            # NOTE: pages just allocated may still be copying their evicted blocks out (CUDA):
+            # the loader's stream waits for those copies before it writes the pages (a mark, not
+            # a CPU wait here: the copies wait for the forward in flight).
+            self.loader.start(new, after=self.transfer.issued() if new else None)
             return Load(pages, tiers, fills)
 
     def _source_of(self, key: BlockKey) -> str | None:
@@ -257,15 +260,18 @@ class TieredKVCache:
         with self._lock:
             pages = self.pool.allocate(n)
             self.transfer.fence()  # evicted pages finished copying out before they are rewritten
+            self._drain_through()
             return pages
 
     def register(self, page: int, key: BlockKey) -> bool:
         """A held page now holds a full computed block: make it findable. Under write-through
-        the block is also written to host and disk now. False if another page already has it."""
+        the block is also copied to host now, and queued for disk once that copy is done (at
+        the cache's next allocate/register, or a flush). False if another page already has it."""
         with self._lock:
             ok = self.pool.register(page, key)
             if ok and self.write_through:
-                self._write_down(key, page)
+                self._write_down([(key, page)])
+            self._drain_through()
             return ok
 
     def release(self, pages: Sequence[int]) -> None:
@@ -274,23 +280,47 @@ class TieredKVCache:
                 self.pool.release(page)
 
     # ---- demotion (the eviction cascade) --------------------------------------------------
-    def _write_down(self, key: BlockKey, page: int) -> None:
-        """Copy a device block into host (and, write-through, disk) unless already there."""
-        if self.host.enabled:
-            self._to_host(key, page)
-            if self.write_through:
-                self._host_to_disk(key, self.host.lookup(key))
-        else:
-            self._to_disk(key, self.pool.kv[page])
+    def _write_down(self, blocks: list[tuple[BlockKey, int]]) -> None:
+        """Copy device blocks (key, page) into host (and, write-through, disk) unless already there."""
+        if not self.host.enabled:
+            for key, page in blocks:
+                self._to_disk(key, self.pool.kv[page])
+            return
+        copied = self._to_host(blocks)
+        if self.write_through:
+            # NOTE: not _host_to_disk now: its wait for the copy would wait for the forward that
+            # wrote the page (issue 9, item 6). _drain_through queues it once the copy is done.
+            self._through.extend(copied)
 
-    def _to_host(self, key: BlockKey, page: int) -> bool:
-        """Copy a device page's block into the host slab unless it is there. True if copied."""
-        if self.host.lookup(key) is not None:
-            return False
-        slot = self.host.reserve(key)
-        self.transfer.copy_to_host(self.host.slab, slot, self.pool.kv[page])
-        self._count_write("host")
-        return True
+    def _to_host(self, blocks: list[tuple[BlockKey, int]]) -> list[tuple[BlockKey, int]]:
+        """Copy device blocks (key, page) the host lacks into host slots, a batch of copies at a
+        time. Returns the (key, slot) copied."""
+        copied = []
+        # A batch is at most the slab's size: reserving a slot evicts the LRU block, and within a
+        # batch that must never be a slot the same batch reserved (its copy is not issued yet, so
+        # the eviction's wait would not see it and disk would get the slot's stale bytes).
+        step = max(1, self.host.num_slots)
+        for start in range(0, len(blocks), step):
+            batch = []
+            for key, page in blocks[start:start + step]:
+                if self.host.lookup(key) is not None:
+                    continue
+                slot = self.host.reserve(key)
+                batch.append((slot, self.pool.kv[page]))
+                copied.append((key, slot))
+                self._count_write("host")
+            self.transfer.copy_to_host(self.host.slab, batch)
+        return copied
+
+    def _drain_through(self, wait: bool = False) -> None:
+        """Queue for disk the write-through blocks whose host copy is done (all, if `wait`)."""
+        while self._through:
+            key, slot = self._through[0]
+            if not wait and not self.transfer.ready(slot):
+                return              # copies complete in order: the rest are not done either
+            self._through.popleft()
+            if self.host.lookup(key) == slot:    # else evicted meanwhile, and its eviction queued it
+                self._host_to_disk(key, slot)
 
     def _host_to_disk(self, key: BlockKey, slot: int) -> bool:
         if self.disk is None or self.disk.contains(key.hash):
@@ -342,9 +372,9 @@ class TieredKVCache:
         st.demotions += 1
         st.bytes_written += self.layout.nbytes
 
-    def _demote_from_device(self, key: BlockKey, page: int) -> None:
-        # Called by the pool while the evicted page's bytes are intact.
-        self._write_down(key, page)
+    def _demote_from_device(self, blocks: list[tuple[BlockKey, int]]) -> None:
+        # Called by the pool with one allocation's evicted blocks, while their pages are intact.
+        self._write_down(blocks)
 
     def _demote_from_host(self, key: BlockKey, slot: int) -> None:
         # Called by the host tier before the slot is reused; compression happens off-thread.
@@ -354,13 +384,15 @@ class TieredKVCache:
     def flush(self, timeout: float | None = None) -> FlushResult:
         """Push every cached block down to the lowest tier (disk, else host) and wait for the
         disk writer: after a complete flush a restarted process hits every block."""
+        with self._lock:
+            self._drain_through(wait=True)
         if self.disk is not None:
             written = self._copy_down_to_disk()
             return FlushResult(written, self.disk.flush(timeout))
         if not self.host.enabled:
             return FlushResult(0, True)
         with self._lock:   # no disk tier: device blocks into the host slab (memcpy, no waiting)
-            written = sum(self._to_host(self.pool.key_of(page), page) for page in self.pool.cached_pages())
+            written = len(self._to_host([(self.pool.key_of(page), page) for page in self.pool.cached_pages()]))
             self.transfer.sync_host()
         return FlushResult(written, True)
 
@@ -379,8 +411,7 @@ class TieredKVCache:
             while True:
                 with self._lock:
                     pages = self.pool.evictable_pages()[:_FLUSH_BATCH]
-                    for page in pages:
-                        self.pool.evict(page)
+                    self.pool.evict(pages)
                 evicted += len(pages)
                 if len(pages) < _FLUSH_BATCH:
                     return evicted
@@ -413,6 +444,8 @@ class TieredKVCache:
         return self.disk.clear()
 
     def close(self) -> None:
+        with self._lock:
+            self._drain_through(wait=True)   # write-through blocks reach the disk writer's queue
         self.loader.close()        # fills and prefetches read the disk: they end first
         self.transfer.close()      # every copy into the host slab is complete...
         self.host.close()          # ...before it is unpinned

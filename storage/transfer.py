@@ -35,22 +35,36 @@ class Transfer:
         self._host_pending: dict[int, object] = {}           # slot -> completion of its last copy (Event / Future)
         self._late = ThreadPoolExecutor(1, thread_name_prefix="tieredkv-late-copy") if deferred and not self.cuda else None
 
-    def copy_to_host(self, slab: torch.Tensor, slot: int, src: torch.Tensor) -> None:
-        """slab[slot] <- src (a device page). On CUDA: asynchronous on the copy stream, ordered
-        after the compute stream's work so far (the page may have just been written)."""
-        dst = slab[slot]
+    def copy_to_host(self, slab: torch.Tensor, copies: list[tuple[int, torch.Tensor]]) -> None:
+        """slab[slot] <- src for each (slot, src: a device page), as one batch. On CUDA:
+        asynchronous on the copy stream, ordered after the compute stream's work so far (a page
+        may have just been written), with one stream wait and one event for the whole batch
+        (issue 9: per block, those made ~4 CUDA calls per evicted block)."""
+        if not copies:
+            return
         if self.cuda:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.stream):
-                dst.copy_(src, non_blocking=True)
+                for slot, src in copies:
+                    slab[slot].copy_(src, non_blocking=True)
                 done = torch.cuda.Event()
                 done.record(self.stream)
-            self._host_pending[slot] = done
             self._device_pending = True
         elif self._late is not None:
-            self._host_pending[slot] = self._late.submit(_late_copy, dst, src.clone())
+            done = self._late.submit(_late_copy, [(slab[slot], src.clone()) for slot, src in copies])
         else:
-            dst.copy_(src)
+            for slot, src in copies:
+                slab[slot].copy_(src)
+            return
+        for slot, _ in copies:
+            self._host_pending[slot] = done     # one completion shared by the batch's slots
+
+    def ready(self, slot: int) -> bool:
+        """Whether a CPU read of `slot` would not wait now (never blocks, never syncs)."""
+        done = self._host_pending.get(slot)
+        if done is None:
+            return True
+        return done.done() if isinstance(done, Future) else done.query()
 
     def wait_host(self, slot: int) -> None:
         """The CPU may read or rewrite host slot `slot`: every copy into it is complete.
@@ -68,6 +82,16 @@ class Transfer:
         for slot in list(self._host_pending):
             self.wait_host(slot)
 
+    def issued(self) -> "torch.cuda.Event | None":
+        """A mark after every copy issued so far, for another stream to wait on (CUDA; None
+        elsewhere, where a copy's source is read before this returns or is a snapshot). The
+        loader's stream waits on it before it writes pages whose blocks were just copied out."""
+        if not self.cuda:
+            return None
+        mark = torch.cuda.Event()
+        mark.record(self.stream)
+        return mark
+
     def fence(self) -> None:
         """Compute-stream work issued after this sees every copy issued before it; the CPU does
         not wait, and host slots are not known complete after it (use wait_host for that).
@@ -82,6 +106,7 @@ class Transfer:
             self._late.shutdown(wait=True)
 
 
-def _late_copy(dst: torch.Tensor, snapshot: torch.Tensor) -> None:
+def _late_copy(copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     time.sleep(random.uniform(0.0005, 0.003))     # long enough for a missing wait to read early
-    dst.copy_(snapshot)
+    for dst, snapshot in copies:
+        dst.copy_(snapshot)

@@ -7,7 +7,7 @@ from tests.storage.conftest import TINY, keys
 
 def test_allocates_free_pages_in_order_then_evicts_lru():
     evicted = []
-    pool = DevicePool(TINY, 4, on_evict=lambda k, p: evicted.append((k, p)))
+    pool = DevicePool(TINY, 4, on_evict=lambda victims: evicted.append(victims))
     a, b, c, d = keys(4)
     assert pool.allocate(3) == [0, 1, 2]
     for page, k in zip([0, 1, 2], [a, b, c]):
@@ -19,7 +19,8 @@ def test_allocates_free_pages_in_order_then_evicts_lru():
     assert pool.allocate(1) == [3]            # a free page before any eviction
     assert evicted == []
     assert pool.allocate(2) == [1, 0]         # then LRU cached pages, in LRU order
-    assert [(k.hash, p) for k, p in evicted] == [(b.hash, 1), (a.hash, 0)]
+    # One call for the allocation's victims (their copies out go as one batch), in LRU order.
+    assert [[(k.hash, p) for k, p in batch] for batch in evicted] == [[(b.hash, 1), (a.hash, 0)]]
     assert pool.lookup(a) is None and pool.lookup(b) is None and pool.lookup(c) == 2
     pool.audit()
 
@@ -114,7 +115,7 @@ def test_stats_count_pages_in_use_without_walking_them() -> None:
         pool.register(p, k)
     for op in (lambda: pool.release(a[0]), lambda: pool.acquire(a[0]), lambda: pool.acquire(a[1]),
                lambda: pool.release(a[2]), lambda: pool.allocate(2), lambda: pool.release(a[1]),
-               lambda: pool.release(a[1]), lambda: pool.evict(a[1]), lambda: pool.release(a[0])):
+               lambda: pool.release(a[1]), lambda: pool.evict([a[1]]), lambda: pool.release(a[0])):
         op()
         assert pool.stats().in_use_pages == in_use()
         seen.append(in_use())

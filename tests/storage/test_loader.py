@@ -157,3 +157,30 @@ def test_a_fill_waits_for_a_started_prefetch_chunk_and_claims_the_rest(tmp_path,
     finally:
         held_reads.set()
         cache.close()
+
+
+def test_staged_disk_fills_put_each_block_in_its_own_page(tmp_path, held_reads, monkeypatch) -> None:
+    """The GPU path's bookkeeping, run on the CPU: disk fills decode into 3 staging blocks at a
+    time and are copied from there into their pages; a block missing mid-chunk leaves its page
+    unfilled and every other block lands in its own page, exact."""
+    monkeypatch.setattr("storage.loader.STAGE_BLOCKS", 3)
+    cache, ks = disk_only(tmp_path, 8, pages=10)
+    try:
+        cache.loader.stage_decodes = True
+        load = cache.plan(cache.match(ks))
+        assert cache.disk.delete(ks[4].hash)          # the second chunk's middle block
+        held_reads.set()
+        assert load.wait(10)
+        got = cache.finish_load(load)
+        assert got.tiers == ("disk",) * 4
+        for page, k in zip(got.pages, ks):
+            assert same_bits(cache.pool.kv[page], block_data(k))
+        for k in ks[5:]:                              # filled, then cached past the cut
+            page = cache.pool.lookup(k)
+            assert page is not None and same_bits(cache.pool.kv[page], block_data(k))
+        assert cache.pool.lookup(ks[4]) is None
+        cache.release(got.pages)
+        cache.audit()
+    finally:
+        held_reads.set()
+        cache.close()

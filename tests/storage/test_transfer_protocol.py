@@ -125,3 +125,58 @@ def test_a_fence_does_not_count_as_the_hosts_wait(tmp_path) -> None:
             assert got is not None and same_bits(got.view(TINY.shape), block_data(k))
     finally:
         cache.close()
+
+
+def compute_batched(cache: TieredKVCache, ks, n: int) -> None:
+    """The engine's prefill path: `n` pages at a time, so one allocation evicts a batch."""
+    for start in range(0, len(ks), n):
+        batch = ks[start:start + n]
+        pages = cache.allocate(len(batch))
+        for page, k in zip(pages, batch):
+            cache.pool.kv[page].copy_(block_data(k, cache.layout))
+            cache.register(page, k)
+        cache.release(pages)
+
+
+@pytest.mark.parametrize("write_policy", ["write_back", "write_through"])
+def test_batched_evictions_larger_than_the_host_tier_store_exact_bytes(tmp_path, write_policy) -> None:
+    """An allocation of 8 pages evicts 8 blocks in one batch of copies into a 3-slot host tier:
+    the batch is split so a slot reserved by the batch is never evicted to disk before its copy
+    is even issued (the disk would store the slot's previous bytes)."""
+    ks = keys(64)
+    cache = deferred_cache(tmp_path / "disk", pages=8, host_slots=3, write_policy=write_policy)
+    try:
+        compute_batched(cache, ks, 8)
+        # Every eviction is copied into host (the host tier holds 3, so none is there already);
+        # write-through also copies each block once when it is registered.
+        assert cache.pool.evictions == 56
+        assert cache.stats()["host"].demotions == 56 + (64 if write_policy == "write_through" else 0)
+        assert_every_tier_exact(cache, ks)
+        assert cache.flush().complete
+        for k in ks:
+            got = cache.disk.get(k)
+            assert got is not None and same_bits(got.view(TINY.shape), block_data(k)), k
+    finally:
+        cache.close()
+
+
+def test_write_through_never_waits_for_the_copy_it_just_issued(tmp_path) -> None:
+    """register() under write-through copies the block to host and returns without waiting for
+    that copy (on CUDA it would wait for the forward that wrote the page); the disk gets the
+    block once the copy is done, exact."""
+    ks = keys(6)
+    cache = deferred_cache(tmp_path / "disk", pages=8, host_slots=8, write_policy="write_through")
+    try:
+        page = cache.allocate(1)[0]
+        cache.pool.kv[page].copy_(block_data(ks[0]))
+        cache.register(page, ks[0])
+        assert len(cache._through) == 1          # its copy is (almost surely) still in flight
+        cache.release([page])
+        compute(cache, ks[1:])
+        assert cache.flush().complete and not cache._through
+        for k in ks:
+            got = cache.disk.get(k)
+            assert got is not None and same_bits(got.view(TINY.shape), block_data(k)), k
+        cache.audit()
+    finally:
+        cache.close()
