@@ -144,6 +144,11 @@ def test_a_fill_waits_for_a_started_prefetch_chunk_and_claims_the_rest(tmp_path,
         while not pre.chunks[0].started:
             time.sleep(0.001)
         load = cache.plan(cache.match(ks), pre)
+        # The fill claims k1 and k2 before k0's read is let go: else the prefetch worker may
+        # start k1's chunk first (a loaded machine schedules the fill's thread late).
+        deadline = time.monotonic() + 10
+        while any(k.hash in cache.loader.prefetching for k in ks[1:]) and time.monotonic() < deadline:
+            time.sleep(0.001)
         held_reads.set()
         assert load.wait(10) and pre.wait(10)
         got = cache.finish_load(load)
