@@ -4,11 +4,13 @@ from __future__ import annotations
 import struct
 import threading
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
 
 from storage.codec import MAGIC, Codec, CodecError
+from storage.layout import dtype_from_name
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 _INT = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
@@ -219,3 +221,23 @@ def test_trailing_bytes_after_the_frame_are_refused(payload: bytes) -> None:
 def test_binding_longer_than_the_header_holds_is_a_value_error() -> None:
     with pytest.raises(ValueError, match="binding"):
         Codec().encode(kv_like((4, 8), torch.float16), b"x" * 256)
+
+
+# ---- payloads already on disk stay readable ---------------------------------------------------
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+
+
+@pytest.mark.parametrize("stem", ["codec_v3_bfloat16_shuffled", "codec_v3_float16", "codec_v3_float32_shuffled"])
+def test_golden_v3_payloads_decode_to_their_exact_bytes(stem: str) -> None:
+    # Written by the format-3 codec (tests/fixtures/README.md): a later build must serve what an
+    # earlier one stored, bit for bit.
+    payload = (FIXTURES / f"{stem}.tkvb").read_bytes()
+    expected = (FIXTURES / f"{stem}.raw").read_bytes()
+    header = Codec().check_header(payload)
+    assert header.version == 3 and header.shape == (2, 2, 4, 2, 8)
+    got = Codec().decode(payload, B)
+    assert got.shape == (2, 2, 4, 2, 8) and got.dtype == dtype_from_name(header.dtype)
+    assert got.reshape(-1).view(torch.uint8).numpy().tobytes() == expected
+    with pytest.raises(CodecError, match="bound to another block"):
+        Codec().decode(payload, bytes(64))
