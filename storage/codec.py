@@ -34,9 +34,9 @@ than the literals they replace (docs/BENCHMARKS.md, "Codec v4"), so what compres
 Huffman coding of the literals. The other planes are mantissa bits, as good as random: they are
 "stored", framed by zstd at a fast negative level, which emits raw blocks (a copy and zstd's
 xxh64 both ways) yet still collapses runs such as an all-zero plane. Plane-by-plane, measured
-on SmolLM2 KV: the top plane codes to ~38% (bf16, fp32) or ~74% (fp16) of its size; every
-lower plane, fp32's second byte included, to 99.9-100%, not worth its decode time.
-With 3 or more dims the planes list elements in dim-1-major order (a KV block's K of every
+on SmolLM2 KV: the top plane codes to ~36% (bf16, fp32) or ~72% (fp16) of its size; no lower
+plane, fp32's second byte included, shrinks at all (their entropy is 0.989-1.000 of 8 bits).
+With 3 or more dims (the first two longer than 1) the planes list elements in dim-1-major order (a KV block's K of every
 layer, then V) and the coded plane gets a zstd block per half of each dim-1 slice: K and V
 exponents are distributed differently, and each block carries its own Huffman table (+0.4-1.1%
 ratio, the decoder sees ordinary frames).
@@ -49,8 +49,8 @@ not served; each frame's content checksum (xxh64) vouches for its plane's bytes 
 planes' too, since they are zstd frames -- so damage in a frame fails decompression or that
 checksum; and the coded crc32 covers the compressed bytes of the coded frames, where some bits
 are don't-cares to zstd (a Huffman table description's padding, say): a flip there decodes to
-the right bytes, and without this crc would go unnoticed. It costs a crc over ~18-36% of the
-payload, not all of it. A frame without a content checksum, of the wrong content size, with its
+the right bytes, and without this crc would go unnoticed. It costs a crc over 11-42% of the
+payload (fp32-fp16), not all of it. A frame without a content checksum, of the wrong content size, with its
 header's unused bit set (zstd ignores that bit), or with bytes after it, is refused: zstd would
 decode each without complaint. So any damage raises, and no damage decodes to other bytes.
 
