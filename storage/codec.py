@@ -111,7 +111,7 @@ class CodecError(Exception):
 @dataclass(frozen=True, slots=True)
 class PlaneFrame:
     """One plane's entry in a v4 plane table."""
-    coded: bool        # compressed at the codec's level (True) or stored (False); informational
+    coded: bool        # compressed at the codec's level (True; the coded crc32 covers it) or stored
     length: int        # bytes of its zstd frame
 
 
