@@ -67,13 +67,11 @@ class CacheConfig:
     host_memory: int | str = "4GiB"
     disk_dir: str | None = "~/.cache/tieredkv/kv"
     disk_capacity: int | str = "50GiB"
+    # zstd level of each block's coded byte plane (sign + exponent, storage/codec.py); on real
+    # KV levels 1-4 code alike, higher ones are slower for ~0.5%, negative ones store it as is.
     zstd_level: int = 3
     write_policy: str = "write_back"
     isolate_tenants: bool = True
-    # Byte-shuffle filter before zstd. Off by default: on real SmolLM2 KV it saves ~7% of disk
-    # bytes but makes compression 1.4x (fp32) to 2.5x (bf16) slower and restores slower
-    # (docs/BENCHMARKS.md, "Tier edges"); restore speed is what TTFT pays for.
-    shuffle: bool = False
     # Parsed sizes in bytes; filled in by __post_init__.
     device_bytes: int = field(init=False, repr=False, compare=False)
     host_bytes: int = field(init=False, repr=False, compare=False)
@@ -97,8 +95,6 @@ class CacheConfig:
             raise ValueError(f"write_policy: expected one of {WRITE_POLICIES}, got {self.write_policy!r}")
         if not isinstance(self.isolate_tenants, bool):
             raise ValueError(f"isolate_tenants: expected True or False, got {self.isolate_tenants!r}")
-        if not isinstance(self.shuffle, bool):
-            raise ValueError(f"shuffle: expected True or False, got {self.shuffle!r}")
 
     @property
     def disk_path(self) -> str | None:

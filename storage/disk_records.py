@@ -25,7 +25,9 @@ import lmdb
 
 from storage.disk_preflight import DamagedEnvironment
 
-# 2: payloads are codec v3, bound to block hash || namespace (version 1's cannot be served).
+# 2: payloads are codec v3 or v4, bound to block hash || namespace (version 1's cannot be served).
+# Codec v4 did not change it: this build reads the v3 payloads a format-2 store already holds. An
+# older build sharing the directory refuses v4 payloads as damaged (a miss, deleted; never KV).
 DISK_FORMAT_VERSION = 2
 SEQ = struct.Struct(">Q")        # big-endian so LMDB's byte order is numeric order
 _U64 = struct.Struct("<Q")

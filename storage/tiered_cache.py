@@ -115,7 +115,7 @@ class TieredKVCache:
         self.host = HostTier(layout, config.host_bytes, pin=self.device.type == "cuda",
                              on_evict=self._demote_from_host)
         if disk is None and config.disk_path is not None:
-            disk = DiskTier(config.disk_path, config.disk_bytes, Codec(config.zstd_level, config.shuffle),
+            disk = DiskTier(config.disk_path, config.disk_bytes, Codec(config.zstd_level),
                             layout=layout)
         self.disk = disk
         self.write_through = config.write_policy == "write_through"

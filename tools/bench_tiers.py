@@ -9,16 +9,17 @@ real code path and through the bare operation that bounds it:
     device_to_host  TieredKVCache.demote("device"): every       torch copy_ page -> host slab slot,
                     page evicted into the host slab             one block at a time
     host_to_disk    TieredKVCache.demote("host") + disk.flush(): the format's own work in one thread
-                    DiskTier.put copies, the writer thread      like the writer: byte shuffle (when
-                    encodes and commits 32-block transactions   on) + zstd at the same level, then
-                                                                LMDB puts of the frames, 32 blocks
-                                                                per write transaction
-    disk_to_host    DiskTier.get_many(keys, outs): one read     LMDB get of the frames in one read
+                    DiskTier.put copies, the writer thread      like the writer: Codec.encode of each
+                    encodes and commits 32-block transactions   block (byte planes, zstd per plane,
+                                                                crcs), then LMDB puts of the
+                                                                payloads, 32 per write transaction
+    disk_to_host    DiskTier.get_many(keys, outs): one read     LMDB get of the payloads in one read
                     txn (payloads read in place), verify (meta, txn + zstd decompression of each
-                    header crc32) and decode (zstd [+ unshuffle]) frame straight into a warm buffer on
-                    on decode_threads threads                   as many threads: no crc, no meta,
-                                                                no unshuffle (also shown: the same
-                                                                plus the format's unshuffle)
+                    header and coded crc32s) and decode (zstd   payload's frames (one per byte plane)
+                    of each plane + join) on decode_threads     straight into a warm buffer on as
+                    threads                                     many threads: no crc, no meta, no
+                                                                join (also shown: the same plus the
+                                                                format's join of the planes)
     host_to_device  TieredKVCache.acquire(match) of blocks      torch copy_ host slot -> page, one
                     that are only in the host tier              block at a time
 
@@ -26,12 +27,12 @@ GB/s counts raw (uncompressed) block bytes. Each round measures every edge and i
 to back, so load from other processes hits both alike; the best of --repeat rounds is kept.
 The OS page cache is warm (the LMDB files were just written), so "disk" here is LMDB + zstd,
 not the drive. The device is the CPU when there is no GPU (tensors stay on the CPU).
-Also: compression ratio and single-thread codec MB/s per dtype, with and without the shuffle,
-and a single-thread profile (microseconds per block) of the codec's steps on the same blocks,
+Also: compression ratio and single-thread codec MB/s per dtype (tools/bench_codec.py compares
+the codec's formats), and a single-thread profile (microseconds per block) of the codec's steps on the same blocks,
 which says where the disk edges' time goes.
 
     python tools/bench_tiers.py [--blocks 256] [--level 3] [--repeat 5] [--dtype float32]
-                                [--shuffle] [--torch-threads N] [--json]
+                                [--torch-threads N] [--json]
 """
 from __future__ import annotations
 
@@ -49,11 +50,10 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 
 import lmdb
-import numpy as np
 import torch
 import zstandard
 
-from storage import codec as codec_mod
+from storage import byte_planes
 from storage.codec import Codec
 from storage.disk_tier import DiskTier, default_map_size
 from storage.layout import BlockLayout, dtype_from_name, dtype_name
@@ -173,23 +173,24 @@ class EdgeBench:
     plus a raw LMDB environment for the disk limits."""
 
     def __init__(self, layout: BlockLayout, blocks: torch.Tensor, keys: list[BlockKey], level: int,
-                 shuffle: bool, tmp: str) -> None:
+                 tmp: str) -> None:
         self.layout, self.blocks, self.keys = layout, blocks, keys
         self.n = len(keys)
         self.nbytes = self.n * layout.nbytes
-        self.level, self.shuffle = level, shuffle
+        self.level = level
+        self.codec = Codec(level)
         cap = 2 * self.nbytes
         config = CacheConfig(block_size=layout.block_size, device_memory=self.nbytes, host_memory=self.nbytes,
-                             disk_dir=os.path.join(tmp, "tier"), disk_capacity=cap, zstd_level=level,
-                             shuffle=shuffle)
+                             disk_dir=os.path.join(tmp, "tier"), disk_capacity=cap, zstd_level=level)
         self.cache = TieredKVCache(layout, config, num_pages=self.n)
         self.cache.host.slab.zero_()   # steady state: the slab's pages are mapped once, up front
         self.disk: DiskTier = self.cache.disk
         self.threads = self.disk._decode_threads   # get_many's decode threads (all cores by default)
         self.pool = ThreadPoolExecutor(self.threads)
         self.limit_outs = [memoryview(bytearray(layout.nbytes)) for _ in range(self.n)]   # pre-touched
-        self.limit_frames: list[bytes] = []
-        self.format_limit_gbps = 0.0   # disk_to_host's limit plus the byte unshuffle (shuffle on)
+        self.limit_payloads: list[memoryview] = []
+        self.limit_spans: list[list[tuple[int, int]]] = []   # per block: (offset, length) of each frame
+        self.format_limit_gbps = 0.0   # disk_to_host's limit plus the format's join of the planes
         self.raw_env = lmdb.open(os.path.join(tmp, "raw"), map_size=default_map_size(cap), readahead=False)
         self.outs = torch.zeros((self.n, *layout.shape), dtype=layout.dtype)   # pre-touched
         self.best: dict[str, list[float]] = {e: [0.0, 0.0] for e in EDGES}   # [gbps, limit_gbps]
@@ -268,57 +269,63 @@ class EdgeBench:
         self.disk.flush()   # the writer records the accesses; not part of the read
         self.outs.zero_()
         self.record("disk_to_host", real, self.raw_get_and_decompress())
-        if self.shuffle:
-            self.format_limit_gbps = max(self.format_limit_gbps,
-                                         gbps(self.nbytes, self.raw_get_and_decompress(unshuffle=True)))
+        self.format_limit_gbps = max(self.format_limit_gbps, gbps(self.nbytes, self.raw_get_and_decompress(join=True)))
 
     # ---- limits for the disk edges -------------------------------------------------------
     def raw_compress_and_put(self) -> float:
-        """zstd with the codec's settings (its byte shuffle when on, content size + checksum) in
-        one thread like the writer, and LMDB puts of the frames in WRITER_BATCH-block write
-        transactions; frames live one batch at a time, as in the writer."""
+        """Codec.encode of each block (the format's own work) in one thread like the writer, and
+        LMDB puts of the payloads in WRITER_BATCH-block write transactions; payloads live one
+        batch at a time, as in the writer."""
         with self.raw_env.begin(write=True) as txn:
             txn.drop(self.raw_env.open_db(None, txn=txn), delete=False)
-        cctx = zstandard.ZstdCompressor(level=self.level, write_checksum=True, write_content_size=True)
-        itemsize = self.layout.dtype.itemsize
         t0 = time.perf_counter()
         for start in range(0, self.n, WRITER_BATCH):
-            frames = []
-            for block in self.blocks[start:start + WRITER_BATCH]:
-                raw = block.reshape(-1).view(torch.uint8).numpy()
-                if self.shuffle:
-                    raw = codec_mod._shuffle(raw, itemsize)   # the format's filter: part of the limit
-                frames.append(cctx.compress(raw))
+            payloads = [self.codec.encode(block, BINDING) for block in self.blocks[start:start + WRITER_BATCH]]
             with self.raw_env.begin(write=True) as txn:
-                for key, frame in zip(self.keys[start:start + WRITER_BATCH], frames):
-                    txn.put(key.hash, frame)
-        return time.perf_counter() - t0
+                for key, payload in zip(self.keys[start:start + WRITER_BATCH], payloads):
+                    txn.put(key.hash, payload)
+        elapsed = time.perf_counter() - t0
+        with self.raw_env.begin() as txn:   # untimed: where each payload's frames are
+            self.limit_spans = []
+            for k in self.keys:
+                header = self.codec.check_header(txn.get(k.hash))
+                spans, at = [], header.header_size
+                for plane in header.planes:
+                    spans.append((at, plane.length))
+                    at += plane.length
+                self.limit_spans.append(spans)
+        return elapsed
 
-    def raw_get_and_decompress(self, unshuffle: bool = False) -> float:
-        """LMDB get of every frame in one read transaction, then zstd decompression of each frame
-        straight into its own preallocated buffer on the tier's decode_threads threads (zstd
-        releases the GIL): no crc, no metadata, no intermediate copy. unshuffle=True adds the
-        format's inverse byte shuffle (decompress into a per-thread buffer, then unshuffle)."""
+    def raw_get_and_decompress(self, join: bool = False) -> float:
+        """LMDB get of every payload in one read transaction, then zstd decompression of each
+        payload's frames (one per byte plane) straight into its own preallocated buffer on the
+        tier's decode_threads threads (zstd releases the GIL): no crc, no metadata, no
+        intermediate copy. join=True adds the format's join of the planes (decompress into a
+        per-thread buffer, then join into the block's buffer)."""
         with self.raw_env.begin() as txn:   # untimed warm-up of the map's pages
             for k in self.keys:
                 txn.get(k.hash)
-        itemsize = self.layout.dtype.itemsize
+        plane = self.layout.nbytes // self.layout.dtype.itemsize
 
         def decompress(i: int) -> None:
-            if not unshuffle:
-                _decompress_into(self.limit_frames[i], self.limit_outs[i])
+            payload, spans = self.limit_payloads[i], self.limit_spans[i]
+            if not join:
+                for b, (at, length) in enumerate(spans):
+                    _decompress_into(payload[at:at + length], self.limit_outs[i][b * plane:(b + 1) * plane])
                 return
             scratch = getattr(_tls, "scratch", None)
             if scratch is None or len(scratch) != self.layout.nbytes:
                 scratch = _tls.scratch = memoryview(bytearray(self.layout.nbytes))
-            _decompress_into(self.limit_frames[i], scratch)
-            codec_mod._unshuffle(np.frombuffer(scratch, dtype=np.uint8),
-                                 np.frombuffer(self.limit_outs[i], dtype=np.uint8), itemsize)
+            for b, (at, length) in enumerate(spans):
+                _decompress_into(payload[at:at + length], scratch[b * plane:(b + 1) * plane])
+            out = torch.frombuffer(self.limit_outs[i], dtype=self.layout.dtype).view(self.layout.shape)
+            byte_planes.join([scratch[b * plane:(b + 1) * plane] for b in range(len(spans))], out,
+                             byte_planes.can_swap(self.layout.shape))
         t0 = time.perf_counter()
-        with self.raw_env.begin(buffers=True) as txn:   # frames read in place, as get_many does
-            self.limit_frames = [txn.get(k.hash) for k in self.keys]
+        with self.raw_env.begin(buffers=True) as txn:   # payloads read in place, as get_many does
+            self.limit_payloads = [txn.get(k.hash) for k in self.keys]
             list(self.pool.map(decompress, range(self.n)))
-            self.limit_frames = []
+            self.limit_payloads = []
         return time.perf_counter() - t0
 
     def result(self) -> dict:
@@ -326,8 +333,8 @@ class EdgeBench:
                for e, (g, lg) in self.best.items()}
         if self.format_limit_gbps:
             d = res["disk_to_host"]
-            d["limit_with_unshuffle_gbps"] = round(self.format_limit_gbps, 3)
-            d["ratio_with_unshuffle"] = round(self.best["disk_to_host"][0] / self.format_limit_gbps, 3)
+            d["limit_with_join_gbps"] = round(self.format_limit_gbps, 3)
+            d["ratio_with_join"] = round(self.best["disk_to_host"][0] / self.format_limit_gbps, 3)
         return res
 
 
@@ -353,60 +360,62 @@ def _decompress_into(frame: bytes, out: memoryview) -> None:
 # ---- compression ---------------------------------------------------------------------------
 
 def compression(blocks32: torch.Tensor, level: int, repeat: int) -> dict:
-    """Per dtype and shuffle setting: ratio (raw / stored payload bytes) and single-thread
-    Codec.encode / Codec.decode MB/s (raw bytes), best of `repeat`."""
+    """Per dtype: ratio (raw / stored payload bytes) and single-thread Codec.encode /
+    Codec.decode MB/s (raw bytes), best of `repeat`."""
     out = {}
+    codec = Codec(level=level)
     for name in ("float32", "float16", "bfloat16"):
         blocks = blocks32.to(dtype_from_name(name))
         raw = blocks.numel() * blocks.element_size()
         dst = torch.zeros_like(blocks)
-        for shuffle in (True, False):
-            codec = Codec(level=level, shuffle=shuffle)
-            enc_s = dec_s = float("inf")
-            for _ in range(repeat):
-                t0 = time.perf_counter()
-                payloads = [codec.encode(b, BINDING) for b in blocks]
-                enc_s = min(enc_s, time.perf_counter() - t0)
-                t0 = time.perf_counter()
-                for p, d in zip(payloads, dst):
-                    codec.decode(p, BINDING, out=d)
-                dec_s = min(dec_s, time.perf_counter() - t0)
-            assert same_bits(dst, blocks)
-            out[f"{name}/{'shuffle' if shuffle else 'plain'}"] = {
-                "ratio": round(raw / sum(len(p) for p in payloads), 3),
-                "compress_mbps": round(raw / enc_s / 1e6, 1), "decompress_mbps": round(raw / dec_s / 1e6, 1)}
+        enc_s = dec_s = float("inf")
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            payloads = [codec.encode(b, BINDING) for b in blocks]
+            enc_s = min(enc_s, time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            for p, d in zip(payloads, dst):
+                codec.decode(p, BINDING, out=d)
+            dec_s = min(dec_s, time.perf_counter() - t0)
+        assert same_bits(dst, blocks)
+        out[name] = {"ratio": round(raw / sum(len(p) for p in payloads), 3),
+                     "compress_mbps": round(raw / enc_s / 1e6, 1), "decompress_mbps": round(raw / dec_s / 1e6, 1)}
     return out
 
 
 BINDING = bytes(64)   # the disk tier binds each payload to block hash || namespace (64 bytes)
 
 
-def codec_profile(blocks: torch.Tensor, level: int, shuffle: bool, repeat: int) -> dict:
+def codec_profile(blocks: torch.Tensor, level: int, repeat: int) -> dict:
     """Single-thread microseconds per block of each step of Codec.encode / Codec.decode (the work
     the disk writer and get_many's decode threads do per block), best of `repeat`, warm buffers."""
-    codec = Codec(level=level, shuffle=shuffle)
-    itemsize = blocks.element_size()
-    views = [b.reshape(-1).view(torch.uint8).numpy() for b in blocks]
+    from storage.codec import CODED_PLANES, _block_cuts, _compress_coded, _store_compressor
+
+    codec = Codec(level=level)
+    shape = tuple(blocks.shape[1:])
+    swapped = byte_planes.can_swap(shape)
+    cuts = _block_cuts(shape, swapped)
+    coded = CODED_PLANES[blocks.element_size()]
     payloads = [codec.encode(b, BINDING) for b in blocks]
-    headers = [codec.peek_header(p) for p in payloads]
-    frames = [memoryview(p)[h.header_size:] for p, h in zip(payloads, headers)]
-    planes = [codec_mod._shuffle(v, itemsize) for v in views] if shuffle else views
-    cctx = zstandard.ZstdCompressor(level=level, write_checksum=True, write_content_size=True)
+    headers = [codec.check_header(p) for p in payloads]
+    planes = [byte_planes.split(b, swapped) for b in blocks]
+    frames = [[f for f, _ in codec.frames(p)] for p in payloads]
+    coded_frames = [f for fs, h in zip(frames, headers) for f, pl in zip(fs, h.planes) if pl.coded]
+    plane_size = blocks[0].numel()
     out = torch.zeros_like(blocks[0])
-    out_np = out.reshape(-1).view(torch.uint8).numpy()
-    scratch = memoryview(bytearray(out_np.size))
+    scratch = memoryview(bytearray(blocks[0].numel() * blocks.element_size()))
+    warm = [scratch[b * plane_size:(b + 1) * plane_size] for b in range(blocks.element_size())]
     steps = {
-        "encode.shuffle": lambda: [codec_mod._shuffle(v, itemsize) for v in views],
-        "encode.zstd": lambda: [cctx.compress(p) for p in planes],
-        "encode.crc32": lambda: [zlib.crc32(memoryview(p)[:h.header_size - 4]) for p, h in zip(payloads, headers)],
+        "encode.split": lambda: [byte_planes.split(b, swapped) for b in blocks],
+        "encode.coded": lambda: [_compress_coded(ps[b], level, cuts) for ps in planes for b in coded],
+        "encode.stored": lambda: [_store_compressor().compress(ps[b]) for ps in planes
+                                  for b in range(len(ps)) if b not in coded],
         "encode.total": lambda: [codec.encode(b, BINDING) for b in blocks],
-        "decode.crc32": lambda: [zlib.crc32(memoryview(p)[:h.header_size - 4]) for p, h in zip(payloads, headers)],
-        "decode.zstd": lambda: [_decompress_into(f, scratch) for f in frames],
-        "decode.unshuffle": lambda: [codec_mod._unshuffle(p, out_np, itemsize) for p in planes],
+        "decode.crc32": lambda: [zlib.crc32(f) for f in coded_frames] + [codec.check_header(p) for p in payloads],
+        "decode.zstd": lambda: [_decompress_into(f, warm[b]) for fs in frames for b, f in enumerate(fs)],
+        "decode.join": lambda: [byte_planes.join(warm, out, swapped) for _ in blocks],
         "decode.total": lambda: [codec.decode(p, BINDING, out=out) for p in payloads],
     }
-    if not shuffle:
-        del steps["encode.shuffle"], steps["decode.unshuffle"]
     best = dict.fromkeys(steps, float("inf"))
     for _ in range(repeat):
         for name, fn in steps.items():
@@ -427,23 +436,23 @@ def print_table(res: dict) -> None:
     cfg = res["config"]
     print(f"Tier edges: {cfg['blocks']} real KV blocks of {cfg['model']} ({cfg['dtype']}, "
           f"{cfg['block_bytes'] / 2**10:.0f} KiB each, {cfg['blocks'] * cfg['block_bytes'] / 1e6:.0f} MB), "
-          f"zstd level {cfg['level']}, shuffle {cfg['shuffle']}, best of {cfg['repeat']}")
+          f"zstd level {cfg['level']}, best of {cfg['repeat']}")
     print(f"{'edge':<15} {'GB/s':>7} {'limit GB/s':>11} {'ratio':>6}  target >= {TARGET}")
     for e, r in res["edges"].items():
         print(f"{e:<15} {r['gbps']:>7.3f} {r['limit_gbps']:>11.3f} {r['ratio']:>6.2f}  "
               f"{'met' if r['ratio'] >= TARGET else 'MISSED'}")
     d = res["edges"]["disk_to_host"]
-    if "limit_with_unshuffle_gbps" in d:
-        print(f"  disk_to_host against zstd + the format's byte unshuffle: limit {d['limit_with_unshuffle_gbps']:.3f} "
-              f"GB/s, ratio {d['ratio_with_unshuffle']:.2f}")
+    if "limit_with_join_gbps" in d:
+        print(f"  disk_to_host against zstd + the format's join of the byte planes: limit {d['limit_with_join_gbps']:.3f} "
+              f"GB/s, ratio {d['ratio_with_join']:.2f}")
     print()
-    print(f"Compression (level {cfg['level']}, one thread, Codec.encode / Codec.decode incl. header + header crc32)")
-    print(f"{'dtype/filter':<18} {'ratio':>6} {'compress MB/s':>14} {'decompress MB/s':>16}")
+    print(f"Compression (level {cfg['level']}, one thread, Codec.encode / Codec.decode, format v4, header and crcs included)")
+    print(f"{'dtype':<18} {'ratio':>6} {'compress MB/s':>14} {'decompress MB/s':>16}")
     for k, r in res["compression"].items():
         print(f"{k:<18} {r['ratio']:>6.3f} {r['compress_mbps']:>14.1f} {r['decompress_mbps']:>16.1f}")
     print()
     prof = res["profile_us_per_block"]
-    print(f"Codec steps, one thread, microseconds per {cfg['dtype']} block (shuffle {cfg['shuffle']}):")
+    print(f"Codec steps, one thread, microseconds per {cfg['dtype']} block:")
     for side in ("encode", "decode"):
         print(f"  {side}: " + ", ".join(f"{k.split('.')[1]} {v:.0f}" for k, v in prof.items() if k.startswith(side)))
     print(f"\nmachine: {res['machine']}")
@@ -456,7 +465,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=5, help="rounds; the best of them is reported")
     ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
                     help="KV dtype for the edges (the model runs in float32; its KV is cast)")
-    ap.add_argument("--shuffle", action="store_true", help="edges with the byte-shuffle filter (off by default, as in CacheConfig)")
     ap.add_argument("--torch-threads", type=int, default=None,
                     help="torch intra-op threads for the copies (default: torch's own choice)")
     ap.add_argument("--model", default=None, help="model whose KV is moved (default: SmolLM2-135M-Instruct)")
@@ -478,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
     keys = block_keys(NAMESPACE, stream, layout.block_size)
     tmp = tempfile.mkdtemp(prefix="tieredkv-bench-tiers-")
     try:
-        bench = EdgeBench(layout, blocks, keys, args.level, args.shuffle, tmp)
+        bench = EdgeBench(layout, blocks, keys, args.level, tmp)
         try:
             for r in range(args.repeat):
                 bench.round()
@@ -492,9 +500,9 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(tmp, ignore_errors=True)
     few = max(1, min(args.blocks, 64))
     res = {"edges": edges, "compression": compression(blocks32, args.level, min(args.repeat, 3)),
-           "profile_us_per_block": codec_profile(blocks[:few], args.level, args.shuffle, args.repeat),
+           "profile_us_per_block": codec_profile(blocks[:few], args.level, args.repeat),
            "config": {"model": "SmolLM2-135M-Instruct", "blocks": args.blocks, "dtype": dtype_name(dtype),
-                      "block_bytes": layout.nbytes, "level": args.level, "shuffle": args.shuffle,
+                      "block_bytes": layout.nbytes, "level": args.level,
                       "repeat": args.repeat, "decode_threads": threads, "writer_threads": 1,
                       "target_ratio": TARGET},
            "machine": machine_note()}

@@ -18,7 +18,7 @@ The raw disk limit reads the very payloads the disk tier stored for the prefix (
 its LMDB environment) and decompresses their zstd frames on all threads (the faster of
 `multi_decompress_to_buffer(threads=cpu_count)` and a pool of per-thread decompressors;
 zstd's own content checksum included, as it is part of the frame): no metadata or header checks, no
-byte-unshuffle, no copy into pages. The OS page cache is warm for both (the same bytes
+join of the byte planes, no copy into pages. The OS page cache is warm for both (the same bytes
 were just written), so "disk" here is LMDB + zstd, not the drive. Raw limits are the best of
 3 tries per round (a capability), the median over rounds.
 
@@ -288,9 +288,9 @@ class TTFTBench:
                 raise RuntimeError(f"prefix {n}: not every block is on disk")
             frames, sizes = [], []
             for p in payloads:
-                h = disk.codec.peek_header(p)
-                frames.append(memoryview(p)[h.header_size:])   # the zstd frame after our header
-                sizes.append(h.raw_size)
+                for frame, size in disk.codec.frames(p):   # the zstd frames after our header
+                    frames.append(frame)
+                    sizes.append(size)
             sizes_buf = struct.pack(f"={len(sizes)}Q", *sizes)
             t0 = time.perf_counter()
             zstandard.ZstdDecompressor().multi_decompress_to_buffer(frames, decompressed_sizes=sizes_buf,

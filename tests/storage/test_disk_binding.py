@@ -138,3 +138,55 @@ def test_verify_of_a_live_evicting_cache_reports_no_damage(tmp_path: Path) -> No
         assert t.stats().evictions > 0
         assert [r.damaged for r in reports] == [()] * 3
         assert t.check() == []
+
+
+# ---- payloads of codec format 3, already on disk, stay served ----------------------------------
+
+def encode_v3(block, binding: bytes, shuffle: bool) -> bytes:
+    """A codec format-3 payload as the previous build wrote it (storage/codec.py's docstring):
+    header, crc32 of it, one zstd frame of the (optionally byte-shuffled) block."""
+    import struct
+    import zlib
+
+    import torch
+    import zstandard
+
+    from storage import byte_planes
+
+    raw = byte_planes.split(block).reshape(-1) if shuffle else block.reshape(-1).view(torch.uint8).numpy()
+    code = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}[block.dtype]
+    header = (struct.pack("<4sBBBbB", b"TKVB", 3, int(shuffle), code, 3, block.dim())
+              + struct.pack(f"<{block.dim()}I", *block.shape) + struct.pack("<Q", raw.size)
+              + bytes((len(binding),)) + binding)
+    frame = zstandard.ZstdCompressor(level=3, write_checksum=True, write_content_size=True).compress(raw)
+    return header + struct.pack("<I", zlib.crc32(header)) + frame
+
+
+def test_the_v3_writer_here_is_the_one_that_wrote_the_golden_fixtures() -> None:
+    import torch
+    fixtures = Path(__file__).resolve().parent.parent / "fixtures"
+    raw = bytearray((fixtures / "codec_v3_bfloat16_shuffled.raw").read_bytes())
+    block = torch.frombuffer(raw, dtype=torch.bfloat16).reshape(2, 2, 4, 2, 8)
+    assert encode_v3(block, bytes(range(64)), True) == (fixtures / "codec_v3_bfloat16_shuffled.tkvb").read_bytes()
+
+
+def test_v3_payloads_written_by_an_earlier_build_are_served(tmp_path: Path) -> None:
+    from storage.disk_integrity import payload_binding
+
+    stored(4, tmp_path)
+    keys = {i: make_key(i) for i in range(4)}
+
+    def downgrade(txn, dbs):   # blocks 1 and 2 as format 3 wrote them; block 3 gets block 0's (both fp32)
+        for i, src, shuffle in ((1, 1, False), (2, 2, True), (3, 0, False)):
+            p = encode_v3(make_block(src), payload_binding(keys[src].hash, keys[src].namespace), shuffle)
+            m = BlockMeta.unpack(bytes(txn.get(keys[i].hash, db=dbs["meta"])))
+            m.stored_size = len(p)
+            txn.put(keys[i].hash, p, db=dbs["payload"])
+            txn.put(keys[i].hash, m.pack(), db=dbs["meta"])
+    edit(tmp_path, downgrade)
+    with DiskTier(str(tmp_path), CAP) as t:
+        assert [(d.hash, "bound to another block" in d.reason) for d in t.verify().damaged] == [(keys[3].hash, True)]
+        for i in (0, 1, 2):
+            assert same_bits(t.get(keys[i]), make_block(i))
+        assert t.get(keys[3]) is None
+        assert t.stats().blocks == 3

@@ -1,0 +1,59 @@
+"""Codec v4's compression ratio on real KV: the default model's own keys and values.
+
+The one storage test that reaches up to the engine: random bytes do not compress and synthetic
+values carry whatever exponent distribution the test writer guessed, so the ratio is measured
+on what the disk tier will hold -- SmolLM2-135M-Instruct run through the Engine over the demo
+document, its blocks read back from the device pool. A ratio, not a timing: deterministic for
+a given model and text (tools/bench_codec.py measures speed).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import zstandard
+
+from storage.codec import Codec
+from tieredkv import CacheConfig, Engine, SamplingParams
+
+ROOT = Path(__file__).resolve().parents[2]
+B = bytes(range(64))
+# Issue 10's targets; measured here ~1.46, ~1.16, ~1.19 (docs/BENCHMARKS.md, "Codec v4").
+TARGET = {torch.bfloat16: 1.40, torch.float16: 1.15, torch.float32: 1.15}
+
+
+@pytest.fixture(scope="module")
+def real_blocks(default_model) -> torch.Tensor:
+    """float32 KV of 512 tokens of the demo document: 32 blocks of [30, 2, 16, 3, 64]."""
+    engine = Engine.from_loaded(default_model, CacheConfig(device_memory="64MiB", host_memory=0, disk_dir=None))
+    try:
+        ids = engine.tokenizer((ROOT / "tieredkv" / "demo_document.txt").read_text())["input_ids"][:512]
+        assert len(ids) == 512
+        engine.generate(ids, SamplingParams(max_tokens=1))
+        pages = sorted(engine.cache.pool.cached_pages())
+        assert len(pages) == 32
+        return engine.cache.pool.kv[pages].float().cpu()
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("dtype", list(TARGET))
+def test_v4_ratio_on_real_kv_meets_the_target_and_beats_v3(real_blocks: torch.Tensor, dtype: torch.dtype) -> None:
+    blocks = real_blocks.to(dtype)
+    codec = Codec()
+    payloads = [codec.encode(b, B) for b in blocks]
+    for p, b in zip(payloads, blocks):
+        assert torch.equal(codec.decode(p, B).view(torch.uint8), b.view(torch.uint8))
+    raw = blocks.numel() * blocks.element_size()
+    ratio = raw / sum(len(p) for p in payloads)
+    # What format 3 stored by default: zstd level 3 over the whole block.
+    v3 = zstandard.ZstdCompressor(level=3, write_checksum=True, write_content_size=True)
+    v3_ratio = raw / sum(len(v3.compress(b.reshape(-1).view(torch.uint8).numpy())) for b in blocks)
+    assert ratio >= TARGET[dtype], (dtype, ratio)
+    assert ratio >= 1.05 * v3_ratio, (dtype, ratio, v3_ratio)
+    # Only the sign/exponent plane is coded; the stored planes stay within a frame's overhead.
+    header = codec.check_header(payloads[0])
+    plane = blocks[0].numel()
+    assert [p.coded for p in header.planes] == [False] * (blocks.element_size() - 1) + [True]
+    assert all(p.length <= plane + 64 for p in header.planes if not p.coded)
