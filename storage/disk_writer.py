@@ -388,8 +388,13 @@ class DiskWriter:
                     store_info(txn, self._dbs, info)
                 self._index.discard(gone)
             except Exception as e:
-                if not _is_no_space(e, self._env.path()) or per_txn == 1:
+                if not _is_no_space(e, self._env.path()):
                     raise
+                if per_txn == 1:
+                    # Not even one delete fits: every page is taken or still visible to the
+                    # last two snapshots. Give the caller what was freed; its next attempt
+                    # comes after the small commit below, which makes freed pages reusable.
+                    break
                 per_txn = max(1, per_txn // 4)
                 continue
             self._count(evictions=n)
