@@ -170,7 +170,7 @@ def test_billing_from_the_ledger_file(cache: dict) -> None:
     body = tkv_json("billing", "--cache-dir", str(cache["root"]))
     alice, bob = body["tenants"]["alice"], body["tenants"]["bob"]
     assert (alice["requests"], alice["prompt_tokens"], alice["hit_tokens_by_tier"], alice["miss_tokens"],
-            alice["completion_tokens"]) == (2, 88, {"device": 32, "host": 0, "disk": 0}, 56, 2)
+            alice["completion_tokens"]) == (2, 88, {"device": 32, "host": 0, "disk": 0, "remote": 0}, 56, 2)
     assert (bob["requests"], bob["prompt_tokens"], bob["miss_tokens"], bob["completion_tokens"]) == (1, 40, 40, 1)
     # Default prices in pico-dollars per token: miss 270_000, hit 27_000, output 1_100_000.
     assert alice["cost_pico"] == 56 * 270_000 + 32 * 27_000 + 2 * 1_100_000

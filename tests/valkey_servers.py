@@ -8,6 +8,7 @@ assigned by valkey-cli --cluster create). Doesn't know: tieredkv.
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -24,17 +25,34 @@ def _binaries() -> tuple[str, str]:
     return server, cli
 
 
-def free_port() -> int:
+def _is_free(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def free_port(cluster: bool = False) -> int:
+    """A free loopback port; for a cluster node one below 55536 whose bus port (+10000) is free too."""
+    if not cluster:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 45000)
+        if _is_free(port) and _is_free(port + 10000):
+            return port
+    raise RuntimeError("no free port pair for a cluster node")
 
 
 def _ping(port: int) -> bool:
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
             s.sendall(b"PING\r\n")
-            return s.recv(16).startswith(b"+PONG")
+            return s.recv(16)[:1] in (b"+", b"-")     # -NOAUTH from a password-protected server: up
     except OSError:
         return False
 
@@ -43,7 +61,7 @@ class ValkeyServer:
     """One valkey-server process. `url` is its valkey:// URL."""
 
     def __init__(self, *extra: str, port: int | None = None, maxmemory: str = "256mb") -> None:
-        self.port = port or free_port()
+        self.port = port or free_port(cluster="--cluster-enabled" in extra)
         self.dir = tempfile.mkdtemp(prefix=f"tkv-valkey-{self.port}-")
         self.extra = extra
         self.maxmemory = maxmemory
