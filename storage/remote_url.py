@@ -87,11 +87,10 @@ def parse_remote_url(url: str, field_name: str = "remote_url") -> RemoteURL:
     scheme = scheme.lower()
     if not sep or scheme not in SCHEMES:
         raise bad(f"scheme must be one of {sorted(SCHEMES)}")
-    # urlsplit cannot read a comma list of host:port pairs, so the netloc is split by hand.
-    netloc, _, tail = rest.partition("/")
-    path, _, query = tail.partition("?")
-    if "?" in netloc:
-        netloc, _, query = netloc.partition("?")
+    # urlsplit cannot read a comma list of host:port pairs, so the URL is split by hand (a
+    # password with '/', '?' or '@' in it must be percent-encoded, as in any URL).
+    rest, _, query = rest.partition("?")
+    netloc, _, path = rest.partition("/")
     auth, at, hosts = netloc.rpartition("@")
     username = password = None
     if at:
