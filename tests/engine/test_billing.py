@@ -15,7 +15,7 @@ import pytest
 
 from engine.billing import Ledger, Prices, validate_tenant
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]   # the repository root (its packages, for the child)
 D1 = datetime(2025, 3, 1, 23, 59, 59, tzinfo=timezone.utc)
 D2 = datetime(2025, 3, 2, 0, 0, 1, tzinfo=timezone.utc)
 
