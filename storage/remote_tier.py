@@ -123,7 +123,12 @@ class RemoteTier:
         self._lock = threading.Lock()
         self._client_obj = None
         self._client_lock = threading.Lock()     # building the client (RedisCluster connects)
-        self._known: OrderedDict[bytes, None] = OrderedDict()
+        # Keys this process wrote or read, so a block is not sent again (a restored block reaches
+        # the local disk, whose commit would forward it back). key -> until when it is trusted:
+        # half the TTL (the store forgets it by then), else until a read misses it or the breaker
+        # reopens (the store may have restarted empty).
+        self._known: OrderedDict[bytes, float] = OrderedDict()
+        self._known_s = float("inf") if ttl_s is None else ttl_s / 2
         self._c = dict.fromkeys(("hits", "misses", "errors", "corrupt", "skipped", "writes", "write_errors",
                                  "write_drops", "bytes_read", "bytes_written"), 0)
         self._last_error: str | None = None
@@ -349,7 +354,7 @@ class RemoteTier:
     # ---- bookkeeping -----------------------------------------------------------------------
     def _remember(self, rk: bytes) -> None:
         with self._lock:
-            self._known[rk] = None
+            self._known[rk] = time.monotonic() + self._known_s
             self._known.move_to_end(rk)
             if len(self._known) > _KNOWN_MAX:
                 self._known.popitem(last=False)
@@ -360,7 +365,11 @@ class RemoteTier:
 
     def _is_known(self, rk: bytes) -> bool:
         with self._lock:
-            return rk in self._known
+            until = self._known.get(rk)
+            if until is not None and until < time.monotonic():
+                del self._known[rk]
+                return False
+            return until is not None
 
     def _forget_known(self) -> None:
         with self._lock:
