@@ -115,3 +115,41 @@ def test_the_store_killed_mid_run_costs_hits_not_requests(tmp_path) -> None:
             check_billed(resumed, "remote", hit(p[4]))
     finally:
         server.cleanup()
+
+
+def test_a_hung_store_delays_only_the_request_that_asks_it(tmp_path) -> None:
+    """A store that accepts connections and never answers: a request's probe waits its timeout in
+    the queue while another request keeps decoding (the engine thread never waits for the store)."""
+    import socket
+    import threading
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    try:
+        url = f"valkey://127.0.0.1:{listener.getsockname()[1]}"
+        with engine(tmp_path / "kv", url, remote_timeout_s=1.0) as eng:
+            first = random_prompt(9, seed=400)
+            times: list[float] = []
+            done = threading.Event()
+
+            def decode() -> None:
+                for chunk in eng.stream(first, SamplingParams(max_tokens=400, ignore_eos=True)):
+                    times.extend([time.monotonic()] * len(chunk.token_ids))
+                done.set()
+            t = threading.Thread(target=decode)
+            t.start()
+            while len(times) < 5:                        # its own probe timed out; it decodes now
+                assert t.is_alive() or done.is_set()
+                time.sleep(0.005)
+            t0 = time.monotonic()
+            second = eng.generate(random_prompt(13, seed=401), GREEDY)
+            waited = time.monotonic() - t0
+            t.join(60)
+            assert waited >= 0.9                         # its probe waited for the store's timeout...
+            during = [x for x in times if t0 + 0.1 <= x <= t0 + 0.9]
+            assert len(during) >= 20, len(during)        # ...while the other request kept decoding
+            assert second.token_ids == reference_greedy(None, random_prompt(13, seed=401), MAX_TOKENS)
+            check_billed(second, "remote", 0)
+            assert eng.cache_status()["tiers"]["remote"]["errors"] >= 2
+    finally:
+        listener.close()
