@@ -7,7 +7,7 @@ cost, and how it is stored -- one LMDB environment in its own directory with thr
   totals    tenant -> running totals since the ledger was created
   days      tenant NUL YYYY-MM-DD (UTC) -> that day's totals
 Doesn't know: engines, storage tiers or HTTP (dependencies point the other way); tier names
-are the project's vocabulary ("device", "host", "disk").
+are the project's vocabulary ("device", "host", "disk", "remote").
 
 Money is never a float. A price p is micro-dollars per 1M tokens, so one token costs
 p * 1e-6 micro-dollars = p pico-dollars: the cost of n tokens is exactly n * p pico-dollars,
@@ -29,7 +29,7 @@ from typing import Any, Iterator
 
 import lmdb
 
-BILLED_TIERS = ("device", "host", "disk")
+BILLED_TIERS = ("device", "host", "disk", "remote")
 PICO_PER_MICRO = 10**6
 PICO_PER_USD = 10**12
 _MAX_KEY_BYTES = 400          # LMDB keys are at most 511 bytes; leave room for the day suffix
@@ -42,12 +42,14 @@ class Prices:
 
     Defaults: DeepSeek-V3's list prices for a cache miss ($0.27/1M) and for output ($1.10/1M),
     with every cache hit at a tenth of a miss, DeepSeek's published hit/miss ratio. The tiers
-    are priced alike by default; an operator may price a disk hit above a device hit.
+    are priced alike by default; an operator may price a disk hit above a device hit, or a
+    remote hit (the shared store: network and its memory) above both.
     """
     miss: int = 270_000
     device_hit: int = 27_000
     host_hit: int = 27_000
     disk_hit: int = 27_000
+    remote_hit: int = 27_000
     completion: int = 1_100_000
 
     def __post_init__(self) -> None:

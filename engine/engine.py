@@ -186,7 +186,8 @@ class Engine:
         """Hit tokens by tier a request for this prompt would get now; promotes and bills nothing."""
         ids = self.encode(prompt)
         keys = block_keys(self.namespace(tenant), ids, self.block_size, max_tokens=len(ids) - 1)
-        return LookupResult(len(ids), self.cache.match(keys).tokens_by_tier(self.block_size))
+        # cache.lookup asks the remote store (if any) now: this runs on the caller's thread.
+        return LookupResult(len(ids), self.cache.lookup(keys).tokens_by_tier(self.block_size))
 
     def cache_status(self) -> dict:
         stats = self.cache.stats()

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-TIERS = ("device", "host", "disk")
+TIERS = ("device", "host", "disk", "remote")     # storage.tiered_cache.TIERS: one vocabulary
 
 
 @dataclass(frozen=True)
 class Usage:
     prompt_tokens: int
     completion_tokens: int
-    hit_tokens_by_tier: dict[str, int]      # {"device": n, "host": n, "disk": n}
+    hit_tokens_by_tier: dict[str, int]      # {"device": n, "host": n, "disk": n, "remote": n}
     prompt_cache_miss_tokens: int
 
     def __post_init__(self) -> None:

@@ -9,9 +9,12 @@ nor how blocks are restored: the cache's loader fills pages on its own threads.
 Per step: running sequences first (oldest first: each decode takes 1 token, an unfinished
 prefill takes its next chunk), then sequences whose prefix finished loading (their first prefill
 chunk), then admissions from the waiting queue while budget and pages last. An admission whose
-prefix has host or disk blocks is planned (pages held, fills started) and waits in `loading`
-without taking budget: the others keep stepping while its bytes are read (at most `max_loading`
-such sequences at once). A sequence that cannot get pages preempts the newest running one; the
+prefix has host, disk or remote blocks is planned (pages held, fills started) and waits in
+`loading` without taking budget: the others keep stepping while its bytes are read (at most
+`max_loading` such sequences at once). A request whose remote probe (which of its blocks the
+shared store holds: asked on a loader thread since submit) has not answered yet stays in the
+queue, and the requests behind it are admitted meanwhile; the probe is bounded by the store's
+timeout. A sequence that cannot get pages preempts the newest running one; the
 victim's full blocks are registered in the cache already, so its re-admission hits them.
 
 NOTE invariant: an exception while admitting, reserving for or advancing one sequence is that
@@ -25,7 +28,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from engine.sequence import Sequence, SeqStatus
-from storage.tiered_cache import Acquired, TieredKVCache
+from storage.tiered_cache import TIERS, Acquired, TieredKVCache
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,8 +147,10 @@ class Scheduler:
         """Match, then plan the prefix and either start the first chunk or wait for the loader.
         Scheduled: running now; True: loading; None: wait (a block another request computes
         now, or too many loads in flight); False: not enough pages now (stop admitting)."""
+        if seq.prefetch is not None and seq.prefetch.remote_pending():
+            return None     # its remote probe is out (bounded by the store's timeout): others go first
         keys = seq.prefix_keys()
-        match = self.cache.match(keys)
+        match = self.cache.match(keys, seq.prefetch.remote_hashes() if seq.prefetch is not None else None)
         if len(match) < len(keys) and keys[len(match)].hash in pending:
             return None
         needs_load = any(tier != "device" for _, tier in match.blocks)
@@ -176,7 +181,7 @@ class Scheduler:
         if seq.hit_tokens_by_tier is None:
             # NOTE billing: decided once, at the first admission, from the blocks actually
             # served. A preempted request's recompute is our cost, not the tenant's.
-            hits = {"device": 0, "host": 0, "disk": 0}
+            hits = dict.fromkeys(TIERS, 0)
             for tier in acquired.tiers:
                 hits[tier] += self.block_size
             seq.hit_tokens_by_tier = hits

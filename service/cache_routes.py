@@ -15,6 +15,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 
+from engine.outputs import TIERS
 from service.auth import check_tenant_name, require_admin
 from service.context import ctx
 from service.errors import APIError, bad_request, from_engine_error
@@ -58,7 +59,7 @@ async def lookup(request: Request) -> Any:
     hit = sum(result.hit_tokens_by_tier.values())
     return {"tenant": caller.tenant, "prompt_tokens": result.prompt_tokens, "hit_tokens": hit,
             "miss_tokens": result.prompt_tokens - hit,
-            "hit_tokens_by_tier": {t: result.hit_tokens_by_tier.get(t, 0) for t in ("device", "host", "disk")}}
+            "hit_tokens_by_tier": {t: result.hit_tokens_by_tier.get(t, 0) for t in TIERS}}
 
 
 @router.get("/billing")

@@ -14,9 +14,10 @@ from typing import Any, Callable, Iterable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from engine.outputs import TIERS
+
 log = logging.getLogger("tieredkv.service")
 
-TIERS = ("device", "host", "disk")
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 # (key in a tier's status, metric suffix, help, is a running total)
 _TIER_FIELDS = (
@@ -98,7 +99,7 @@ class ServiceMetrics:
         if metrics is not None:
             self.ttft.observe(metrics.ttft_s)
             self.latency.observe(metrics.total_s)
-            restored = usage is not None and (usage.hit_tokens_by_tier.get("host", 0) or usage.hit_tokens_by_tier.get("disk", 0))
+            restored = usage is not None and any(usage.hit_tokens_by_tier.get(t, 0) for t in ("host", "disk", "remote"))
             if restored:
                 self.restore.observe(metrics.restore_s)
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from engine.outputs import TIERS
+
 SSE_DONE = b"data: [DONE]\n\n"
 LOGPROB_FLOOR = -9999.0    # -inf and NaN are not JSON: lower log-probabilities are sent as this (as vLLM's)
 
@@ -28,7 +30,7 @@ def usage_dict(usage: Any) -> dict[str, Any]:
         "prompt_cache_hit_tokens": hit,
         "prompt_cache_miss_tokens": usage.prompt_cache_miss_tokens,
         "prompt_tokens_details": {"cached_tokens": hit},
-        "prompt_cache_hit_tokens_by_tier": {t: usage.hit_tokens_by_tier.get(t, 0) for t in ("device", "host", "disk")},
+        "prompt_cache_hit_tokens_by_tier": {t: usage.hit_tokens_by_tier.get(t, 0) for t in TIERS},
     }
 
 

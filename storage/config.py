@@ -1,6 +1,7 @@
 """Cache configuration: one frozen dataclass, validated on construction.
 
-Knows: the knobs a user sets for the three tiers, how sizes are written ("4GiB", "512MiB",
+Knows: the knobs a user sets for the four tiers (device, host, disk, and the optional shared
+remote store), how sizes are written ("4GiB", "512MiB",
 ints), and which values are allowed. Doesn't know: models, page counts or block bytes --
 those follow from the model's layout (storage.layout) and are computed where it is known.
 """
@@ -9,6 +10,8 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
+
+from storage.remote_url import RemoteURL, parse_remote_url
 
 _UNITS = {
     "": 1, "b": 1,
@@ -19,6 +22,7 @@ _UNITS = {
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 WRITE_POLICIES = ("write_back", "write_through")
+REMOTE_WRITES = ("write_back", "write_through")
 
 
 def default_cache_root() -> "Path":
@@ -60,7 +64,8 @@ def format_size(n: int) -> str:
 class CacheConfig:
     """How much of each tier the cache may use, and how it writes to disk.
 
-    host_memory=0 disables the host tier; disk_dir=None disables the disk tier.
+    host_memory=0 disables the host tier; disk_dir=None disables the disk tier; remote_url=None
+    (the default) disables the remote tier (storage/remote_url.py lists the URL forms).
     """
     block_size: int = 16
     device_memory: int | str = "1GiB"
@@ -72,10 +77,27 @@ class CacheConfig:
     zstd_level: int = 3
     write_policy: str = "write_back"
     isolate_tenants: bool = True
+    # The shared remote tier (storage/remote_tier.py): a Valkey/Redis URL -- valkey://, redis://,
+    # rediss:// (TLS), with a password, a comma list of nodes or ?cluster=1 for a cluster. Not in
+    # repr (it may hold a password): `remote` is, redacted.
+    remote_url: str | None = field(default=None, repr=False)
+    # Every call to the store is bounded by this (connect and read). Short: a lookup waits for
+    # it, and a slow store must cost less than recomputing (a 16-token block takes ~ms).
+    remote_timeout_s: float = 0.5
+    # A TTL set on every block written (None: none; the store's maxmemory + LRU bound it).
+    remote_ttl_s: float | None = None
+    # write_back: a block reaches the remote when it reaches the disk (the disk writer forwards
+    # each commit) or falls out of the lowest local tier, and on flush(). write_through: also
+    # every block as soon as it is computed (registered), in the background.
+    remote_write: str = "write_back"
+    # The circuit breaker's cooldown: after a few failures in a row the remote tier is skipped
+    # for this long, then one call probes it.
+    remote_retry_s: float = 5.0
     # Parsed sizes in bytes; filled in by __post_init__.
     device_bytes: int = field(init=False, repr=False, compare=False)
     host_bytes: int = field(init=False, repr=False, compare=False)
     disk_bytes: int = field(init=False, repr=False, compare=False)
+    remote: RemoteURL | None = field(init=False, compare=False)   # remote_url parsed (password redacted in repr)
 
     def __post_init__(self) -> None:
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or not 1 <= self.block_size <= 4096:
@@ -95,6 +117,16 @@ class CacheConfig:
             raise ValueError(f"write_policy: expected one of {WRITE_POLICIES}, got {self.write_policy!r}")
         if not isinstance(self.isolate_tenants, bool):
             raise ValueError(f"isolate_tenants: expected True or False, got {self.isolate_tenants!r}")
+        object.__setattr__(self, "remote", None if self.remote_url is None else parse_remote_url(self.remote_url))
+        for name in ("remote_timeout_s", "remote_retry_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 3600:
+                raise ValueError(f"{name}: expected seconds in (0, 3600], got {v!r}")
+        v = self.remote_ttl_s
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0.001):
+            raise ValueError(f"remote_ttl_s: expected seconds >= 0.001 or None (no TTL), got {v!r}")
+        if self.remote_write not in REMOTE_WRITES:
+            raise ValueError(f"remote_write: expected one of {REMOTE_WRITES}, got {self.remote_write!r}")
 
     @property
     def disk_path(self) -> str | None:

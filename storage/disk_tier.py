@@ -224,6 +224,12 @@ class DiskTier:
         self._count(queue_full_drops=1)
         return False
 
+    def on_commit(self, callback) -> None:
+        """Have the writer thread call `callback([(key, payload, raw_size), ...])` after each
+        commit, with the blocks it stored (the remote tier's write-behind). It must not block
+        for long: the next commit waits for it."""
+        self._writer.on_commit = callback
+
     def wait_for_room(self, timeout: float | None = None) -> bool:
         """Block until the writer's queue is below its bound: what a caller that may wait (and
         holds no lock) does between batches of cascade puts, so they are never dropped."""

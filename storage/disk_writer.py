@@ -106,6 +106,9 @@ class DiskWriter:
         self._dropped = 0                               # blocks ever dropped (never committed)
         self._thread: threading.Thread | None = None
         self._last_reader_check = 0.0                   # writer thread only
+        # Called on the writer thread after each commit with (key, payload, raw size) of every
+        # block it stored: the remote tier's write-behind, so a block is compressed once for both.
+        self.on_commit: Callable[[list], None] | None = None
         self._warned_capacity = False                   # writer thread only
 
     def start(self) -> None:
@@ -309,6 +312,7 @@ class DiskWriter:
         dbs = self._dbs
         written = 0
         stored: list[bytes] = []
+        new: list = []            # (key, payload, raw size) of blocks this commit stored
         evicted: list[bytes] = []
         with self._begin(write=True) as txn:
             info = load_info(txn, dbs)
@@ -348,6 +352,7 @@ class DiskWriter:
                 info.blocks += 1
                 written += len(payload)
                 stored.append(h)
+                new.append((key, payload, raw_size))
             # NOTE: the capacity invariant (used_bytes <= capacity_bytes) is enforced here, in the
             # same transaction that added the bytes: no committed state exceeds it, whichever
             # process committed it.
@@ -359,6 +364,11 @@ class DiskWriter:
         self._index.add(stored)
         self._index.discard(evicted)
         self._count(bytes_written=written, evictions=len(evicted))
+        if new and self.on_commit is not None:
+            try:
+                self.on_commit(new)
+            except Exception:   # the disk tier's commit stands whatever the write-behind does
+                log.exception("disk tier: forwarding %d committed blocks failed", len(new))
 
     def _capacity_in(self, txn: lmdb.Transaction) -> int:
         """The store's capacity, read in the committing transaction (another process may have

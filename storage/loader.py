@@ -1,8 +1,9 @@
-"""The loader: fills device pages from the host and disk tiers off the engine thread.
+"""The loader: fills device pages from the host, disk and remote tiers off the engine thread.
 
 Knows: the pages being filled right now (hash -> Fill, so two requests needing one block load it
-once), the blocks being prefetched from disk into the host tier (hash -> future), and the two
-worker pools that do the work. Doesn't know: sequences or scheduling -- TieredKVCache.plan()
+once), the blocks being prefetched from disk into the host tier (hash -> future), the probes
+asking the remote store which of a prompt's blocks it holds, and the worker pools that do the
+work. Doesn't know: sequences or scheduling -- TieredKVCache.plan()
 hands it the fills of one request and the scheduler polls `Load.ready()` between steps.
 
 Threads (NOTE: who owns what):
@@ -13,6 +14,11 @@ Threads (NOTE: who owns what):
   waits for before letting go, since a slot may be reused once the lock is free) and to finish
   its fills; disk reads and decodes run with no lock held, straight into the pages on CPU, into
   the worker's pinned staging blocks on CUDA (then one batch of copies into the pages).
+- remote work runs on `tieredkv-remote` workers, its own pool so a slow store (each call bounded
+  by its timeout) never delays a disk fill: a probe (RemoteProbe: which blocks after the last
+  local one the store holds, answered before the request is admitted) and the fills of blocks
+  planned from the remote, read and verified with no lock held like disk blocks. A restored
+  remote block is also written into the local tiers (host, and disk) once registered.
 - a prefetch runs on a `tieredkv-prefetch` worker, a chunk of blocks at a time: decoded with no
   lock held, then put into the host tier under the lock. A fill waits for a chunk being read
   and claims the blocks of chunks not started; prefetches never wait on fills (separate pools,
@@ -48,6 +54,7 @@ STAGE_BLOCKS = 32       # a load worker's pinned staging blocks for disk fills (
 LOAD_WORKERS = 2        # requests whose blocks are read at once (each read decodes in parallel)
 PREFETCH_WORKERS = 1    # a prefetch is I/O-bound readahead; one at a time keeps the drive streaming
 PREFETCH_CHUNK = 8      # blocks per prefetch task: a fill claims the chunks not started yet
+REMOTE_WORKERS = 2      # remote probes and fills at once (network-bound, each bounded by a timeout)
 
 
 @dataclass(eq=False)
@@ -55,7 +62,7 @@ class Fill:
     """One device page being filled with one block. `ok` is meaningful once `done` is set."""
     key: BlockKey
     page: int
-    source: str                                   # "host" or "disk" when planned
+    source: str                                   # "host", "disk" or "remote" when planned
     done: threading.Event = field(default_factory=threading.Event)
     ok: bool = False
 
@@ -94,14 +101,31 @@ class _Chunk:
 
 
 @dataclass(eq=False)
+class RemoteProbe:
+    """Which blocks of a request's chain (after its last local one) the remote store holds.
+    `hashes` is written once by the probing thread, before `done` is set; read only after."""
+    hashes: frozenset[bytes] = frozenset()
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass(eq=False)
 class Prefetch:
     """A request's disk -> host prefetch. `moved` collects (under the cache lock) the hashes this
-    prefetch brought into the host tier: the request is billed for them as disk hits."""
+    prefetch brought into the host tier: the request is billed for them as disk hits. `remote`:
+    its remote probe, if one was started (the scheduler admits the request once it is done)."""
     chunks: list[_Chunk] = field(default_factory=list)
     moved: set[bytes] = field(default_factory=set)
+    remote: RemoteProbe | None = None
 
     def wait(self, timeout: float | None = None) -> bool:
-        return all(c.done.wait(timeout) for c in self.chunks)
+        ok = all(c.done.wait(timeout) for c in self.chunks)
+        return ok and (self.remote is None or self.remote.done.wait(timeout))
+
+    def remote_pending(self) -> bool:
+        return self.remote is not None and not self.remote.done.is_set()
+
+    def remote_hashes(self) -> frozenset[bytes] | None:
+        return None if self.remote is None else self.remote.hashes
 
 
 class Loader:
@@ -113,6 +137,8 @@ class Loader:
                                          initializer=background_priority)
         self._prefetches = ThreadPoolExecutor(PREFETCH_WORKERS, thread_name_prefix="tieredkv-prefetch",
                                               initializer=background_priority)
+        self._remote = None if cache.remote is None else ThreadPoolExecutor(
+            REMOTE_WORKERS, thread_name_prefix="tieredkv-remote", initializer=background_priority)
         cuda = cache.device.type == "cuda"
         self._stream = torch.cuda.Stream(device=cache.device) if cuda else None
         # Disk fills decode into staging blocks and copy from there (a device the CPU cannot
@@ -126,10 +152,27 @@ class Loader:
 
     # ---- fills ---------------------------------------------------------------------------
     def start(self, fills: list[Fill], after: object = None) -> None:
-        """Run these fills (planned under the cache lock, their pages held) on a worker. `after`:
-        a CUDA event the copies into the pages wait for (their old blocks' copies out)."""
-        if fills:
-            self._fills.submit(self._run_fills, fills, after)
+        """Run these fills (planned under the cache lock, their pages held) on a worker: the
+        remote ones on the remote pool, the others on the fill pool. `after`: a CUDA event the
+        copies into the pages wait for (their old blocks' copies out)."""
+        local = [f for f in fills if f.source != "remote"]
+        remote = [f for f in fills if f.source == "remote"]
+        if local:
+            self._fills.submit(self._run_fills, local, after)
+        if remote:
+            self._remote.submit(self._run_fills, remote, after)
+
+    def probe(self, keys: Sequence[BlockKey], into: RemoteProbe) -> None:
+        """Ask the remote store, on a remote worker, which of `keys` (a chain) it holds."""
+        self._remote.submit(self._run_probe, list(keys), into)
+
+    def _run_probe(self, keys: list[BlockKey], into: RemoteProbe) -> None:
+        try:
+            into.hashes = self.cache.remote.probe(keys)   # never raises for the store's failures
+        except Exception:
+            log.exception("probing the remote tier for %d blocks failed: they are misses", len(keys))
+        finally:
+            into.done.set()
 
     def _run_fills(self, fills: list[Fill], after: object = None) -> None:
         ok: dict[int, bool] = {}
@@ -139,11 +182,12 @@ class Loader:
             self._wait_for_prefetches(fills)
             for f in self._fill_from_host(fills):
                 ok[id(f)] = True
-            disk_fills = [f for f in fills if id(f) not in ok]
-            if disk_fills:
-                got = self._fill_from_disk(disk_fills)
-                for f, good in zip(disk_fills, got):
-                    ok[id(f)] = good
+            disk_fills = [f for f in fills if id(f) not in ok and f.source != "remote"]
+            remote_fills = [f for f in fills if id(f) not in ok and f.source == "remote"]
+            for todo, read in ((disk_fills, self._fill_from_disk), (remote_fills, self._fill_from_remote)):
+                if todo:
+                    for f, good in zip(todo, read(todo)):
+                        ok[id(f)] = good
         except Exception:
             log.exception("loading %d blocks failed: their requests recompute them", len(fills))
         finally:
@@ -188,13 +232,21 @@ class Loader:
         return done
 
     def _fill_from_disk(self, fills: list[Fill]) -> list[bool]:
+        return self._fill_from(self.cache.disk, fills)
+
+    def _fill_from_remote(self, fills: list[Fill]) -> list[bool]:
+        return self._fill_from(self.cache.remote, fills)
+
+    def _fill_from(self, tier, fills: list[Fill]) -> list[bool]:
+        """Read, verify and decode blocks of the disk or remote tier (get_many: a miss is None,
+        never an exception for the store's failures) into the fills' pages."""
         c = self.cache
-        if c.disk is None:
+        if tier is None:
             return [False] * len(fills)
         if not self.stage_decodes:
             # Decoded straight into the held pages: nothing else reads or writes them (see the
             # module's invariant), so no lock is needed for the bytes.
-            got = c.disk.get_many([f.key for f in fills], [c.pool.kv[f.page] for f in fills])
+            got = tier.get_many([f.key for f in fills], [c.pool.kv[f.page] for f in fills])
             return [b is not None for b in got]
         # A device the CPU cannot write: decode into this worker's pinned staging blocks, then
         # one batch of truly asynchronous copies into the pages (issue 9, item 4: a decode into
@@ -203,7 +255,7 @@ class Loader:
         ok: list[bool] = []
         for start in range(0, len(fills), STAGE_BLOCKS):
             part = fills[start:start + STAGE_BLOCKS]
-            got = c.disk.get_many([f.key for f in part], [stage[i] for i in range(len(part))])
+            got = tier.get_many([f.key for f in part], [stage[i] for i in range(len(part))])
             self._copy_many([(c.pool.kv[f.page], stage[i]) for i, (f, b) in enumerate(zip(part, got)) if b is not None])
             ok += [b is not None for b in got]
         return ok
@@ -246,12 +298,23 @@ class Loader:
                     st = c._stats[f.source]
                     st.promotions += 1
                     st.bytes_read += c.layout.nbytes
+                    if f.source == "remote":
+                        self._keep_locally(f)
                 else:
                     self.failed_fills += 1
                 if self.inflight.get(f.key.hash) is f:
                     del self.inflight[f.key.hash]
                 c.pool.release(f.page)
                 f.done.set()
+
+    def _keep_locally(self, f: Fill) -> None:
+        """A block restored from the remote is also written into the local tiers (host, then
+        disk), so the next miss of this process does not cross the network. Under the cache lock;
+        never waits (the cascade's rules: a full disk queue drops it)."""
+        try:
+            self.cache._write_down([(f.key, f.page)], through=True)
+        except Exception:
+            log.exception("keeping remote block %s locally failed", f.key.hash.hex()[:16])
 
     # ---- prefetch ------------------------------------------------------------------------
     def prefetch(self, keys: Sequence[BlockKey], into: Prefetch) -> None:
@@ -299,6 +362,8 @@ class Loader:
     def close(self) -> None:
         self._prefetches.shutdown(wait=True)
         self._fills.shutdown(wait=True)
+        if self._remote is not None:
+            self._remote.shutdown(wait=True)
         for buf in self._buffers:      # every copy out of them completed inside _copy_many
             buf.close()
         self._buffers.clear()

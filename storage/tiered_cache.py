@@ -1,9 +1,10 @@
 """TieredKVCache: the one object the engine talks to about KV blocks.
 
-Knows: the three tiers (device pool, host slab, disk), where each block lives, and how blocks
-move: lookups walk a prompt's block chain and take the fastest tier holding each block;
-promotion is planned here (pages held) and done by the loader (storage/loader.py) on its own
-threads; eviction cascades device -> host -> disk (write-back by default, or write-through).
+Knows: the four tiers (device pool, host slab, disk, and the optional shared remote store),
+where each block lives, and how blocks move: lookups walk a prompt's block chain and take the
+fastest tier holding each block; promotion is planned here (pages held) and done by the loader
+(storage/loader.py) on its own threads; eviction cascades device -> host -> disk -> remote
+(write-back by default, or write-through).
 Doesn't know: models, sequences or requests -- the engine hands in BlockKeys and page ids and
 gets typed results back.
 
@@ -15,13 +16,20 @@ is never held while waiting on the disk writer: the eviction cascade queues for 
 waiting (a full queue drops the block, counted), and flush/demote("host") copy blocks out under
 the lock in small batches and hand them to the writer (which may wait) outside it, so the
 engine's next allocate/register never waits for a flush.
+
+The remote tier (storage/remote_tier.py) is network I/O, so NOTE: nothing under the cache lock
+and nothing on the engine thread talks to it. Whether the store holds a prompt's blocks is asked
+by a probe the loader runs when the request is submitted (prefetch()); match() then reads the
+probe's answer from memory. Remote blocks are read by the loader like disk blocks, and written
+by the remote writer's thread: blocks the disk writer commits are forwarded to it (compressed
+once), and with no disk tier a block falling out of the lowest local tier is queued to it.
 """
 from __future__ import annotations
 
 import threading
 from collections import deque
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
 import torch
@@ -30,13 +38,15 @@ from storage.codec import Codec
 from storage.device_pool import DevicePool
 from storage.disk_tier import DiskTier
 from storage.host_tier import HostTier
-from storage.loader import Fill, Load, Loader, Prefetch
+from storage.loader import Fill, Load, Loader, Prefetch, RemoteProbe
 from storage.layout import BlockLayout
 from storage.transfer import Transfer
+from storage.breaker import BreakerConfig
 from storage.config import CacheConfig
+from storage.remote_tier import RemoteTier
 from storage.hashing import BlockKey
 
-TIERS = ("device", "host", "disk")
+TIERS = ("device", "host", "disk", "remote")
 _FLUSH_BATCH = 32     # blocks copied out per hold of the lock by flush/demote
 
 
@@ -72,9 +82,13 @@ class FlushResult:
     even after evicting, an I/O error) or a timeout; the drops are in disk stats' write_errors."""
     written: int
     complete: bool
+    remote: bool | None = None   # every remote write sent (None: no remote tier)
 
     def to_dict(self) -> dict:
-        return {"written": self.written, "complete": self.complete}
+        d = {"written": self.written, "complete": self.complete}
+        if self.remote is not None:
+            d["remote"] = self.remote
+        return d
 
 
 @dataclass
@@ -98,7 +112,8 @@ class TierStats:
 
 class TieredKVCache:
     def __init__(self, layout: BlockLayout, config: CacheConfig, device: str | torch.device = "cpu",
-                 num_pages: int | None = None, disk: DiskTier | None = None, transfer: Transfer | None = None) -> None:
+                 num_pages: int | None = None, disk: DiskTier | None = None, transfer: Transfer | None = None,
+                 remote: RemoteTier | None = None) -> None:
         if layout.block_size != config.block_size:
             raise ValueError(f"layout block_size {layout.block_size} != config block_size {config.block_size}")
         self.layout = layout
@@ -118,10 +133,18 @@ class TieredKVCache:
             disk = DiskTier(config.disk_path, config.disk_bytes, Codec(config.zstd_level),
                             layout=layout)
         self.disk = disk
+        if remote is None and config.remote is not None:
+            remote = RemoteTier(config.remote, layout, Codec(config.zstd_level),
+                                timeout_s=config.remote_timeout_s, ttl_s=config.remote_ttl_s,
+                                breaker=BreakerConfig(cooldown_s=config.remote_retry_s))
+        self.remote = remote
+        if remote is not None and disk is not None:
+            disk.on_commit(self._forward_to_remote)
         self.write_through = config.write_policy == "write_through"
         # Write-through blocks copied to host whose disk write waits for that copy (engine thread,
         # under the lock): queued for disk once their copy is done, never waited for on a step.
         self._through: deque[tuple[BlockKey, int]] = deque()
+        self.remote_through = config.remote_write == "write_through"
         self._stats = {t: TierStats() for t in TIERS}
         self.loader = Loader(self)
 
@@ -135,17 +158,28 @@ class TieredKVCache:
             return "disk"
         return None
 
-    def match(self, keys: Sequence[BlockKey]) -> CacheMatch:
+    def match(self, keys: Sequence[BlockKey], remote: frozenset[bytes] | None = None) -> CacheMatch:
         """Which tier holds each block of the chain, up to the first block none holds.
-        Read-only: promotes nothing, counts nothing."""
+        `remote`: the hashes a probe found in the remote store (RemoteProbe.hashes); without it
+        no block is a remote hit. Read-only: promotes nothing, counts nothing, no I/O."""
         with self._lock:
             found = []
             for key in keys:
                 tier = self._tier_of(key)
+                if tier is None and remote and key.hash in remote:
+                    tier = "remote"
                 if tier is None:
                     break
                 found.append((key, tier))
             return CacheMatch(tuple(found))
+
+    def lookup(self, keys: Sequence[BlockKey]) -> CacheMatch:
+        """match() with the remote store asked now (a round trip on the calling thread: never
+        call it from the engine thread). For lookups that promote nothing (Engine.lookup)."""
+        local = self.match(keys)
+        if self.remote is None or len(local) == len(keys) or not self.remote.available():
+            return local
+        return self.match(keys, self.remote.probe(keys[len(local):]))
 
     # ---- promotion -----------------------------------------------------------------------
     def plan(self, match: CacheMatch, prefetch: Prefetch | None = None) -> Load:
@@ -163,7 +197,7 @@ class TieredKVCache:
             tiers: list[str] = []
             fills: list[Fill | None] = []
             new: list[Fill] = []
-            for key, _ in match.blocks:
+            for key, tier in match.blocks:
                 page = self.pool.lookup(key)
                 if page is not None:
                     self.pool.acquire(page)
@@ -178,7 +212,7 @@ class TieredKVCache:
                     # Allocate first, then look the block up: the allocation may evict a device
                     # page whose demotion pushes this very block out of a full host tier.
                     page = self.pool.allocate(1)[0]     # the fill's reference
-                    source = self._source_of(key)
+                    source = self._source_of(key) or (tier if tier == "remote" else None)
                     if source is None:
                         self.pool.release(page)
                         break   # the block left every tier since match(): the prefix ends here
@@ -231,23 +265,28 @@ class TieredKVCache:
     def prefetch(self, keys: Sequence[BlockKey]) -> Prefetch:
         """Start reading a new request's disk blocks into the host tier (or, with no host tier,
         into the OS page cache), so its time in the queue overlaps the drive. At most half the
-        host tier per request, so one long prompt cannot flush everyone's host blocks."""
+        host tier per request, so one long prompt cannot flush everyone's host blocks.
+        With a remote tier, the blocks after the last local one are probed for in the store (on
+        a loader thread): the scheduler admits the request once the probe answered."""
         out = Prefetch()
-        if self.disk is None:
-            return out
         with self._lock:
             todo = []
             limit = self.host.num_slots // 2 if self.host.enabled else len(keys)
-            for key in keys:
+            missing = len(keys)
+            for i, key in enumerate(keys):
                 if self.pool.lookup(key) is not None or key.hash in self.loader.inflight:
                     continue
                 if self.host.enabled and self.host.lookup(key) is not None:
                     continue
-                if not self.disk.contains(key.hash):
-                    break    # the chain's first missing block: nothing after it can hit
+                if self.disk is None or not self.disk.contains(key.hash):
+                    missing = i    # the chain's first block no local tier holds
+                    break
                 if key.hash not in self.loader.prefetching and len(todo) < limit:
                     todo.append(key)
             self.loader.prefetch(todo, out)
+            if self.remote is not None and missing < len(keys) and self.remote.available():
+                out.remote = RemoteProbe()
+                self.loader.probe(keys[missing:], out.remote)
         return out
 
     # ---- new blocks ----------------------------------------------------------------------
@@ -265,12 +304,14 @@ class TieredKVCache:
 
     def register(self, page: int, key: BlockKey) -> bool:
         """A held page now holds a full computed block: make it findable. Under write-through
-        the block is also copied to host now, and queued for disk once that copy is done (at
-        the cache's next allocate/register, or a flush). False if another page already has it."""
+        (write_policy, or remote_write for the remote tier) the block is also copied to host
+        now, and queued for disk (whose writer forwards it to the remote), or with no disk for
+        the remote writer, once that copy is done (at the cache's next allocate/register, or a
+        flush). False if another page already has it."""
         with self._lock:
             ok = self.pool.register(page, key)
-            if ok and self.write_through:
-                self._write_down([(key, page)])
+            if ok and (self.write_through or (self.remote_through and self.remote is not None)):
+                self._write_down([(key, page)], through=True)
             self._drain_through()
             return ok
 
@@ -280,14 +321,15 @@ class TieredKVCache:
                 self.pool.release(page)
 
     # ---- demotion (the eviction cascade) --------------------------------------------------
-    def _write_down(self, blocks: list[tuple[BlockKey, int]]) -> None:
-        """Copy device blocks (key, page) into host (and, write-through, disk) unless already there."""
+    def _write_down(self, blocks: list[tuple[BlockKey, int]], through: bool = False) -> None:
+        """Copy device blocks (key, page) into host unless already there (and, `through`, on
+        down to disk or the remote writer)."""
         if not self.host.enabled:
             for key, page in blocks:
                 self._to_disk(key, self.pool.kv[page])
             return
         copied = self._to_host(blocks)
-        if self.write_through:
+        if through:
             # NOTE: not _host_to_disk now: its wait for the copy would wait for the forward that
             # wrote the page (issue 9, item 6). _drain_through queues it once the copy is done.
             self._through.extend(copied)
@@ -323,7 +365,8 @@ class TieredKVCache:
                 self._host_to_disk(key, slot)
 
     def _host_to_disk(self, key: BlockKey, slot: int) -> bool:
-        if self.disk is None or self.disk.contains(key.hash):
+        """A host slot's block down to disk, or with no disk tier to the remote writer."""
+        if self.disk.contains(key.hash) if self.disk is not None else self.remote is None:
             return False
         self.transfer.wait_host(slot)   # NOTE: the copy into the slot is complete before put reads it
         return self._to_disk(key, self.host.slab[slot])
@@ -331,8 +374,11 @@ class TieredKVCache:
     def _to_disk(self, key: BlockKey, src: torch.Tensor) -> bool:
         """Queue a block (a device page, or a host slot already waited for) for disk unless the
         disk has it; never waits (the caller holds the lock): a full queue drops it (disk stats'
-        queue_full_drops). DiskTier.put copies the bytes, so `src` may be reused once this returns."""
-        if self.disk is None or self.disk.contains(key.hash):
+        queue_full_drops). DiskTier.put copies the bytes, so `src` may be reused once this returns.
+        With no disk tier the remote tier is the next one down: queued for its writer (same rules)."""
+        if self.disk is None:
+            return self.remote is not None and self.remote.put(key, src.cpu(), wait=False)
+        if self.disk.contains(key.hash):
             return False
         if not self.disk.put(key, src.cpu(), wait=False):   # .cpu(): the tensor itself on CPU
             return False
@@ -367,6 +413,36 @@ class TieredKVCache:
             written += len(queued)
         return written
 
+    def _forward_to_remote(self, committed: list) -> None:
+        """The disk writer committed these (key, payload, raw size): queue them for the remote
+        (the write-behind). Runs on the disk writer's thread: waits for room in the remote queue at
+        most one remote timeout in all, then drops (counted), so a slow store slows disk commits
+        by a bounded amount and never stops them."""
+        deadline = time.monotonic() + self.config.remote_timeout_s
+        for key, payload, raw_size in committed:
+            self.remote.put_encoded(key, payload, raw_size, wait=True, timeout=max(0.0, deadline - time.monotonic()))
+
+    def _copy_down_to_remote(self) -> int:
+        """With no disk tier: every cached device and host block queued for the remote writer,
+        copied out under the lock a batch at a time and queued outside it (waiting for room
+        there, a bounded time per batch). Returns blocks queued."""
+        with self._lock:
+            todo = [self.pool.key_of(p) for p in self.pool.cached_pages()] + [key for _, key in self.host.blocks()]
+        queued = 0
+        for start in range(0, len(todo), _FLUSH_BATCH):
+            copies = []
+            with self._lock:
+                self.transfer.sync_host()
+                for key in todo[start:start + _FLUSH_BATCH]:
+                    page = self.pool.lookup(key)
+                    slot = self.host.lookup(key) if page is None else None
+                    src = self.pool.kv[page] if page is not None else (None if slot is None else self.host.slab[slot])
+                    if src is not None:
+                        copies.append((key, src.to("cpu", copy=True)))
+            timeout = self.config.remote_timeout_s * 4
+            queued += sum(self.remote.put(key, block, wait=True, timeout=timeout) for key, block in copies)
+        return queued
+
     def _count_write(self, tier: str) -> None:
         st = self._stats[tier]
         st.demotions += 1
@@ -383,18 +459,26 @@ class TieredKVCache:
     # ---- maintenance ---------------------------------------------------------------------
     def flush(self, timeout: float | None = None) -> FlushResult:
         """Push every cached block down to the lowest tier (disk, else host) and wait for the
-        disk writer: after a complete flush a restarted process hits every block."""
+        disk writer: after a complete flush a restarted process hits every block. With a remote
+        tier, also wait for its writer: blocks the disk commits are forwarded to it; with no disk
+        tier every device and host block is queued for it here. `remote` says whether every
+        remote write was sent (a store that is down makes it False, never the flush fail)."""
         with self._lock:
             self._drain_through(wait=True)
         if self.disk is not None:
             written = self._copy_down_to_disk()
-            return FlushResult(written, self.disk.flush(timeout))
-        if not self.host.enabled:
+            complete = self.disk.flush(timeout)
+        elif self.remote is not None:
+            written, complete = self._copy_down_to_remote(), True
+        elif not self.host.enabled:
             return FlushResult(0, True)
-        with self._lock:   # no disk tier: device blocks into the host slab (memcpy, no waiting)
-            written = len(self._to_host([(self.pool.key_of(page), page) for page in self.pool.cached_pages()]))
-            self.transfer.sync_host()
-        return FlushResult(written, True)
+        else:
+            with self._lock:   # no disk tier: device blocks into the host slab (memcpy, no waiting)
+                written = len(self._to_host([(self.pool.key_of(page), page) for page in self.pool.cached_pages()]))
+                self.transfer.sync_host()
+            complete = True
+        remote = None if self.remote is None else self.remote.flush(timeout)
+        return FlushResult(written, complete, remote)
 
     def demote(self, tier: str) -> int:
         """Evict every unused cached block of `tier` one step down the cascade (device -> host
@@ -427,6 +511,10 @@ class TieredKVCache:
         """Forget every cached block of one tier (device: only pages no sequence uses)."""
         if tier not in TIERS:
             raise ValueError(f"tier: expected one of {TIERS}, got {tier!r}")
+        if tier == "remote":
+            # Every server's blocks live there: clearing it is the store operator's call
+            # (FLUSHDB, or its LRU and TTL), not one server's.
+            raise ValueError("tier: the remote tier is shared by every server and is not dropped from one")
         with self._lock:
             if tier == "device":
                 pages = self.pool.evictable_pages()
@@ -450,13 +538,16 @@ class TieredKVCache:
         self.transfer.close()      # every copy into the host slab is complete...
         self.host.close()          # ...before it is unpinned
         if self.disk is not None:
-            self.disk.close()
+            self.disk.close()      # its last commits are forwarded to the remote writer...
+        if self.remote is not None:
+            self.remote.close()    # ...which sends them (bounded) before it stops
 
     # ---- reporting -----------------------------------------------------------------------
     def stats(self) -> dict[str, TierStats]:
         """Per-tier counters, O(1) in the number of pages and blocks (/metrics reads this on every
         scrape). The disk's are read outside the cache lock: they need an LMDB read."""
         disk = self.disk.stats() if self.disk is not None else None
+        remote = self.remote.stats() if self.remote is not None else None
         with self._lock:
             out = {t: TierStats(**{**self._stats[t].__dict__, "extra": {}}) for t in TIERS}
             p = self.pool.stats()
@@ -479,6 +570,17 @@ class TieredKVCache:
                            "stored_bytes_written": d.bytes_written}
             else:
                 out["disk"].extra = {"enabled": False}
+            o = out["remote"]
+            if remote is not None:
+                # Capacity is the store's own (maxmemory + its eviction policy): not reported here.
+                # hits/promotions/bytes_read are blocks served to requests (as for every tier);
+                # the store client's own counters are in extra (reads, store_hits, ...).
+                r = asdict(remote)
+                o.demotions, o.bytes_written = r["writes"], r.pop("bytes_written")
+                r["store_hits"], r["stored_bytes_read"] = r.pop("hits"), r.pop("bytes_read")
+                o.extra = {**r, "write_policy": self.config.remote_write}
+            else:
+                o.extra = {"enabled": False}
             return out
 
     def audit(self) -> None:

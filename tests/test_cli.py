@@ -170,7 +170,7 @@ def test_billing_from_the_ledger_file(cache: dict) -> None:
     body = tkv_json("billing", "--cache-dir", str(cache["root"]))
     alice, bob = body["tenants"]["alice"], body["tenants"]["bob"]
     assert (alice["requests"], alice["prompt_tokens"], alice["hit_tokens_by_tier"], alice["miss_tokens"],
-            alice["completion_tokens"]) == (2, 88, {"device": 32, "host": 0, "disk": 0}, 56, 2)
+            alice["completion_tokens"]) == (2, 88, {"device": 32, "host": 0, "disk": 0, "remote": 0}, 56, 2)
     assert (bob["requests"], bob["prompt_tokens"], bob["miss_tokens"], bob["completion_tokens"]) == (1, 40, 40, 1)
     # Default prices in pico-dollars per token: miss 270_000, hit 27_000, output 1_100_000.
     assert alice["cost_pico"] == 56 * 270_000 + 32 * 27_000 + 2 * 1_100_000
@@ -179,8 +179,8 @@ def test_billing_from_the_ledger_file(cache: dict) -> None:
     r = tkv("billing", "--cache-dir", str(cache["root"]))
     assert r.returncode == 0
     rows = {cells[0]: cells[1:] for cells in map(str.split, r.stdout.splitlines()) if cells[:1] in (["alice"], ["bob"])}
-    assert rows == {"alice": ["2", "88", "32", "0", "0", "56", "2", "18.184"],
-                    "bob": ["1", "40", "0", "0", "0", "40", "1", "11.900"]}
+    assert rows == {"alice": ["2", "88", "32", "0", "0", "0", "56", "2", "18.184"],
+                    "bob": ["1", "40", "0", "0", "0", "0", "40", "1", "11.900"]}
 
 
 def test_verify_finds_damage_exits_1_and_repair_deletes_it(cache: dict, tmp_path: Path) -> None:
@@ -249,10 +249,10 @@ def test_serve_then_status_and_billing_over_http(tmp_path: Path, default_model_c
         blocks = (p + 1) // 16      # KV exists for the prompt and the first generated token
 
         status = tkv_json("status", "--url", url)
-        assert set(status["tiers"]) == {"device", "host", "disk"} and status["tiers"]["device"]["blocks"] == blocks
+        assert set(status["tiers"]) == {"device", "host", "disk", "remote"} and status["tiers"]["device"]["blocks"] == blocks
         r = tkv("status", "--url", url)
         assert r.returncode == 0 and "SmolLM2-135M-Instruct" in r.stdout
-        assert all(re.search(rf"^\W*{t}\s", r.stdout, re.M) for t in ("device", "host", "disk"))
+        assert all(re.search(rf"^\W*{t}\s", r.stdout, re.M) for t in ("device", "host", "disk", "remote"))
         bill = tkv_json("billing", "--url", url)["tenants"]["carol"]
         assert (bill["requests"], bill["prompt_tokens"], bill["miss_tokens"]) == (1, p, p)
         assert bill["cost_pico"] == p * 1_000_000 + c * 1_100_000     # --prices took effect (output: default)

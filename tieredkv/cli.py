@@ -23,7 +23,7 @@ from tieredkv.cli_common import (CLIError, api_key_of, cache_root, err, existing
                                  print_json, server_url, spinner)
 from storage.config import format_size, parse_size
 
-TIERS = ("device", "host", "disk")
+TIERS = ("device", "host", "disk", "remote")
 
 app = typer.Typer(help="tieredkv: a tiered KV-cache store for LLM inference (device -> host -> disk).\n\n"
                   "Exit status: 0 ok, 1 failure (server unreachable, HTTP error, damage found), "
@@ -184,6 +184,10 @@ def status(
         ratio = f"{disk['compression_ratio']:.2f}x" if disk.get("used_bytes") else "n/a (empty)"
         out.print(f"disk: compression ratio {ratio}, pending writes "
                   f"{disk.get('pending_writes', 0)}, corrupt blocks found {disk.get('corrupt', 0)}")
+    remote = tiers.get("remote", {})
+    if remote.get("enabled"):
+        out.print(f"remote: {remote.get('url', '?')}, breaker {remote.get('breaker', '?')}, errors "
+                  f"{remote.get('errors', 0)}, corrupt blocks found {remote.get('corrupt', 0)}")
     eng = body.get("engine")
     if isinstance(eng, dict):
         out.print(f"engine: {eng.get('running', 0)} running, {eng.get('waiting', 0)} waiting, "
@@ -309,12 +313,12 @@ def billing(
         return print_json(body)
     bills = [body] if "tenant" in body else list(body.get("tenants", {}).values())
     t = narrow_table(title="Billing" + (f" — tenant {tenant}" if tenant else ""),
-                     caption="Device/Host/Disk: prompt tokens hit in that tier; Miss: computed; Output: "
+                     caption="Device/Host/Disk/Remote: prompt tokens hit in that tier; Miss: computed; Output: "
                      "completion tokens; cost in micro-dollars")
     # The tenant name folds onto more lines rather than vanish (rich squeezed a wrappable
     # column to nothing at 80 columns); numbers never wrap.
     t.add_column("Tenant", justify="left", min_width=8, max_width=14, overflow="fold")
-    for col in ("Reqs", "Prompt", "Device", "Host", "Disk", "Miss", "Output", "Cost µ$"):
+    for col in ("Reqs", "Prompt", "Device", "Host", "Disk", "Remote", "Miss", "Output", "Cost µ$"):
         t.add_column(col, justify="right", no_wrap=True)
 
     def row(name: str, b: dict) -> list[str]:

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Callable, ContextManager
 
 BLOCK_SIZE = 16
-TIERS = ("device", "host", "disk")
+TIERS = ("device", "host", "disk", "remote")
 TENANT = "demo"
 SYSTEM = "You are Halden's support assistant. Answer from the manual, in one or two sentences."
 QUESTIONS = (
@@ -235,7 +235,7 @@ class Demo:
 
 # ---- drawing -----------------------------------------------------------------------------
 
-LEGEND = ("Prompt: prompt tokens; Device/Host/Disk: of those, hit in that tier; Miss: computed; TTFT: "
+LEGEND = ("Prompt: prompt tokens; Device/Host/Disk/Remote: of those, hit in that tier; Miss: computed; TTFT: "
           "time to first token, ms; Recompute: TTFT of the same prompt on an uncached engine, ms; "
           "µ$: the ledger's cost in micro-dollars")
 
@@ -248,7 +248,7 @@ def phase_view(phase: Phase, legend: bool = False) -> Any:
     from rich.table import Table
     t = Table(title=f"[bold]{phase.name}[/]: {phase.title}", title_justify="left", box=box.SIMPLE_HEAD,
               pad_edge=False, padding=0)
-    for col in ("Request", "Prompt", "Device", "Host", "Disk", "Miss", "TTFT", "Recompute", "Speedup", "µ$"):
+    for col in ("Request", "Prompt", "Device", "Host", "Disk", "Remote", "Miss", "TTFT", "Recompute", "Speedup", "µ$"):
         t.add_column(col, justify="left" if col == "Request" else "right", no_wrap=True)
     for r in phase.rows:
         t.add_row(r.request, f"{r.prompt_tokens:,}", *(_count(r.hit_tokens_by_tier[x]) for x in TIERS),

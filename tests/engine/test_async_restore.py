@@ -203,7 +203,7 @@ def test_prefetch_at_submit_reads_a_queued_requests_blocks_into_host(tmp_path) -
     out = result["out"]
     assert out.token_ids == first.token_ids
     # Its own prefetch moved them: billed as the disk hits they were when it arrived.
-    assert out.usage.hit_tokens_by_tier == {"device": 0, "host": 0, "disk": 8 * BS}
+    assert out.usage.hit_tokens_by_tier == {"device": 0, "host": 0, "disk": 8 * BS, "remote": 0}
 
 
 def test_a_sequence_finished_while_loading_gives_its_pages_back(tmp_path, monkeypatch) -> None:

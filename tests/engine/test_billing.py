@@ -15,7 +15,7 @@ import pytest
 
 from engine.billing import Ledger, Prices, validate_tenant
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]   # the repository root (its packages, for the child)
 D1 = datetime(2025, 3, 1, 23, 59, 59, tzinfo=timezone.utc)
 D2 = datetime(2025, 3, 2, 0, 0, 1, tzinfo=timezone.utc)
 
@@ -64,18 +64,18 @@ def test_prices_from_file_errors(tmp_path):
 def test_exact_totals_and_per_day_buckets(tmp_path):
     prices = Prices(miss=1000, device_hit=100, host_hit=200, disk_hit=300, completion=5000)
     with Ledger(tmp_path / "billing", prices) as led:
-        assert led.record("acme", "r1", 40, 7, {"device": 16, "host": 0, "disk": 16}, 8, when=D1)
+        assert led.record("acme", "r1", 40, 7, {"device": 16, "host": 0, "disk": 16, "remote": 0}, 8, when=D1)
         assert led.record("acme", "r2", 33, 1, {"host": 32}, 1, when=D2)
         assert led.record("other", "r3", 5, 2, {}, 5, when=D2)
         bill = led.tenant("acme")
         assert bill.tenant == "acme"
         assert (bill.requests, bill.prompt_tokens, bill.completion_tokens, bill.miss_tokens) == (2, 73, 8, 9)
-        assert bill.hit_tokens_by_tier == {"device": 16, "host": 32, "disk": 16}
+        assert bill.hit_tokens_by_tier == {"device": 16, "host": 32, "disk": 16, "remote": 0}
         # r1: 8*1000 + 16*100 + 16*300 + 7*5000 = 49_400; r2: 1*1000 + 32*200 + 1*5000 = 12_400
         assert bill.cost_pico == 61_800
         assert sorted(bill.days) == ["2025-03-01", "2025-03-02"]
         assert bill.days["2025-03-01"].cost_pico == 49_400 and bill.days["2025-03-01"].requests == 1
-        assert bill.days["2025-03-02"].hit_tokens_by_tier == {"device": 0, "host": 32, "disk": 0}
+        assert bill.days["2025-03-02"].hit_tokens_by_tier == {"device": 0, "host": 32, "disk": 0, "remote": 0}
         assert led.tenants() == ["acme", "other"]
         s = led.summary()
         assert s["total"]["requests"] == 3 and s["total"]["prompt_tokens"] == 78
@@ -216,7 +216,7 @@ def test_kill_9_mid_way_loses_no_acknowledged_request(tmp_path):
         led = Ledger({str(path)!r})
         i = 0
         while True:
-            led.record("t%d" % (i % 3), "req-%d" % i, 10, 2, {{"device": 3, "disk": 3}}, 4)
+            led.record("t%d" % (i % 3), "req-%d" % i, 10, 2, {{"device": 3, "disk": 3, "remote": 0}}, 4)
             print("req-%d" % i, flush=True)    # acknowledged only after record() returned
             i += 1
         """)], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)

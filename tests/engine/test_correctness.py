@@ -48,7 +48,7 @@ def test_logits_after_hits_from_each_tier_equal_recompute(tmp_path):
     with make_engine(tmp_path) as eng:
         cache = eng.cache
         first, lp, tok = _top_logprobs(eng, ids)
-        assert first.usage.hit_tokens_by_tier == {"device": 0, "host": 0, "disk": 0}
+        assert first.usage.hit_tokens_by_tier == {"device": 0, "host": 0, "disk": 0, "remote": 0}
         assert tok == ref_tok and torch.allclose(lp, ref_lp, atol=1e-5, rtol=0)
 
         def check(expected_tiers):
@@ -58,13 +58,13 @@ def test_logits_after_hits_from_each_tier_equal_recompute(tmp_path):
             assert tok == ref_tok
             assert torch.allclose(lp, ref_lp, atol=1e-5, rtol=0)
 
-        check({"device": 24, "host": 0, "disk": 0})
+        check({"device": 24, "host": 0, "disk": 0, "remote": 0})
         cache.demote("device")
-        check({"device": 0, "host": 24, "disk": 0})
+        check({"device": 0, "host": 24, "disk": 0, "remote": 0})
         cache.demote("device")
         cache.demote("host")
         cache.disk.flush()
-        check({"device": 0, "host": 0, "disk": 24})
+        check({"device": 0, "host": 0, "disk": 24, "remote": 0})
         # Mixed: disk everything; promote 0-3 then push them to host; promote 0-1 to device.
         cache.demote("device")
         cache.demote("host")
@@ -72,7 +72,7 @@ def test_logits_after_hits_from_each_tier_equal_recompute(tmp_path):
         eng.generate(ids[:4 * B + 1], SamplingParams(max_tokens=1))
         cache.demote("device")
         eng.generate(ids[:2 * B + 1], SamplingParams(max_tokens=1))
-        check({"device": 8, "host": 8, "disk": 8})
+        check({"device": 8, "host": 8, "disk": 8, "remote": 0})
         cache.audit()
 
 
@@ -161,7 +161,7 @@ def test_lookup_promotes_and_bills_nothing(tmp_path):
         eng.generate(ids, GREEDY)
         eng.cache.demote("device")
         before = eng.cache_status()["tiers"]
-        assert eng.lookup(ids).hit_tokens_by_tier == {"device": 0, "host": 24, "disk": 0}
+        assert eng.lookup(ids).hit_tokens_by_tier == {"device": 0, "host": 24, "disk": 0, "remote": 0}
         after = eng.cache_status()["tiers"]
         assert before == after
         assert eng.ledger.tenant("default").requests == 1

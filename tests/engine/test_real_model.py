@@ -57,6 +57,6 @@ def test_paris_chat_hits_and_restart_from_disk(tmp_path, default_model):
     assert res.returncode == 0, res.stderr[-2000:]
     got = json.loads(res.stdout.strip().splitlines()[-1])
     assert got["tokens"] == first.token_ids
-    assert got["hits"] == {"device": 0, "host": 0, "disk": ((n - 1) // 16) * 16}
+    assert got["hits"] == {"device": 0, "host": 0, "disk": ((n - 1) // 16) * 16, "remote": 0}
     assert got["miss"] == n - got["hits"]["disk"]
     assert got["requests"] == 5     # the ledger survived the restart: 4 earlier requests + this one

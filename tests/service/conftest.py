@@ -140,7 +140,7 @@ def sse_events(response: httpx.Response) -> list:
 def check_usage(u: dict) -> None:
     """Every usage object: all fields present and consistent; hit + miss == prompt."""
     tiers = u["prompt_cache_hit_tokens_by_tier"]
-    assert set(tiers) == {"device", "host", "disk"}
+    assert set(tiers) == {"device", "host", "disk", "remote"}
     assert sum(tiers.values()) == u["prompt_cache_hit_tokens"] == u["prompt_tokens_details"]["cached_tokens"]
     assert u["prompt_cache_hit_tokens"] + u["prompt_cache_miss_tokens"] == u["prompt_tokens"]
     assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]

