@@ -13,7 +13,7 @@ field); a readonly open (verify, inspect) refuses with the reason.
 LMDB 0.9 on-disk layout, little-endian, offsets from the start of a meta page:
     page header  pgno u64 @0, flags u16 @10 (P_META = 0x08)
     mm_magic u32 @16 (0xBEEFC0DE), mm_version u32 @20 (1), mm_mapsize u64 @32,
-    mm_dbs[0] (free db) @40 -- its first u32 (md_pad) holds the page size,
+    mm_dbs[0] (free db) @40 -- its first u32 (md_pad) holds the page size; md_root u64 @80,
     mm_dbs[1] (main db) @88 -- md_root u64 @128,
     mm_last_pg u64 @136, mm_txnid u64 @144
 Meta page 0 is at offset 0, meta page 1 at offset `page size`.
@@ -46,6 +46,7 @@ class MetaPage:
     main_root: int
     last_page: int
     txnid: int
+    free_root: int = _P_INVALID
 
 
 def _read_meta(f, offset: int, index: int) -> MetaPage | None:
@@ -59,11 +60,19 @@ def _read_meta(f, offset: int, index: int) -> MetaPage | None:
     page_size, = struct.unpack_from("<I", p, 40)
     map_size, = struct.unpack_from("<Q", p, 32)
     main_root, = struct.unpack_from("<Q", p, 128)
+    free_root, = struct.unpack_from("<Q", p, 80)
     last_page, txnid = struct.unpack_from("<QQ", p, 136)
     if (pgno != index or not flags & _P_META or magic != _MAGIC or version != _DATA_VERSION
             or page_size < 512 or page_size > 65536 or page_size & (page_size - 1)):
         return None
-    return MetaPage(page_size, map_size, main_root, last_page, txnid)
+    return MetaPage(page_size, map_size, main_root, last_page, txnid, free_root)
+
+
+def read_meta_pages(f) -> tuple[MetaPage | None, MetaPage | None]:
+    """Both meta pages of an open data.mdb (None for a damaged one), read with the file's own
+    reads, never through a map."""
+    first = _read_meta(f, 0, 0)
+    return first, (None if first is None else _read_meta(f, first.page_size, 1))
 
 
 def check_environment(path: str) -> MetaPage | None:

@@ -44,6 +44,7 @@ from storage.priority import background_priority
 from storage.codec import Codec
 from storage.disk_integrity import DamagedBlock, VerifyReport, audit, check_block, verify_and_decode
 from storage.disk_index import DiskIndex
+from storage.disk_pagewalk import check_pages
 from storage.disk_preflight import DamagedEnvironment, check_environment, move_aside, opening
 from storage.disk_records import (DISK_FORMAT_VERSION, BlockMeta, Databases, FormatMismatch, StoreInfo, delete_in_txn,
                                   load_capacity, load_info, lru_key, open_databases, store_capacity, store_info)
@@ -76,6 +77,9 @@ def _open_env(path: str, map_size: int, readonly: bool) -> tuple[lmdb.Environmen
     # 2048-token restores from a cold page cache took 1.1-1.4 s instead of 0.18-0.42 s.
     env = lmdb.open(path, map_size=map_size, max_dbs=4, readonly=readonly, readahead=True, max_readers=512)
     try:
+        # NOTE: before any read through the map -- a damaged page pointer past the file's end
+        # makes LMDB's first read of it a SIGBUS (storage/disk_pagewalk.py).
+        check_pages(env, path)
         return env, open_databases(env, path, readonly)
     except BaseException:
         env.close()

@@ -1,0 +1,138 @@
+"""Every page pointer of an LMDB environment checked before LMDB follows any of them.
+
+Knows: LMDB 0.9's page and node layout (below) and the shape of its trees -- branch pages point
+at child pages; the main database's leaf nodes hold the named databases' records (`MDB_db`, with
+their root page); a leaf node flagged F_BIGDATA points at a run of overflow pages holding its
+value. `check_pages` walks the trees of one snapshot (the free-page database, the main database,
+every named database) reading pages with pread, never through the map, and checks that every
+pointer lands inside the file's used pages, on a page of the kind expected that carries its own
+page number, and that every node lies inside its page.
+Why: LMDB trusts its pointers. One flipped bit in a leaf page moved a node pointer 32 KiB past
+the end of the file, and the first cursor walk over it (building the disk index at open) died of
+SIGBUS -- every restart again (tools/fault_drill.py, docs/BENCHMARKS.md "Reliability"). The meta
+page checks of storage/disk_preflight.py run before mapping; this runs after mapping (a read
+transaction pins the snapshot it walks, so no writer reuses its pages meanwhile) and before any
+read goes through the map.
+Doesn't know: our keys, values or records (storage/disk_records.py), nor what a payload's bytes
+mean: a pointer to the wrong page inside the file is the codec's to catch (a block's binding and
+checksums), so overflow runs are bounds-checked, not read.
+
+LMDB 0.9 layout, little-endian, offsets from the start of a page (PAGEBASE is 0 in releases):
+    page header   mp_pgno u64 @0, mp_flags u16 @10, mp_lower u16 @12, mp_upper u16 @14 (16 bytes)
+    node offsets  u16 array @16, (mp_lower - 16) / 2 of them, each from the page's start
+    node          mn_lo u16 @0, mn_hi u16 @2, mn_flags u16 @4, mn_ksize u16 @6, key @8, then data
+                  branch: child page = lo | hi << 16 | flags << 32; leaf: data size = lo | hi << 16
+    MDB_db        md_flags u16 @4, md_depth u16 @6, ..., md_entries u64 @32, md_root u64 @40 (48 bytes)
+    meta page     mm_dbs[0] (free pages) @40 (root @80), mm_dbs[1] (main) @88 (root @128),
+                  mm_last_pg u64 @136, mm_txnid u64 @144
+"""
+from __future__ import annotations
+
+import logging
+import os
+import struct
+
+import lmdb
+
+from storage.disk_preflight import DamagedEnvironment, MetaPage, read_meta_pages
+
+log = logging.getLogger(__name__)
+
+_P_BRANCH, _P_LEAF = 0x01, 0x02
+_F_BIGDATA, _F_SUBDATA, _F_DUPDATA = 0x01, 0x02, 0x04
+_P_INVALID = 0xFFFFFFFFFFFFFFFF
+_HDR, _NODE, _DB = 16, 8, 48
+_ATTEMPTS = 5
+
+
+def check_pages(env: lmdb.Environment, path: str) -> int:
+    """Walk the environment's current snapshot; raises DamagedEnvironment naming the first bad
+    pointer. Returns the pages read (0 when there is no data yet)."""
+    data = os.path.join(path, "data.mdb")
+    if not os.path.isfile(data) or os.path.getsize(data) == 0:
+        return 0
+    with open(data, "rb") as f:
+        fd = f.fileno()
+        for _ in range(_ATTEMPTS):
+            # NOTE: the read transaction registers us as a reader of its snapshot, so no writer
+            # (this process's or another's) reuses that snapshot's pages while we walk them.
+            with env.begin() as txn:
+                meta = next((m for m in read_meta_pages(f) if m is not None and m.txnid == txn.id()), None)
+                if meta is None:
+                    continue        # both meta pages are newer than our snapshot: take a new one
+                return _Walk(fd, meta, data).run()
+    log.warning("disk tier %s: its snapshot kept moving (busy writers); page pointers not checked", path)
+    return 0
+
+
+class _Walk:
+    def __init__(self, fd: int, meta: MetaPage, data: str) -> None:
+        self.fd, self.meta, self.data = fd, meta, data
+        self.psize = meta.page_size
+        self.seen: set[int] = set()
+
+    def fail(self, what: str) -> None:
+        raise DamagedEnvironment(f"{self.data}: {what}")
+
+    def run(self) -> int:
+        for name, root in (("free-page database", self.meta.free_root), ("main database", self.meta.main_root)):
+            if root != _P_INVALID:
+                self.tree(root, name, main=name == "main database")
+        return len(self.seen)
+
+    def page(self, pgno: int, what: str) -> bytes:
+        if not 2 <= pgno <= self.meta.last_page:
+            self.fail(f"{what}: page {pgno} is outside the file's pages 2..{self.meta.last_page}")
+        if pgno in self.seen:
+            self.fail(f"{what}: page {pgno} is reached twice (a loop or a shared page)")
+        self.seen.add(pgno)
+        p = os.pread(self.fd, self.psize, pgno * self.psize)
+        if len(p) < self.psize:
+            self.fail(f"{what}: page {pgno} is cut short")
+        return p
+
+    def tree(self, root: int, name: str, main: bool = False) -> None:
+        stack = [root]
+        while stack:
+            pgno = stack.pop()
+            p = self.page(pgno, name)
+            own, = struct.unpack_from("<Q", p, 0)
+            flags, lower, upper = struct.unpack_from("<HHH", p, 10)
+            kind = flags & (_P_BRANCH | _P_LEAF)
+            if own != pgno or kind not in (_P_BRANCH, _P_LEAF):
+                self.fail(f"{name}: page {pgno} is not a branch or leaf page of its own number "
+                          f"(says page {own}, flags {flags:#x})")
+            if not (_HDR <= lower <= upper <= self.psize) or (lower - _HDR) % 2:
+                self.fail(f"{name}: page {pgno} has a damaged header (lower {lower}, upper {upper})")
+            n = (lower - _HDR) // 2
+            for off in struct.unpack_from(f"<{n}H", p, _HDR):
+                if off < upper or off + _NODE > self.psize:
+                    self.fail(f"{name}: page {pgno} has a node at {off}, outside {upper}..{self.psize}")
+                lo, hi, nflags, ksize = struct.unpack_from("<HHHH", p, off)
+                end = off + _NODE + ksize
+                if kind == _P_BRANCH:
+                    if end > self.psize:
+                        self.fail(f"{name}: page {pgno} has a key running past the page")
+                    stack.append(lo | hi << 16 | nflags << 32)
+                    continue
+                size = lo | hi << 16
+                if nflags & _F_DUPDATA:
+                    self.fail(f"{name}: page {pgno} has a duplicate-sorted node (none of ours is)")
+                if nflags & _F_BIGDATA:
+                    if end + 8 > self.psize:
+                        self.fail(f"{name}: page {pgno} has a node running past the page")
+                    first, = struct.unpack_from("<Q", p, end)
+                    last = first + (_HDR - 1 + size) // self.psize      # LMDB's OVPAGES - 1
+                    if not 2 <= first or last > self.meta.last_page:
+                        self.fail(f"{name}: page {pgno} points a {size}-byte value at pages {first}..{last}, "
+                                  f"outside the file's pages 2..{self.meta.last_page}")
+                    continue
+                if end + size > self.psize:
+                    self.fail(f"{name}: page {pgno} has a node running past the page")
+                if nflags & _F_SUBDATA:
+                    if not main or size != _DB:
+                        self.fail(f"{name}: page {pgno} has a misplaced database record")
+                    sub_root, = struct.unpack_from("<Q", p, end + 40)
+                    if sub_root != _P_INVALID:
+                        key = p[off + _NODE:end].decode("ascii", "replace")
+                        self.tree(sub_root, f"database {key!r}")
