@@ -305,23 +305,7 @@ class RemoteTier:
             return self._client_obj
 
     def _build_client(self):
-        import redis
-        from redis.backoff import NoBackoff
-        from redis.retry import Retry
-        common = dict(socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s,
-                      **self.url.connection_kwargs())
-        if self.url.cluster:
-            from redis.cluster import ClusterNode, RedisCluster
-            # RedisCluster reads the slot map from a seed node here: it connects (bounded by the
-            # timeout) and raises if none answers -- _call counts that as a failure and retries
-            # the build on its next call.
-            return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in self.url.nodes],
-                                retry=Retry(NoBackoff(), 1), require_full_coverage=False, **common)
-        host, port = self.url.nodes[0]
-        # One immediate retry on a dropped connection (a restarted server leaves dead sockets in
-        # the pool); none on a timeout, so a slow store costs at most one timeout per call.
-        return redis.Redis(host=host, port=port, retry=Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)),
-                           **common)
+        return make_client(self.url, self.timeout_s)
 
     def _pipeline(self, client, cmds: list[tuple]) -> list:
         pipe = client.pipeline(transaction=False)
@@ -396,6 +380,27 @@ class RemoteTier:
         return RemoteStats(enabled=True, url=self.url.redacted, cluster=self.url.cluster, breaker=self.breaker.state,
                            breaker_opened=self.breaker.opened, pending_writes=self._writer.pending_count(),
                            last_error=last, **c)
+
+
+def make_client(url: RemoteURL, timeout_s: float):
+    """A redis-py client for `url` (redis.Redis, or RedisCluster for a cluster URL) whose every
+    call is bounded by `timeout_s` (connect and read). Shared with storage/remote_inspect.py."""
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+    common = dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s, **url.connection_kwargs())
+    if url.cluster:
+        from redis.cluster import ClusterNode, RedisCluster
+        # RedisCluster reads the slot map from a seed node here: it connects (bounded by the
+        # timeout) and raises if none answers -- RemoteTier._call counts that as a failure and
+        # retries the build on its next call.
+        return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in url.nodes],
+                            retry=Retry(NoBackoff(), 1), require_full_coverage=False, **common)
+    host, port = url.nodes[0]
+    # One immediate retry on a dropped connection (a restarted server leaves dead sockets in
+    # the pool); none on a timeout, so a slow store costs at most one timeout per call.
+    return redis.Redis(host=host, port=port, retry=Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)),
+                       **common)
 
 
 def _is_unavailable(e: Exception) -> bool:

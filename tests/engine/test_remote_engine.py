@@ -16,7 +16,7 @@ import pytest
 from engine.model import model_from_config
 from storage.config import CacheConfig
 from tests.engine.conftest import random_prompt, reference_greedy, tiny_llama_config
-from tests.valkey_servers import ValkeyServer
+from tools.valkey_servers import ValkeyServer
 from tieredkv import Engine, SamplingParams
 
 BS = 4

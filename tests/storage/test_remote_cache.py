@@ -1,7 +1,7 @@
 """TieredKVCache with a remote tier: what one cache computed is a remote hit for another (its own
 disk and host), restored bit-identical through the loader and kept in the local tiers; the
 write-behind (write_back / write_through, with and without a disk tier); a dead store costs
-nothing but misses. Real valkey-server processes (tests/valkey_servers.py)."""
+nothing but misses. Real valkey-server processes (tools/valkey_servers.py)."""
 from __future__ import annotations
 
 import os
