@@ -205,6 +205,15 @@ class RemoteTier:
     def get(self, key: BlockKey, out: torch.Tensor | None = None) -> torch.Tensor | None:
         return self.get_many([key], None if out is None else [out])[0]
 
+    def ping(self) -> str | None:
+        """None when the store answers now, else why not (one bounded call through the breaker;
+        a failure counts like any other). For a server's start-up line, never the request path."""
+        status, _ = self._call("ping", lambda c: c.ping())
+        if status == "ok":
+            return None
+        with self._lock:
+            return self._last_error if status == "failed" else "breaker open"
+
     # ---- writes (queued; the remote writer's thread sends them) ----------------------------
     def put(self, key: BlockKey, block: torch.Tensor, wait: bool = False, timeout: float | None = None) -> bool:
         """Queue a block (its bytes copied now, encoded on the writer thread). False when it
