@@ -4,6 +4,9 @@ The cache the commands read is made by a real tiny engine (random-weight Llama, 
 whose requests are known exactly, so block counts, tree shape and bills are asserted exactly.
 One test serves the real default model (`tieredkv serve`) and reads it with `status` and
 `billing --url`; one runs `tieredkv demo --json` on it (about a minute on 2 cores).
+The remote tier's commands run against real valkey servers (tools/valkey_servers.py): `serve`
+with a password-protected store on a tiny random-weight model, `inspect --remote-url` on a
+standalone store and the 3-node cluster, and the demo's remote phase on the tiny model.
 """
 from __future__ import annotations
 
@@ -456,3 +459,31 @@ def test_inspect_remote_lists_verifies_and_repairs_the_store(where: str, request
     finally:
         if own is not None:
             own.cleanup()
+
+
+def test_demo_with_a_remote_store_ends_with_a_second_server_hitting_it(tmp_path: Path, tiny_model_dir: Path,
+                                                                       valkey) -> None:
+    """The demo's remote phase, on the tiny model (the real model's run of the other phases is
+    test_demo_json_hits_every_tier_and_matches_the_ledger): a second engine with an empty disk
+    gets the first one's blocks from the store, billed as remote hits in the demo's one ledger."""
+    demo_dir = tmp_path / "demo"
+    r = tkv("demo", "--json", "--model", str(tiny_model_dir), "--cache-dir", str(demo_dir), "--remote-url", valkey.url,
+            "--max-tokens", "4", timeout=300)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    phases = {p["name"]: p["rows"] for p in report["phases"]}
+    assert list(phases) == ["document", "chat", "host", "restart", "remote"]
+    # A namespace of this run's own: the shared store's earlier runs cannot make the first question a hit.
+    assert report["tenant"].startswith("demo-") and report["remote"] == valkey.url
+    assert phases["document"][0]["hit_tokens"] == 0
+    q2, turn2 = phases["remote"]
+    assert (q2["request"], turn2["request"]) == ("Q2 again", "turn 2 again")
+    for row in (q2, turn2):
+        tiers = row["hit_tokens_by_tier"]
+        assert tiers["remote"] > 0 and tiers["device"] == tiers["host"] == tiers["disk"] == 0, row
+        assert row["hit_tokens"] + row["miss_tokens"] == row["prompt_tokens"]
+    assert q2["hit_tokens_by_tier"]["remote"] > 1000                 # the shared manual, from the store
+    bill = tkv_json("billing", "--cache-dir", str(demo_dir))["tenants"][report["tenant"]]
+    assert bill["requests"] == report["totals"]["requests"] == sum(len(rows) for rows in phases.values())
+    assert bill["hit_tokens_by_tier"] == report["totals"]["hit_tokens_by_tier"]
+    assert bill["cost_pico"] == report["totals"]["cost_pico"]

@@ -149,11 +149,15 @@ def demo(
     max_tokens: int = typer.Option(16, help="Tokens generated per request."),
     device: str = typer.Option("auto", help="auto, cpu, cuda, cuda:N."),
     json_out: bool = typer.Option(False, "--json", help=JSON_HELP),
+    remote_url: Optional[str] = typer.Option(None, help="A Valkey/Redis store (valkey://host:6379, ...): the demo "
+                                             "ends with a second server reading the first's blocks from it. Only "
+                                             "this flag turns it on ($TIEREDKV_REMOTE_URL does not)."),
 ) -> None:
     """Play a scenario on a real model: shared document, chat, host tier, restart from disk.
 
     Each phase prints a table: hit tokens by tier, misses, TTFT, speedup over recomputing
     the same prompt on an uncached engine, and the ledger's cost. Clears its cache dir first.
+    With --remote-url, one more phase: a second server with an empty disk hits the shared store.
     """
     from tieredkv.demo import Demo, phase_view, summary
     root = Path(cache_dir).expanduser().absolute() if cache_dir else cache_root(None) / "demo"
@@ -163,7 +167,8 @@ def demo(
         if not json_out:
             out.print(phase_view(phase, legend=not shown))
             shown.append(phase)
-    report = Demo(root, model=model, max_tokens=max_tokens, device=device, step=spinner, on_phase=show).run()
+    report = Demo(root, model=model, max_tokens=max_tokens, device=device, step=spinner, on_phase=show,
+                  remote_url=remote_url).run()
     if json_out:
         print_json(report)
     else:
