@@ -88,7 +88,7 @@ def test_the_store_killed_mid_run_costs_hits_not_requests(tmp_path) -> None:
         p = [random_prompt(21, seed=300 + i) for i in range(6)]
         with engine(tmp_path / "one" / "kv", server.url, **kw) as one, engine(tmp_path / "two" / "kv", server.url, **kw) as two:
             first = one.generate(p[0], GREEDY)
-            assert one.cache.remote.flush(10)
+            assert one.cache.disk.flush(10) and one.cache.remote.flush(10)   # the disk commits, then forwards
             check_billed(two.generate(p[0], GREEDY), "remote", hit(p[0]))
 
             server.stop()
@@ -108,7 +108,7 @@ def test_the_store_killed_mid_run_costs_hits_not_requests(tmp_path) -> None:
             server.start()                              # back, empty
             time.sleep(0.6)                             # past the cooldown: the next call probes it
             out = one.generate(p[4], GREEDY)
-            assert one.cache.remote.flush(10)
+            assert one.cache.disk.flush(10) and one.cache.remote.flush(10)   # the disk commits, then forwards
             assert one.cache_status()["tiers"]["remote"]["breaker"] == "closed"
             resumed = two.generate(p[4], GREEDY)        # hits resume
             assert resumed.token_ids == out.token_ids

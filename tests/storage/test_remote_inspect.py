@@ -82,8 +82,10 @@ def test_verify_reports_damage_and_repair_deletes_only_it(where, request, fresh_
         s = ri.survey()
         assert (s.blocks, s.cluster) == (12, where == "cluster")
         if where == "cluster":
-            # The keys spread over every primary, and each primary's SCAN found its share.
-            assert len(s.nodes) == 3 and sum(n.tkv_keys for n in s.nodes) == 12 and all(n.tkv_keys for n in s.nodes)
+            # The keys spread over the primaries (12 keys all in one node's slots: p ~ 6e-6), and
+            # each primary's SCAN found its share.
+            assert len(s.nodes) == 3 and sum(n.tkv_keys for n in s.nodes) == 12
+            assert sum(1 for n in s.nodes if n.tkv_keys) >= 2
         report = ri.verify()
         assert report.checked == 12 and report.repaired == 0
         reasons = {d.key: d.reason for d in report.damaged}
