@@ -14,14 +14,15 @@ round-robin to them (request i to server i % 2, C requests in flight), and what 
 
 Each prompt is the document, then a question of its own; greedy, --max-tokens tokens. Each
 (mode, concurrency) run uses a tenant no run used before (a cold namespace on both servers and
-in the store), so runs never hit each other's blocks; each mode starts its servers afresh. The
+in the store), so runs never hit each other's blocks. The four servers run side by side and the
+modes take turns, --repeat rounds, so load from outside falls on both modes alike. The
 texts of the two modes are compared request by request (a restored prefix must not change them).
 
 What it shows: without a shared tier each server computes the document once; with it, the
 second server reads the first one's blocks from the store -- when they are there in time. With
 C >= 2 the first two requests reach both servers at once, both cold, and both compute.
 
-    python tools/bench_scaleout.py [--requests 8] [--concurrency 1,2] [--max-tokens 8] [--json]
+    python tools/bench_scaleout.py [--requests 8] [--concurrency 1,2] [--max-tokens 8] [--repeat 2] [--json]
                                    [--remote-url URL] [--model M]
 """
 from __future__ import annotations
@@ -46,6 +47,7 @@ from pathlib import Path
 import httpx
 
 REPO = Path(__file__).resolve().parents[1]
+MODES = ("local", "remote")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 QUESTIONS = [
     "How long is the warranty, and what does it cover?",
@@ -201,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=None, help="model (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--remote-url", default=None, help="the shared store (default: a valkey-server of the script's own)")
     ap.add_argument("--block-size", type=int, default=16, help="the servers' block size (for the limit)")
+    ap.add_argument("--repeat", type=int, default=2, help="runs per (mode, concurrency); the median req/s is shown")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = ap.parse_args(argv)
     levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
@@ -218,44 +221,58 @@ def main(argv: list[str] | None = None) -> int:
         if url is None:
             store = own_store()
             url = store.url
-        for mode in ("local", "remote"):
-            print(f"{mode}: starting two servers", file=sys.stderr)
-            servers = [Server(tmp / f"{mode}-{i}", args.model, url if mode == "remote" else None) for i in range(2)]
-            try:
-                for s in servers:        # first-call costs, untimed, under a tenant of their own
-                    httpx.post(f"{s.url}/v1/completions", json={"model": s.model, "prompt": "Hello!", "max_tokens": 2,
-                                                                "user": f"warmup-{run_id}"}, timeout=600)
+        print("starting four servers: two without a remote tier, two sharing the store", file=sys.stderr)
+        servers: dict[str, list[Server]] = {}
+        try:
+            for mode in MODES:
+                servers[mode] = [Server(tmp / f"{mode}-{i}", args.model, url if mode == "remote" else None)
+                                 for i in range(2)]
+            for s in servers["local"] + servers["remote"]:    # first-call costs, untimed, a tenant of their own
+                httpx.post(f"{s.url}/v1/completions", json={"model": s.model, "prompt": "Hello!", "max_tokens": 2,
+                                                            "user": f"warmup-{run_id}"}, timeout=600)
+            # The modes take turns, run after run: load from outside this script falls on both alike.
+            samples: dict[tuple[str, int], list[dict]] = {}
+            for rep in range(args.repeat):
                 for c in levels:
-                    run = run_workload(servers, texts, c, f"scaleout-{run_id}-{mode}-c{c}", args.max_tokens)
-                    rows.append(summarize(mode, c, run, ideal))
-                    r = rows[-1]
-                    print(f"{mode} c={c}: {r['req_per_s']:.2f} req/s, hit rate {r['hit_rate']:.1%} "
-                          f"(limit {r['hit_rate_limit']:.1%})", file=sys.stderr)
-                status = [httpx.get(f"{s.url}/v1/cache/status", timeout=60).json()["tiers"]["remote"] for s in servers]
-                for r in rows:
-                    if r["mode"] == mode:
-                        r["servers_remote_status"] = status
-            finally:
-                for s in servers:
+                    for mode in MODES:
+                        run = run_workload(servers[mode], texts, c, f"scaleout-{run_id}-{mode}-c{c}-r{rep}",
+                                           args.max_tokens)
+                        row = summarize(mode, c, run, ideal)
+                        samples.setdefault((mode, c), []).append(row)
+                        print(f"round {rep + 1}/{args.repeat} {mode} c={c}: {row['req_per_s']:.2f} req/s, hit rate "
+                              f"{row['hit_rate']:.1%} (limit {row['hit_rate_limit']:.1%})", file=sys.stderr)
+            status = {mode: [httpx.get(f"{s.url}/v1/cache/status", timeout=60).json()["tiers"]["remote"]
+                             for s in servers[mode]] for mode in MODES}
+        finally:
+            for group in servers.values():
+                for s in group:
                     s.stop()
+        for (mode, c), runs in samples.items():
+            row = min(runs, key=lambda r: abs(r["req_per_s"] - statistics.median(x["req_per_s"] for x in runs)))
+            row = dict(row)    # the run with the median req/s (its hit rate and tiers with it)
+            row["req_per_s_runs"] = [r["req_per_s"] for r in runs]
+            row["hit_rate_runs"] = [r["hit_rate"] for r in runs]
+            row["servers_remote_status"] = status[mode] if mode == "remote" else None
+            rows.append(row)
     finally:
         if store is not None:
             store.cleanup()
         shutil.rmtree(tmp, ignore_errors=True)
     local_texts = {r["concurrency"]: r["texts"] for r in rows if r["mode"] == "local"}
+    rows.sort(key=lambda r: (MODES.index(r["mode"]), r["concurrency"]))
     for r in rows:
         r["same_text_as_local"] = r["texts"] == local_texts.get(r["concurrency"])
     machine = (f"{platform.machine()}, {os.cpu_count()} CPU threads, python {platform.python_version()}; "
-               "both servers and the store on this machine")
+               "all four servers and the store on this machine")
     if args.json:
         for r in rows:
             r.pop("texts")
-        print(json.dumps({"runs": rows, "requests": args.requests, "max_tokens": args.max_tokens,
+        print(json.dumps({"runs": rows, "requests": args.requests, "max_tokens": args.max_tokens, "repeat": args.repeat,
                           "document_tokens": len(tok(document())["input_ids"]),
                           "model": args.model or "SmolLM2-135M-Instruct", "machine": machine}))
         return 0
     print(f"Scale-out: {args.requests} requests over one shared document ({len(tok(document())['input_ids']):,} tokens) "
-          f"round-robin over 2 servers, max_tokens={args.max_tokens}")
+          f"round-robin over 2 servers, max_tokens={args.max_tokens}; the run with the median req/s of {args.repeat}")
     print(f"{'mode':<7} {'conc':>4} {'req/s':>7} {'wall s':>7} {'hit rate':>8} {'limit':>7} {'device':>7} {'host':>6} "
           f"{'disk':>6} {'remote':>7} {'miss':>7} {'p50 s':>6}  same text")
     for r in rows:
