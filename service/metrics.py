@@ -1,4 +1,5 @@
-"""Prometheus metrics for one app: request counts, latency histograms, and the cache's tiers.
+"""Prometheus metrics for one app: request counts, latency histograms, the cache's tiers, and the
+remote store's client (its counters and its circuit breaker).
 
 Knows: metric names and labels, and that the cache's numbers are read from
 `engine.cache_status()` at scrape time (a custom collector), so they are never stale and
@@ -30,6 +31,27 @@ _TIER_FIELDS = (
     ("evictions", "evictions", "Blocks evicted from the tier", True),
 )
 
+# The remote tier's own client counters (tiers.remote in cache_status(), storage/remote_tier.py):
+# (key in its status, metric suffix, help). Blocks served to requests are the tier="remote" rows
+# above; these say how the store itself answered.
+_REMOTE_COUNTERS = (
+    ("store_hits", "hits", "Blocks read from the remote store and verified"),
+    ("misses", "misses", "Blocks asked of the remote store and not served (absent, damaged, or an error)"),
+    ("errors", "errors", "Calls to the remote store that failed (connection, timeout): the breaker's failures"),
+    ("corrupt", "corrupt", "Remote values that failed verification (a miss; deleted)"),
+    ("skipped", "skipped", "Calls not made because the breaker was open"),
+    ("writes", "writes", "Blocks written to the remote store"),
+    ("write_errors", "write_errors", "Blocks the remote store refused, or lost with a failed batch"),
+    ("write_drops", "write_drops", "Blocks never sent to the remote store: its queue full, or the breaker open"),
+    ("stored_bytes_read", "read_bytes", "Bytes of values read from the remote store"),
+    ("bytes_written", "written_bytes", "Bytes of values written to the remote store"),
+    ("breaker_opened", "breaker_openings", "Times the remote tier's circuit breaker opened"),
+)
+BREAKER_STATES = ("closed", "open", "half_open")
+# The remote tier's capacity, contents and evictions are its store's (maxmemory, its LRU):
+# `tieredkv inspect --remote-url` reads them there.
+_STORE_OWN = frozenset({"capacity_bytes", "used_bytes", "blocks", "evictions"})
+
 
 class CacheCollector:
     """Reads engine.cache_status() on every scrape and reports each tier's numbers."""
@@ -52,6 +74,8 @@ class CacheCollector:
             fam = (CounterMetricFamily(name, help_text, labels=["tier"]) if running_total
                    else GaugeMetricFamily(name, help_text, labels=["tier"]))
             for tier in TIERS:
+                if tier == "remote" and key in _STORE_OWN:
+                    continue       # the store's own (shared by every server): not this server's to report
                 value = tiers.get(tier, {}).get(key)
                 if _is_number(value):
                     fam.add_metric([tier], float(value))
@@ -63,6 +87,28 @@ class CacheCollector:
                 fam = GaugeMetricFamily(f"tieredkv_disk_{key}", help_text)
                 fam.add_metric([], float(disk[key]))
                 yield fam
+        remote = tiers.get("remote", {})
+        if remote.get("enabled"):
+            yield from _remote_metrics(remote)
+
+
+def _remote_metrics(remote: dict[str, Any]) -> Iterable[Metric]:
+    for key, suffix, help_text in _REMOTE_COUNTERS:
+        if _is_number(remote.get(key)):
+            fam = CounterMetricFamily(f"tieredkv_remote_{suffix}", help_text)
+            fam.add_metric([], float(remote[key]))
+            yield fam
+    if _is_number(remote.get("pending_writes")):
+        fam = GaugeMetricFamily("tieredkv_remote_pending_writes", "Blocks waiting in the remote writer's queue")
+        fam.add_metric([], float(remote["pending_writes"]))
+        yield fam
+    # One series per state, 1 for the current one (Prometheus' idiom for an enum): an alert on
+    # tieredkv_remote_breaker_state{state="open"} == 1 fires while the store is being skipped.
+    fam = GaugeMetricFamily("tieredkv_remote_breaker_state",
+                            "The remote tier's circuit breaker: 1 for its current state", labels=["state"])
+    for state in BREAKER_STATES:
+        fam.add_metric([state], 1.0 if remote.get("breaker") == state else 0.0)
+    yield fam
 
 
 def _is_number(value: object) -> bool:

@@ -5,7 +5,7 @@ object -- OpenAI's fields, DeepSeek's cache fields, and the per-tier split:
   prompt_tokens, completion_tokens, total_tokens,
   prompt_cache_hit_tokens, prompt_cache_miss_tokens            (DeepSeek)
   prompt_tokens_details: {cached_tokens}                       (OpenAI)
-  prompt_cache_hit_tokens_by_tier: {device, host, disk}        (tieredkv)
+  prompt_cache_hit_tokens_by_tier: {device, host, disk, remote}  (tieredkv)
 and the `logprobs` object of a choice, in completions' and chat's shapes.
 Doesn't know: how the output was produced, tenants, or HTTP statuses.
 """

@@ -75,6 +75,18 @@ class BlockMeta:
         toks = struct.unpack_from(f"<{n_tok}I", buf, _META_FIXED.size + ns_len)
         return BlockMeta(parent, ns, toks, raw, stored, created, last, hits)
 
+    @staticmethod
+    def token_count(head: bytes | memoryview) -> int | None:
+        """The token count from a record's first FIXED_SIZE bytes (None if they are not a
+        record's): a listing reads it without fetching the whole record."""
+        if len(head) < _META_FIXED.size:
+            return None
+        fixed = _META_FIXED.unpack_from(head, 0)
+        return fixed[-1] if fixed[0] == _META_VERSION else None
+
+
+META_FIXED_SIZE = _META_FIXED.size    # bytes of a BlockMeta record before its namespace and tokens
+
 
 @dataclass(slots=True)
 class StoreInfo:

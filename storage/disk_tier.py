@@ -203,7 +203,7 @@ class DiskTier:
 
     # -- public API ----------------------------------------------------------------------
 
-    def put(self, key: BlockKey, block: torch.Tensor, wait: bool = True) -> bool:
+    def put(self, key: BlockKey, block: torch.Tensor, wait: bool = True, payload: bytes | None = None) -> bool:
         """Queue `block` for the background writer and return without compressing.
 
         The block's bytes are copied to CPU before returning, so the caller may reuse its
@@ -213,6 +213,10 @@ class DiskTier:
         and past that returns False (counted in stats().queue_full_drops): the engine's
         eviction cascade must never wait on the disk.
         Write failures are never raised here: see stats().write_errors.
+        `payload`: the block already encoded by this tier's codec format and bound to its hash and
+        namespace (a block the remote tier just read and verified): the writer stores it as is
+        instead of compressing the block again, and `block` is not copied (a read while it waits
+        decodes the payload).
         """
         self._check_open(write=True)
         dtype_name(block.dtype)
@@ -221,9 +225,12 @@ class DiskTier:
                              f"got {tuple(block.shape)} of {block.dtype}")
         if self._writer.is_pending(key.hash) or key.hash in self._index:
             return True
-        copy = torch.empty(block.shape, dtype=block.dtype)
-        copy.copy_(block.detach())
-        if self._writer.submit(key, copy, wait):   # waits while the queue is full, if wait
+        if payload is not None:
+            copy, raw_size = None, block.numel() * block.element_size()
+        else:
+            copy, raw_size = torch.empty(block.shape, dtype=block.dtype), 0
+            copy.copy_(block.detach())
+        if self._writer.submit(key, copy, wait, payload, raw_size):   # waits while the queue is full, if wait
             return True
         self._count(queue_full_drops=1)
         return False
@@ -284,7 +291,7 @@ class DiskTier:
                 if p is not None:
                     # Served from the raw copy awaiting the writer; a key or `out` that does
                     # not match it is a miss (nothing stored is damaged).
-                    results[i] = p.copy_for(key, outs[i])
+                    results[i] = p.copy_for(key, outs[i], self.codec)
                     hits, misses = hits + (results[i] is not None), misses + (results[i] is None)
                     continue
                 payload, meta = txn.get(key.hash, db=self._payload), txn.get(key.hash, db=self._meta)

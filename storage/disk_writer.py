@@ -31,7 +31,7 @@ import lmdb
 import torch
 
 from storage.priority import background_priority
-from storage.codec import Codec
+from storage.codec import Codec, CodecError
 from storage.disk_records import (BlockMeta, Databases, StoreInfo, delete_in_txn, load_capacity, load_info, lru_hash,
                                   lru_key, store_info)
 from storage.disk_index import DiskIndex
@@ -45,14 +45,27 @@ _READER_CHECK_S = 5.0   # how often the writer clears dead processes' reader slo
 
 @dataclass(slots=True)
 class PendingBlock:
+    """A put awaiting its commit: the block's raw bytes, or (a block the remote tier read and
+    verified) the payload already encoded, which is stored as it is and decoded for a read."""
     key: BlockKey
-    block: torch.Tensor
+    block: torch.Tensor | None
+    payload: bytes | memoryview | None = None     # encoded, bound to hash || namespace
+    raw_size: int = 0                             # the block's bytes (when only `payload` is kept)
 
-    def copy_for(self, key: BlockKey, out: torch.Tensor | None) -> torch.Tensor | None:
-        """This raw copy served for `key` (into `out` if given); None when the key or `out`
+    @property
+    def nbytes(self) -> int:
+        return self.raw_size if self.block is None else self.block.numel() * self.block.element_size()
+
+    def copy_for(self, key: BlockKey, out: torch.Tensor | None, codec: Codec) -> torch.Tensor | None:
+        """This pending block served for `key` (into `out` if given); None when the key or `out`
         does not match it."""
         if (self.key.token_ids, self.key.namespace, self.key.parent) != (key.token_ids, key.namespace, key.parent):
             return None
+        if self.block is None:
+            try:
+                return codec.decode(self.payload, payload_binding(key.hash, key.namespace), out)
+            except (CodecError, ValueError):
+                return None
         if out is None:
             return self.block.clone()
         if out.numel() != self.block.numel() or out.dtype != self.block.dtype or not out.is_contiguous():
@@ -129,10 +142,13 @@ class DiskWriter:
         with self._cond:
             return len(self._pending)
 
-    def submit(self, key: BlockKey, block: torch.Tensor, wait: bool = True) -> bool:
+    def submit(self, key: BlockKey, block: torch.Tensor | None, wait: bool = True, payload: bytes | None = None,
+               raw_size: int = 0) -> bool:
         """Queue `block` (a private CPU copy) unless its hash is pending already. With
         wait=False (the engine's eviction cascade) it never waits: it may fill the queue to twice
-        its bound, and past that returns False (the block is not queued)."""
+        its bound, and past that returns False (the block is not queued). `payload` (block None,
+        `raw_size` its bytes): the block already encoded and verified (a remote read's),
+        committed as it is."""
         h = key.hash
         with self._cond:
             # NOTE: the queue bound -- put waits here while queue_blocks blocks are pending; the
@@ -144,7 +160,7 @@ class DiskWriter:
             if self._stopping:
                 raise RuntimeError("DiskTier is closed")
             if h not in self._pending:
-                self._pending[h] = PendingBlock(key, block)
+                self._pending[h] = PendingBlock(key, block, payload, raw_size)
                 self._queue.append(h)
                 self._cond.notify_all()
             return True
@@ -274,7 +290,9 @@ class DiskWriter:
         encoded = []
         for it in items:   # compress outside any transaction: the write lock is held only to commit
             try:
-                encoded.append((it.key, self._codec.encode(it.block, payload_binding(it.key.hash, it.key.namespace)), it.block.numel() * it.block.element_size()))
+                payload = it.payload if it.payload is not None else \
+                    self._codec.encode(it.block, payload_binding(it.key.hash, it.key.namespace))
+                encoded.append((it.key, payload, it.nbytes))
             except Exception:
                 log.exception("disk tier: encoding block %s failed", it.key.hash.hex()[:16])
                 self._lost(1)

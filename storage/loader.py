@@ -235,18 +235,23 @@ class Loader:
         return self._fill_from(self.cache.disk, fills)
 
     def _fill_from_remote(self, fills: list[Fill]) -> list[bool]:
-        return self._fill_from(self.cache.remote, fills)
+        return self._fill_from(self.cache.remote, fills, keep=True)
 
-    def _fill_from(self, tier, fills: list[Fill]) -> list[bool]:
+    def _fill_from(self, tier, fills: list[Fill], keep: bool = False) -> list[bool]:
         """Read, verify and decode blocks of the disk or remote tier (get_many: a miss is None,
-        never an exception for the store's failures) into the fills' pages."""
+        never an exception for the store's failures) into the fills' pages. `keep` (the remote
+        tier): the blocks read also go to the local disk, with their payloads (_keep_on_disk)."""
         c = self.cache
         if tier is None:
             return [False] * len(fills)
+        kw = {"payloads": [None] * len(fills)} if keep else {}
         if not self.stage_decodes:
             # Decoded straight into the held pages: nothing else reads or writes them (see the
             # module's invariant), so no lock is needed for the bytes.
-            got = tier.get_many([f.key for f in fills], [c.pool.kv[f.page] for f in fills])
+            got = tier.get_many([f.key for f in fills], [c.pool.kv[f.page] for f in fills], **kw)
+            if keep:
+                self._keep_on_disk([(f.key, c.pool.kv[f.page], p) for f, b, p in zip(fills, got, kw["payloads"])
+                                    if b is not None])
             return [b is not None for b in got]
         # A device the CPU cannot write: decode into this worker's pinned staging blocks, then
         # one batch of truly asynchronous copies into the pages (issue 9, item 4: a decode into
@@ -255,8 +260,13 @@ class Loader:
         ok: list[bool] = []
         for start in range(0, len(fills), STAGE_BLOCKS):
             part = fills[start:start + STAGE_BLOCKS]
-            got = tier.get_many([f.key for f in part], [stage[i] for i in range(len(part))])
+            if keep:
+                kw["payloads"] = [None] * len(part)
+            got = tier.get_many([f.key for f in part], [stage[i] for i in range(len(part))], **kw)
             self._copy_many([(c.pool.kv[f.page], stage[i]) for i, (f, b) in enumerate(zip(part, got)) if b is not None])
+            if keep:      # from the staging blocks (CPU), before the next part reuses them
+                self._keep_on_disk([(f.key, stage[i], p) for i, (f, b, p) in enumerate(zip(part, got, kw["payloads"]))
+                                    if b is not None])
             ok += [b is not None for b in got]
         return ok
 
@@ -298,8 +308,6 @@ class Loader:
                     st = c._stats[f.source]
                     st.promotions += 1
                     st.bytes_read += c.layout.nbytes
-                    if f.source == "remote":
-                        self._keep_locally(f)
                 else:
                     self.failed_fills += 1
                 if self.inflight.get(f.key.hash) is f:
@@ -307,14 +315,27 @@ class Loader:
                 c.pool.release(f.page)
                 f.done.set()
 
-    def _keep_locally(self, f: Fill) -> None:
-        """A block restored from the remote is also written into the local tiers (host, then
-        disk), so the next miss of this process does not cross the network. Under the cache lock;
-        never waits (the cascade's rules: a full disk queue drops it)."""
+    def _keep_on_disk(self, kept: list[tuple[BlockKey, torch.Tensor, bytes]]) -> None:
+        """Blocks just read from the remote (key, their bytes on the CPU, the payload the store
+        gave) also go to the local disk, so the next miss of this process -- after a restart too --
+        stays local. The payload is stored as it is: the block is not compressed a second time
+        (on a CPU-bound server that would compete with the forward the restore is for). Never
+        waits: a full disk queue drops it, as in the eviction cascade. No lock is held for the
+        copy (the caller's fills own these bytes); the host tier gets them as any device block,
+        when they fall out of the device pool."""
+        c = self.cache
+        if c.disk is None:
+            return
         try:
-            self.cache._write_down([(f.key, f.page)], through=True)
-        except Exception:
-            log.exception("keeping remote block %s locally failed", f.key.hash.hex()[:16])
+            queued = sum(1 for key, block, payload in kept
+                         if not c.disk.contains(key.hash) and c.disk.put(key, block, wait=False, payload=payload))
+        except Exception:     # keeping a copy is a nicety: the fills themselves succeeded
+            log.exception("keeping %d remote blocks on disk failed", len(kept))
+            return
+        if queued:
+            with c._lock:
+                for _ in range(queued):
+                    c._count_write("disk")
 
     # ---- prefetch ------------------------------------------------------------------------
     def prefetch(self, keys: Sequence[BlockKey], into: Prefetch) -> None:

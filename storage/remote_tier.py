@@ -1,8 +1,8 @@
 """The remote tier: KV blocks in a shared Valkey/Redis (standalone or cluster), below disk.
 
 Knows: the key scheme, the value format, the client (built lazily, short timeouts, no slow
-retries), batched and pipelined reads/writes (one pipeline of MGETs; in cluster mode one MGET
-per hash slot, the pipeline sending each node its share), verification of what it reads, the
+retries), batched reads (an MGET of up to 32 keys at a time -- in cluster mode of one hash slot
+--, each group decoded while the next is fetched) and pipelined writes, verification of what it reads, the
 circuit breaker in front of every call, and this process's counters.
 Doesn't know: the other tiers, the engine, or when a block should be written (storage/
 tiered_cache.py decides; storage/remote_writer.py is the thread that writes).
@@ -30,17 +30,20 @@ answers every call at once -- a read misses, a write is dropped (`skipped`) -- u
 lets a probe through. A store that refuses a write (out of memory, read-only replica) counts a
 `write_errors` and is not a breaker failure: it answered.
 
-Threads: reads run on the loader's threads (never the engine thread), writes on the
-remote writer's thread; the client's connection pool is thread-safe; counters and the small
+Threads: reads run on the loader's threads (never the engine thread), their verification and
+decoding on this tier's decode pool (`tieredkv-remote-decode`), writes on the remote writer's
+thread; the client's connection pool is thread-safe; counters and the small
 "known present" set are under `_lock` (held for no I/O).
 """
 from __future__ import annotations
 
 import logging
+import os
 import struct
 import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -52,6 +55,7 @@ from storage.disk_integrity import payload_binding, verify_and_decode
 from storage.disk_records import BlockMeta
 from storage.hashing import BlockKey
 from storage.layout import BlockLayout
+from storage.priority import background_priority
 from storage.remote_url import RemoteURL
 from storage.remote_writer import RemoteWriter, WriteItem
 
@@ -61,6 +65,7 @@ KEY_PREFIX = b"tkv:r1:"       # bump r1 when the value format changes: old value
 VALUE_MAGIC = b"TKR1"
 _META_LEN = struct.Struct("<I")
 _MGET_CHUNK = 32              # keys per MGET: bounds one reply (~32 blocks) without a round trip each
+_READ_SIZE = 1 << 20          # bytes per recv() of a reply (see make_client)
 _KNOWN_MAX = 1 << 16          # hashes remembered as present in the store (skip re-writing them)
 _LOG_EVERY_S = 10.0
 
@@ -114,7 +119,8 @@ class RemoteTier:
 
     def __init__(self, url: RemoteURL, layout: BlockLayout | None, codec: Codec = Codec(), *,
                  timeout_s: float = 0.5, ttl_s: float | None = None,
-                 breaker: BreakerConfig = BreakerConfig(), queue_blocks: int = 256, batch_blocks: int = 32) -> None:
+                 breaker: BreakerConfig = BreakerConfig(), queue_blocks: int = 256, batch_blocks: int = 32,
+                 decode_threads: int | None = None) -> None:
         self.url = url
         self.layout = layout
         self.codec = codec
@@ -137,6 +143,8 @@ class RemoteTier:
         self.breaker = CircuitBreaker(breaker, on_close=self._forget_known)
         self._writer = RemoteWriter(self._write_batch, self._count, queue_blocks, batch_blocks)
         self._writer.start()
+        self._decode_threads = decode_threads or os.cpu_count() or 1
+        self._decode_pool: ThreadPoolExecutor | None = None     # built at the first read
 
     # ---- reads (loader threads) ------------------------------------------------------------
     def available(self) -> bool:
@@ -164,46 +172,78 @@ class RemoteTier:
             present.add(key.hash)
         return frozenset(present)
 
-    def get_many(self, keys: Sequence[BlockKey], outs: Sequence[torch.Tensor | None] | None = None
-                 ) -> list[torch.Tensor | None]:
-        """Verified blocks for `keys` (None: a miss). `outs`, when given, receive the bytes."""
+    def get_many(self, keys: Sequence[BlockKey], outs: Sequence[torch.Tensor | None] | None = None,
+                 payloads: list | None = None) -> list[torch.Tensor | None]:
+        """Verified blocks for `keys` (None: a miss). `outs`, when given, receive the bytes.
+        `payloads`, when given (a list as long as `keys`), receives each hit's codec payload
+        (verified, bound to hash || namespace): the local disk stores it without encoding again.
+
+        The keys are fetched a group (one MGET) at a time, and each group's values are verified
+        and decoded on the decode pool while the next group is on the wire: the network read
+        and the decompression overlap instead of adding up."""
         keys = list(keys)
         outs = [None] * len(keys) if outs is None else list(outs)
-        if len(outs) != len(keys):
-            raise ValueError(f"outs: expected {len(keys)} entries, got {len(outs)}")
+        if len(outs) != len(keys) or (payloads is not None and len(payloads) != len(keys)):
+            raise ValueError(f"outs, payloads: expected {len(keys)} entries")
         results: list[torch.Tensor | None] = [None] * len(keys)
         if not keys:
             return results
         rkeys = [remote_key(k) for k in keys]
-        status, values = self._call("get", lambda c: self._mget(c, rkeys))
-        if status != "ok":
-            self._count(misses=len(keys))
-            return results
+        fetched: list[tuple[int, Future]] = []          # (index, its check), in fetch order
+
+        def fetch(client) -> None:
+            for group in self._groups(rkeys):
+                values = self._mget_one(client, [rkeys[i] for i in group])
+                decoder = self._decoder()
+                fetched.extend((i, decoder.submit(self._check, keys[i], outs[i], v)) for i, v in zip(group, values))
+        # A failure part-way (the store died, a node is down) keeps the groups already fetched.
+        self._call("get", fetch)
         damaged, nbytes, hits = [], 0, 0
-        for i, (key, value) in enumerate(zip(keys, values)):
-            if value is None or isinstance(value, Exception):
-                self._forget(rkeys[i])
-                continue
-            meta, payload = unpack_value(value)
-            if meta is None:
-                tensor, reason = None, "value framing damaged"
-            else:
-                tensor, reason = verify_and_decode(self.codec, self.layout, key, outs[i], payload, meta)
+        for i, future in fetched:
+            tensor, reason, payload, size = future.result()
             if tensor is None:
-                log.warning("remote tier: block %s is damaged (%s): a miss, deleted", key.hash.hex()[:16], reason)
+                if reason is None:
+                    self._forget(rkeys[i])          # absent: evicted, expired, or never written
+                    continue
+                log.warning("remote tier: block %s is damaged (%s): a miss, deleted", keys[i].hash.hex()[:16], reason)
                 damaged.append(rkeys[i])
                 continue
             results[i] = tensor
+            if payloads is not None:
+                payloads[i] = payload
             hits += 1
-            nbytes += len(value)
+            nbytes += size
             self._remember(rkeys[i])
         self._count(hits=hits, misses=len(keys) - hits, corrupt=len(damaged), bytes_read=nbytes)
         if damaged:
             self._call("delete", lambda c: self._pipeline(c, [("UNLINK", k) for k in damaged]))
         return results
 
+    def _check(self, key: BlockKey, out: torch.Tensor | None, value: object
+               ) -> tuple[torch.Tensor | None, str | None, bytes | None, int]:
+        """(block, None, payload, value size) for a sound value; (None, reason, None, 0) for a
+        damaged one; (None, None, None, 0) for an absent one. Runs on the decode pool."""
+        if value is None or isinstance(value, Exception):
+            return None, None, None, 0
+        meta, payload = unpack_value(value)
+        if meta is None:
+            return None, "value framing damaged", None, 0
+        tensor, reason = verify_and_decode(self.codec, self.layout, key, out, payload, meta)
+        if tensor is None:
+            return None, reason, None, 0
+        return tensor, None, payload, len(value)
+
     def get(self, key: BlockKey, out: torch.Tensor | None = None) -> torch.Tensor | None:
         return self.get_many([key], None if out is None else [out])[0]
+
+    def ping(self) -> str | None:
+        """None when the store answers now, else why not (one bounded call through the breaker;
+        a failure counts like any other). For a server's start-up line, never the request path."""
+        status, _ = self._call("ping", lambda c: c.ping())
+        if status == "ok":
+            return None
+        with self._lock:
+            return self._last_error if status == "failed" else "breaker open"
 
     # ---- writes (queued; the remote writer's thread sends them) ----------------------------
     def put(self, key: BlockKey, block: torch.Tensor, wait: bool = False, timeout: float | None = None) -> bool:
@@ -223,14 +263,24 @@ class RemoteTier:
             return True
         return self._writer.submit(WriteItem(key, payload=payload, raw_size=raw_size), wait, timeout)
 
-    def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every queued write was sent. True when none was lost meanwhile."""
-        return self._writer.flush(timeout)
+    def flush(self, timeout: float | None = None, since: int | None = None) -> bool:
+        """Wait until every queued write was sent. True when none was lost meanwhile (or since
+        `since`, a write_failures() mark)."""
+        return self._writer.flush(timeout, since)
+
+    def write_failures(self) -> int:
+        """A mark for flush(since=...): taken before queueing writes, a flush then also sees the
+        batches that failed before it began waiting."""
+        return self._writer.failures()
 
     def close(self, timeout: float | None = 10.0) -> None:
         """Send what is queued (bounded), stop the writer, close the connections."""
         self._writer.flush(timeout)
         self._writer.stop()
+        with self._lock:
+            pool, self._decode_pool = self._decode_pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
         with self._client_lock:
             client, self._client_obj = self._client_obj, None
         if client is not None:
@@ -305,23 +355,7 @@ class RemoteTier:
             return self._client_obj
 
     def _build_client(self):
-        import redis
-        from redis.backoff import NoBackoff
-        from redis.retry import Retry
-        common = dict(socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s,
-                      **self.url.connection_kwargs())
-        if self.url.cluster:
-            from redis.cluster import ClusterNode, RedisCluster
-            # RedisCluster reads the slot map from a seed node here: it connects (bounded by the
-            # timeout) and raises if none answers -- _call counts that as a failure and retries
-            # the build on its next call.
-            return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in self.url.nodes],
-                                retry=Retry(NoBackoff(), 1), require_full_coverage=False, **common)
-        host, port = self.url.nodes[0]
-        # One immediate retry on a dropped connection (a restarted server leaves dead sockets in
-        # the pool); none on a timeout, so a slow store costs at most one timeout per call.
-        return redis.Redis(host=host, port=port, retry=Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)),
-                           **common)
+        return make_client(self.url, self.timeout_s)
 
     def _pipeline(self, client, cmds: list[tuple]) -> list:
         pipe = client.pipeline(transaction=False)
@@ -329,27 +363,29 @@ class RemoteTier:
             pipe.execute_command(*cmd)
         return pipe.execute(raise_on_error=False)
 
-    def _mget(self, client, rkeys: list[bytes]) -> list:
-        """Values for rkeys in order: one pipeline of MGETs (cluster: keys grouped by slot, since
-        one MGET must stay in one slot; the pipeline sends each node its MGETs together)."""
-        groups: list[list[int]] = []
-        if self.url.cluster:
-            from redis.crc import key_slot
-            by_slot: dict[int, list[int]] = {}
-            for i, k in enumerate(rkeys):
-                by_slot.setdefault(key_slot(k), []).append(i)
-            for idx in by_slot.values():
-                groups.extend(idx[j:j + _MGET_CHUNK] for j in range(0, len(idx), _MGET_CHUNK))
-        else:
-            groups = [list(range(j, min(j + _MGET_CHUNK, len(rkeys)))) for j in range(0, len(rkeys), _MGET_CHUNK)]
-        replies = self._pipeline(client, [("MGET", *(rkeys[i] for i in g)) for g in groups])
-        out: list = [None] * len(rkeys)
-        for g, reply in zip(groups, replies):
-            if isinstance(reply, Exception):
-                raise reply
-            for i, v in zip(g, reply):
-                out[i] = v
-        return out
+    def _groups(self, rkeys: list[bytes]) -> list[list[int]]:
+        """Indices of rkeys, a group per MGET: _MGET_CHUNK keys at most, and in a cluster keys of
+        one hash slot only (one MGET must stay in one slot)."""
+        if not self.url.cluster:
+            return [list(range(j, min(j + _MGET_CHUNK, len(rkeys)))) for j in range(0, len(rkeys), _MGET_CHUNK)]
+        from redis.crc import key_slot
+        by_slot: dict[int, list[int]] = {}
+        for i, k in enumerate(rkeys):
+            by_slot.setdefault(key_slot(k), []).append(i)
+        return [idx[j:j + _MGET_CHUNK] for idx in by_slot.values() for j in range(0, len(idx), _MGET_CHUNK)]
+
+    @staticmethod
+    def _mget_one(client, rkeys: list[bytes]) -> list:
+        """One MGET (a cluster client routes it by the keys' one slot)."""
+        return client.execute_command("MGET", *rkeys)
+
+    def _decoder(self) -> ThreadPoolExecutor:
+        """The pool that verifies and decodes values (zstd and the copies release the GIL)."""
+        with self._lock:
+            if self._decode_pool is None:
+                self._decode_pool = ThreadPoolExecutor(self._decode_threads, thread_name_prefix="tieredkv-remote-decode",
+                                                       initializer=background_priority)
+            return self._decode_pool
 
     # ---- bookkeeping -----------------------------------------------------------------------
     def _remember(self, rk: bytes) -> None:
@@ -396,6 +432,31 @@ class RemoteTier:
         return RemoteStats(enabled=True, url=self.url.redacted, cluster=self.url.cluster, breaker=self.breaker.state,
                            breaker_opened=self.breaker.opened, pending_writes=self._writer.pending_count(),
                            last_error=last, **c)
+
+
+def make_client(url: RemoteURL, timeout_s: float):
+    """A redis-py client for `url` (redis.Redis, or RedisCluster for a cluster URL) whose every
+    call is bounded by `timeout_s` (connect and read). Shared with storage/remote_inspect.py."""
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+    # socket_read_size: redis-py's pure-Python reader takes a reply in recv()s of this size, each
+    # copied into its buffer; a block's value is ~0.1-1 MB, so 1 MiB reads (not the default 64 KiB)
+    # cut the Python work of a 90 MB restore by about a quarter (tools/bench_ttft.py, remote).
+    common = dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s, socket_read_size=_READ_SIZE,
+                  **url.connection_kwargs())
+    if url.cluster:
+        from redis.cluster import ClusterNode, RedisCluster
+        # RedisCluster reads the slot map from a seed node here: it connects (bounded by the
+        # timeout) and raises if none answers -- RemoteTier._call counts that as a failure and
+        # retries the build on its next call.
+        return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in url.nodes],
+                            retry=Retry(NoBackoff(), 1), require_full_coverage=False, **common)
+    host, port = url.nodes[0]
+    # One immediate retry on a dropped connection (a restarted server leaves dead sockets in
+    # the pool); none on a timeout, so a slow store costs at most one timeout per call.
+    return redis.Redis(host=host, port=port, retry=Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)),
+                       **common)
 
 
 def _is_unavailable(e: Exception) -> bool:

@@ -82,12 +82,18 @@ class RemoteWriter:
         with self._cond:
             return len(self._queue) + self._busy
 
-    def flush(self, timeout: float | None = None) -> bool:
+    def failures(self) -> int:
+        """Batches that did not fully land so far: a mark for flush(since=...)."""
+        with self._cond:
+            return self._failed
+
+    def flush(self, timeout: float | None = None, since: int | None = None) -> bool:
         """Wait until everything queued (now and meanwhile) was sent. False on timeout, if the
-        thread is gone, or if a batch did not fully land while waiting."""
+        thread is gone, or if a batch did not fully land while waiting -- or since `since` (a
+        failures() mark taken before the writes were queued: a batch may fail before the wait)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            failed_before = self._failed
+            failed_before = self._failed if since is None else since
             while self._queue or self._busy:
                 if self._thread is None or not self._thread.is_alive():
                     return False

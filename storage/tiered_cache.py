@@ -463,6 +463,9 @@ class TieredKVCache:
         tier, also wait for its writer: blocks the disk commits are forwarded to it; with no disk
         tier every device and host block is queued for it here. `remote` says whether every
         remote write was sent (a store that is down makes it False, never the flush fail)."""
+        # The disk's commits forward blocks to the remote writer, which may fail a batch before
+        # this flush waits for it: the mark makes such a loss count too.
+        remote_mark = None if self.remote is None else self.remote.write_failures()
         with self._lock:
             self._drain_through(wait=True)
         if self.disk is not None:
@@ -477,7 +480,7 @@ class TieredKVCache:
                 written = len(self._to_host([(self.pool.key_of(page), page) for page in self.pool.cached_pages()]))
                 self.transfer.sync_host()
             complete = True
-        remote = None if self.remote is None else self.remote.flush(timeout)
+        remote = None if self.remote is None else self.remote.flush(timeout, since=remote_mark)
         return FlushResult(written, complete, remote)
 
     def demote(self, tier: str) -> int:

@@ -24,14 +24,14 @@ def default_model():
     return load_model()
 
 
-# Real Valkey servers (tests/valkey_servers.py), shared by the storage and engine tests of the
+# Real Valkey servers (tools/valkey_servers.py), shared by the storage and engine tests of the
 # remote tier. Session-scoped: starting a cluster takes ~2 s. Tests share them safely because each
 # uses its own namespace (keys are namespaced: storage/remote_tier.py). A test that stops or
 # restarts a server starts its own.
 @pytest.fixture(scope="session")
 def valkey():
     """A standalone valkey-server on a free loopback port."""
-    from tests.valkey_servers import ValkeyServer
+    from tools.valkey_servers import ValkeyServer
     server = ValkeyServer()
     try:
         yield server.start()
@@ -42,7 +42,7 @@ def valkey():
 @pytest.fixture(scope="session")
 def valkey_cluster():
     """A 3-node valkey cluster (cluster-enabled, no replicas) on free loopback ports."""
-    from tests.valkey_servers import ValkeyCluster
+    from tools.valkey_servers import ValkeyCluster
     cluster = ValkeyCluster()
     try:
         yield cluster.start()

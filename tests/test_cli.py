@@ -4,6 +4,9 @@ The cache the commands read is made by a real tiny engine (random-weight Llama, 
 whose requests are known exactly, so block counts, tree shape and bills are asserted exactly.
 One test serves the real default model (`tieredkv serve`) and reads it with `status` and
 `billing --url`; one runs `tieredkv demo --json` on it (about a minute on 2 cores).
+The remote tier's commands run against real valkey servers (tools/valkey_servers.py): `serve`
+with a password-protected store on a tiny random-weight model, `inspect --remote-url` on a
+standalone store and the 3-node cluster, and the demo's remote phase on the tiny model.
 """
 from __future__ import annotations
 
@@ -336,3 +339,151 @@ def test_demo_on_a_short_context_model_says_what_it_needs(tmp_path: Path, defaul
     tokenizer.save_pretrained(model_dir)
     r = tkv("demo", "--model", str(model_dir), "--cache-dir", str(tmp_path / "demo"), timeout=300)
     assert_one_line_error(r, 2, "--model", "context", "1,024")
+
+
+# ---- the remote tier: serve --remote-url, status, inspect --remote-url -----------------------
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory, default_model_converted: None) -> Path:
+    """A random-weight Llama saved as a transformers directory with the real tokenizer and a 4k
+    context (the demo's document fits): `serve --model` and `demo --model` load it in seconds."""
+    from tests.service.tiny_engine import default_tokenizer_dir, load_tokenizer, tiny_config
+    from transformers import LlamaForCausalLM
+    tokenizer = load_tokenizer(default_tokenizer_dir())
+    config = tiny_config(len(tokenizer))
+    config.max_position_embeddings = 4096
+    path = tmp_path_factory.mktemp("tiny-4k")
+    import torch
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def test_serve_with_a_remote_store_never_shows_its_password(tmp_path: Path, tiny_model_dir: Path) -> None:
+    from tools.valkey_servers import ValkeyServer
+    password = "hunter2-not-for-logs"
+    store = ValkeyServer("--requirepass", password)
+    store.start()
+    proc = None
+    try:
+        url = f"valkey://:{password}@127.0.0.1:{store.port}"
+        # The URL from the environment (keeps the password out of `ps`), the other options as flags.
+        proc = subprocess.Popen([sys.executable, "-m", "tieredkv.cli", "serve", "--model", str(tiny_model_dir),
+                                 "--port", "0", "--cache-dir", str(tmp_path / "srv"), "--device-memory", "8MiB",
+                                 "--host-memory", "8MiB", "--log-level", "warning", "--remote-write", "write_through",
+                                 "--remote-timeout", "2", "--remote-ttl", "3600"],
+                                cwd=REPO, env={**ENV, "TIEREDKV_REMOTE_URL": url}, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True)
+        lines = Lines(proc.stderr)
+        server = lines.wait(r"serving \S+ on (http://127\.0\.0\.1:\d+)", proc, 180)[1]
+        lines.wait(rf"remote tier valkey://:\*\*\*@127\.0\.0\.1:{store.port} \(write_through\): reachable", proc, 30)
+        r = httpx.post(f"{server}/v1/completions", json={"model": tiny_model_dir.name, "prompt": "Shared caches " * 20,
+                                                         "max_tokens": 2}, timeout=60)
+        assert r.status_code == 200, r.text
+        status = tkv_json("status", "--url", server)["tiers"]["remote"]
+        assert status["url"] == f"valkey://:***@127.0.0.1:{store.port}" and status["write_policy"] == "write_through"
+        table = tkv("status", "--url", server)
+        assert table.returncode == 0 and re.search(r"^\W*remote\s+shared\s", table.stdout, re.M), table.stdout
+        assert "breaker closed" in table.stdout and f":***@127.0.0.1:{store.port}" in table.stdout
+        for text in (table.stdout, json.dumps(status), httpx.get(f"{server}/metrics").text):
+            assert password not in text
+    finally:
+        if proc is not None:
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=60) == 0
+            assert password not in "".join(lines.lines)
+        store.cleanup()
+
+
+def test_remote_options_are_checked_before_anything_loads(tmp_path: Path) -> None:
+    root = str(tmp_path / "srv")
+    assert_one_line_error(tkv("serve", "--cache-dir", root, "--remote-ttl", "60"), 2, "--remote-ttl", "--remote-url")
+    r = tkv("serve", "--cache-dir", root, "--remote-url", "valkey://:pw-secret@host:6379?bogus=1")
+    assert_one_line_error(r, 2, "remote_url", "bogus")
+    assert "pw-secret" not in r.stderr and ":***@host" in r.stderr
+    assert_one_line_error(tkv("serve", "--cache-dir", root, "--remote-url", "valkey://h:1", "--remote-write", "later"),
+                          2, "remote_write")
+    assert_one_line_error(tkv("inspect", "--remote-url", "valkey://h:1", "--tree"), 2, "--tree")
+    assert_one_line_error(tkv("inspect", "--cache-dir", root, "--verify"), 2, "--verify", "--remote-url")
+    assert_one_line_error(tkv("inspect", "--remote-url", "valkey://h:1", "--namespace", "abc"), 2, "--namespace")
+    with socket.socket() as s:              # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert_one_line_error(tkv("inspect", "--remote-url", f"valkey://127.0.0.1:{port}"), 1, "remote store",
+                          str(port))
+
+
+@pytest.mark.parametrize("where", ["standalone", "cluster"])
+def test_inspect_remote_lists_verifies_and_repairs_the_store(where: str, request, tmp_path: Path) -> None:
+    from storage.remote_tier import remote_key
+    from tests.storage.test_remote_tier import raw_client
+    from tools.valkey_servers import ValkeyServer
+    from storage.hashing import block_keys
+    own = None
+    if where == "standalone":
+        own = ValkeyServer().start()        # a store of its own: the whole listing is this test's
+        url = own.url
+    else:
+        url = request.getfixturevalue("valkey_cluster").url
+    try:
+        tenant = f"remote-inspect-{os.urandom(4).hex()}"
+        config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=128, max_position_embeddings=512,
+                             bos_token_id=None, eos_token_id=None, pad_token_id=None)
+        cfg = CacheConfig(block_size=BLOCK, device_memory="256KiB", host_memory="256KiB",
+                          disk_dir=str(tmp_path / "kv"), disk_capacity="64MiB", remote_url=url)
+        with Engine.from_loaded(model_from_config(config, seed=0), cfg) as eng:
+            eng.generate(A, SamplingParams(max_tokens=1), tenant=tenant)      # 10 blocks; close() sends them
+            ns = eng.namespace(tenant)
+        args = ("inspect", "--remote-url", url) + (() if own else ("--namespace", ns.hex()))
+        report = tkv_json(*args)
+        assert [(n["namespace"], n["blocks"], n["tokens"]) for n in report["namespaces"]] == [(ns.hex(), 10, 40)]
+        assert report["cluster"] == (where == "cluster") and len(report["nodes"]) == (3 if where == "cluster" else 1)
+        assert sum(n["tieredkv_keys"] for n in report["nodes"]) == 10     # a cluster: every primary scanned
+        if where == "cluster":
+            return      # verify and repair on a cluster: tests/storage/test_remote_inspect.py (each CLI run ~5 s)
+
+        raw = raw_client(url)
+        damaged = remote_key(block_keys(ns, A, BLOCK)[4])
+        raw.set(damaged, raw.get(damaged)[:-100])           # a truncated value, SET behind the tier's back
+        r = tkv(*args, "--verify")
+        assert r.returncode == 1 and "10 blocks" in r.stdout and ns.hex()[:10] in r.stdout, r.stdout
+        assert "checked 10 values" in r.stdout and "1 damaged" in r.stdout and damaged.decode() in r.stdout
+        assert "--repair" in r.stdout and r.stderr == ""
+        r = tkv(*args, "--repair", "--json")
+        assert r.returncode == 0, r.stderr
+        v = json.loads(r.stdout)["verify"]
+        assert (v["checked"], v["damaged"], v["repaired"]) == (10, 1, 1) and v["values"][0]["key"] == damaged.decode()
+        assert raw.exists(damaged) == 0 and raw.exists(remote_key(block_keys(ns, A, BLOCK)[5])) == 1
+    finally:
+        if own is not None:
+            own.cleanup()
+
+
+def test_demo_with_a_remote_store_ends_with_a_second_server_hitting_it(tmp_path: Path, tiny_model_dir: Path,
+                                                                       valkey) -> None:
+    """The demo's remote phase, on the tiny model (the real model's run of the other phases is
+    test_demo_json_hits_every_tier_and_matches_the_ledger): a second engine with an empty disk
+    gets the first one's blocks from the store, billed as remote hits in the demo's one ledger."""
+    demo_dir = tmp_path / "demo"
+    r = tkv("demo", "--json", "--model", str(tiny_model_dir), "--cache-dir", str(demo_dir), "--remote-url", valkey.url,
+            "--max-tokens", "4", timeout=300)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    phases = {p["name"]: p["rows"] for p in report["phases"]}
+    assert list(phases) == ["document", "chat", "host", "restart", "remote"]
+    # A namespace of this run's own: the shared store's earlier runs cannot make the first question a hit.
+    assert report["tenant"].startswith("demo-") and report["remote"] == valkey.url
+    assert phases["document"][0]["hit_tokens"] == 0
+    q2, turn2 = phases["remote"]
+    assert (q2["request"], turn2["request"]) == ("Q2 again", "turn 2 again")
+    for row in (q2, turn2):
+        tiers = row["hit_tokens_by_tier"]
+        assert tiers["remote"] > 0 and tiers["device"] == tiers["host"] == tiers["disk"] == 0, row
+        assert row["hit_tokens"] + row["miss_tokens"] == row["prompt_tokens"]
+    assert q2["hit_tokens_by_tier"]["remote"] > 1000                 # the shared manual, from the store
+    bill = tkv_json("billing", "--cache-dir", str(demo_dir))["tenants"][report["tenant"]]
+    assert bill["requests"] == report["totals"]["requests"] == sum(len(rows) for rows in phases.values())
+    assert bill["hit_tokens_by_tier"] == report["totals"]["hit_tokens_by_tier"]
+    assert bill["cost_pico"] == report["totals"]["cost_pico"]

@@ -20,7 +20,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from tieredkv.cli_common import (CLIError, api_key_of, cache_root, err, existing_dir, friendly, get_json, micro, out,
-                                 print_json, server_url, spinner)
+                                 print_json, remote_options, server_url, spinner)
 from storage.config import format_size, parse_size
 
 TIERS = ("device", "host", "disk", "remote")
@@ -34,6 +34,9 @@ URL_HELP = "Server URL (default $TIEREDKV_URL or http://127.0.0.1:8000)."
 KEY_HELP = "API key, if the server has keys (default $TIEREDKV_API_KEY)."
 JSON_HELP = "Print one JSON object instead of tables."
 CACHE_HELP = "Cache root holding kv/ and billing/ (default $TIEREDKV_HOME or ~/.cache/tieredkv)."
+REMOTE_HELP = ("A Valkey/Redis store shared by every server, below disk: valkey://host:6379, "
+               "rediss://:PASSWORD@host:6380 (TLS), valkey://h1:7000,h2:7001,h3:7002 or ?cluster=1 (a cluster) "
+               "(default $TIEREDKV_REMOTE_URL; none: no remote tier).")
 
 
 def narrow_table(**kw: Any) -> Table:
@@ -81,13 +84,22 @@ def serve(
     max_body: str = typer.Option("8MiB", help="Largest request body accepted (413 past it)."),
     protect_metrics: bool = typer.Option(False, "--protect-metrics",
                                          help="/metrics needs an admin key (with --api-keys)."),
+    remote_url: Optional[str] = typer.Option(None, help=REMOTE_HELP),
+    remote_timeout: Optional[float] = typer.Option(None, help="Seconds bounding every call to the remote store "
+                                                   "(default 0.5); a failure is a miss."),
+    remote_ttl: Optional[float] = typer.Option(None, help="Seconds to live of every block written to the remote "
+                                               "store (default: none; its maxmemory + LRU bound it)."),
+    remote_write: Optional[str] = typer.Option(None, help="write_back (default: blocks reach the store when they "
+                                               "reach disk) or write_through (as soon as computed: what several "
+                                               "servers sharing a store want)."),
 ) -> None:
     """Run the OpenAI-compatible HTTP service on a model with the tiered KV cache."""
     from engine.billing import Prices
     from storage.config import CacheConfig
     root = cache_root(cache_dir)
     cache = CacheConfig(block_size=block_size, device_memory=device_memory, host_memory=host_memory,
-                        disk_dir=str(root / "kv"), disk_capacity=disk_capacity)
+                        disk_dir=str(root / "kv"), disk_capacity=disk_capacity,
+                        **remote_options(remote_url, remote_timeout, remote_ttl, remote_write))
     for name, path in (("--prices", prices), ("--api-keys", api_keys)):
         if path and not os.path.isfile(path):
             raise CLIError(f"{name}: no such file {path}", code=2)
@@ -111,6 +123,13 @@ def serve(
         sock.listen(2048)
         shown = f"[{bound[0]}]" if sock.family == socket.AF_INET6 else bound[0]
         err.print(f"tieredkv: serving {engine.model_name} on http://{shown}:{bound[1]} (cache {root})", soft_wrap=True)
+        if engine.cache.remote is not None:
+            # NOTE: only the redacted URL is ever printed or logged (the password stays in the config).
+            problem = engine.cache.remote.ping()
+            err.print(f"tieredkv: remote tier {escape(cache.remote.redacted)} ({cache.remote_write}): "
+                      + ("reachable" if problem is None else
+                         f"[bold yellow]not reachable now[/] ({escape(problem)}); lookups miss it until it "
+                         "answers"), soft_wrap=True)
     except BaseException:
         sock.close()
         raise
@@ -130,11 +149,15 @@ def demo(
     max_tokens: int = typer.Option(16, help="Tokens generated per request."),
     device: str = typer.Option("auto", help="auto, cpu, cuda, cuda:N."),
     json_out: bool = typer.Option(False, "--json", help=JSON_HELP),
+    remote_url: Optional[str] = typer.Option(None, help="A Valkey/Redis store (valkey://host:6379, ...): the demo "
+                                             "ends with a second server reading the first's blocks from it. Only "
+                                             "this flag turns it on ($TIEREDKV_REMOTE_URL does not)."),
 ) -> None:
     """Play a scenario on a real model: shared document, chat, host tier, restart from disk.
 
     Each phase prints a table: hit tokens by tier, misses, TTFT, speedup over recomputing
     the same prompt on an uncached engine, and the ledger's cost. Clears its cache dir first.
+    With --remote-url, one more phase: a second server with an empty disk hits the shared store.
     """
     from tieredkv.demo import Demo, phase_view, summary
     root = Path(cache_dir).expanduser().absolute() if cache_dir else cache_root(None) / "demo"
@@ -144,7 +167,8 @@ def demo(
         if not json_out:
             out.print(phase_view(phase, legend=not shown))
             shown.append(phase)
-    report = Demo(root, model=model, max_tokens=max_tokens, device=device, step=spinner, on_phase=show).run()
+    report = Demo(root, model=model, max_tokens=max_tokens, device=device, step=spinner, on_phase=show,
+                  remote_url=remote_url).run()
     if json_out:
         print_json(report)
     else:
@@ -176,6 +200,12 @@ def status(
         if d.get("enabled") is False:
             t.add_row(name, "off", "", "", "", "", "", "")
             continue
+        if name == "remote":
+            # Its capacity, contents and evictions are the store's own (shared by every server):
+            # `tieredkv inspect --remote-url` reads them from the store.
+            t.add_row(name, "shared", "-", "-", *(f"{d.get(k, 0):,}" for k in ("hit_tokens", "promotions", "demotions")),
+                      "-")
+            continue
         t.add_row(name, format_size(d.get("capacity_bytes", 0)), format_size(d.get("used_bytes", 0)),
                   *(f"{d.get(k, 0):,}" for k in ("blocks", "hit_tokens", "promotions", "demotions", "evictions")))
     out.print(t)
@@ -186,8 +216,15 @@ def status(
                   f"{disk.get('pending_writes', 0)}, corrupt blocks found {disk.get('corrupt', 0)}")
     remote = tiers.get("remote", {})
     if remote.get("enabled"):
-        out.print(f"remote: {remote.get('url', '?')}, breaker {remote.get('breaker', '?')}, errors "
-                  f"{remote.get('errors', 0)}, corrupt blocks found {remote.get('corrupt', 0)}")
+        breaker = remote.get("breaker", "?")
+        shown = f"[bold red]{breaker}[/]" if breaker == "open" else breaker
+        out.print(f"remote: {escape(str(remote.get('url', '?')))}{' (cluster)' if remote.get('cluster') else ''}, "
+                  f"breaker {shown} (opened {remote.get('breaker_opened', 0)}x), errors {remote.get('errors', 0)}, "
+                  f"corrupt blocks found {remote.get('corrupt', 0)}, writes {remote.get('writes', 0)} "
+                  f"(pending {remote.get('pending_writes', 0)}, dropped {remote.get('write_drops', 0)}, "
+                  f"refused {remote.get('write_errors', 0)})", soft_wrap=True)
+        if remote.get("last_error"):
+            out.print(f"remote: last error {escape(str(remote['last_error']))}", soft_wrap=True)
     eng = body.get("engine")
     if isinstance(eng, dict):
         out.print(f"engine: {eng.get('running', 0)} running, {eng.get('waiting', 0)} waiting, "
@@ -213,8 +250,27 @@ def inspect(
     depth: int = typer.Option(6, help="Tree levels shown (a level is a branch point; chains are folded)."),
     width: int = typer.Option(6, help="Branches shown per node (the most-hit first)."),
     json_out: bool = typer.Option(False, "--json", help=JSON_HELP),
+    remote_url: Optional[str] = typer.Option(None, help="Read this remote store (valkey://, redis://, rediss://; a "
+                                             "cluster: every primary) instead of the disk tier."),
+    verify_values: bool = typer.Option(False, "--verify", help="With --remote-url: read and check every value "
+                                       "(as a server's read does, and the hash chain); exit 1 on damage."),
+    repair: bool = typer.Option(False, "--repair", help="With --remote-url: --verify, and delete damaged values."),
+    namespace: Optional[str] = typer.Option(None, help="With --remote-url: only this namespace (64 hex digits)."),
 ) -> None:
-    """What the disk tier holds: blocks, bytes, namespaces. Read-only: safe while a server runs."""
+    """What the disk tier holds: blocks, bytes, namespaces. Read-only: safe while a server runs.
+
+    With --remote-url, what the shared remote store holds (SCAN of its tkv:r1:* keys on every
+    primary): blocks and bytes per namespace and each node's memory; --verify checks every
+    value, --repair deletes the damaged ones. Exit status: 0 clean (or every damaged value
+    deleted), 1 damage left or the store unreachable, 2 bad input.
+    """
+    if remote_url is not None:
+        if tree:
+            raise CLIError("--tree: draws the disk tier's prefixes; not with --remote-url", code=2)
+        return inspect_remote(remote_url, cache_dir, verify_values or repair, repair, namespace, json_out)
+    for flag, given in (("--verify", verify_values), ("--repair", repair), ("--namespace", namespace)):
+        if given:
+            raise CLIError(f"{flag}: needs --remote-url (the disk tier's check is `tieredkv verify`)", code=2)
     from tieredkv.inspect_tree import forest_tree, overview, survey, tree_to_dict
     if depth < 1 or width < 1:
         raise CLIError("--depth and --width: expected ints >= 1", code=2)
@@ -229,6 +285,57 @@ def inspect(
     out.print(overview(s.report))
     if tree:
         out.print(forest_tree(s, depth, width))
+
+
+def inspect_remote(url: str, cache_dir: Optional[str], check: bool, repair: bool, namespace: Optional[str],
+                   json_out: bool) -> None:
+    """`inspect --remote-url`: the store's listing (and with `check` its verification), printed."""
+    from storage.remote_inspect import RemoteInspector
+    from storage.remote_url import parse_remote_url
+    from tieredkv.inspect_remote import remote_overview, survey_report, verify_report
+    parsed = parse_remote_url(url, "--remote-url")        # a bad URL: exit 2, the password never shown
+    ns = None
+    if namespace is not None:
+        try:
+            ns = bytes.fromhex(namespace)
+        except ValueError:
+            ns = b""
+        if len(ns) != 32:
+            raise CLIError(f"--namespace: expected 64 hex digits, got {namespace!r}", code=2)
+    try:
+        with RemoteInspector(parsed, namespace=ns) as ri:
+            with spinner(f"Listing {parsed.redacted}"):
+                survey = ri.survey()
+            checked = None
+            if check:
+                with spinner(f"Verifying every value in {parsed.redacted}"):
+                    checked = ri.verify(repair=repair)
+    except Exception as e:
+        from redis.exceptions import RedisError
+        if isinstance(e, (RedisError, OSError)):
+            raise CLIError(f"remote store {parsed.redacted}: {type(e).__name__}: {e}") from None
+        raise
+    report = survey_report(survey, str(cache_root(cache_dir) / "billing"))
+    if checked is not None:
+        report["verify"] = verify_report(checked, repair)
+    if json_out:
+        print_json(report)
+    else:
+        out.print(remote_overview(report))
+        if checked is not None:
+            v = report["verify"]
+            out.print(f"checked {v['checked']:,} values in {escape(parsed.redacted)}: {v['damaged']} damaged"
+                      + (f", {v['repaired']} deleted" if repair else "")
+                      + (f" ({v['vanished']} evicted or expired meanwhile)" if v["vanished"] else "")
+                      + (f" ({v['errors']} not readable now)" if v["errors"] else ""), soft_wrap=True)
+            for d in v["values"][:50]:
+                out.print(f"  {escape(d['key'])}  {escape(d['reason'])}", soft_wrap=True)
+            if len(v["values"]) > 50:
+                out.print(f"  … and {len(v['values']) - 50} more")
+            if v["damaged"] > v["repaired"] and not repair:
+                out.print("run again with --repair to delete them")
+    if checked is not None and len(checked.damaged) > checked.repaired:
+        raise typer.Exit(1)
 
 
 @app.command()

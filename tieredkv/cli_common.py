@@ -123,6 +123,28 @@ def api_key_of(key: Optional[str]) -> Optional[str]:
     return key or os.environ.get("TIEREDKV_API_KEY") or None
 
 
+def remote_url_of(url: Optional[str]) -> Optional[str]:
+    """--remote-url, else $TIEREDKV_REMOTE_URL (an environment variable keeps a password out of
+    the process list), else None: no remote tier."""
+    return url or os.environ.get("TIEREDKV_REMOTE_URL") or None
+
+
+def remote_options(url: Optional[str], timeout: Optional[float], ttl: Optional[float],
+                   write: Optional[str]) -> dict[str, Any]:
+    """CacheConfig's remote_* fields from the CLI's --remote-* options (only those given, so
+    CacheConfig's defaults stay the one place defaults live). A --remote-* option without a
+    store is a mistake worth saying, not ignoring."""
+    url = remote_url_of(url)
+    given = {"remote_timeout_s": timeout, "remote_ttl_s": ttl, "remote_write": write}
+    given = {k: v for k, v in given.items() if v is not None}
+    if url is None:
+        if given:
+            flag = "--" + next(iter(given)).removesuffix("_s").replace("_", "-")
+            raise CLIError(f"{flag}: needs --remote-url (or $TIEREDKV_REMOTE_URL)", code=2)
+        return {}
+    return {"remote_url": url, **given}
+
+
 @contextlib.contextmanager
 def spinner(description: str) -> Iterator[None]:
     """A spinner with elapsed time on stderr while the block runs; gone when it ends (and never

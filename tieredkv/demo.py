@@ -7,7 +7,10 @@ Knows: the story, in four phases --
   host      the device pool is reclaimed (as under memory pressure: its blocks move down to
             host memory) and a question is asked again: hits come from host memory;
   restart   the engine is closed (every cached block flushed to disk) and a new engine opens
-            the same cache directory with an empty device pool: hits come from disk --
+            the same cache directory with an empty device pool: hits come from disk;
+  remote    (with a remote store only) a second server -- a new engine with its own, empty
+            disk -- asks a question again: its hits come from the store the first server wrote
+            to (its blocks reached the store through its disk and the flush on close) --
 and how each request is measured: hit tokens by tier and miss tokens (the engine's usage),
 TTFT (its metrics), cost (the billing ledger's record of the request), and a recompute
 baseline per distinct prompt: the same prompt on a second engine over the same weights with no
@@ -15,6 +18,10 @@ host or disk tier, under a fresh tenant each time so nothing can hit (max_tokens
 TTFT is wanted) -- or the request itself when it hit nothing, since it then was a recompute.
 `phase_view` and `summary` draw what it measured (rich renderables).
 Doesn't know: the command line (it gets a cache dir, a progress callback and a phase callback).
+
+With a remote store the demo's tenant is `demo-<random>`, a namespace no earlier run wrote: a
+store shared across runs (and servers) must not turn the first question into a hit, and the demo
+never deletes anything from a store others may use.
 """
 from __future__ import annotations
 
@@ -22,6 +29,7 @@ import contextlib
 import os
 import shutil
 import time
+import uuid
 from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -42,8 +50,9 @@ CHAT_TURNS = (
     "What size of battery would suit a family of four?",
     "Thanks! What should I ask the installer before I sign anything?",
 )
-# The demo owns these entries of its cache dir and deletes them at start.
-_OWNED = {"kv", "billing"}
+# The demo owns these entries of its cache dir and deletes them at start (server2: the second
+# server's disk tier in the remote phase).
+_OWNED = {"kv", "billing", "server2"}
 
 
 def document() -> str:
@@ -93,7 +102,7 @@ def reset_cache_dir(path: Path) -> None:
 class Demo:
     def __init__(self, cache_dir: Path, model: str | None = None, max_tokens: int = 16, device: str = "auto",
                  step: Callable[[str], ContextManager] = lambda _: contextlib.nullcontext(),
-                 on_phase: Callable[[Phase], None] = lambda _: None) -> None:
+                 on_phase: Callable[[Phase], None] = lambda _: None, remote_url: str | None = None) -> None:
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens <= 256:
             raise ValueError(f"max_tokens: expected an int in [1, 256], got {max_tokens!r}")
         self.cache_dir = Path(cache_dir).expanduser().absolute()
@@ -102,6 +111,8 @@ class Demo:
         self.device = device
         self.step = step
         self.on_phase = on_phase
+        self.remote_url = remote_url
+        self.tenant = TENANT if remote_url is None else f"{TENANT}-{uuid.uuid4().hex[:8]}"
         self._baseline_ttft: dict[tuple[int, ...], float] = {}
         self._fresh = 0
         self.engine: Any = None
@@ -115,7 +126,7 @@ class Demo:
         started = time.perf_counter()
         reset_cache_dir(self.cache_dir)
         cache = CacheConfig(block_size=BLOCK_SIZE, device_memory="512MiB", host_memory="512MiB",
-                            disk_dir=str(self.cache_dir / "kv"), disk_capacity="4GiB")
+                            disk_dir=str(self.cache_dir / "kv"), disk_capacity="4GiB", remote_url=self.remote_url)
         with self.step(f"Loading {self.model or DEFAULT_MODEL_NAME} (the first run converts the default "
                        "model's GGUF once, ~30 s)"):
             loaded = load_model(self.model, device=self.device)
@@ -126,7 +137,13 @@ class Demo:
             stack.callback(self.baseline.close)
             self.engine = Engine.from_loaded(loaded, cache)      # its ledger: <cache_dir>/billing
             stack.callback(lambda: self.engine.close())            # the engine of the moment (restart swaps it)
-            phases = self._play(lambda: Engine.from_loaded(loaded, cache))
+            # The second server of the remote phase: its own empty disk, the same store. Its bills go
+            # to the demo's one ledger, so the report's costs stay the ledger's.
+            second = CacheConfig(block_size=BLOCK_SIZE, device_memory="512MiB", host_memory="512MiB",
+                                 disk_dir=str(self.cache_dir / "server2" / "kv"), disk_capacity="4GiB",
+                                 remote_url=self.remote_url)
+            phases = self._play(lambda: Engine.from_loaded(loaded, cache),
+                                lambda: Engine.from_loaded(loaded, second, ledger_dir=str(self.cache_dir / "billing")))
             prices = self.engine.ledger.prices.to_dict()
         rows = [r for ph in phases for r in ph.rows]
         totals = {"requests": len(rows), "prompt_tokens": sum(r.prompt_tokens for r in rows),
@@ -136,11 +153,12 @@ class Demo:
                   "cost_pico": sum(r.cost_pico for r in rows),
                   "recompute_cost_pico": sum(r.recompute_cost_pico for r in rows)}
         return {"model": loaded.identity.name, "device": str(loaded.device), "cache_dir": str(self.cache_dir),
-                "block_size": BLOCK_SIZE, "max_tokens": self.max_tokens, "prices": prices, "tenant": TENANT,
+                "block_size": BLOCK_SIZE, "max_tokens": self.max_tokens, "prices": prices, "tenant": self.tenant,
+                "remote": None if cache.remote is None else cache.remote.redacted,
                 "phases": [{"name": ph.name, "title": ph.title, "rows": [asdict(r) for r in ph.rows]} for ph in phases],
                 "totals": totals, "elapsed_s": round(time.perf_counter() - started, 2)}
 
-    def _play(self, new_engine: Callable[[], Any]) -> list[Phase]:
+    def _play(self, new_engine: Callable[[], Any], second_server: Callable[[], Any]) -> list[Phase]:
         phases: list[Phase] = []
         with self.step("Warming up"):
             self._recompute_ttft(self._encode([{"role": "user", "content": "Hello!"}]))
@@ -183,6 +201,18 @@ class Demo:
         self._ask(p, "Q3 again", QUESTIONS[2], doc_prompts[2])
         self._ask(p, "turn 3 again", CHAT_TURNS[2], chat_prompts[2])
         self.on_phase(p)
+
+        if self.remote_url is not None:
+            p = self._phase(phases, "remote", "A second server, its own empty disk: hits come from the shared store")
+            with self.step("Starting a second server on the same remote store"):
+                # The first server's close flushes its blocks to disk, and its disk writer forwards
+                # them to the store (close waits for that): what a running server's write-behind
+                # does over time. (One process holds the ledger at a time: the first one goes.)
+                self.engine.close()
+                self.engine = second_server()
+            self._ask(p, "Q2 again", QUESTIONS[1], doc_prompts[1])
+            self._ask(p, "turn 2 again", CHAT_TURNS[1], chat_prompts[1])
+            self.on_phase(p)
         return phases
 
     # ---- one request ---------------------------------------------------------------------
@@ -202,7 +232,7 @@ class Demo:
         from tieredkv import SamplingParams
         engine = self.engine
         with self.step(f"{phase.name}: {label}"):
-            out = engine.generate(ids, SamplingParams(max_tokens=self.max_tokens), tenant=TENANT)
+            out = engine.generate(ids, SamplingParams(max_tokens=self.max_tokens), tenant=self.tenant)
             if out.usage.prompt_cache_hit_tokens == 0:
                 # It hit nothing: it *is* a recompute of this prompt (saves one long prefill).
                 self._baseline_ttft.setdefault(tuple(ids), out.metrics.ttft_s * 1e3)
@@ -269,7 +299,8 @@ def summary(report: dict[str, Any]) -> str:
     d = escape(report["cache_dir"])
     return (f"[bold]{tot['prompt_tokens']:,} prompt tokens in {tot['requests']} requests: "
             f"{share:.0%} from the cache[/]\n"
-            f"  device {hits['device']:,}, host {hits['host']:,}, disk {hits['disk']:,}; "
+            f"  device {hits['device']:,}, host {hits['host']:,}, disk {hits['disk']:,}"
+            + (f", remote {hits['remote']:,}" if report.get("remote") else "") + "; "
             f"computed {tot['miss_tokens']:,}\n"
             f"[bold]Cost ${tot['cost_pico'] / 1e12:.6f}[/] instead of ${tot['recompute_cost_pico'] / 1e12:.6f} "
             f"without the cache ({saved:.0%} less)\n"

@@ -16,7 +16,7 @@ import pytest
 from engine.model import model_from_config
 from storage.config import CacheConfig
 from tests.engine.conftest import random_prompt, reference_greedy, tiny_llama_config
-from tests.valkey_servers import ValkeyServer
+from tools.valkey_servers import ValkeyServer
 from tieredkv import Engine, SamplingParams
 
 BS = 4
@@ -88,7 +88,7 @@ def test_the_store_killed_mid_run_costs_hits_not_requests(tmp_path) -> None:
         p = [random_prompt(21, seed=300 + i) for i in range(6)]
         with engine(tmp_path / "one" / "kv", server.url, **kw) as one, engine(tmp_path / "two" / "kv", server.url, **kw) as two:
             first = one.generate(p[0], GREEDY)
-            assert one.cache.remote.flush(10)
+            assert one.cache.disk.flush(10) and one.cache.remote.flush(10)   # the disk commits, then forwards
             check_billed(two.generate(p[0], GREEDY), "remote", hit(p[0]))
 
             server.stop()
@@ -108,7 +108,7 @@ def test_the_store_killed_mid_run_costs_hits_not_requests(tmp_path) -> None:
             server.start()                              # back, empty
             time.sleep(0.6)                             # past the cooldown: the next call probes it
             out = one.generate(p[4], GREEDY)
-            assert one.cache.remote.flush(10)
+            assert one.cache.disk.flush(10) and one.cache.remote.flush(10)   # the disk commits, then forwards
             assert one.cache_status()["tiers"]["remote"]["breaker"] == "closed"
             resumed = two.generate(p[4], GREEDY)        # hits resume
             assert resumed.token_ids == out.token_ids

@@ -32,9 +32,10 @@ def tiny_config(vocab_size: int) -> LlamaConfig:
 
 
 def build_engine(cache_root: str | os.PathLike, tokenizer, *, seed: int = 0, max_queue: int = 256,
-                 device_memory: str = "1MiB", host_memory: str = "512KiB") -> Engine:
-    """KV cache under <cache_root>/kv and the ledger under <cache_root>/billing (the engine's default)."""
+                 device_memory: str = "1MiB", host_memory: str = "512KiB", **cache_kw) -> Engine:
+    """KV cache under <cache_root>/kv and the ledger under <cache_root>/billing (the engine's default).
+    `cache_kw`: more CacheConfig fields (remote_url=..., for servers sharing a store)."""
     loaded = model_from_config(tiny_config(len(tokenizer)), tokenizer=tokenizer, seed=seed)
     cache = CacheConfig(block_size=BLOCK_SIZE, device_memory=device_memory, host_memory=host_memory,
-                        disk_dir=os.path.join(os.fspath(cache_root), "kv"), disk_capacity="64MiB")
+                        disk_dir=os.path.join(os.fspath(cache_root), "kv"), disk_capacity="64MiB", **cache_kw)
     return Engine.from_loaded(loaded, cache, max_queue=max_queue)

@@ -1,7 +1,7 @@
 """TieredKVCache with a remote tier: what one cache computed is a remote hit for another (its own
-disk and host), restored bit-identical through the loader and kept in the local tiers; the
+disk and host), restored bit-identical through the loader and kept on the local disk; the
 write-behind (write_back / write_through, with and without a disk tier); a dead store costs
-nothing but misses. Real valkey-server processes (tests/valkey_servers.py)."""
+nothing but misses. Real valkey-server processes (tools/valkey_servers.py)."""
 from __future__ import annotations
 
 import os
@@ -12,8 +12,10 @@ import pytest
 
 from storage.config import CacheConfig
 from storage.layout import BlockLayout
+from storage.remote_tier import remote_key, unpack_value
 from storage.tiered_cache import TieredKVCache
 from tests.storage.conftest import TINY, block_data, keys
+from tests.storage.test_remote_tier import raw_client
 from tests.storage.test_tiered_cache import fill, same_bits
 
 
@@ -66,9 +68,13 @@ def test_a_block_computed_by_one_cache_is_a_remote_hit_for_another(tmp_path, cac
     b.release(got.pages)
     st = b.stats()["remote"]
     assert (st.hits, st.promotions, st.extra["corrupt"], st.extra["errors"]) == (6, 6, 0, 0)
-    # Kept locally: the host has them now, and the disk once its writer committed them.
-    assert all(b.host.lookup(k) is not None for k in ks)
-    assert b.flush(10).complete and all(b.disk.contains(k.hash) for k in ks)
+    # Kept locally: the disk has them once its writer committed them, stored as the very payloads
+    # the store gave (no second compression); the host gets them when they leave the device.
+    assert b.disk.flush(10) and all(b.disk.contains(k.hash) for k in ks)
+    raw = raw_client(url)
+    with b.disk._env.begin() as txn:
+        assert all(txn.get(k.hash, db=b.disk._payload) == bytes(unpack_value(raw.get(remote_key(k)))[1]) for k in ks)
+    assert b.flush(10).complete
     b.drop("device")
     b.drop("host")
     assert [t for _, t in b.match(ks).blocks] == ["disk"] * 6

