@@ -174,10 +174,10 @@ def test_a_server_down_opens_the_breaker_without_an_exception_and_a_restart_clos
             for _ in range(3):                        # three failures in a row: open
                 assert rt.get_many(ks) == [None] * 3
             assert rt.breaker.state == "open" and rt.stats().errors == 3
-            t0 = time.monotonic()
             assert rt.get_many(ks) == [None] * 3 and rt.exists_many(ks) == [False] * 3
-            assert time.monotonic() - t0 < 0.05       # open: answered at once, nothing sent
-            assert rt.stats().skipped == 2
+            # Open: both calls answered by the breaker, nothing sent (no error counted, no wait
+            # for a timeout) -- counted, not timed: a loaded machine makes any time bound flaky.
+            assert rt.stats().skipped == 2 and rt.stats().errors == 3
             extra = keys(4, ns=os.urandom(32))[3]
             assert rt.put(extra, block_data(extra))   # queued, then dropped by the open breaker
             assert rt.flush(10) is False and rt.stats().write_drops == 1
@@ -208,8 +208,9 @@ def test_a_store_that_never_answers_costs_at_most_its_timeout(tmp_path) -> None:
             assert time.monotonic() - t0 < 0.6      # one timeout (no retry on a timeout)
             assert rt.get_many(ks) == [None, None]
             assert rt.breaker.state == "open"
-            t0 = time.monotonic()
-            assert rt.probe(ks) == frozenset() and time.monotonic() - t0 < 0.05
+            skipped = rt.stats().skipped
+            assert rt.probe(ks) == frozenset()
+            assert rt.stats().skipped == skipped + 1 and rt.stats().errors == 2   # answered by the breaker
         finally:
             rt.close(timeout=1)
     finally:
