@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tieredkv.inspect_tree import default_model_dir, identify, ledger_tenants
+from tieredkv.inspect_tree import default_model_dir, identify, ledger_tenants, namespace_table
 
 
 def survey_report(survey: Any, billing_dir: str) -> dict[str, Any]:
@@ -62,14 +62,4 @@ def remote_overview(report: dict[str, Any]) -> Any:
                       "?" if nd["used_memory"] is None else format_size(int(nd["used_memory"])), size(nd["maxmemory"]),
                       escape(str(nd["maxmemory_policy"] or "?")),
                       "?" if nd["evicted_keys"] is None else f"{int(nd['evicted_keys']):,}")
-    t = Table(title="Namespaces (one per model identity, block size and tenant)", title_justify="left",
-              box=box.SIMPLE_HEAD, pad_edge=False)
-    for col in ("Namespace", "Model", "Tenant", "Blocks", "Tokens", "Stored"):
-        t.add_column(col, justify="left" if col in ("Namespace", "Model", "Tenant") else "right",
-                     no_wrap=col != "Model", min_width=21 if col == "Model" else None)
-    for ns in report["namespaces"]:
-        model = f"{ns['model']} ({ns['dtype']})" if ns["model"] else "unknown (not the default model)"
-        tenant = "?" if not ns["model"] else ns["tenant"] or "(shared by all)"
-        t.add_row(ns["namespace"][:10], escape(model), escape(tenant), f"{ns['blocks']:,}", f"{ns['tokens']:,}",
-                  format_size(ns["stored_bytes"]))
-    return Group(head, nodes, t)
+    return Group(head, nodes, namespace_table(report["namespaces"], hits=False))

@@ -229,27 +229,36 @@ def load_decoder(model_dir: str | None) -> Callable[[list[int]], str] | None:
 
 def overview(report: dict[str, Any]) -> Any:
     """The store's totals and a table of its namespaces."""
-    from rich import box
     from rich.console import Group
     from rich.markup import escape
-    from rich.table import Table
 
     from storage.config import format_size
     n = report["blocks"]
     head = (f"Disk tier {escape(report['path'])}\n"
             f"  {n:,} block{'s' if n != 1 else ''}, {format_size(report['stored_bytes'])} stored, "
             f"{format_size(report['raw_bytes'])} raw, compression {report['compression_ratio']:.2f}x")
+    return Group(head, namespace_table(report["namespaces"], hits=True))
+
+
+def namespace_table(namespaces: list[dict[str, Any]], hits: bool) -> Any:
+    """One row per namespace (identified by `identify`): the disk tier's (with its hit counts)
+    and the remote store's (tieredkv/inspect_remote.py; a store keeps no hit counts)."""
+    from rich import box
+    from rich.markup import escape
+    from rich.table import Table
+
+    from storage.config import format_size
     t = Table(title="Namespaces (one per model identity, block size and tenant)", title_justify="left",
               box=box.SIMPLE_HEAD, pad_edge=False)
-    for col in ("Namespace", "Model", "Tenant", "Blocks", "Tokens", "Stored", "Hits"):
+    for col in ("Namespace", "Model", "Tenant", "Blocks", "Tokens", "Stored") + (("Hits",) if hits else ()):
         t.add_column(col, justify="left" if col in ("Namespace", "Model", "Tenant") else "right",
                      no_wrap=col != "Model", min_width=21 if col == "Model" else None)
-    for ns in report["namespaces"]:
+    for ns in namespaces:
         model = f"{ns['model']} ({ns['dtype']})" if ns["model"] else "unknown (not the default model)"
         tenant = "?" if not ns["model"] else ns["tenant"] or "(shared by all)"
         t.add_row(ns["namespace"][:10], escape(model), escape(tenant), f"{ns['blocks']:,}", f"{ns['tokens']:,}",
-                  format_size(ns["stored_bytes"]), f"{ns['hits']:,}")
-    return Group(head, t)
+                  format_size(ns["stored_bytes"]), *((f"{ns['hits']:,}",) if hits else ()))
+    return t
 
 
 def forest_tree(s: Survey, max_depth: int, max_width: int) -> Any:
