@@ -30,7 +30,7 @@ import threading
 from collections import deque
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -385,27 +385,34 @@ class TieredKVCache:
         self._count_write("disk")
         return True
 
-    def _copy_down_to_disk(self, host_only: bool = False) -> int:
-        """Every cached block the disk lacks (device pages unless host_only, then host slots),
-        copied out under the lock a batch at a time and queued outside it, waiting on the writer
-        there. A block that moved or left meanwhile is taken from where it is now, or skipped
-        (its own eviction queued it). Returns blocks queued."""
+    def _copies_out(self, host_only: bool = False, skip: Callable[[BlockKey], bool] = lambda key: False
+                    ) -> Iterator[list[tuple[BlockKey, torch.Tensor]]]:
+        """Every cached block (device pages unless host_only, then host slots) copied to the CPU
+        under the lock a batch at a time, each batch yielded with no lock held (the caller may
+        wait on a writer). A block that moved or left meanwhile is taken from where it is now, or
+        skipped (its own eviction queued it), as is one `skip(key)` (asked under the lock) names."""
         with self._lock:
             todo = [] if host_only else [self.pool.key_of(p) for p in self.pool.cached_pages()]
             todo += [key for _, key in self.host.blocks()]
-        written = 0
         for start in range(0, len(todo), _FLUSH_BATCH):
             copies = []
             with self._lock:
                 self.transfer.sync_host()
                 for key in todo[start:start + _FLUSH_BATCH]:
-                    if self.disk.contains(key.hash):
+                    if skip(key):
                         continue
                     page = None if host_only else self.pool.lookup(key)
                     slot = self.host.lookup(key) if page is None else None
                     src = self.pool.kv[page] if page is not None else (None if slot is None else self.host.slab[slot])
                     if src is not None:
                         copies.append((key, src.to("cpu", copy=True)))
+            yield copies
+
+    def _copy_down_to_disk(self, host_only: bool = False) -> int:
+        """Every cached block the disk lacks (device pages unless host_only, then host slots)
+        queued for disk, waiting on the writer with no lock held. Returns blocks queued."""
+        written = 0
+        for copies in self._copies_out(host_only, skip=lambda key: self.disk.contains(key.hash)):
             queued = [key for key, block in copies if self.disk.put(key, block)]   # may wait: no lock held
             with self._lock:
                 for _ in queued:
@@ -423,23 +430,11 @@ class TieredKVCache:
             self.remote.put_encoded(key, payload, raw_size, wait=True, timeout=max(0.0, deadline - time.monotonic()))
 
     def _copy_down_to_remote(self) -> int:
-        """With no disk tier: every cached device and host block queued for the remote writer,
-        copied out under the lock a batch at a time and queued outside it (waiting for room
-        there, a bounded time per batch). Returns blocks queued."""
-        with self._lock:
-            todo = [self.pool.key_of(p) for p in self.pool.cached_pages()] + [key for _, key in self.host.blocks()]
+        """With no disk tier: every cached device and host block queued for the remote writer
+        (waiting for room there, a bounded time per block, no lock held). Returns blocks queued."""
         queued = 0
-        for start in range(0, len(todo), _FLUSH_BATCH):
-            copies = []
-            with self._lock:
-                self.transfer.sync_host()
-                for key in todo[start:start + _FLUSH_BATCH]:
-                    page = self.pool.lookup(key)
-                    slot = self.host.lookup(key) if page is None else None
-                    src = self.pool.kv[page] if page is not None else (None if slot is None else self.host.slab[slot])
-                    if src is not None:
-                        copies.append((key, src.to("cpu", copy=True)))
-            timeout = self.config.remote_timeout_s * 4
+        timeout = self.config.remote_timeout_s * 4
+        for copies in self._copies_out():
             queued += sum(self.remote.put(key, block, wait=True, timeout=timeout) for key, block in copies)
         return queued
 
