@@ -31,7 +31,7 @@ _TIER_FIELDS = (
     ("evictions", "evictions", "Blocks evicted from the tier", True),
 )
 
-# The remote tier's own client counters (tiers.remote in cache_status(), storage/remote_tier.py):
+# The remote tier's own client counters (tiers.remote in cache_status(), storage/remote/tier.py):
 # (key in its status, metric suffix, help). Blocks served to requests are the tier="remote" rows
 # above; these say how the store itself answered.
 _REMOTE_COUNTERS = (

@@ -11,7 +11,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from storage.remote_url import RemoteURL, parse_remote_url
+from storage.remote.url import RemoteURL, parse_remote_url
 
 _UNITS = {
     "": 1, "b": 1,
@@ -65,19 +65,19 @@ class CacheConfig:
     """How much of each tier the cache may use, and how it writes to disk.
 
     host_memory=0 disables the host tier; disk_dir=None disables the disk tier; remote_url=None
-    (the default) disables the remote tier (storage/remote_url.py lists the URL forms).
+    (the default) disables the remote tier (storage/remote/url.py lists the URL forms).
     """
     block_size: int = 16
     device_memory: int | str = "1GiB"
     host_memory: int | str = "4GiB"
     disk_dir: str | None = "~/.cache/tieredkv/kv"
     disk_capacity: int | str = "50GiB"
-    # zstd level of each block's coded byte plane (sign + exponent, storage/codec.py); on real
+    # zstd level of each block's coded byte plane (sign + exponent, storage/codec/payload.py); on real
     # KV levels 1-4 code alike, higher ones are slower for ~0.5%, negative ones store it as is.
     zstd_level: int = 3
     write_policy: str = "write_back"
     isolate_tenants: bool = True
-    # The shared remote tier (storage/remote_tier.py): a Valkey/Redis URL -- valkey://, redis://,
+    # The shared remote tier (storage/remote/tier.py): a Valkey/Redis URL -- valkey://, redis://,
     # rediss:// (TLS), with a password, a comma list of nodes or ?cluster=1 for a cluster. Not in
     # repr (it may hold a password): `remote` is, redacted.
     remote_url: str | None = field(default=None, repr=False)

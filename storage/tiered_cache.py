@@ -17,7 +17,7 @@ waiting (a full queue drops the block, counted), and flush/demote("host") copy b
 the lock in small batches and hand them to the writer (which may wait) outside it, so the
 engine's next allocate/register never waits for a flush.
 
-The remote tier (storage/remote_tier.py) is network I/O, so NOTE: nothing under the cache lock
+The remote tier (storage/remote/tier.py) is network I/O, so NOTE: nothing under the cache lock
 and nothing on the engine thread talks to it. Whether the store holds a prompt's blocks is asked
 by a probe the loader runs when the request is submitted (prefetch()); match() then reads the
 probe's answer from memory. Remote blocks are read by the loader like disk blocks, and written
@@ -34,16 +34,16 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from storage.codec import Codec
+from storage.codec.payload import Codec
 from storage.device_pool import DevicePool
-from storage.disk_tier import DiskTier
+from storage.disk.tier import DiskTier
 from storage.host_tier import HostTier
 from storage.loader import Fill, Load, Loader, Prefetch, RemoteProbe
 from storage.layout import BlockLayout
 from storage.transfer import Transfer
-from storage.breaker import BreakerConfig
+from storage.remote.breaker import BreakerConfig
 from storage.config import CacheConfig
-from storage.remote_tier import RemoteTier
+from storage.remote.tier import RemoteTier
 from storage.hashing import BlockKey
 
 TIERS = ("device", "host", "disk", "remote")

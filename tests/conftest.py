@@ -26,7 +26,7 @@ def default_model():
 
 # Real Valkey servers (tools/valkey_servers.py), shared by the storage and engine tests of the
 # remote tier. Session-scoped: starting a cluster takes ~2 s. Tests share them safely because each
-# uses its own namespace (keys are namespaced: storage/remote_tier.py). A test that stops or
+# uses its own namespace (keys are namespaced: storage/remote/tier.py). A test that stops or
 # restarts a server starts its own.
 @pytest.fixture(scope="session")
 def valkey():

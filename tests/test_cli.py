@@ -156,7 +156,7 @@ def test_inspect_counts_blocks_per_namespace_and_draws_the_prefix_tree(cache: di
 
 
 def test_prefix_tree_keeps_blocks_whose_parent_is_gone_as_orphan_trees() -> None:
-    from storage.disk_tier import DiskBlockInfo
+    from storage.disk.tier import DiskBlockInfo
     from storage.hashing import block_keys
     from tieredkv.inspect_tree import build_forest
     ns = b"n" * 32
@@ -313,7 +313,7 @@ def test_demo_json_hits_every_tier_and_matches_the_ledger(tmp_path: Path, defaul
 
 def test_verify_and_inspect_refuse_a_truncated_disk_tier_and_repair_moves_it_aside(tmp_path: Path) -> None:
     # Issue 7, item 6: mapping a truncated data.mdb was a SIGBUS in verify and inspect.
-    from storage.disk_tier import DiskTier
+    from storage.disk.tier import DiskTier
     from tests.storage.disk_tier_child import make_block, make_key
     kv = tmp_path / "kv"
     with DiskTier(str(kv), 64 << 20) as t:
@@ -416,7 +416,7 @@ def test_remote_options_are_checked_before_anything_loads(tmp_path: Path) -> Non
 
 @pytest.mark.parametrize("where", ["standalone", "cluster"])
 def test_inspect_remote_lists_verifies_and_repairs_the_store(where: str, request, tmp_path: Path) -> None:
-    from storage.remote_tier import remote_key
+    from storage.remote.tier import remote_key
     from tests.storage.test_remote_tier import raw_client
     from tools.valkey_servers import ValkeyServer
     from storage.hashing import block_keys

@@ -6,6 +6,14 @@ storage owns the block vocabulary (hashing) and the cache config; engine owns th
 ledger (it records usage); tieredkv/ only faces the user. A module may import its own package
 and any package below it, never one above it. Read from the source with `ast`, so a lazy
 import inside a function counts too.
+
+Inside storage, the tiers below the host are rooms of their own:
+
+    storage/disk/, storage/remote/  ->  storage/codec/  ->  storage's shared vocabulary
+
+A room imports itself, the rooms below it and the shared modules named in SHARED, never a
+sibling room (disk and remote share what they share through codec/) and never the modules that
+place and move blocks (tiered_cache, cascade, loader), which import the rooms.
 """
 from __future__ import annotations
 
@@ -38,6 +46,35 @@ def test_no_import_points_up(package: str) -> None:
         if bad:
             offenders[str(path.relative_to(ROOT))] = sorted(bad)
     assert offenders == {}, f"imports pointing up from {package}/: {offenders}"
+
+
+ROOMS = {"codec": set(), "disk": {"codec"}, "remote": {"codec"}}
+SHARED = {"hashing", "layout", "priority", "pinned", "background_writer", "lower_tier"}
+
+
+def _storage_imports(path: Path) -> set[str]:
+    """What `path` imports from storage: "disk", "remote", "codec" for a room, else the module."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        mods = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else []
+        for mod in mods:
+            parts = mod.split(".")
+            if parts[0] == "storage" and len(parts) > 1:
+                names.add(parts[1])
+    return names
+
+
+@pytest.mark.parametrize("room", sorted(ROOMS))
+def test_a_storage_room_imports_only_rooms_below_it_and_the_shared_vocabulary(room: str) -> None:
+    allowed = {room} | ROOMS[room] | SHARED
+    offenders = {}
+    for path in sorted((ROOT / "storage" / room).rglob("*.py")):
+        bad = _storage_imports(path) - allowed
+        if bad:
+            offenders[str(path.relative_to(ROOT))] = sorted(bad)
+    assert offenders == {}, f"imports leaving storage/{room}/ sideways or up: {offenders}"
 
 
 def test_user_facing_names_still_importable_from_tieredkv() -> None:

@@ -237,7 +237,7 @@ def open_disk_tier(root: Path, readonly: bool) -> Any:
     kv = existing_dir(root / "kv", "disk tier (kv/)")
     if not (kv / "data.mdb").is_file():
         raise CLIError(f"cache dir: {kv} holds no disk tier (no data.mdb)", code=2)
-    from storage.disk_tier import DiskTier
+    from storage.disk.tier import DiskTier
     # Capacity is enforced only by writers; inspect/verify never add blocks.
     return DiskTier(str(kv), parse_size("50GiB"), readonly=readonly)
 
@@ -290,8 +290,8 @@ def inspect(
 def inspect_remote(url: str, cache_dir: Optional[str], check: bool, repair: bool, namespace: Optional[str],
                    json_out: bool) -> None:
     """`inspect --remote-url`: the store's listing (and with `check` its verification), printed."""
-    from storage.remote_inspect import RemoteInspector
-    from storage.remote_url import parse_remote_url
+    from storage.remote.inspect import RemoteInspector
+    from storage.remote.url import parse_remote_url
     from tieredkv.inspect_remote import remote_overview, survey_report, verify_report
     parsed = parse_remote_url(url, "--remote-url")        # a bad URL: exit 2, the password never shown
     ns = None
@@ -352,7 +352,7 @@ def verify(
     store is opened read-only, so it is safe while a server runs.
     """
     root = cache_root(cache_dir)
-    from storage.disk_preflight import DamagedEnvironment, move_aside
+    from storage.disk.preflight import DamagedEnvironment, move_aside
     try:
         open_disk_tier(root, readonly=True).close()     # checks the files before anything maps them
     except DamagedEnvironment as e:

@@ -1,9 +1,9 @@
 """What a remote store holds, for `tieredkv inspect --remote-url`: the report and its drawing.
 
-Knows: how storage/remote_inspect.py's survey and verify results become one JSON-ready dict and
+Knows: how storage/remote/inspect.py's survey and verify results become one JSON-ready dict and
 rich renderables, and how to name a namespace (the default model and a tenant the local billing
 ledger knows, as tieredkv/inspect_tree.py does for the disk tier: the store holds no names).
-Doesn't know: the store's protocol, keys or values (storage/remote_inspect.py reads them).
+Doesn't know: the store's protocol, keys or values (storage/remote/inspect.py reads them).
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """What a disk tier holds, for `tieredkv inspect`: blocks per namespace and the prefix tree.
 
 Knows: how to survey an open DiskTier (`survey`: totals and blocks per namespace); how stored
-block metadata (storage.disk_tier.DiskBlockInfo: hash, parent, namespace, token ids, hits)
+block metadata (storage.disk.tier.DiskBlockInfo: hash, parent, namespace, token ids, hits)
 becomes a forest -- one tree per namespace, rooted at the blocks whose parent is the
 namespace's root hash, with chains of single children folded into one node (a radix tree, so
 a 90-block document is one line); how to name a namespace when it belongs to the default

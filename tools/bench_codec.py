@@ -46,8 +46,8 @@ import numpy as np
 import torch
 import zstandard
 
-from storage import byte_planes
-from storage.codec import CODED_PLANES, Codec
+from storage.codec import byte_planes
+from storage.codec.payload import CODED_PLANES, Codec
 from storage.config import CacheConfig
 from storage.layout import dtype_from_name
 
@@ -59,11 +59,11 @@ ROWS = ("v3", "v3-shuffle", "v4")
 
 # ---- the format-3 writer, as the previous build wrote it ----------------------------------------
 
-_V3_DTYPE_CODES = {"float32": 1, "float16": 2, "bfloat16": 3}   # storage/codec.py's codes
+_V3_DTYPE_CODES = {"float32": 1, "float16": 2, "bfloat16": 3}   # storage/codec/payload.py's codes
 
 
 def encode_v3(block: torch.Tensor, binding: bytes, level: int, shuffle: bool, cctx: zstandard.ZstdCompressor) -> bytes:
-    """A format-3 payload (storage/codec.py's docstring): header, crc32 of it, one zstd frame."""
+    """A format-3 payload (storage/codec/payload.py's docstring): header, crc32 of it, one zstd frame."""
     raw = byte_planes.split(block).reshape(-1) if shuffle else block.reshape(-1).view(torch.uint8).numpy()
     frame = cctx.compress(raw)
     name = str(block.dtype).removeprefix("torch.")
@@ -174,7 +174,7 @@ def bench_dtype(blocks: torch.Tensor, level: int, repeat: int) -> dict:
 def plane_report(blocks: torch.Tensor, level: int) -> list[dict]:
     """Per byte plane: coded size / plane size with v4's coded compressor, token-major and
     dim-1-major (the latter with v4's block cuts), and whether v4 codes it."""
-    from storage.codec import _block_cuts, _compress_coded
+    from storage.codec.payload import _block_cuts, _compress_coded
 
     size = blocks.element_size()
     shape = tuple(blocks.shape[1:])

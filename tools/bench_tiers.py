@@ -53,9 +53,9 @@ import lmdb
 import torch
 import zstandard
 
-from storage import byte_planes
-from storage.codec import Codec
-from storage.disk_tier import DiskTier, default_map_size
+from storage.codec import byte_planes
+from storage.codec.payload import Codec
+from storage.disk.tier import DiskTier, default_map_size
 from storage.layout import BlockLayout, dtype_from_name, dtype_name
 from storage.tiered_cache import TieredKVCache
 from storage.config import CacheConfig
@@ -389,7 +389,7 @@ BINDING = bytes(64)   # the disk tier binds each payload to block hash || namesp
 def codec_profile(blocks: torch.Tensor, level: int, repeat: int) -> dict:
     """Single-thread microseconds per block of each step of Codec.encode / Codec.decode (the work
     the disk writer and get_many's decode threads do per block), best of `repeat`, warm buffers."""
-    from storage.codec import CODED_PLANES, _block_cuts, _compress_coded, _store_compressor
+    from storage.codec.payload import CODED_PLANES, _block_cuts, _compress_coded, _store_compressor
 
     codec = Codec(level=level)
     shape = tuple(blocks.shape[1:])

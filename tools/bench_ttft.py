@@ -69,10 +69,10 @@ import zstandard
 from engine.engine import Engine
 from engine.model import load_model
 from engine.sampling_params import SamplingParams
-from storage.codec import Codec
+from storage.codec.payload import Codec
 from storage.config import CacheConfig
 from storage.hashing import block_keys
-from storage.remote_tier import make_client, remote_key, unpack_value
+from storage.remote.tier import make_client, remote_key, unpack_value
 
 SUFFIX_TOKENS = 16
 TARGET = 1.25

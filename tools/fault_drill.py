@@ -42,7 +42,7 @@ sys.path.insert(0, str(REPO))
 import lmdb  # noqa: E402
 import torch  # noqa: E402
 
-from storage.disk_tier import DiskTier  # noqa: E402
+from storage.disk.tier import DiskTier  # noqa: E402
 from storage.hashing import BlockKey, hash_block, root_hash  # noqa: E402
 
 NAMESPACE = b"\x07" * 32
@@ -77,7 +77,7 @@ READ_ALL = """
     import json, sys
     sys.path.insert(0, "tools")
     from fault_drill import make_block, make_key, same
-    from storage.disk_tier import DiskTier
+    from storage.disk.tier import DiskTier
     path, n = sys.argv[1], int(sys.argv[2])
     try:
         t = DiskTier(path, 256 << 20)
@@ -172,7 +172,7 @@ WRITER = """
     import sys
     sys.path.insert(0, "tools")
     from fault_drill import make_block, make_key
-    from storage.disk_tier import DiskTier
+    from storage.disk.tier import DiskTier
     t = DiskTier(sys.argv[1], 256 << 20, batch_blocks=8)
     i = int(sys.argv[2])
     while True:
@@ -228,7 +228,7 @@ def attack_full_disk() -> dict:
             import json, sys
             sys.path.insert(0, "tools")
             from fault_drill import make_block, make_key
-            from storage.disk_tier import DiskTier
+            from storage.disk.tier import DiskTier
             t = DiskTier(sys.argv[1], 64 << 20, map_size=64 << 20)     # the map is larger than the disk
             for i in range(1500):                   # ~9 MiB of blocks into a 4 MiB filesystem
                 t.put(make_key(i), make_block(i))

@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from storage.codec import Codec
-from storage.disk_tier import DiskTier
+from storage.codec.payload import Codec
+from storage.disk.tier import DiskTier
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from storage.hashing import block_keys

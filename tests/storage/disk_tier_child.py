@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-from storage.disk_tier import DiskTier
+from storage.disk.tier import DiskTier
 from storage.hashing import BlockKey, hash_block, root_hash
 
 NAMESPACE = bytes(range(32))

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from storage import byte_planes
+from storage.codec import byte_planes
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 _INT = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}

@@ -2,7 +2,7 @@
 
 Payloads are real bytes from the real encoder; damage is done to them byte by byte. Where a
 test needs a header that lies with a valid crc (a forger, not damage), it rebuilds the header
-with the layout written down in storage/codec.py and recomputes the crc32.
+with the layout written down in storage/codec/payload.py and recomputes the crc32.
 """
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import pytest
 import torch
 import zstandard
 
-from storage import byte_planes
-from storage.codec import FORMAT_VERSION, MAGIC, Codec, CodecError
+from storage.codec import byte_planes
+from storage.codec.payload import FORMAT_VERSION, MAGIC, Codec, CodecError
 from storage.layout import dtype_from_name
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -66,7 +66,7 @@ def assert_same_bits(a: torch.Tensor, b: torch.Tensor) -> None:
 # ---- the v4 layout, written down here independently of the parser -----------------------------
 
 def plane_table_at(payload: bytes) -> int:
-    """Offset of the plane table: fixed fields, dims, raw size, binding (see storage/codec.py)."""
+    """Offset of the plane table: fixed fields, dims, raw size, binding (see storage/codec/payload.py)."""
     at = 9 + 4 * payload[8] + 8
     return at + 1 + payload[at]
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 import zstandard
 
-from storage.codec import Codec
+from storage.codec.payload import Codec
 from tieredkv import CacheConfig, Engine, SamplingParams
 
 ROOT = Path(__file__).resolve().parents[2]

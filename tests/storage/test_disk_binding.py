@@ -13,8 +13,8 @@ from pathlib import Path
 import lmdb
 import pytest
 
-from storage.disk_records import BlockMeta
-from storage.disk_tier import DiskTier
+from storage.codec.stored_block import BlockMeta
+from storage.disk.tier import DiskTier
 from tests.storage.disk_tier_child import make_block, make_key, same_bits
 
 CAP = 64 << 20
@@ -143,7 +143,7 @@ def test_verify_of_a_live_evicting_cache_reports_no_damage(tmp_path: Path) -> No
 # ---- payloads of codec format 3, already on disk, stay served ----------------------------------
 
 def encode_v3(block, binding: bytes, shuffle: bool) -> bytes:
-    """A codec format-3 payload as the previous build wrote it (storage/codec.py's docstring):
+    """A codec format-3 payload as the previous build wrote it (storage/codec/payload.py's docstring):
     header, crc32 of it, one zstd frame of the (optionally byte-shuffled) block."""
     import struct
     import zlib
@@ -151,7 +151,7 @@ def encode_v3(block, binding: bytes, shuffle: bool) -> bytes:
     import torch
     import zstandard
 
-    from storage import byte_planes
+    from storage.codec import byte_planes
 
     raw = byte_planes.split(block).reshape(-1) if shuffle else block.reshape(-1).view(torch.uint8).numpy()
     code = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}[block.dtype]
@@ -171,7 +171,7 @@ def test_the_v3_writer_here_is_the_one_that_wrote_the_golden_fixtures() -> None:
 
 
 def test_v3_payloads_written_by_an_earlier_build_are_served(tmp_path: Path) -> None:
-    from storage.disk_integrity import payload_binding
+    from storage.codec.stored_block import payload_binding
 
     stored(4, tmp_path)
     keys = {i: make_key(i) for i in range(4)}

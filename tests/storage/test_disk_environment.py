@@ -15,15 +15,15 @@ from pathlib import Path
 import lmdb
 import pytest
 
-from storage.disk_preflight import DamagedEnvironment, check_environment
-from storage.disk_tier import DiskTier
+from storage.disk.preflight import DamagedEnvironment, check_environment
+from storage.disk.tier import DiskTier
 from tests.storage.disk_tier_child import make_block, make_key, same_bits
 
 REPO = Path(__file__).resolve().parents[2]
 CAP = 64 << 20
 OPEN_AND_READ = """
 import sys
-from storage.disk_tier import DiskTier
+from storage.disk.tier import DiskTier
 from tests.storage.disk_tier_child import make_block, make_key
 readonly = sys.argv[2] == "ro"
 try:
@@ -123,7 +123,7 @@ def test_a_reader_maps_what_the_writer_grew(tmp_path: Path) -> None:
         assert same_bits(t.get(make_key(0)), make_block(0))
 
 
-# ---- damaged page pointers (storage/disk_pagewalk.py) -------------------------------------
+# ---- damaged page pointers (storage/disk/pagewalk.py) -------------------------------------
 
 def _pages(path: Path):
     """(pgno, page bytes, page size) of every branch/leaf page the current snapshot reaches from
@@ -207,7 +207,7 @@ def test_a_damaged_page_pointer_is_found_before_lmdb_follows_it(tmp_path: Path, 
 def test_the_page_walk_reads_every_tree_of_a_healthy_store(tmp_path: Path) -> None:
     """No false alarm: a store written, half deleted and rewritten (free pages reused) passes,
     and the walk reaches the named databases' pages, not just the main one's."""
-    from storage.disk_pagewalk import check_pages
+    from storage.disk.pagewalk import check_pages
     kv = tmp_path / "kv"
     with DiskTier(str(kv), CAP) as t:
         for i in range(300):

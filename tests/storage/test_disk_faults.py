@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from storage.disk_tier import DiskTier
+from storage.disk.tier import DiskTier
 from tests.storage.disk_tier_child import make_block, make_key, same_bits
 
 REPO = Path(__file__).resolve().parents[2]
@@ -127,9 +127,9 @@ class CountingEnv:
 
 def test_contains_reads_no_lmdb_and_follows_commits_evictions_and_deletes(tmp_path: Path) -> None:
     # Issue 8, item 1: match() asks contains() for every block of every waiting request on
-    # every engine step; it is answered from memory (storage/disk_index.py).
-    from storage.codec import Codec
-    from storage.disk_integrity import payload_binding
+    # every engine step; it is answered from memory (storage/disk/index.py).
+    from storage.codec.payload import Codec
+    from storage.codec.stored_block import payload_binding
     size = {i: len(Codec().encode(make_block(i), payload_binding(make_key(i).hash, make_key(i).namespace)))
             for i in (0, 1, 2, 3, 4, 10)}                          # stored bytes of each block
     capacity = sum(size[i] for i in range(4))
@@ -158,8 +158,8 @@ def test_a_batch_larger_than_the_store_leaves_the_index_exact(tmp_path: Path) ->
     # One commit stores 4 blocks into room for 3 and evicts its own first block in the same
     # transaction: the index must say it is gone (found by the state-machine test: the block was
     # matched on disk, then missed).
-    from storage.codec import Codec
-    from storage.disk_integrity import payload_binding
+    from storage.codec.payload import Codec
+    from storage.codec.stored_block import payload_binding
     size = [len(Codec().encode(make_block(i), payload_binding(make_key(i).hash, make_key(i).namespace)))
             for i in range(4)]
     with DiskTier(str(tmp_path), sum(size[1:]), batch_blocks=8) as t:

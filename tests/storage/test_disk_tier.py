@@ -14,9 +14,9 @@ import lmdb
 import pytest
 import torch
 
-from storage.disk_integrity import payload_binding
-from storage.codec import Codec
-from storage.disk_tier import DiskTier
+from storage.codec.stored_block import payload_binding
+from storage.codec.payload import Codec
+from storage.disk.tier import DiskTier
 from storage.layout import BlockLayout
 from tests.storage.disk_tier_child import bits, make_block, make_key, same_bits
 

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from storage.config import CacheConfig
-from storage.disk_tier import DiskTier
+from storage.disk.tier import DiskTier
 from storage.tiered_cache import TieredKVCache
 from tests.storage.conftest import TINY, block_data, keys
 from tests.storage.test_tiered_cache import fill, same_bits

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from storage.disk_tier import DiskTier
+from storage.disk.tier import DiskTier
 from tests.storage.conftest import block_data, keys
 from tests.storage.test_tiered_cache import fill, make_cache, same_bits
 

@@ -12,7 +12,7 @@ import pytest
 
 from storage.config import CacheConfig
 from storage.layout import BlockLayout
-from storage.remote_tier import remote_key, unpack_value
+from storage.remote.tier import remote_key, unpack_value
 from storage.tiered_cache import TieredKVCache
 from tests.storage.conftest import TINY, block_data, keys
 from tests.storage.test_remote_tier import raw_client

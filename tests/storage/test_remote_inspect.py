@@ -1,4 +1,4 @@
-"""What a store holds, read back from the store (storage/remote_inspect.py), against real valkey
+"""What a store holds, read back from the store (storage/remote/inspect.py), against real valkey
 servers: a fresh standalone one (so the whole-store listing is exact) and the session's 3-node
 cluster (whose keys spread over every primary; the test lists only its own namespace there).
 Values damaged behind the tier's back with a raw SET are found by verify and deleted by repair."""
@@ -8,9 +8,9 @@ import os
 
 import pytest
 
-from storage.remote_inspect import RemoteInspector, check_value, parse_key
-from storage.remote_tier import RemoteTier, pack_value, remote_key
-from storage.remote_url import parse_remote_url
+from storage.remote.inspect import RemoteInspector, check_value, parse_key
+from storage.remote.tier import RemoteTier, pack_value, remote_key
+from storage.remote.url import parse_remote_url
 from tests.storage.conftest import TINY, block_data, keys
 from tests.storage.test_remote_tier import raw_client
 from tools.valkey_servers import ValkeyServer
@@ -101,8 +101,8 @@ def test_verify_reports_damage_and_repair_deletes_only_it(where, request, fresh_
 
 
 def test_check_value_refuses_a_value_whose_chain_or_namespace_does_not_match_its_key() -> None:
-    from storage.codec import Codec
-    from storage.disk_integrity import payload_binding
+    from storage.codec.payload import Codec
+    from storage.codec.stored_block import payload_binding
     ks = keys(2, ns=b"\x05" * 32)
     k = ks[1]
     block = block_data(k)

@@ -11,9 +11,9 @@ import pytest
 import redis
 import torch
 
-from storage.breaker import BreakerConfig
-from storage.remote_tier import RemoteTier, remote_key
-from storage.remote_url import parse_remote_url
+from storage.remote.breaker import BreakerConfig
+from storage.remote.tier import RemoteTier, remote_key
+from storage.remote.url import parse_remote_url
 from tests.storage.conftest import TINY, block_data, keys
 from tests.storage.test_tiered_cache import same_bits
 from tools.valkey_servers import ValkeyServer

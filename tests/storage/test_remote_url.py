@@ -1,12 +1,12 @@
-"""remote_url parsing (storage/remote_url.py), CacheConfig's remote fields, and the circuit breaker
-(storage/breaker.py) on a fake clock."""
+"""remote_url parsing (storage/remote/url.py), CacheConfig's remote fields, and the circuit breaker
+(storage/remote/breaker.py) on a fake clock."""
 from __future__ import annotations
 
 import pytest
 
-from storage.breaker import BreakerConfig, CircuitBreaker
+from storage.remote.breaker import BreakerConfig, CircuitBreaker
 from storage.config import CacheConfig
-from storage.remote_url import parse_remote_url
+from storage.remote.url import parse_remote_url
 
 
 @pytest.mark.parametrize("url, nodes, cluster, tls, db", [

@@ -12,9 +12,9 @@ import lmdb
 import pytest
 import torch
 
-from storage.disk_integrity import payload_binding
-from storage.codec import Codec
-from storage.disk_tier import DiskTier
+from storage.codec.stored_block import payload_binding
+from storage.codec.payload import Codec
+from storage.disk.tier import DiskTier
 from storage.layout import BlockLayout
 from storage.tiered_cache import CacheMatch, TieredKVCache
 from tests.storage.conftest import TINY, block_data, keys

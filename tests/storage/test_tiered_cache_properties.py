@@ -17,8 +17,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from storage.disk_integrity import payload_binding
-from storage.codec import Codec
+from storage.codec.stored_block import payload_binding
+from storage.codec.payload import Codec
 from storage.tiered_cache import TieredKVCache
 from tests.storage.conftest import NS, TINY, block_data, keys
 from storage.config import CacheConfig

@@ -6,7 +6,7 @@ follows from it: a file shorter than its newer meta page's last page is truncate
 it would end in SIGBUS on the first read past the end; a meta page with a bad magic or version
 makes LMDB refuse to open at all; a main-database root that is not a branch or leaf page inside
 the file means the index is damaged (a writable open would come up silently empty).
-Doesn't know: our databases or records (storage/disk_records.py), or what the caller does about
+Doesn't know: our databases or records (storage/disk/records.py), or what the caller does about
 damage -- DiskTier moves a damaged writable tier aside and starts a fresh one (loud log, status
 field); a readonly open (verify, inspect) refuses with the reason.
 

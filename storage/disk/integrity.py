@@ -13,18 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import lmdb
-import torch
 
-from storage.codec import Codec, CodecError
-from storage.disk_records import BlockMeta, Databases, load_info, lru_key
-from storage.layout import BlockLayout, dtype_name
+from storage.codec.payload import Codec
+from storage.codec.stored_block import BlockMeta, verify_and_decode
+from storage.disk.records import Databases, load_info, lru_key
+from storage.layout import BlockLayout
 from storage.hashing import BlockKey, hash_block
-
-
-def payload_binding(h: bytes, namespace: bytes) -> bytes:
-    """What a stored payload is bound to (codec header): its block hash and namespace. The hash
-    chains the parent and token ids, so a payload can serve one block of one namespace only."""
-    return h + namespace
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,38 +32,6 @@ class VerifyReport:
     checked: int
     damaged: tuple[DamagedBlock, ...]
     repaired: int
-
-
-def verify_and_decode(codec: Codec, layout: BlockLayout | None, key: BlockKey, out: torch.Tensor | None,
-                      payload: bytes | memoryview | None, meta_raw: bytes | memoryview | None
-                      ) -> tuple[torch.Tensor | None, str | None]:
-    """(the decoded block, None) when the stored record is the block `key` names and sound,
-    else (None, the reason). `out`, when given, receives the bytes."""
-    if payload is None or meta_raw is None:
-        return None, "payload missing" if payload is None else "metadata missing"
-    try:
-        m = BlockMeta.unpack(meta_raw)
-    except ValueError as e:
-        return None, str(e)
-    if m.token_ids != key.token_ids:
-        return None, "stored token ids differ from the key's"
-    if m.namespace != key.namespace:
-        return None, "stored namespace differs from the key's"
-    if m.parent != key.parent:
-        return None, "stored parent differs from the key's"
-    if m.stored_size != len(payload):
-        return None, f"payload is {len(payload)} bytes, metadata says {m.stored_size}"
-    try:
-        header = codec.peek_header(payload)
-        if header.raw_size != m.raw_size:
-            return None, f"header raw size {header.raw_size} != metadata's {m.raw_size}"
-        if layout is not None and (header.dtype != dtype_name(layout.dtype) or header.shape != layout.shape):
-            return None, f"block is {header.shape} {header.dtype}, layout wants {layout.shape}"
-        if out is not None and (dtype_name(out.dtype) != header.dtype or out.numel() != header.numel):
-            return None, f"block is {header.shape} {header.dtype}, does not fit out"
-        return codec.decode(payload, payload_binding(key.hash, key.namespace), out), None
-    except CodecError as e:
-        return None, f"codec: {e}"
 
 
 def check_block(codec: Codec, layout: BlockLayout | None, h: bytes, payload: bytes | None,

@@ -5,7 +5,7 @@ retries), batched reads (an MGET of up to 32 keys at a time -- in cluster mode o
 --, each group decoded while the next is fetched) and pipelined writes, verification of what it reads, the
 circuit breaker in front of every call, and this process's counters.
 Doesn't know: the other tiers, the engine, or when a block should be written (storage/
-tiered_cache.py decides; storage/remote_writer.py is the thread that writes).
+tiered_cache.py decides; storage/remote/writer.py is the thread that writes).
 
 Keys: `tkv:r1:<namespace hex>:<block hash hex>`. The namespace digests the model identity and
 the tenant's cache salt (storage/hashing.py), so two tenants, or two models, never read each
@@ -13,9 +13,9 @@ other's blocks even through a store shared by every server; and the block hash i
 the namespace. Keys carry no {hash tag}: blocks spread over a cluster's slots.
 
 Values: the disk tier's verified frame -- `b"TKR1" | u32 meta length | BlockMeta | codec payload`
-(storage/disk_records.py's record of token ids, parent, namespace and sizes; storage/codec.py's
+(storage/codec/stored_block.py's record of token ids, parent, namespace and sizes; storage/codec/payload.py's
 payload, header crc32, zstd with its content checksum, bound to block hash || namespace). A value
-is served only after storage/disk_integrity.verify_and_decode accepts it for the key asking:
+is served only after storage/codec/stored_block.verify_and_decode accepts it for the key asking:
 anything else (damaged, truncated, another block's bytes under this key) is a miss, deleted and
 counted in `corrupt`.
 
@@ -25,7 +25,7 @@ wants), and an optional TTL set on every write. A block the store evicted is jus
 Failure handling (NOTE invariant: the remote tier never fails or stalls a request): every call
 has a bounded socket timeout (`timeout_s`, connect and read) and at most one immediate retry on a
 dropped connection (a restarted server's pool holds dead sockets); connection errors and timeouts
-are counted (`errors`) and feed the circuit breaker (storage/breaker.py), which, once open,
+are counted (`errors`) and feed the circuit breaker (storage/remote/breaker.py), which, once open,
 answers every call at once -- a read misses, a write is dropped (`skipped`) -- until its cooldown
 lets a probe through. A store that refuses a write (out of memory, read-only replica) counts a
 `write_errors` and is not a breaker failure: it answered.
@@ -49,15 +49,15 @@ from typing import Sequence
 
 import torch
 
-from storage.breaker import OPEN, BreakerConfig, CircuitBreaker
-from storage.codec import Codec
-from storage.disk_integrity import payload_binding, verify_and_decode
-from storage.disk_records import BlockMeta
+from storage.remote.breaker import OPEN, BreakerConfig, CircuitBreaker
+from storage.codec.payload import Codec
+from storage.codec.stored_block import payload_binding, verify_and_decode
+from storage.codec.stored_block import BlockMeta
 from storage.hashing import BlockKey
 from storage.layout import BlockLayout
 from storage.priority import background_priority
-from storage.remote_url import RemoteURL
-from storage.remote_writer import RemoteWriter, WriteItem
+from storage.remote.url import RemoteURL
+from storage.remote.writer import RemoteWriter, WriteItem
 
 log = logging.getLogger(__name__)
 
@@ -436,7 +436,7 @@ class RemoteTier:
 
 def make_client(url: RemoteURL, timeout_s: float):
     """A redis-py client for `url` (redis.Redis, or RedisCluster for a cluster URL) whose every
-    call is bounded by `timeout_s` (connect and read). Shared with storage/remote_inspect.py."""
+    call is bounded by `timeout_s` (connect and read). Shared with storage/remote/inspect.py."""
     import redis
     from redis.backoff import NoBackoff
     from redis.retry import Retry

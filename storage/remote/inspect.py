@@ -4,8 +4,8 @@ Knows: how to walk every key under the remote tier's prefix (`tkv:r1:*`) -- SCAN
 server, or on every primary node of a cluster, since a SCAN only ever sees the node it is sent to
 --, how to sum the values per namespace (blocks, value bytes, tokens from each value's metadata
 header), what each node says of its memory (used, maxmemory, eviction policy, evicted keys), and
-how to verify every value exactly as a read would (storage/remote_tier.py's frame, then
-storage/disk_integrity.verify_and_decode) plus the hash chain (hash == hash_block(parent, tokens)),
+how to verify every value exactly as a read would (storage/remote/tier.py's frame, then
+storage/codec/stored_block.verify_and_decode) plus the hash chain (hash == hash_block(parent, tokens)),
 deleting the values that fail when asked to.
 Doesn't know: models, tenant names, or how a report is drawn (tieredkv/ does both).
 
@@ -19,12 +19,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from storage.codec import Codec
-from storage.disk_integrity import verify_and_decode
-from storage.disk_records import META_FIXED_SIZE, BlockMeta
+from storage.codec.payload import Codec
+from storage.codec.stored_block import META_FIXED_SIZE, BlockMeta, verify_and_decode
 from storage.hashing import BlockKey, hash_block
-from storage.remote_tier import KEY_PREFIX, VALUE_MAGIC, make_client, unpack_value
-from storage.remote_url import RemoteURL
+from storage.remote.tier import KEY_PREFIX, VALUE_MAGIC, make_client, unpack_value
+from storage.remote.url import RemoteURL
 
 SCAN_COUNT = 512          # keys per SCAN step (a hint to the server)
 _BATCH = 32               # values fetched per pipeline (a block's value is ~0.1-1 MB)

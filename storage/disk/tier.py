@@ -3,9 +3,9 @@
 Knows: the public face of the disk tier -- opening the environment, put (handed to the
 background writer), verified reads served from the store or from a put still pending, deletes,
 flush/close, stats, iteration, verify/repair and the check() audit -- and this process's
-counters. The parts live beside it: storage/disk_records.py (the four LMDB databases and their
-record formats), storage/disk_writer.py (the queue and the thread that compresses, commits and
-evicts in batches), storage/disk_integrity.py (what a servable block and a consistent store are).
+counters. The parts live beside it: storage/disk/records.py (the four LMDB databases and their
+record formats), storage/disk/writer.py (the queue and the thread that compresses, commits and
+evicts in batches), storage/disk/integrity.py (what a servable block and a consistent store are).
 Doesn't know: the other tiers, models, or when a block should be demoted (storage/tiered_cache.py).
 
 Every counter that defines capacity lives in `info` and changes in the same write
@@ -41,15 +41,16 @@ import lmdb
 import torch
 
 from storage.priority import background_priority
-from storage.codec import Codec
-from storage.disk_integrity import DamagedBlock, VerifyReport, audit, check_block, verify_and_decode
-from storage.disk_index import DiskIndex
-from storage.disk_pagewalk import check_pages
-from storage.disk_preflight import DamagedEnvironment, check_environment, move_aside, opening
-from storage.disk_records import (DISK_FORMAT_VERSION, BlockMeta, Databases, FormatMismatch, StoreInfo, delete_in_txn,
+from storage.codec.payload import Codec
+from storage.codec.stored_block import BlockMeta, verify_and_decode
+from storage.disk.integrity import DamagedBlock, VerifyReport, audit, check_block
+from storage.disk.index import DiskIndex
+from storage.disk.pagewalk import check_pages
+from storage.disk.preflight import DamagedEnvironment, check_environment, move_aside, opening
+from storage.disk.records import (DISK_FORMAT_VERSION, Databases, FormatMismatch, StoreInfo, delete_in_txn,
                                   load_capacity, load_info, lru_key, open_databases, store_capacity, store_info)
-from storage.disk_records import recount as recount_info
-from storage.disk_writer import DiskWriter
+from storage.disk.records import recount as recount_info
+from storage.disk.writer import DiskWriter
 from storage.layout import BlockLayout, dtype_name
 from storage.hashing import BlockKey
 
@@ -78,7 +79,7 @@ def _open_env(path: str, map_size: int, readonly: bool) -> tuple[lmdb.Environmen
     env = lmdb.open(path, map_size=map_size, max_dbs=4, readonly=readonly, readahead=True, max_readers=512)
     try:
         # NOTE: before any read through the map -- a damaged page pointer past the file's end
-        # makes LMDB's first read of it a SIGBUS (storage/disk_pagewalk.py).
+        # makes LMDB's first read of it a SIGBUS (storage/disk/pagewalk.py).
         check_pages(env, path)
         return env, open_databases(env, path, readonly)
     except BaseException:
@@ -247,7 +248,7 @@ class DiskTier:
         return self.readonly or self._closed or self._writer.wait_for_room(timeout)
 
     def contains(self, h: bytes) -> bool:
-        """Whether the block is pending or (as far as this process knows: storage/disk_index.py)
+        """Whether the block is pending or (as far as this process knows: storage/disk/index.py)
         stored. Reads no LMDB: answered from memory."""
         self._check_open()
         return self._writer.is_pending(h) or h in self._index

@@ -10,7 +10,7 @@ Knows: the URL forms we accept and what each part means --
 TLS options in the query: ssl_ca_certs=PATH, ssl_certfile=PATH, ssl_keyfile=PATH,
 ssl_cert_reqs=required|optional|none, ssl_check_hostname=0|1. The default port is 6379; a
 cluster has no database number (db must be 0).
-Doesn't know: clients, sockets or timeouts (storage/remote_tier.py builds the client from this).
+Doesn't know: clients, sockets or timeouts (storage/remote/tier.py builds the client from this).
 
 The password never appears in repr() or `redacted` (status pages and logs show those): only
 `connection_kwargs()` hands it to the client.

@@ -10,10 +10,10 @@ page number, and that every node lies inside its page.
 Why: LMDB trusts its pointers. One flipped bit in a leaf page moved a node pointer 32 KiB past
 the end of the file, and the first cursor walk over it (building the disk index at open) died of
 SIGBUS -- every restart again (tools/fault_drill.py, docs/BENCHMARKS.md "Reliability"). The meta
-page checks of storage/disk_preflight.py run before mapping; this runs after mapping (a read
+page checks of storage/disk/preflight.py run before mapping; this runs after mapping (a read
 transaction pins the snapshot it walks, so no writer reuses its pages meanwhile) and before any
 read goes through the map.
-Doesn't know: our keys, values or records (storage/disk_records.py), nor what a payload's bytes
+Doesn't know: our keys, values or records (storage/disk/records.py), nor what a payload's bytes
 mean: a pointer to the wrong page inside the file is the codec's to catch (a block's binding and
 checksums), so overflow runs are bounds-checked, not read.
 
@@ -34,7 +34,7 @@ import struct
 
 import lmdb
 
-from storage.disk_preflight import DamagedEnvironment, MetaPage, read_meta_pages
+from storage.disk.preflight import DamagedEnvironment, MetaPage, read_meta_pages
 
 log = logging.getLogger(__name__)
 

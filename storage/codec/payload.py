@@ -5,7 +5,7 @@ payload is intact and is the one asked for before handing bytes back. Anything w
 payload raises `CodecError`; a damaged payload, or one stored under another block's key, never
 decodes to wrong bytes. Doesn't know: where payloads are stored, what a binding means (the
 disk tier binds a payload to its block hash and namespace), or eviction. The byte regrouping
-itself is storage/byte_planes.py.
+itself is storage/codec/byte_planes.py.
 
 Payload format, version 4 (written; all integers little-endian):
 
@@ -73,7 +73,7 @@ import numpy as np
 import torch
 import zstandard
 
-from storage import byte_planes
+from storage.codec import byte_planes
 from storage.layout import dtype_from_name, dtype_name
 
 MAGIC = b"TKVB"

@@ -3,7 +3,7 @@ that keep the stored counters equal to what the databases hold.
 
 Databases in the environment directory:
 
-    payload  hash -> codec payload (storage/codec.py)
+    payload  hash -> codec payload (storage/codec/payload.py)
     meta     hash -> BlockMeta (parent, namespace, token ids, sizes, created, last access seq, hits)
     lru      8-byte big-endian access sequence || hash -> b""   (key order == LRU order)
     info     b"counters" -> used bytes, blocks, raw bytes, next sequence; b"format" -> version;
@@ -13,7 +13,7 @@ Knows: how each record is packed and unpacked (a damaged one raises ValueError),
 version and how to refuse another one, how to open the databases, and the in-transaction edits
 every writer shares: delete one block with its counters, recount the counters from `meta`.
 Doesn't know: threads, queues, the codec's payload format, eviction policy, or when anything is
-written -- that is storage/disk_writer.py and storage/disk_tier.py.
+written -- that is storage/disk/writer.py and storage/disk/tier.py.
 """
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ from typing import Any, NamedTuple
 
 import lmdb
 
-from storage.disk_preflight import DamagedEnvironment
+from storage.codec.stored_block import BlockMeta
+from storage.disk.preflight import DamagedEnvironment
 
 # 2: payloads are codec v3 or v4, bound to block hash || namespace (version 1's cannot be served).
 # Codec v4 did not change it: this build reads the v3 payloads a format-2 store already holds. An
@@ -32,8 +33,6 @@ DISK_FORMAT_VERSION = 2
 SEQ = struct.Struct(">Q")        # big-endian so LMDB's byte order is numeric order
 _U64 = struct.Struct("<Q")
 _COUNTERS = struct.Struct("<QQQQ")
-_META_FIXED = struct.Struct("<B32sQQdQQHI")
-_META_VERSION = 1
 
 
 def lru_key(seq: int, h: bytes) -> bytes:
@@ -46,46 +45,6 @@ def lru_hash(key: bytes) -> bytes:
     return key[SEQ.size:]
 
 
-@dataclass(slots=True)
-class BlockMeta:
-    parent: bytes
-    namespace: bytes
-    token_ids: tuple[int, ...]
-    raw_size: int
-    stored_size: int
-    created: float
-    last_access: int
-    hits: int
-
-    def pack(self) -> bytes:
-        return (_META_FIXED.pack(_META_VERSION, self.parent, self.raw_size, self.stored_size, self.created,
-                                 self.last_access, self.hits, len(self.namespace), len(self.token_ids))
-                + self.namespace + struct.pack(f"<{len(self.token_ids)}I", *self.token_ids))
-
-    @staticmethod
-    def unpack(buf: bytes | memoryview) -> "BlockMeta":
-        """Raises ValueError for a damaged record."""
-        try:
-            v, parent, raw, stored, created, last, hits, ns_len, n_tok = _META_FIXED.unpack_from(buf, 0)
-        except struct.error as e:
-            raise ValueError(f"metadata record damaged: {e}") from None
-        if v != _META_VERSION or len(buf) != _META_FIXED.size + ns_len + 4 * n_tok:
-            raise ValueError("metadata record damaged: bad version or length")
-        ns = bytes(buf[_META_FIXED.size:_META_FIXED.size + ns_len])
-        toks = struct.unpack_from(f"<{n_tok}I", buf, _META_FIXED.size + ns_len)
-        return BlockMeta(parent, ns, toks, raw, stored, created, last, hits)
-
-    @staticmethod
-    def token_count(head: bytes | memoryview) -> int | None:
-        """The token count from a record's first FIXED_SIZE bytes (None if they are not a
-        record's): a listing reads it without fetching the whole record."""
-        if len(head) < _META_FIXED.size:
-            return None
-        fixed = _META_FIXED.unpack_from(head, 0)
-        return fixed[-1] if fixed[0] == _META_VERSION else None
-
-
-META_FIXED_SIZE = _META_FIXED.size    # bytes of a BlockMeta record before its namespace and tokens
 
 
 @dataclass(slots=True)

@@ -6,7 +6,7 @@ Knows: three states and the moves between them --
              write) until `cooldown_s` has passed since it opened
   half_open  one call at a time goes through as a probe: a success closes the breaker, a
              failure opens it again for another cooldown
-Doesn't know: what is being called or what a failure is (the caller says: storage/remote_tier.py
+Doesn't know: what is being called or what a failure is (the caller says: storage/remote/tier.py
 counts connection errors and timeouts, not a miss).
 
 Why: a remote store that is down or slow would otherwise cost every lookup its full timeout;

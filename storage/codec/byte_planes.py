@@ -30,7 +30,7 @@ import torch
 
 # Plane b is defined as byte b in little-endian order, and the shifts below work on the
 # machine's integer views, so the machine must be little-endian (x86-64 and arm64 are).
-assert sys.byteorder == "little", "storage.byte_planes assumes a little-endian machine"
+assert sys.byteorder == "little", "storage.codec.byte_planes assumes a little-endian machine"
 
 _UINTS: dict[int, type[np.unsignedinteger]] = {2: np.uint16, 4: np.uint32}
 _TORCH_INTS: dict[int, torch.dtype] = {2: torch.int16, 4: torch.int32}

@@ -4,7 +4,7 @@ Knows: the queue (blocks waiting to be sent, raw or already encoded), batching t
 flush waits for, and what is lost (a full queue drops; a failed batch is not retried -- a block
 the store never got is a later miss, and whoever misses it computes and writes it again).
 Doesn't know: the store, keys or the value format: it hands each batch to `send(items) -> bool`
-(storage/remote_tier.py's _write_batch), which counts its own results.
+(storage/remote/tier.py's _write_batch), which counts its own results.
 
 Threads: `submit`, `flush`, `pending_count` from any thread (the disk writer's, the cache's
 flush, the loader's); the `tieredkv-remote-writer` thread sends. State is under `_cond`, which

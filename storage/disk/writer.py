@@ -5,8 +5,8 @@ PendingBlock.copy_for), the accesses reads record for it, deletes that race a co
 (cancelled), batching many blocks into one write transaction with compression done outside it,
 LRU eviction that enforces the capacity bound in the same transaction, and what to do when LMDB
 runs out of map or disk (MapFull/ENOSPC: evict, retry smaller, drop what still does not fit).
-Doesn't know: the read path or verification (storage/disk_tier.py, storage/disk_integrity.py),
-or the byte layout of the records beyond storage/disk_records.py's functions.
+Doesn't know: the read path or verification (storage/disk/tier.py, storage/disk/integrity.py),
+or the byte layout of the records beyond storage/disk/records.py's functions.
 
 Write failures never reach the caller of put: they are logged and counted (write_errors), and
 flush() reports them: it is True only when nothing was dropped while it waited.
@@ -31,11 +31,11 @@ import lmdb
 import torch
 
 from storage.priority import background_priority
-from storage.codec import Codec, CodecError
-from storage.disk_records import (BlockMeta, Databases, StoreInfo, delete_in_txn, load_capacity, load_info, lru_hash,
+from storage.codec.payload import Codec, CodecError
+from storage.disk.records import (Databases, StoreInfo, delete_in_txn, load_capacity, load_info, lru_hash,
                                   lru_key, store_info)
-from storage.disk_index import DiskIndex
-from storage.disk_integrity import payload_binding
+from storage.disk.index import DiskIndex
+from storage.codec.stored_block import BlockMeta, payload_binding
 from storage.hashing import BlockKey
 
 log = logging.getLogger(__name__)
