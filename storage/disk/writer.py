@@ -21,7 +21,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from typing import Callable, ContextManager, Iterable
 import lmdb
 import torch
 
+from storage.background_writer import BackgroundWriter
 from storage.priority import background_priority
 from storage.codec.payload import Codec, CodecError
 from storage.disk.records import (Databases, StoreInfo, delete_in_txn, load_capacity, load_info, lru_hash,
@@ -90,7 +90,7 @@ def _is_no_space(e: BaseException, path: str) -> bool:
 _LOW_SPACE_BYTES = 1 << 20   # below this much free space, an EIO at commit is taken as "disk full"
 
 
-class DiskWriter:
+class DiskWriter(BackgroundWriter[tuple[list[PendingBlock], dict[bytes, int]]]):
     """Pending puts and recorded accesses, committed in batches by one thread. Thread-safe.
 
     `count(**deltas)` receives the writer's share of the tier's counters (bytes_written,
@@ -100,6 +100,7 @@ class DiskWriter:
     def __init__(self, env: lmdb.Environment, dbs: Databases, codec: Codec, capacity_bytes: int,
                  queue_blocks: int, batch_blocks: int, count: Callable[..., None],
                  begin: Callable[..., ContextManager[lmdb.Transaction]], index: DiskIndex) -> None:
+        super().__init__("tieredkv-disk-writer")
         self._env = env
         self._index = index      # updated after each commit, before a put stops being pending
         self._begin = begin      # the tier's transactions: counted for close(), map resizes adopted
@@ -109,24 +110,16 @@ class DiskWriter:
         self._queue_blocks = queue_blocks
         self._batch_blocks = batch_blocks
         self._count = count
-        self._cond = threading.Condition()
         self._pending: dict[bytes, PendingBlock] = {}   # every put not yet committed (queued or in flight)
         self._queue: deque[bytes] = deque()             # pending hashes the writer has not taken yet
         self._touches: dict[bytes, int] = {}            # hash -> hits to record, in access order
         self._cancelled: set[bytes] = set()             # deleted while in the writer's hands
-        self._busy = False
-        self._stopping = False
         self._dropped = 0                               # blocks ever dropped (never committed)
-        self._thread: threading.Thread | None = None
         self._last_reader_check = 0.0                   # writer thread only
         # Called on the writer thread after each commit with (key, payload, raw size) of every
         # block it stored: the remote tier's write-behind, so a block is compressed once for both.
         self.on_commit: Callable[[list], None] | None = None
         self._warned_capacity = False                   # writer thread only
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="tieredkv-disk-writer", daemon=True)
-        self._thread.start()
 
     # -- the tier's side -------------------------------------------------------------------
 
@@ -155,8 +148,8 @@ class DiskWriter:
             # cascade, which must not wait, has a second bound of as many again before it drops.
             if not wait and len(self._pending) >= 2 * self._queue_blocks:
                 return False
-            while wait and len(self._pending) >= self._queue_blocks and not self._stopping:
-                self._cond.wait()
+            if wait:
+                self._wait_for(lambda: len(self._pending) < self._queue_blocks or self._stopping, None)
             if self._stopping:
                 raise RuntimeError("DiskTier is closed")
             if h not in self._pending:
@@ -197,28 +190,17 @@ class DiskWriter:
         """Block until every queued put and access update is committed (including those other
         threads add meanwhile). False on timeout, if the writer thread is gone, or if any block
         was dropped instead of committed while waiting (NOTE: never True after a lost write)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             dropped_before = self._dropped
-            while self._pending or self._touches or self._busy:
-                if self._thread is None or not self._thread.is_alive():
-                    return False
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                self._cond.wait(left)
-            return self._dropped == dropped_before
+            return (self._wait_for(lambda: not self._pending and not self._touches and not self._busy, timeout,
+                                   needs_thread=True)
+                    and self._dropped == dropped_before)
 
     def wait_for_room(self, timeout: float | None = None) -> bool:
         """Block until fewer than queue_blocks puts are pending (False on timeout or stop)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while len(self._pending) >= self._queue_blocks and not self._stopping:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                self._cond.wait(left)
-            return not self._stopping
+            return (self._wait_for(lambda: len(self._pending) < self._queue_blocks or self._stopping, timeout)
+                    and not self._stopping)
 
     def dropped(self) -> int:
         with self._cond:
@@ -230,16 +212,6 @@ class DiskWriter:
             with self._cond:
                 self._dropped += n
             self._count(write_errors=n)
-
-    def stop(self) -> None:
-        """Refuse new puts and let the thread exit once the queue and accesses are committed."""
-        with self._cond:
-            self._stopping = True
-            self._cond.notify_all()
-
-    def join(self) -> None:
-        if self._thread is not None:
-            self._thread.join()
 
     # -- the writer thread -----------------------------------------------------------------
 
@@ -258,33 +230,35 @@ class DiskWriter:
             log.warning("disk tier: cleared %d stale reader slot(s) of dead processes", n)
         return n
 
-    def _loop(self) -> None:
+    def _on_start(self) -> None:
         background_priority()   # compression yields the CPU to forward passes
         self.clear_stale_readers(force=True)
-        while True:
-            with self._cond:
-                while not self._queue and not self._touches and not self._stopping:
-                    self._cond.wait()
-                if self._stopping and not self._queue and not self._touches:
-                    return
-                n = min(self._batch_blocks, len(self._queue))
-                items = [self._pending[self._queue.popleft()] for _ in range(n)]
-                touches, self._touches = self._touches, {}
-                self._busy = True
-            try:
-                self.clear_stale_readers()
-                self._write_batch(items, touches)
-            except Exception:   # never let the writer die: the engine keeps running without disk writes
-                log.exception("disk tier: writing a batch of %d blocks failed; dropping it", len(items))
-                self._lost(len(items))
-            finally:
-                with self._cond:
-                    for it in items:
-                        if self._pending.get(it.key.hash) is it:
-                            del self._pending[it.key.hash]
-                        self._cancelled.discard(it.key.hash)
-                    self._busy = False
-                    self._cond.notify_all()
+
+    def _has_work(self) -> bool:
+        return bool(self._queue or self._touches)
+
+    def _take(self) -> tuple[list[PendingBlock], dict[bytes, int]]:
+        n = min(self._batch_blocks, len(self._queue))
+        items = [self._pending[self._queue.popleft()] for _ in range(n)]
+        touches, self._touches = self._touches, {}
+        return items, touches
+
+    def _write(self, batch: tuple[list[PendingBlock], dict[bytes, int]]) -> bool:
+        items, touches = batch
+        try:
+            self.clear_stale_readers()
+            self._write_batch(items, touches)
+        except Exception:   # never let the writer die: the engine keeps running without disk writes
+            log.exception("disk tier: writing a batch of %d blocks failed; dropping it", len(items))
+            self._lost(len(items))
+            return False
+        return True
+
+    def _after(self, batch: tuple[list[PendingBlock], dict[bytes, int]], ok: bool) -> None:
+        for it in batch[0]:
+            if self._pending.get(it.key.hash) is it:
+                del self._pending[it.key.hash]
+            self._cancelled.discard(it.key.hash)
 
     def _write_batch(self, items: list[PendingBlock], touches: dict[bytes, int]) -> None:
         encoded = []

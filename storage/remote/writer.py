@@ -7,21 +7,21 @@ Doesn't know: the store, keys or the value format: it hands each batch to `send(
 (storage/remote/tier.py's _write_batch), which counts its own results.
 
 Threads: `submit`, `flush`, `pending_count` from any thread (the disk writer's, the cache's
-flush, the loader's); the `tieredkv-remote-writer` thread sends. State is under `_cond`, which
-is never held while sending. NOTE: nothing here ever waits on the network while a caller waits on
-it without a bound, except flush(None) -- and the store's calls are bounded by their timeout.
+flush, the loader's); the `tieredkv-remote-writer` thread sends (the loop of
+storage/background_writer.py). State is under `_cond`, which is never held while sending.
+NOTE: nothing here ever waits on the network while a caller waits on it without a bound,
+except flush(None) -- and the store's calls are bounded by their timeout.
 """
 from __future__ import annotations
 
 import logging
-import threading
-import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
+from storage.background_writer import BackgroundWriter
 from storage.hashing import BlockKey
 from storage.priority import background_priority
 
@@ -37,39 +37,29 @@ class WriteItem:
     block: torch.Tensor | None = None
 
 
-class RemoteWriter:
+class RemoteWriter(BackgroundWriter[list[WriteItem]]):
     def __init__(self, send: Callable[[list[WriteItem]], bool], count: Callable[..., None],
                  queue_blocks: int = 256, batch_blocks: int = 32) -> None:
         if queue_blocks < 1 or batch_blocks < 1:
             raise ValueError("queue_blocks and batch_blocks must be >= 1")
+        super().__init__("tieredkv-remote-writer")
         self._send = send
         self._count = count
         self._queue_blocks = queue_blocks
         self._batch_blocks = batch_blocks
-        self._cond = threading.Condition()
         self._queue: deque[WriteItem] = deque()
         self._queued: set[bytes] = set()     # hashes in the queue (a block queued twice is sent once)
-        self._busy = 0                       # items being sent now
+        self._sending = 0                    # items being sent now
         self._failed = 0                     # batches that did not fully land (flush's answer)
-        self._stopping = False
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="tieredkv-remote-writer", daemon=True)
-        self._thread.start()
 
     def submit(self, item: WriteItem, wait: bool = False, timeout: float | None = None) -> bool:
         """Queue a block. wait=False never waits: a full queue drops it (False, counted in
         write_drops). wait=True waits for room (up to `timeout`, then drops)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             if item.key.hash in self._queued:
                 return True
-            while len(self._queue) >= self._queue_blocks and wait and not self._stopping:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    break
-                self._cond.wait(left)
+            if wait:
+                self._wait_for(lambda: len(self._queue) < self._queue_blocks or self._stopping, timeout)
             if self._stopping or len(self._queue) >= self._queue_blocks:
                 self._count(write_drops=1)
                 return False
@@ -80,7 +70,7 @@ class RemoteWriter:
 
     def pending_count(self) -> int:
         with self._cond:
-            return len(self._queue) + self._busy
+            return len(self._queue) + self._sending
 
     def failures(self) -> int:
         """Batches that did not fully land so far: a mark for flush(since=...)."""
@@ -91,47 +81,36 @@ class RemoteWriter:
         """Wait until everything queued (now and meanwhile) was sent. False on timeout, if the
         thread is gone, or if a batch did not fully land while waiting -- or since `since` (a
         failures() mark taken before the writes were queued: a batch may fail before the wait)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             failed_before = self._failed if since is None else since
-            while self._queue or self._busy:
-                if self._thread is None or not self._thread.is_alive():
-                    return False
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                self._cond.wait(left)
-            return self._failed == failed_before
+            return self._wait_for(self._drained, timeout, needs_thread=True) and self._failed == failed_before
 
-    def stop(self) -> None:
-        with self._cond:
-            self._stopping = True
-            self._cond.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
+    def stop(self, timeout: float | None = 30) -> None:
+        super().stop(timeout)
 
-    def _loop(self) -> None:
+    # ---- the writer thread ---------------------------------------------------------------------
+    def _on_start(self) -> None:
         background_priority()     # encoding yields the CPU to forward passes
-        while True:
-            with self._cond:
-                while not self._queue and not self._stopping:
-                    self._cond.wait()
-                if not self._queue:
-                    return            # stopping, and everything was sent
-                n = min(self._batch_blocks, len(self._queue))
-                items = [self._queue.popleft() for _ in range(n)]
-                for it in items:
-                    self._queued.discard(it.key.hash)
-                self._busy = n
-            ok = False
-            try:
-                ok = self._send(items)
-            except Exception:      # never let the writer die: the cache goes on without remote writes
-                log.exception("remote tier: sending a batch of %d blocks failed", len(items))
-                self._count(write_errors=len(items))
-            finally:
-                with self._cond:
-                    self._busy = 0
-                    if not ok:
-                        self._failed += 1
-                    self._cond.notify_all()
+
+    def _has_work(self) -> bool:
+        return bool(self._queue)
+
+    def _take(self) -> list[WriteItem]:
+        items = [self._queue.popleft() for _ in range(min(self._batch_blocks, len(self._queue)))]
+        for it in items:
+            self._queued.discard(it.key.hash)
+        self._sending = len(items)
+        return items
+
+    def _write(self, items: list[WriteItem]) -> bool:
+        try:
+            return self._send(items)
+        except Exception:      # never let the writer die: the cache goes on without remote writes
+            log.exception("remote tier: sending a batch of %d blocks failed", len(items))
+            self._count(write_errors=len(items))
+            return False
+
+    def _after(self, items: list[WriteItem], ok: bool) -> None:
+        self._sending = 0
+        if not ok:
+            self._failed += 1

@@ -1,0 +1,115 @@
+"""The skeleton every background writer shares: work queued by any thread, done by one thread.
+
+Knows: the condition that guards a writer's state, its thread (started, stopped, joined), the
+loop -- wait for work or a stop, take a batch under the condition, write it with no lock held,
+then record the outcome under the condition and wake every waiter --, and waits with a deadline
+(a flush, room in the queue).
+Doesn't know: what the work is. A subclass says what is queued and how a batch is taken
+(`_has_work`, `_take`, under the condition), writes it (`_write`, no lock held; its answer goes to
+`_after`), and may prepare its thread (`_on_start`). The disk writer (storage/disk/writer.py),
+the remote writer (storage/remote/writer.py) and the billing writer (engine/billing_writer.py)
+are its three.
+
+Threads: the subclass's queueing methods run on any thread and hold `_cond` only to edit the
+queue; `_write` runs on the writer's own thread with no lock held (NOTE: never hold `_cond`
+across I/O: every submit and flush would wait for the drive or the network).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable, Generic, TypeVar
+
+log = logging.getLogger(__name__)
+
+Batch = TypeVar("Batch")
+
+
+class BackgroundWriter(Generic[Batch]):
+    def __init__(self, thread_name: str) -> None:
+        self._cond = threading.Condition()      # re-entrant: a test may hold it to line up a batch
+        self._stopping = False                  # under _cond
+        self._busy = False                      # under _cond: a batch is being written now
+        self._thread_name = thread_name
+        self._thread: threading.Thread | None = None
+
+    # ---- what a subclass says ----------------------------------------------------------------
+    def _has_work(self) -> bool:
+        """Under _cond: whether anything is queued."""
+        raise NotImplementedError
+
+    def _take(self) -> Batch:
+        """Under _cond, with work queued: the next batch, taken off the queue."""
+        raise NotImplementedError
+
+    def _write(self, batch: Batch) -> bool:
+        """On the writer thread, no lock held: write the batch; True when all of it landed. An
+        exception is logged and taken as False (the writer never dies of one batch)."""
+        raise NotImplementedError
+
+    def _after(self, batch: Batch, ok: bool) -> None:
+        """Under _cond, once the batch is written (or failed): record its outcome."""
+
+    def _on_start(self) -> None:
+        """On the writer thread, before its first batch."""
+
+    # ---- the thread --------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name=self._thread_name, daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Refuse new work, let the thread write what is queued, and wait (up to `timeout`) for
+        it to exit."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self.join(timeout)
+
+    def join(self, timeout: float | None = None) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _loop(self) -> None:
+        self._on_start()
+        while True:
+            with self._cond:
+                while not self._has_work() and not self._stopping:
+                    self._cond.wait()
+                if not self._has_work():
+                    return          # stopping, and everything queued was written
+                batch = self._take()
+                self._busy = True
+            ok = False
+            try:
+                ok = self._write(batch)
+            except Exception:       # never let the writer die: the process goes on without this write
+                log.exception("%s: writing a batch failed", self._thread_name)
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._after(batch, ok)
+                    self._cond.notify_all()
+
+    # ---- waits -------------------------------------------------------------------------------
+    def _wait_for(self, done: Callable[[], bool], timeout: float | None, needs_thread: bool = False) -> bool:
+        """Wait until done() (asked under _cond) holds: True; False once `timeout` passed, or,
+        with `needs_thread`, once the writer thread is gone (nothing would ever make it hold)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while not done():
+                if needs_thread and not self.alive():
+                    return False
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left)
+            return True
+
+    def _drained(self) -> bool:
+        """Under _cond: nothing queued and nothing being written."""
+        return not self._has_work() and not self._busy
