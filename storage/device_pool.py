@@ -52,7 +52,7 @@ class DevicePool:
         self.evictions = 0
 
     # ---- queries -------------------------------------------------------------------------
-    def lookup(self, block: BlockKey) -> int | None:
+    def page_of(self, block: BlockKey) -> int | None:
         """The page caching this block, or None. Tokens are compared too, not just the hash."""
         page = self._index.get(block.hash)
         if page is None or self._key[page].token_ids != block.token_ids:

@@ -54,7 +54,7 @@ class HostTier:
     def __len__(self) -> int:
         return len(self._lru)
 
-    def lookup(self, block: BlockKey) -> int | None:
+    def slot_of(self, block: BlockKey) -> int | None:
         slot = self._lru.get(block.hash)
         if slot is None or self._keys[slot].token_ids != block.token_ids:
             return None

@@ -4,12 +4,14 @@ Knows: the pages being filled right now (hash -> Fill, so two requests needing o
 once), the blocks being prefetched from disk into the host tier (hash -> future), the probes
 asking the remote store which of a prompt's blocks it holds, and the worker pools that do the
 work. Doesn't know: sequences or scheduling -- TieredKVCache.plan()
-hands it the fills of one request and the scheduler polls `Load.ready()` between steps.
+hands it the fills of one request and the scheduler polls `Load.ready()` between steps. It is
+given the tiers (storage/tiers.py: the pool, the host slab, the tiers below, their lock and
+counters), never the cache that owns it.
 
 Threads (NOTE: who owns what):
-- plan/finish (TieredKVCache) run on the engine thread under the cache lock and only allocate,
+- plan/finish (TieredKVCache) run on the engine thread under the tiers' lock and only allocate,
   acquire, release and register pages: no copy, read or decode.
-- a fill runs on a `tieredkv-load` worker. It takes the cache lock once for all its host blocks
+- a fill runs on a `tieredkv-load` worker. It takes the tiers' lock once for all its host blocks
   (look the slots up, copy them into the pages: memcpys, or on CUDA one batch of copies it
   waits for before letting go, since a slot may be reused once the lock is free) and to finish
   its fills; disk reads and decodes run with no lock held, straight into the pages on CPU, into
@@ -37,16 +39,14 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import torch
 
 from storage.hashing import BlockKey
 from storage.pinned import host_buffer
 from storage.priority import background_priority
-
-if TYPE_CHECKING:
-    from storage.tiered_cache import TieredKVCache
+from storage.tiers import Tiers
 
 log = logging.getLogger("tieredkv.loader")
 
@@ -59,12 +59,19 @@ REMOTE_WORKERS = 2      # remote probes and fills at once (network-bound, each b
 
 @dataclass(eq=False)
 class Fill:
-    """One device page being filled with one block. `ok` is meaningful once `done` is set."""
+    """One device page being filled with one block. `ok` is meaningful once `done` is set.
+    `source` is where the bytes are read; `tier` is where the block is billed from (the disk for
+    a block its request's own prefetch moved into the host): set once, when the fill is planned,
+    and what every request waiting for it is billed and the promotion is counted by."""
     key: BlockKey
     page: int
     source: str                                   # "host", "disk" or "remote" when planned
+    tier: str = ""                                # billed tier; "" means the source
     done: threading.Event = field(default_factory=threading.Event)
     ok: bool = False
+
+    def __post_init__(self) -> None:
+        self.tier = self.tier or self.source
 
 
 @dataclass(eq=False)
@@ -93,7 +100,7 @@ class Load:
 
 @dataclass(eq=False)
 class _Chunk:
-    """Blocks one prefetch task reads together. `started` (under the cache lock): past this
+    """Blocks one prefetch task reads together. `started` (under the tiers' lock): past this
     point a fill waits for `done` instead of claiming the block."""
     keys: list[BlockKey]
     started: bool = False
@@ -110,7 +117,7 @@ class RemoteProbe:
 
 @dataclass(eq=False)
 class Prefetch:
-    """A request's disk -> host prefetch. `moved` collects (under the cache lock) the hashes this
+    """A request's disk -> host prefetch. `moved` collects (under the tiers' lock) the hashes this
     prefetch brought into the host tier: the request is billed for them as disk hits. `remote`:
     its remote probe, if one was started (the scheduler admits the request once it is done)."""
     chunks: list[_Chunk] = field(default_factory=list)
@@ -129,22 +136,22 @@ class Prefetch:
 
 
 class Loader:
-    def __init__(self, cache: "TieredKVCache") -> None:
-        self.cache = cache
-        self.inflight: dict[bytes, Fill] = {}          # under the cache lock
-        self.prefetching: dict[bytes, _Chunk] = {}     # under the cache lock
+    def __init__(self, tiers: Tiers) -> None:
+        self.t = tiers
+        self.inflight: dict[bytes, Fill] = {}          # under the tiers' lock
+        self.prefetching: dict[bytes, _Chunk] = {}     # under the tiers' lock
         self._fills = ThreadPoolExecutor(LOAD_WORKERS, thread_name_prefix="tieredkv-load",
                                          initializer=background_priority)
         self._prefetches = ThreadPoolExecutor(PREFETCH_WORKERS, thread_name_prefix="tieredkv-prefetch",
                                               initializer=background_priority)
-        self._remote = None if cache.remote is None else ThreadPoolExecutor(
+        self._remote = None if tiers.remote is None else ThreadPoolExecutor(
             REMOTE_WORKERS, thread_name_prefix="tieredkv-remote", initializer=background_priority)
-        cuda = cache.device.type == "cuda"
-        self._stream = torch.cuda.Stream(device=cache.device) if cuda else None
+        device = tiers.pool.device
+        self._stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
         # Disk fills decode into staging blocks and copy from there (a device the CPU cannot
         # write directly); on CPU they decode straight into the pages. Tests set it on CPU to
         # run the staged path's bookkeeping.
-        self.stage_decodes = cache.device.type != "cpu"
+        self.stage_decodes = device.type != "cpu"
         self._local = threading.local()         # each load worker's staging blocks
         self._buffers: list = []                # their HostBuffers, released by close()
         self.prefetched_blocks = 0
@@ -152,7 +159,7 @@ class Loader:
 
     # ---- fills ---------------------------------------------------------------------------
     def start(self, fills: list[Fill], after: object = None) -> None:
-        """Run these fills (planned under the cache lock, their pages held) on a worker: the
+        """Run these fills (planned under the tiers' lock, their pages held) on a worker: the
         remote ones on the remote pool, the others on the fill pool. `after`: a CUDA event the
         copies into the pages wait for (their old blocks' copies out)."""
         local = [f for f in fills if f.source != "remote"]
@@ -168,7 +175,7 @@ class Loader:
 
     def _run_probe(self, keys: list[BlockKey], into: RemoteProbe) -> None:
         try:
-            into.hashes = self.cache.remote.probe(keys)   # never raises for the store's failures
+            into.hashes = self.t.remote.probe(keys)   # never raises for the store's failures
         except Exception:
             log.exception("probing the remote tier for %d blocks failed: they are misses", len(keys))
         finally:
@@ -198,7 +205,7 @@ class Loader:
         # decoding it twice. A block only queued for prefetch is claimed (the prefetch skips it)
         # and read here, straight into its page: a request admitted at once never waits for a
         # prefetch that has not started. (A prefetch's own failure is a miss, seen below.)
-        with self.cache._lock:
+        with self.t.lock:
             started = set()
             for f in fills:
                 chunk = self.prefetching.get(f.key.hash)
@@ -213,15 +220,15 @@ class Loader:
 
     def _fill_from_host(self, fills: list[Fill]) -> list[Fill]:
         """The fills whose block is in the host tier, copied into their pages as one batch.
-        NOTE: under the cache lock until the copies are complete: a slot may be reused once
+        NOTE: under the tiers' lock until the copies are complete: a slot may be reused once
         the lock is free (one wait per batch, and host -> device from pinned memory is fast)."""
-        c = self.cache
+        c = self.t
         if not c.host.enabled:
             return []
         done, copies = [], []
-        with c._lock:
+        with c.lock:
             for f in fills:
-                slot = c.host.lookup(f.key)
+                slot = c.host.slot_of(f.key)
                 if slot is None:
                     continue
                 c.host.touch(f.key)
@@ -232,16 +239,16 @@ class Loader:
         return done
 
     def _fill_from_disk(self, fills: list[Fill]) -> list[bool]:
-        return self._fill_from(self.cache.disk, fills)
+        return self._fill_from(self.t.disk, fills)
 
     def _fill_from_remote(self, fills: list[Fill]) -> list[bool]:
-        return self._fill_from(self.cache.remote, fills, keep=True)
+        return self._fill_from(self.t.remote, fills, keep=True)
 
     def _fill_from(self, tier, fills: list[Fill], keep: bool = False) -> list[bool]:
         """Read, verify and decode blocks of the disk or remote tier (get_many: a miss is None,
         never an exception for the store's failures) into the fills' pages. `keep` (the remote
         tier): the blocks read also go to the local disk, with their payloads (_keep_on_disk)."""
-        c = self.cache
+        c = self.t
         if tier is None:
             return [False] * len(fills)
         kw = {"payloads": [None] * len(fills)} if keep else {}
@@ -274,7 +281,7 @@ class Loader:
         """This worker's staging blocks [STAGE_BLOCKS, *layout.shape] (pinned on CUDA)."""
         stage = getattr(self._local, "stage", None)
         if stage is None:
-            layout = self.cache.layout
+            layout = self.t.layout
             buf = host_buffer(STAGE_BLOCKS * layout.nbytes, pin=self._stream is not None)
             self._buffers.append(buf)
             stage = self._local.stage = buf.tensor.view(layout.dtype).view(STAGE_BLOCKS, *layout.shape)
@@ -297,17 +304,15 @@ class Loader:
         done.synchronize()        # these copies only (a stream sync would also wait for later work)
 
     def _finish_fills(self, fills: list[Fill], ok: dict[int, bool]) -> None:
-        c = self.cache
-        with c._lock:
+        c = self.t
+        with c.lock:
             for f in fills:
                 f.ok = ok.get(id(f), False)
                 if f.ok:
                     # Registered before the fill's own reference goes: if every request waiting
                     # for it is gone, the page becomes a cached block, not a free page.
                     c.pool.register(f.page, f.key)
-                    st = c._stats[f.source]
-                    st.promotions += 1
-                    st.bytes_read += c.layout.nbytes
+                    c.count_promotion(f.tier)     # counted once, by the tier it is billed from
                 else:
                     self.failed_fills += 1
                 if self.inflight.get(f.key.hash) is f:
@@ -323,24 +328,24 @@ class Loader:
         waits: a full disk queue drops it, as in the eviction cascade. No lock is held for the
         copy (the caller's fills own these bytes); the host tier gets them as any device block,
         when they fall out of the device pool."""
-        c = self.cache
+        c = self.t
         if c.disk is None:
             return
         try:
             queued = sum(1 for key, block, payload in kept
-                         if not c.disk.contains(key.hash) and c.disk.put(key, block, wait=False, payload=payload))
+                         if not c.disk.contains(key) and c.disk.put(key, block, wait=False, payload=payload))
         except Exception:     # keeping a copy is a nicety: the fills themselves succeeded
             log.exception("keeping %d remote blocks on disk failed", len(kept))
             return
         if queued:
-            with c._lock:
+            with c.lock:
                 for _ in range(queued):
-                    c._count_write("disk")
+                    c.count_write("disk")
 
     # ---- prefetch ------------------------------------------------------------------------
     def prefetch(self, keys: Sequence[BlockKey], into: Prefetch) -> None:
         """Read these disk blocks into the host tier in the background, PREFETCH_CHUNK at a time
-        (called under the cache lock, with the blocks on disk, not in flight, not prefetched)."""
+        (called under the tiers' lock, with the blocks on disk, not in flight, not prefetched)."""
         for i in range(0, len(keys), PREFETCH_CHUNK):
             chunk = _Chunk(list(keys[i:i + PREFETCH_CHUNK]))
             for k in chunk.keys:
@@ -349,10 +354,10 @@ class Loader:
             self._prefetches.submit(self._run_prefetch, chunk, into)
 
     def _run_prefetch(self, chunk: "_Chunk", into: Prefetch) -> None:
-        c = self.cache
+        c = self.t
         keys: list[BlockKey] = []
         try:
-            with c._lock:
+            with c.lock:
                 # Only what is still this chunk's: a fill may have claimed a block meanwhile.
                 keys = [k for k in chunk.keys if self.prefetching.get(k.hash) is chunk]
                 chunk.started = True
@@ -362,9 +367,9 @@ class Loader:
                 c.disk.read_ahead(keys)    # no host tier to hold them: warm the OS page cache
                 return
             blocks = c.disk.get_many(keys)
-            with c._lock:
+            with c.lock:
                 for key, block in zip(keys, blocks):
-                    if block is None or c.pool.lookup(key) is not None or c.host.lookup(key) is not None:
+                    if block is None or c.pool.page_of(key) is not None or c.host.slot_of(key) is not None:
                         continue
                     slot = c.host.reserve(key)
                     c.transfer.wait_host(slot)     # a dropped block's late copy must not land on ours
@@ -374,7 +379,7 @@ class Loader:
         except Exception:
             log.exception("prefetching %d disk blocks failed: their requests read them later", len(keys))
         finally:
-            with c._lock:
+            with c.lock:
                 for k in keys:
                     if self.prefetching.get(k.hash) is chunk:
                         del self.prefetching[k.hash]

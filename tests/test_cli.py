@@ -416,7 +416,7 @@ def test_remote_options_are_checked_before_anything_loads(tmp_path: Path) -> Non
 
 @pytest.mark.parametrize("where", ["standalone", "cluster"])
 def test_inspect_remote_lists_verifies_and_repairs_the_store(where: str, request, tmp_path: Path) -> None:
-    from storage.remote.tier import remote_key
+    from storage.remote.value import remote_key
     from tests.storage.test_remote_tier import raw_client
     from tools.valkey_servers import ValkeyServer
     from storage.hashing import block_keys

@@ -223,7 +223,7 @@ class EdgeBench:
         pages = load_device(c, self.keys, self.blocks)
         real = timed(lambda: c.demote("device"))
         assert len(c.host) == self.n and c.pool.stats().cached_blocks == 0
-        slots = [c.host.lookup(k) for k in self.keys]
+        slots = [c.host.slot_of(k) for k in self.keys]
         # The limit copies the same pages into the same (now warm) slots.
 
         def copy_pages_to_slab() -> None:
@@ -235,7 +235,7 @@ class EdgeBench:
         m = c.match(self.keys)
         assert [t for _, t in m.blocks] == ["host"] * self.n
         t0 = time.perf_counter()
-        got = c.acquire(m)
+        got = c.load_now(m)
         real = time.perf_counter() - t0
         assert got.tiers == ("host",) * self.n
         check = got.pages[self.n // 2], self.blocks[self.n // 2]

@@ -72,7 +72,8 @@ from engine.sampling_params import SamplingParams
 from storage.codec.payload import Codec
 from storage.config import CacheConfig
 from storage.hashing import block_keys
-from storage.remote.tier import make_client, remote_key, unpack_value
+from storage.remote.client import make_client
+from storage.remote.value import remote_key, unpack_value
 
 SUFFIX_TOKENS = 16
 TARGET = 1.25

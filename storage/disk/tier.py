@@ -204,34 +204,42 @@ class DiskTier:
 
     # -- public API ----------------------------------------------------------------------
 
-    def put(self, key: BlockKey, block: torch.Tensor, wait: bool = True, payload: bytes | None = None) -> bool:
+    name = "disk"
+    local = True    # contains() answers from the index: a LowerTier needing no probe
+
+    def put(self, key: BlockKey, block: torch.Tensor | None = None, *, wait: bool = True, timeout: float | None = None,
+            payload: bytes | None = None, raw_size: int = 0) -> bool:
         """Queue `block` for the background writer and return without compressing.
 
         The block's bytes are copied to CPU before returning, so the caller may reuse its
         memory at once. Skipped when the hash is already stored or pending. The queue is
         bounded (queue_blocks): when it is full, put waits until the writer catches up
-        (backpressure); with wait=False it never waits, may fill the queue to twice its bound,
+        (backpressure, up to `timeout`); with wait=False it never waits, may fill the queue to twice its bound,
         and past that returns False (counted in stats().queue_full_drops): the engine's
         eviction cascade must never wait on the disk.
         Write failures are never raised here: see stats().write_errors.
         `payload`: the block already encoded by this tier's codec format and bound to its hash and
-        namespace (a block the remote tier just read and verified): the writer stores it as is
-        instead of compressing the block again, and `block` is not copied (a read while it waits
-        decodes the payload).
+        namespace (a block the remote tier just read and verified; `raw_size` its decoded bytes,
+        or `block`'s): the writer stores it as is instead of compressing the block again, and
+        `block` is not copied (a read while it waits decodes the payload).
         """
         self._check_open(write=True)
-        dtype_name(block.dtype)
-        if self.layout is not None and (tuple(block.shape) != self.layout.shape or block.dtype != self.layout.dtype):
-            raise ValueError(f"block: expected shape {self.layout.shape} of {self.layout.dtype}, "
-                             f"got {tuple(block.shape)} of {block.dtype}")
+        if block is None and payload is None:
+            raise ValueError("put: give the block, or its encoded payload")
+        if block is not None:
+            dtype_name(block.dtype)
+            if self.layout is not None and (tuple(block.shape) != self.layout.shape or block.dtype != self.layout.dtype):
+                raise ValueError(f"block: expected shape {self.layout.shape} of {self.layout.dtype}, "
+                                 f"got {tuple(block.shape)} of {block.dtype}")
         if self._writer.is_pending(key.hash) or key.hash in self._index:
             return True
         if payload is not None:
-            copy, raw_size = None, block.numel() * block.element_size()
+            copy = None
+            raw_size = block.numel() * block.element_size() if block is not None else raw_size
         else:
             copy, raw_size = torch.empty(block.shape, dtype=block.dtype), 0
             copy.copy_(block.detach())
-        if self._writer.submit(key, copy, wait, payload, raw_size):   # waits while the queue is full, if wait
+        if self._writer.submit(key, copy, wait, payload, raw_size, timeout):   # waits while the queue is full, if wait
             return True
         self._count(queue_full_drops=1)
         return False
@@ -247,11 +255,11 @@ class DiskTier:
         holds no lock) does between batches of cascade puts, so they are never dropped."""
         return self.readonly or self._closed or self._writer.wait_for_room(timeout)
 
-    def contains(self, h: bytes) -> bool:
+    def contains(self, key: BlockKey) -> bool:
         """Whether the block is pending or (as far as this process knows: storage/disk/index.py)
         stored. Reads no LMDB: answered from memory."""
         self._check_open()
-        return self._writer.is_pending(h) or h in self._index
+        return self._writer.is_pending(key.hash) or key.hash in self._index
 
     def get(self, key: BlockKey, out: torch.Tensor | None = None) -> torch.Tensor | None:
         """The verified block for `key`, or None (missing, or damaged: then counted and deleted).
@@ -261,24 +269,27 @@ class DiskTier:
         """
         return self.get_many([key], None if out is None else [out])[0]
 
-    def get_many(self, keys: Sequence[BlockKey], outs: Sequence[torch.Tensor | None] | None = None
-                 ) -> list[torch.Tensor | None]:
+    def get_many(self, keys: Sequence[BlockKey], outs: Sequence[torch.Tensor | None] | None = None,
+                 payloads: list | None = None) -> list[torch.Tensor | None]:
         """get() for many keys: payloads read in one read transaction, decoded in parallel
-        (zstd releases the GIL, so a disk restore uses every decode thread)."""
+        (zstd releases the GIL, so a disk restore uses every decode thread). `payloads`, when given,
+        receives each hit's stored payload (copied out of the map), None for a block served
+        from a raw copy awaiting the writer."""
         self._check_open()
         keys = list(keys)
         outs = [None] * len(keys) if outs is None else list(outs)
-        if len(outs) != len(keys):
-            raise ValueError(f"outs: expected {len(keys)} entries, got {len(outs)}")
+        if len(outs) != len(keys) or (payloads is not None and len(payloads) != len(keys)):
+            raise ValueError(f"outs, payloads: expected {len(keys)} entries")
         try:
-            return self._get_many(keys, outs)
+            return self._get_many(keys, outs, payloads)
         except (lmdb.Error, OSError) as e:
             # Nothing was served: a decode writes only into `outs`, which the caller does not
             # use for a miss. The whole call is one miss per key.
             self._read_failed("get_many", e, misses=len(keys))
             return [None] * len(keys)
 
-    def _get_many(self, keys: list[BlockKey], outs: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    def _get_many(self, keys: list[BlockKey], outs: list[torch.Tensor | None], payloads: list | None
+                  ) -> list[torch.Tensor | None]:
         results: list[torch.Tensor | None] = [None] * len(keys)
         pending = self._writer.pending(k.hash for k in keys)
         todo, misses, hits = [], 0, 0
@@ -293,6 +304,8 @@ class DiskTier:
                     # Served from the raw copy awaiting the writer; a key or `out` that does
                     # not match it is a miss (nothing stored is damaged).
                     results[i] = p.copy_for(key, outs[i], self.codec)
+                    if payloads is not None and results[i] is not None and p.payload is not None:
+                        payloads[i] = bytes(p.payload)
                     hits, misses = hits + (results[i] is not None), misses + (results[i] is None)
                     continue
                 payload, meta = txn.get(key.hash, db=self._payload), txn.get(key.hash, db=self._meta)
@@ -306,6 +319,10 @@ class DiskTier:
             else:
                 checked = [self._verify_and_decode(t) for t in todo]
             sizes = [0 if payload is None else len(payload) for _, _, _, payload, _ in todo]
+            if payloads is not None:     # copied while the map's views are valid
+                for (i, _, _, payload, _), (tensor, _) in zip(todo, checked):
+                    if tensor is not None:
+                        payloads[i] = bytes(payload)
         self._index.discard(gone)
         damaged, touched, bytes_read = [], [], 0
         for (i, key, _, _, _), size, (tensor, reason) in zip(todo, sizes, checked):
@@ -346,11 +363,11 @@ class DiskTier:
             self._read_failed("read_ahead", e)
         return total
 
-    def delete(self, h: bytes) -> bool:
+    def delete(self, key: BlockKey) -> bool:
         """Remove a block (pending or stored). True when there was one."""
         self._check_open(write=True)
-        was_pending = self._writer.cancel(h)
-        return self._delete_now([h]) > 0 or was_pending
+        was_pending = self._writer.cancel(key.hash)
+        return self._delete_now([key.hash]) > 0 or was_pending
 
     def clear(self) -> int:
         """Delete every block, pending ones included. Returns how many stored blocks went."""

@@ -136,10 +136,11 @@ class DiskWriter(BackgroundWriter[tuple[list[PendingBlock], dict[bytes, int]]]):
             return len(self._pending)
 
     def submit(self, key: BlockKey, block: torch.Tensor | None, wait: bool = True, payload: bytes | None = None,
-               raw_size: int = 0) -> bool:
+               raw_size: int = 0, timeout: float | None = None) -> bool:
         """Queue `block` (a private CPU copy) unless its hash is pending already. With
         wait=False (the engine's eviction cascade) it never waits: it may fill the queue to twice
-        its bound, and past that returns False (the block is not queued). `payload` (block None,
+        its bound, and past that returns False (the block is not queued); with wait=True, False once
+        `timeout` passed with the queue still full. `payload` (block None,
         `raw_size` its bytes): the block already encoded and verified (a remote read's),
         committed as it is."""
         h = key.hash
@@ -148,8 +149,8 @@ class DiskWriter(BackgroundWriter[tuple[list[PendingBlock], dict[bytes, int]]]):
             # cascade, which must not wait, has a second bound of as many again before it drops.
             if not wait and len(self._pending) >= 2 * self._queue_blocks:
                 return False
-            if wait:
-                self._wait_for(lambda: len(self._pending) < self._queue_blocks or self._stopping, None)
+            if wait and not self._wait_for(lambda: len(self._pending) < self._queue_blocks or self._stopping, timeout):
+                return False
             if self._stopping:
                 raise RuntimeError("DiskTier is closed")
             if h not in self._pending:

@@ -22,7 +22,8 @@ from typing import Iterator
 from storage.codec.payload import Codec
 from storage.codec.stored_block import META_FIXED_SIZE, BlockMeta, verify_and_decode
 from storage.hashing import BlockKey, hash_block
-from storage.remote.tier import KEY_PREFIX, VALUE_MAGIC, make_client, unpack_value
+from storage.remote.client import make_client
+from storage.remote.value import KEY_PREFIX, VALUE_MAGIC, unpack_value
 from storage.remote.url import RemoteURL
 
 SCAN_COUNT = 512          # keys per SCAN step (a hint to the server)

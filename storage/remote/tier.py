@@ -1,23 +1,16 @@
 """The remote tier: KV blocks in a shared Valkey/Redis (standalone or cluster), below disk.
 
-Knows: the key scheme, the value format, the client (built lazily, short timeouts, no slow
-retries), batched reads (an MGET of up to 32 keys at a time -- in cluster mode of one hash slot
---, each group decoded while the next is fetched) and pipelined writes, verification of what it reads, the
+Knows: the LowerTier verbs (storage/lower_tier.py) over a store: batched reads (an MGET of up to
+32 keys at a time -- in cluster mode of one hash slot --, each group decoded while the next is
+fetched), queued writes, the probe for a chain's blocks, verification of what it reads, the
 circuit breaker in front of every call, and this process's counters.
 Doesn't know: the other tiers, the engine, or when a block should be written (storage/
-tiered_cache.py decides; storage/remote/writer.py is the thread that writes).
+cascade.py decides; storage/remote/writer.py is the thread that writes). Keys and the value frame
+are storage/remote/value.py's; building the client is storage/remote/client.py's.
 
-Keys: `tkv:r1:<namespace hex>:<block hash hex>`. The namespace digests the model identity and
-the tenant's cache salt (storage/hashing.py), so two tenants, or two models, never read each
-other's blocks even through a store shared by every server; and the block hash itself chains from
-the namespace. Keys carry no {hash tag}: blocks spread over a cluster's slots.
-
-Values: the disk tier's verified frame -- `b"TKR1" | u32 meta length | BlockMeta | codec payload`
-(storage/codec/stored_block.py's record of token ids, parent, namespace and sizes; storage/codec/payload.py's
-payload, header crc32, zstd with its content checksum, bound to block hash || namespace). A value
-is served only after storage/codec/stored_block.verify_and_decode accepts it for the key asking:
-anything else (damaged, truncated, another block's bytes under this key) is a miss, deleted and
-counted in `corrupt`.
+A value is served only after storage/codec/stored_block.verify_and_decode accepts it for the key
+asking: anything else (damaged, truncated, another block's bytes under this key) is a miss,
+deleted and counted in `corrupt`.
 
 Capacity is the store's own: its maxmemory and eviction policy (allkeys-lru is what a cache
 wants), and an optional TTL set on every write. A block the store evicted is just a miss.
@@ -39,7 +32,6 @@ from __future__ import annotations
 
 import logging
 import os
-import struct
 import threading
 import time
 from collections import OrderedDict
@@ -52,45 +44,18 @@ import torch
 from storage.remote.breaker import OPEN, BreakerConfig, CircuitBreaker
 from storage.codec.payload import Codec
 from storage.codec.stored_block import payload_binding, verify_and_decode
-from storage.codec.stored_block import BlockMeta
 from storage.hashing import BlockKey
 from storage.layout import BlockLayout
 from storage.priority import background_priority
+from storage.remote.client import is_unavailable, make_client, mget_groups, mget_one, pipeline
 from storage.remote.url import RemoteURL
+from storage.remote.value import pack_value, remote_key, unpack_value
 from storage.remote.writer import RemoteWriter, WriteItem
 
 log = logging.getLogger(__name__)
 
-KEY_PREFIX = b"tkv:r1:"       # bump r1 when the value format changes: old values are then never read
-VALUE_MAGIC = b"TKR1"
-_META_LEN = struct.Struct("<I")
-_MGET_CHUNK = 32              # keys per MGET: bounds one reply (~32 blocks) without a round trip each
-_READ_SIZE = 1 << 20          # bytes per recv() of a reply (see make_client)
 _KNOWN_MAX = 1 << 16          # hashes remembered as present in the store (skip re-writing them)
 _LOG_EVERY_S = 10.0
-
-
-def remote_key(key: BlockKey) -> bytes:
-    """The store key of a block: derived from its namespace and hash (tenant isolation)."""
-    return KEY_PREFIX + key.namespace.hex().encode() + b":" + key.hash.hex().encode()
-
-
-def pack_value(key: BlockKey, payload: bytes, raw_size: int) -> bytes:
-    """The stored value: metadata (checked on every read) then the codec payload."""
-    meta = BlockMeta(key.parent, key.namespace, key.token_ids, raw_size, len(payload), time.time(), 0, 0).pack()
-    return b"".join((VALUE_MAGIC, _META_LEN.pack(len(meta)), meta, payload))
-
-
-def unpack_value(value: bytes) -> tuple[memoryview | None, memoryview | None]:
-    """(meta, payload) views of a stored value; (None, None) when the framing itself is damaged."""
-    mv = memoryview(value)
-    if len(mv) < len(VALUE_MAGIC) + _META_LEN.size or bytes(mv[:4]) != VALUE_MAGIC:
-        return None, None
-    (n,) = _META_LEN.unpack_from(mv, 4)
-    start = 4 + _META_LEN.size
-    if start + n > len(mv):
-        return None, None
-    return mv[start:start + n], mv[start + n:]
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +81,9 @@ class RemoteStats:
 
 class RemoteTier:
     """Blocks in a Valkey/Redis store. Thread-safe. Nothing connects until the first call."""
+
+    name = "remote"
+    local = False    # what the store holds is asked with probe(), off the engine thread
 
     def __init__(self, url: RemoteURL, layout: BlockLayout | None, codec: Codec = Codec(), *,
                  timeout_s: float = 0.5, ttl_s: float | None = None,
@@ -158,7 +126,7 @@ class RemoteTier:
         if not keys:
             return []
         rkeys = [remote_key(k) for k in keys]
-        status, got = self._call("exists", lambda c: self._pipeline(c, [("EXISTS", k) for k in rkeys]))
+        status, got = self._call("exists", lambda c: pipeline(c, [("EXISTS", k) for k in rkeys]))
         if status != "ok":
             return [False] * len(keys)
         return [bool(x) and not isinstance(x, Exception) for x in got]
@@ -192,8 +160,8 @@ class RemoteTier:
         fetched: list[tuple[int, Future]] = []          # (index, its check), in fetch order
 
         def fetch(client) -> None:
-            for group in self._groups(rkeys):
-                values = self._mget_one(client, [rkeys[i] for i in group])
+            for group in mget_groups(rkeys, self.url.cluster):
+                values = mget_one(client, [rkeys[i] for i in group])
                 decoder = self._decoder()
                 fetched.extend((i, decoder.submit(self._check, keys[i], outs[i], v)) for i, v in zip(group, values))
         # A failure part-way (the store died, a node is down) keeps the groups already fetched.
@@ -216,7 +184,7 @@ class RemoteTier:
             self._remember(rkeys[i])
         self._count(hits=hits, misses=len(keys) - hits, corrupt=len(damaged), bytes_read=nbytes)
         if damaged:
-            self._call("delete", lambda c: self._pipeline(c, [("UNLINK", k) for k in damaged]))
+            self._call("delete", lambda c: pipeline(c, [("UNLINK", k) for k in damaged]))
         return results
 
     def _check(self, key: BlockKey, out: torch.Tensor | None, value: object
@@ -246,22 +214,35 @@ class RemoteTier:
             return self._last_error if status == "failed" else "breaker open"
 
     # ---- writes (queued; the remote writer's thread sends them) ----------------------------
-    def put(self, key: BlockKey, block: torch.Tensor, wait: bool = False, timeout: float | None = None) -> bool:
-        """Queue a block (its bytes copied now, encoded on the writer thread). False when it
-        was not queued (queue full; counted in write_drops)."""
+    def put(self, key: BlockKey, block: torch.Tensor | None = None, *, wait: bool = False,
+            timeout: float | None = None, payload: bytes | None = None, raw_size: int = 0) -> bool:
+        """Queue a block: its bytes (copied now, encoded on the writer thread), or `payload`,
+        already encoded with binding hash || namespace (the disk writer's: compressed once for
+        both tiers; `raw_size` its decoded bytes). False when it was not queued (queue full;
+        counted in write_drops)."""
+        if block is None and payload is None:
+            raise ValueError("put: give the block, or its encoded payload")
         if self._is_known(remote_key(key)):
             return True
+        if payload is not None:
+            if block is not None:
+                raw_size = block.numel() * block.element_size()
+            return self._writer.submit(WriteItem(key, payload=payload, raw_size=raw_size), wait, timeout)
         copy = torch.empty(block.shape, dtype=block.dtype)
         copy.copy_(block.detach())
         return self._writer.submit(WriteItem(key, block=copy), wait, timeout)
 
-    def put_encoded(self, key: BlockKey, payload: bytes, raw_size: int, wait: bool = False,
-                    timeout: float | None = None) -> bool:
-        """Queue a block already encoded with binding hash || namespace (the disk writer's
-        payload: compressed once for both tiers)."""
-        if self._is_known(remote_key(key)):
-            return True
-        return self._writer.submit(WriteItem(key, payload=payload, raw_size=raw_size), wait, timeout)
+    def contains(self, key: BlockKey) -> bool:
+        """Whether this process wrote or read the block and still trusts the store to hold it
+        (no I/O). Not a lookup: the cache asks the store itself with probe()."""
+        return self._is_known(remote_key(key))
+
+    def delete(self, key: BlockKey) -> bool:
+        """UNLINK the block from the store (through the breaker). True when the store had it."""
+        rk = remote_key(key)
+        self._forget(rk)
+        status, got = self._call("delete", lambda c: c.unlink(rk))
+        return status == "ok" and bool(got)
 
     def flush(self, timeout: float | None = None, since: int | None = None) -> bool:
         """Wait until every queued write was sent. True when none was lost meanwhile (or since
@@ -311,7 +292,7 @@ class RemoteTier:
             sent.append((rk, len(value)))
         if not cmds:
             return True
-        status, got = self._call("set", lambda c: self._pipeline(c, cmds))
+        status, got = self._call("set", lambda c: pipeline(c, cmds))
         if status != "ok":
             # Not sent (breaker open: a drop) or lost with the batch (the call failed).
             self._count(**{"write_drops" if status == "skipped" else "write_errors": len(cmds)})
@@ -338,7 +319,7 @@ class RemoteTier:
             out = fn(self._client())
         except Exception as e:   # noqa: BLE001 -- any failure of the store is a miss, never a failed request
             from redis.exceptions import ResponseError
-            if isinstance(e, ResponseError) and not _is_unavailable(e):
+            if isinstance(e, ResponseError) and not is_unavailable(e):
                 self.breaker.success()       # it answered: a refusal is not an outage
             else:
                 self.breaker.failure()
@@ -357,27 +338,6 @@ class RemoteTier:
     def _build_client(self):
         return make_client(self.url, self.timeout_s)
 
-    def _pipeline(self, client, cmds: list[tuple]) -> list:
-        pipe = client.pipeline(transaction=False)
-        for cmd in cmds:
-            pipe.execute_command(*cmd)
-        return pipe.execute(raise_on_error=False)
-
-    def _groups(self, rkeys: list[bytes]) -> list[list[int]]:
-        """Indices of rkeys, a group per MGET: _MGET_CHUNK keys at most, and in a cluster keys of
-        one hash slot only (one MGET must stay in one slot)."""
-        if not self.url.cluster:
-            return [list(range(j, min(j + _MGET_CHUNK, len(rkeys)))) for j in range(0, len(rkeys), _MGET_CHUNK)]
-        from redis.crc import key_slot
-        by_slot: dict[int, list[int]] = {}
-        for i, k in enumerate(rkeys):
-            by_slot.setdefault(key_slot(k), []).append(i)
-        return [idx[j:j + _MGET_CHUNK] for idx in by_slot.values() for j in range(0, len(idx), _MGET_CHUNK)]
-
-    @staticmethod
-    def _mget_one(client, rkeys: list[bytes]) -> list:
-        """One MGET (a cluster client routes it by the keys' one slot)."""
-        return client.execute_command("MGET", *rkeys)
 
     def _decoder(self) -> ThreadPoolExecutor:
         """The pool that verifies and decodes values (zstd and the copies release the GIL)."""
@@ -434,33 +394,3 @@ class RemoteTier:
                            last_error=last, **c)
 
 
-def make_client(url: RemoteURL, timeout_s: float):
-    """A redis-py client for `url` (redis.Redis, or RedisCluster for a cluster URL) whose every
-    call is bounded by `timeout_s` (connect and read). Shared with storage/remote/inspect.py."""
-    import redis
-    from redis.backoff import NoBackoff
-    from redis.retry import Retry
-    # socket_read_size: redis-py's pure-Python reader takes a reply in recv()s of this size, each
-    # copied into its buffer; a block's value is ~0.1-1 MB, so 1 MiB reads (not the default 64 KiB)
-    # cut the Python work of a 90 MB restore by about a quarter (tools/bench_ttft.py, remote).
-    common = dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s, socket_read_size=_READ_SIZE,
-                  **url.connection_kwargs())
-    if url.cluster:
-        from redis.cluster import ClusterNode, RedisCluster
-        # RedisCluster reads the slot map from a seed node here: it connects (bounded by the
-        # timeout) and raises if none answers -- RemoteTier._call counts that as a failure and
-        # retries the build on its next call.
-        return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in url.nodes],
-                            retry=Retry(NoBackoff(), 1), require_full_coverage=False, **common)
-    host, port = url.nodes[0]
-    # One immediate retry on a dropped connection (a restarted server leaves dead sockets in
-    # the pool); none on a timeout, so a slow store costs at most one timeout per call.
-    return redis.Redis(host=host, port=port, retry=Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)),
-                       **common)
-
-
-def _is_unavailable(e: Exception) -> bool:
-    """A ResponseError that means the store cannot serve now (cluster down, loading, a failover
-    in progress): an outage for the breaker, not a refusal of one command."""
-    from redis.exceptions import BusyLoadingError, ClusterDownError, TryAgainError
-    return isinstance(e, (ClusterDownError, TryAgainError, BusyLoadingError)) or str(e).startswith(("LOADING", "MASTERDOWN"))

@@ -193,9 +193,9 @@ def test_prefetch_at_submit_reads_a_queued_requests_blocks_into_host(tmp_path) -
         waiter = threading.Thread(target=lambda: result.update(out=eng.generate(queued, GREEDY)))
         waiter.start()
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and not all(eng.cache.host.lookup(k) is not None for k, _ in keys):
+        while time.monotonic() < deadline and not all(eng.cache.host.slot_of(k) is not None for k, _ in keys):
             time.sleep(0.005)
-        in_host_while_queued = all(eng.cache.host.lookup(k) is not None for k, _ in keys)
+        in_host_while_queued = all(eng.cache.host.slot_of(k) is not None for k, _ in keys)
         still_queued = long.is_alive() and "out" not in result   # max_seqs=1: not admitted yet
         waiter.join(30)
         long.join(60)

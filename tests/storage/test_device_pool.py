@@ -21,7 +21,7 @@ def test_allocates_free_pages_in_order_then_evicts_lru():
     assert pool.allocate(2) == [1, 0]         # then LRU cached pages, in LRU order
     # One call for the allocation's victims (their copies out go as one batch), in LRU order.
     assert [[(k.hash, p) for k, p in batch] for batch in evicted] == [[(b.hash, 1), (a.hash, 0)]]
-    assert pool.lookup(a) is None and pool.lookup(b) is None and pool.lookup(c) == 2
+    assert pool.page_of(a) is None and pool.page_of(b) is None and pool.page_of(c) == 2
     pool.audit()
 
 
@@ -36,7 +36,7 @@ def test_refcounted_pages_are_never_evicted():
     with pytest.raises(RuntimeError):
         pool.allocate(2)
     assert pool.allocate(1) == [p[1]]          # only the unreferenced page
-    assert pool.lookup(a) == p[0]
+    assert pool.page_of(a) == p[0]
     pool.audit()
 
 
@@ -48,7 +48,7 @@ def test_acquire_hit_makes_page_unevictable_and_touch_updates_lru():
         pool.register(p, k)
         pool.release(p)
     assert pool.evictable_pages() == [0, 1, 2]
-    pool.acquire(pool.lookup(a))               # a hit on page 0
+    pool.acquire(pool.page_of(a))               # a hit on page 0
     assert pool.evictable_pages() == [1, 2]
     pool.release(0)                            # page 0 becomes most recently used
     assert pool.evictable_pages() == [1, 2, 0]
@@ -64,7 +64,7 @@ def test_duplicate_register_keeps_first_page_and_frees_second():
     assert pool.register(p1, a) is False       # same block computed twice in one batch
     pool.release(p1)
     pool.release(p0)
-    assert pool.lookup(a) == p0
+    assert pool.page_of(a) == p0
     assert pool.stats().free_pages == 1 and pool.stats().cached_blocks == 1
     pool.audit()
 
@@ -75,7 +75,7 @@ def test_lookup_checks_tokens_not_only_the_hash():
     (p,) = pool.allocate(1)
     pool.register(p, a)
     forged = type(a)(a.hash, a.parent, tuple(t + 1 for t in a.token_ids), a.namespace)
-    assert pool.lookup(forged) is None
+    assert pool.page_of(forged) is None
 
 
 def test_misuse_raises():

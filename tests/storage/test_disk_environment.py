@@ -214,7 +214,7 @@ def test_the_page_walk_reads_every_tree_of_a_healthy_store(tmp_path: Path) -> No
             t.put(make_key(i), make_block(i, shape=(2, 2, 16, 2, 16)))
         assert t.flush(timeout=60)
         for i in range(0, 300, 2):
-            t.delete(make_key(i).hash)
+            t.delete(make_key(i))
         for i in range(300, 400):
             t.put(make_key(i), make_block(i, shape=(2, 2, 16, 2, 16)))
         assert t.flush(timeout=60)

@@ -140,17 +140,17 @@ def test_contains_reads_no_lmdb_and_follows_commits_evictions_and_deletes(tmp_pa
     with DiskTier(str(tmp_path), capacity) as t:                   # loaded at open
         counting = CountingEnv(t._env)
         t._env = counting
-        assert [t.contains(make_key(i).hash) for i in range(5)] == [True] * 4 + [False]
+        assert [t.contains(make_key(i)) for i in range(5)] == [True] * 4 + [False]
         assert counting.begins == 0
         t.put(make_key(4), make_block(4))                          # evicts block 0 (LRU)
         assert t.flush()
-        assert [t.contains(make_key(i).hash) for i in range(5)] == [False] + [True] * 4
-        assert t.delete(make_key(2).hash) and not t.contains(make_key(2).hash)
+        assert [t.contains(make_key(i)) for i in range(5)] == [False] + [True] * 4
+        assert t.delete(make_key(2)) and not t.contains(make_key(2))
         run_child("write", tmp_path, size[3] + size[4] + size[10], 10, 1)   # another process: stores 10, evicts 1
-        assert t.contains(make_key(1).hash)                          # not known here yet...
+        assert t.contains(make_key(1))                          # not known here yet...
         assert t.get(make_key(1)) is None                            # ...the read finds it gone: a miss
-        assert not t.contains(make_key(1).hash)                      # and forgets it
-        assert not t.contains(make_key(10).hash)                     # another's block: a missed hit only
+        assert not t.contains(make_key(1))                      # and forgets it
+        assert not t.contains(make_key(10))                     # another's block: a missed hit only
         assert same_bits(t.get(make_key(10)), make_block(10))        # still served if asked for
 
 
@@ -168,5 +168,5 @@ def test_a_batch_larger_than_the_store_leaves_the_index_exact(tmp_path: Path) ->
                 t.put(make_key(i), make_block(i))
         assert t.flush()
         on_disk = {b.hash for b in t.iter_blocks()}
-        assert [t.contains(make_key(i).hash) for i in range(4)] == [make_key(i).hash in on_disk for i in range(4)]
+        assert [t.contains(make_key(i)) for i in range(4)] == [make_key(i).hash in on_disk for i in range(4)]
         assert len(on_disk) == 3

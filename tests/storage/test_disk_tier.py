@@ -85,7 +85,7 @@ def test_pending_block_is_found_and_queue_applies_backpressure(tmp_path: Path) -
         t.put(make_key(1), block)
         block.zero_()                       # the caller may reuse its memory once put returns
         assert t.stats().pending_writes == 1 and t.stats().blocks == 0
-        assert t.contains(make_key(1).hash)
+        assert t.contains(make_key(1))
         assert same_bits(t.get(make_key(1)), make_block(1, torch.bfloat16))
         out = torch.empty(make_block(1).numel(), dtype=torch.bfloat16)
         assert same_bits(t.get(make_key(1), out=out), make_block(1, torch.bfloat16))
@@ -125,7 +125,7 @@ def test_capacity_bound_and_exact_lru_eviction_order(tmp_path: Path) -> None:
         t.flush()
 
         def present() -> set[str]:
-            return {n for n in names if t.contains(keys[n].hash)}
+            return {n for n in names if t.contains(keys[n])}
         assert present() == {"A", "C", "D"}
         assert (t.stats().used_bytes, t.stats().evictions) == (3 * size, 1)
         t.put(keys["E"], blocks["E"])
@@ -149,7 +149,7 @@ def test_key_mismatch_is_corrupt_and_deleted(tmp_path: Path, field: str) -> None
         assert t.get(dataclasses.replace(key, **{field: wrong})) is None
         s = t.stats()
         assert (s.corrupt, s.hits, s.misses, s.blocks) == (1, 0, 0, 1)
-        assert not t.contains(key.hash)
+        assert not t.contains(key)
         assert t.get(key) is None and t.stats().misses == 1
         assert same_bits(t.get(make_key(8)), make_block(8))
         assert t.check() == []
@@ -166,7 +166,7 @@ def test_damaged_stored_block_is_a_miss_and_deleted(tmp_path: Path, db: str, dam
         assert t.get(make_key(1)) is None
         s = t.stats()
         assert (s.corrupt, s.hits, s.blocks) == (1, 0, 2)
-        assert not t.contains(make_key(1).hash)
+        assert not t.contains(make_key(1))
         assert same_bits(t.get(make_key(0)), make_block(0)) and same_bits(t.get(make_key(2)), make_block(2))
         assert t.check() == []
 
@@ -195,7 +195,7 @@ def test_layout_mismatch_is_corrupt(tmp_path: Path) -> None:
         t.put(make_key(0), make_block(0))                     # float32
         t.put(make_key(1), make_block(1))                     # float16, the layout's shape
     with DiskTier(str(tmp_path), CAP, layout=layout) as t:
-        assert t.get(make_key(0)) is None and t.stats().corrupt == 1 and not t.contains(make_key(0).hash)
+        assert t.get(make_key(0)) is None and t.stats().corrupt == 1 and not t.contains(make_key(0))
         assert same_bits(t.get(make_key(1)), make_block(1))
         with pytest.raises(ValueError, match="shape"):
             t.put(make_key(2), torch.zeros(4, 4, dtype=torch.float16))
@@ -205,11 +205,11 @@ def test_delete_removes_stored_and_pending_blocks(tmp_path: Path) -> None:
     with DiskTier(str(tmp_path), CAP) as t:
         t.put(make_key(0), make_block(0))
         t.flush()
-        assert t.delete(make_key(0).hash) and not t.delete(make_key(0).hash)
+        assert t.delete(make_key(0)) and not t.delete(make_key(0))
         t.put(make_key(1), make_block(1))
-        assert t.delete(make_key(1).hash)                     # pending or just committed: gone either way
+        assert t.delete(make_key(1))                     # pending or just committed: gone either way
         t.flush()
-        assert not t.contains(make_key(0).hash) and not t.contains(make_key(1).hash)
+        assert not t.contains(make_key(0)) and not t.contains(make_key(1))
         assert (t.stats().blocks, t.stats().used_bytes) == (0, 0)
         assert t.check() == []
 
@@ -222,7 +222,7 @@ def test_clear_empties_the_store(tmp_path: Path) -> None:
         t.put(make_key(4), make_block(4))
         assert t.clear() in (4, 5)                            # 5 if the writer committed block 4 first
         t.flush()
-        assert not any(t.contains(make_key(i).hash) for i in range(5))
+        assert not any(t.contains(make_key(i)) for i in range(5))
         assert (t.stats().blocks, t.stats().used_bytes, t.stats().raw_bytes) == (0, 0, 0)
         t.put(make_key(0), make_block(0))
         t.flush()
@@ -302,7 +302,7 @@ def test_full_map_evicts_and_keeps_writing(tmp_path: Path) -> None:
         t.put(make_key(100), noise_block(100, (512, 1024)))   # 2 MiB: larger than the whole map
         t.put(make_key(101), noise_block(101, shape))
         assert t.flush(timeout=60) is False               # the truth: block 100 is not on disk
-        assert t.stats().write_errors == 1 and not t.contains(make_key(100).hash)
+        assert t.stats().write_errors == 1 and not t.contains(make_key(100))
         assert same_bits(t.get(make_key(101)), noise_block(101, shape))
         t.put(make_key(102), noise_block(102, shape))
         assert t.flush(timeout=60) is True                # no loss since the last flush

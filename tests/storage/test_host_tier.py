@@ -17,8 +17,8 @@ def test_capacity_in_whole_blocks_and_lru_eviction_order():
     assert [h for h, _ in evicted] == [b.hash]
     assert torch.equal(evicted[0][1], block_data(b))   # evicted with its bytes intact
     assert host.hashes() == [c.hash, a.hash, d.hash]
-    assert host.lookup(b) is None
-    assert torch.equal(host.slab[host.lookup(d)], block_data(d))
+    assert host.slot_of(b) is None
+    assert torch.equal(host.slab[host.slot_of(d)], block_data(d))
     st = host.stats()
     assert (st.blocks, st.evictions, st.used_bytes, st.capacity_bytes) == (3, 1, 3 * TINY.nbytes, 3 * TINY.nbytes)
     host.audit()

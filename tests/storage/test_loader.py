@@ -50,7 +50,7 @@ def test_a_request_gone_mid_load_gives_its_pages_back_and_the_fill_ends_safely(t
         assert (p.in_use_pages, p.cached_blocks) == (0, 3)    # filled pages became cached blocks
         for page, k in zip(load.pages, ks):
             assert same_bits(cache.pool.kv[page], block_data(k))
-        again = cache.acquire(cache.match(ks))
+        again = cache.load_now(cache.match(ks))
         assert again.tiers == ("device",) * 3 and list(again.pages) == load.pages
         cache.release(again.pages)
         cache.audit()
@@ -82,7 +82,7 @@ def test_a_block_gone_between_plan_and_fill_cuts_the_prefix(tmp_path, held_reads
     cache, ks = disk_only(tmp_path, 3)
     try:
         load = cache.plan(cache.match(ks))
-        assert cache.disk.delete(ks[1].hash)          # another process evicted it meanwhile
+        assert cache.disk.delete(ks[1])          # another process evicted it meanwhile
         held_reads.set()
         assert load.wait(10)
         got = cache.finish_load(load)
@@ -102,7 +102,7 @@ def test_prefetch_moves_disk_blocks_into_host_and_a_plan_bills_them_as_disk(tmp_
         pre = cache.prefetch(ks)
         assert pre.wait(10)
         assert pre.moved == {k.hash for k in ks}
-        assert [cache.host.lookup(k) is not None for k in ks] == [True] * 3
+        assert [cache.host.slot_of(k) is not None for k in ks] == [True] * 3
         assert cache.prefetch(ks).chunks == []              # nothing left to prefetch
         load = cache.plan(cache.match(ks), pre)
         assert load.wait(10)
@@ -113,7 +113,7 @@ def test_prefetch_moves_disk_blocks_into_host_and_a_plan_bills_them_as_disk(tmp_
         cache.release(got.pages)
         # Someone else's prefetch is not this request's: the same blocks from host bill as host.
         cache.drop("device")
-        other = cache.acquire(cache.match(ks))
+        other = cache.load_now(cache.match(ks))
         assert other.tiers == ("host",) * 3
         cache.release(other.pages)
         cache.audit()
@@ -173,7 +173,7 @@ def test_staged_disk_fills_put_each_block_in_its_own_page(tmp_path, held_reads, 
     try:
         cache.loader.stage_decodes = True
         load = cache.plan(cache.match(ks))
-        assert cache.disk.delete(ks[4].hash)          # the second chunk's middle block
+        assert cache.disk.delete(ks[4])          # the second chunk's middle block
         held_reads.set()
         assert load.wait(10)
         got = cache.finish_load(load)
@@ -181,9 +181,9 @@ def test_staged_disk_fills_put_each_block_in_its_own_page(tmp_path, held_reads, 
         for page, k in zip(got.pages, ks):
             assert same_bits(cache.pool.kv[page], block_data(k))
         for k in ks[5:]:                              # filled, then cached past the cut
-            page = cache.pool.lookup(k)
+            page = cache.pool.page_of(k)
             assert page is not None and same_bits(cache.pool.kv[page], block_data(k))
-        assert cache.pool.lookup(ks[4]) is None
+        assert cache.pool.page_of(ks[4]) is None
         cache.release(got.pages)
         cache.audit()
     finally:

@@ -12,7 +12,7 @@ import pytest
 
 from storage.config import CacheConfig
 from storage.layout import BlockLayout
-from storage.remote.tier import remote_key, unpack_value
+from storage.remote.value import remote_key, unpack_value
 from storage.tiered_cache import TieredKVCache
 from tests.storage.conftest import TINY, block_data, keys
 from tests.storage.test_remote_tier import raw_client
@@ -70,7 +70,7 @@ def test_a_block_computed_by_one_cache_is_a_remote_hit_for_another(tmp_path, cac
     assert (st.hits, st.promotions, st.extra["corrupt"], st.extra["errors"]) == (6, 6, 0, 0)
     # Kept locally: the disk has them once its writer committed them, stored as the very payloads
     # the store gave (no second compression); the host gets them when they leave the device.
-    assert b.disk.flush(10) and all(b.disk.contains(k.hash) for k in ks)
+    assert b.disk.flush(10) and all(b.disk.contains(k) for k in ks)
     raw = raw_client(url)
     with b.disk._env.begin() as txn:
         assert all(txn.get(k.hash, db=b.disk._payload) == bytes(unpack_value(raw.get(remote_key(k)))[1]) for k in ks)

@@ -9,7 +9,8 @@ import os
 import pytest
 
 from storage.remote.inspect import RemoteInspector, check_value, parse_key
-from storage.remote.tier import RemoteTier, pack_value, remote_key
+from storage.remote.tier import RemoteTier
+from storage.remote.value import pack_value, remote_key
 from storage.remote.url import parse_remote_url
 from tests.storage.conftest import TINY, block_data, keys
 from tests.storage.test_remote_tier import raw_client

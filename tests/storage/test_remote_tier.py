@@ -12,7 +12,8 @@ import redis
 import torch
 
 from storage.remote.breaker import BreakerConfig
-from storage.remote.tier import RemoteTier, remote_key
+from storage.remote.tier import RemoteTier
+from storage.remote.value import remote_key
 from storage.remote.url import parse_remote_url
 from tests.storage.conftest import TINY, block_data, keys
 from tests.storage.test_tiered_cache import same_bits

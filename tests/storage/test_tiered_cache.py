@@ -157,7 +157,7 @@ def test_acquire_promotes_from_every_tier_bit_identically(caches, dtype: torch.d
     assert on_host(cache, ks) == ["k2", "k3"] and on_disk(cache, ks) == ["k0", "k1"]
     assert cache.pool.stats().free_pages == 6
 
-    back = cache.acquire(cache.match([ks[2]]))        # k2 back on the device (host keeps a copy)
+    back = cache.load_now(cache.match([ks[2]]))        # k2 back on the device (host keeps a copy)
     assert (back.pages, back.tiers) == ((4,), ("host",))   # free pages are FIFO: 4, 5, 0, 1, 2, 3
     cache.release(back.pages)
     cache.release(fill(cache, [ks[5]]))               # k5 cached, but k4 is missing before it
@@ -165,12 +165,12 @@ def test_acquire_promotes_from_every_tier_bit_identically(caches, dtype: torch.d
     m = cache.match(ks)
     assert tiers(m, ks) == [("k0", "disk"), ("k1", "disk"), ("k2", "device"), ("k3", "host")]
     assert m.tokens_by_tier(layout.block_size) == {"device": 4, "host": 4, "disk": 8, "remote": 0}
-    got = cache.acquire(m)
+    got = cache.load_now(m)
     assert got.pages == (0, 1, 4, 2)
     assert got.tiers == ("disk", "disk", "device", "host")
     for page, k in zip(got.pages, ks):
         assert same_bits(cache.pool.kv[page], block_data(k, layout))
-        assert cache.pool.refcount(page) == 1 and cache.pool.lookup(k) == page
+        assert cache.pool.refcount(page) == 1 and cache.pool.page_of(k) == page
     # A promoted page is registered: the next match finds every block on the device.
     assert [t for _, t in cache.match(ks[:4]).blocks] == ["device"] * 4
     assert counts(cache, "device") == (1, 0, 0, 4, 5)
@@ -191,7 +191,7 @@ def test_acquire_follows_a_block_its_own_allocation_pushed_from_host_to_disk(cac
     m = cache.match([ks[0]])
     assert tiers(m, ks) == [("k0", "host")]
     # The allocation evicts k1 into the host, which pushes k0 to disk: acquire finds it there.
-    got = cache.acquire(m)
+    got = cache.load_now(m)
     assert got.tiers == ("disk",)
     assert same_bits(cache.pool.kv[got.pages[0]], block_data(ks[0]))
     assert on_host(cache, ks) == ["k1"] and on_device(cache, ks) == {"k0", "k2"}
@@ -205,10 +205,10 @@ def test_write_through_writes_host_and_disk_at_register(caches) -> None:
     cache = caches(pages=2, host_slots=2, write_policy="write_through")
     pages = fill(cache, ks)
     assert on_host(cache, ks) == ["k0", "k1"]
-    assert all(cache.disk.contains(k.hash) for k in ks)
+    assert all(cache.disk.contains(k) for k in ks)
     assert on_disk(cache, ks) == ["k0", "k1"]
     for k in ks:
-        assert same_bits(cache.host.slab[cache.host.lookup(k)], block_data(k))
+        assert same_bits(cache.host.slab[cache.host.slot_of(k)], block_data(k))
         assert same_bits(cache.disk.get(k), block_data(k))
     assert counts(cache, "host")[2] == 2 and counts(cache, "disk")[2] == 2
     cache.release(pages)
@@ -245,7 +245,7 @@ def test_block_failing_verification_is_a_miss_at_acquire(tmp_path: Path, failure
     try:
         m = cache.match(wanted)
         assert [t for _, t in m.blocks] == ["disk"] * 3   # match reads the index, not the bytes
-        got = cache.acquire(m)
+        got = cache.load_now(m)
         assert got.tiers == ("disk",)                 # the prefix ends at the bad block
         assert same_bits(cache.pool.kv[got.pages[0]], block_data(ks[0]))
         p = cache.pool.stats()
@@ -254,7 +254,7 @@ def test_block_failing_verification_is_a_miss_at_acquire(tmp_path: Path, failure
         assert (p.in_use_pages, p.cached_blocks, p.free_pages) == (1, 2, 2)
         d = cache.disk.stats()
         assert (d.corrupt, d.blocks) == (1, 2)
-        assert not cache.disk.contains(ks[1].hash)    # deleted
+        assert not cache.disk.contains(ks[1])    # deleted
         assert counts(cache, "disk")[:2] == (1, 2)    # served k0; promoted k0 and k2
         assert tiers(cache.match(ks), ks) == [("k0", "device")]
         assert tiers(cache.match([ks[2]]), ks) == [("k2", "device")]
@@ -277,9 +277,9 @@ def test_corrupt_disk_block_releases_device_pages_acquired_after_it(tmp_path: Pa
         cache.release(fill(cache, [ks[2]]))               # k2 on the device, after the bad k1
         m = cache.match(ks)
         assert tiers(m, ks) == [("k0", "disk"), ("k1", "disk"), ("k2", "device")]
-        got = cache.acquire(m)
+        got = cache.load_now(m)
         assert got.tiers == ("disk",)
-        k2_page = cache.pool.lookup(ks[2])
+        k2_page = cache.pool.page_of(ks[2])
         assert cache.pool.refcount(k2_page) == 0 and k2_page in cache.pool.evictable_pages()
         assert counts(cache, "device")[0] == 0        # no hit counted past the cut
         cache.release(got.pages)
@@ -306,7 +306,7 @@ def test_flush_pushes_every_block_to_disk_and_a_new_cache_finds_them(tmp_path: P
     try:
         m = cache.match(ks)
         assert [t for _, t in m.blocks] == ["disk"] * 6
-        got = cache.acquire(m)
+        got = cache.load_now(m)
         assert got.tiers == ("disk",) * 6
         for page, k in zip(got.pages, ks):
             assert same_bits(cache.pool.kv[page], block_data(k))
@@ -351,7 +351,7 @@ def test_demote_host_moves_every_block_to_disk(caches) -> None:
     assert counts(cache, "host") == (0, 0, 3, 3, 0)
     assert counts(cache, "disk") == (0, 0, 3, 0, 3)
     assert cache.demote("host") == 0
-    got = cache.acquire(cache.match(ks))
+    got = cache.load_now(cache.match(ks))
     assert got.tiers == ("disk",) * 3
     assert all(same_bits(cache.pool.kv[p], block_data(k)) for p, k in zip(got.pages, ks))
     cache.release(got.pages)
@@ -404,7 +404,7 @@ def test_close_waits_for_a_disk_promotion_in_progress(tmp_path: Path) -> None:
     decoding = threading.Event()                          # set by the first decode, inside the read
     verify_and_decode = disk._verify_and_decode
     disk._verify_and_decode = lambda item: (decoding.set(), verify_and_decode(item))[1]
-    promotion = threading.Thread(target=lambda: result.update(got=cache.acquire(m)))
+    promotion = threading.Thread(target=lambda: result.update(got=cache.load_now(m)))
     promotion.start()
     assert decoding.wait(30)                              # the read holds views into the map now
     cache.close()                                         # must wait for that read to end

@@ -82,7 +82,7 @@ class TieredCacheMachine(RuleBasedStateMachine):
         assert [k.hash for k, _ in m.blocks] == [k.hash for k in ks[:len(m)]]
         below = sum(t != "device" for _, t in m.blocks)
         enough_free = self.cache.pool.stats().free_pages >= below
-        got = self.cache.acquire(m)
+        got = self.cache.load_now(m)
         if enough_free:
             # No allocation evicts, so no block moves between tiers under the acquire.
             assert got.tiers == tuple(t for _, t in m.blocks)[:len(got.tiers)]
@@ -90,7 +90,7 @@ class TieredCacheMachine(RuleBasedStateMachine):
                 assert len(got.pages) == len(m)
         assert len(got.pages) <= len(m) and self.cache.disk.stats().corrupt == 0
         for page, k in zip(got.pages, ks):
-            assert self.cache.pool.lookup(k) == page
+            assert self.cache.pool.page_of(k) == page
             assert same_bits(self.cache.pool.kv[page], DATA[k.hash]), "promoted bytes differ"
         group = [(p, k, True) for p, k in zip(got.pages, ks)]
         rest = ks[len(group):]
@@ -105,7 +105,7 @@ class TieredCacheMachine(RuleBasedStateMachine):
             self.cache.pool.kv[page].copy_(DATA[k.hash])
             # False when another page already caches the block: this page stays uncached.
             ok = self.cache.register(page, k)
-            assert ok == (self.cache.pool.lookup(k) == page)
+            assert ok == (self.cache.pool.page_of(k) == page)
             group.append((page, k, ok))
         return group
 
@@ -133,8 +133,8 @@ class TieredCacheMachine(RuleBasedStateMachine):
     @rule()
     def flush(self) -> None:
         c, disk = self.cache, self.cache.disk
-        above = {c.pool.key_of(p).hash for p in c.pool.cached_pages()} | set(c.host.hashes())
-        missing = {h for h in above if not disk.contains(h)}
+        above = {c.pool.key_of(p) for p in c.pool.cached_pages()} | {k for _, k in c.host.blocks()}
+        missing = {k.hash for k in above if not disk.contains(k)}
         result = c.flush(timeout=30)
         written = result.written
         assert result.complete        # every block fits (the disk holds whole blocks), nothing dropped
@@ -170,7 +170,7 @@ class TieredCacheMachine(RuleBasedStateMachine):
         for page in c.pool.cached_pages():
             assert same_bits(c.pool.kv[page], DATA[c.pool.key_of(page).hash])
         for hsh in c.host.hashes():
-            assert same_bits(c.host.slab[c.host.lookup(KEYS[hsh])], DATA[hsh])
+            assert same_bits(c.host.slab[c.host.slot_of(KEYS[hsh])], DATA[hsh])
 
 
 TieredCacheMachine.TestCase.settings = settings(max_examples=80, stateful_step_count=25, deadline=None,

@@ -50,7 +50,7 @@ def assert_every_tier_exact(cache: TieredKVCache, ks) -> None:
             on_disk += 1
             assert same_bits(got.view(TINY.shape), block_data(k)), "the disk stored stale bytes as the block"
     assert on_disk > 0
-    got = cache.acquire(cache.match(ks))
+    got = cache.load_now(cache.match(ks))
     assert len(got.pages) > 0
     for page, k in zip(got.pages, ks):
         assert same_bits(cache.pool.kv[page], block_data(k))
@@ -170,10 +170,10 @@ def test_write_through_never_waits_for_the_copy_it_just_issued(tmp_path) -> None
         page = cache.allocate(1)[0]
         cache.pool.kv[page].copy_(block_data(ks[0]))
         cache.register(page, ks[0])
-        assert len(cache._through) == 1          # its copy is (almost surely) still in flight
+        assert len(cache.cascade._through) == 1          # its copy is (almost surely) still in flight
         cache.release([page])
         compute(cache, ks[1:])
-        assert cache.flush().complete and not cache._through
+        assert cache.flush().complete and not cache.cascade._through
         for k in ks:
             got = cache.disk.get(k)
             assert got is not None and same_bits(got.view(TINY.shape), block_data(k)), k

@@ -1,0 +1,266 @@
+"""The cascade: how blocks move down the tiers, under pressure and on an operator's word.
+
+Knows: each edge a block travels down -- device -> host (`device_to_host`, one batch of copies
+per allocation's victims), host -> the next tier below (`host_to_lower`), a block into the next
+tier below (`to_lower`), disk -> remote (`disk_to_remote`, the disk writer's commits forwarded) --,
+write-through (register copies at once, queued down once the copy is done: `drain_through`),
+and the operator's moves: `flush` (every block to the lowest tier, waiting for the writers),
+`demote` (one tier's blocks one step down) and `drop` (forget a tier's blocks).
+Doesn't know: matching, planning, fills (storage/tiered_cache.py, storage/loader.py), or how a
+tier stores bytes (storage/lower_tier.py's verbs).
+
+Threads: the pressure edges run on the engine thread under the tiers' lock (the pool and the
+host slab call them while evicting); the operator's moves run on the caller's thread.
+NOTE invariant: the lock is never held while waiting on a writer. Under pressure a block is
+queued with wait=False (a full queue drops it, counted); flush and demote copy blocks out under
+the lock in batches of _FLUSH_BATCH and queue them with no lock held, so the engine's next
+allocate or register never waits for a flush.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+
+from storage.hashing import BlockKey
+from storage.tiers import TIERS, Tiers
+
+_FLUSH_BATCH = 32     # blocks copied out per hold of the lock by flush/demote
+
+
+@dataclass(frozen=True, slots=True)
+class FlushResult:
+    """What a flush did: blocks written down, and whether every one of them (and every write
+    already queued) is now committed. complete=False is the truth after a dropped write (no room
+    even after evicting, an I/O error) or a timeout; the drops are in disk stats' write_errors."""
+    written: int
+    complete: bool
+    remote: bool | None = None   # every remote write sent (None: no remote tier)
+
+    def to_dict(self) -> dict:
+        d = {"written": self.written, "complete": self.complete}
+        if self.remote is not None:
+            d["remote"] = self.remote
+        return d
+
+
+class Cascade:
+    def __init__(self, tiers: Tiers, *, write_through: bool, remote_through: bool, remote_timeout_s: float) -> None:
+        self.t = tiers
+        self.write_through = write_through
+        self.remote_through = remote_through and tiers.remote is not None
+        self.remote_timeout_s = remote_timeout_s
+        # Write-through blocks copied to host whose write down waits for that copy (engine thread,
+        # under the lock): queued once their copy is done, never waited for on a step.
+        self._through: deque[tuple[BlockKey, int]] = deque()
+        # The pool and the host slab hand their victims here, while the bytes are intact.
+        tiers.pool.on_evict = self.device_to_host
+        tiers.host.on_evict = self.host_to_lower
+        if tiers.disk is not None and tiers.remote is not None:
+            tiers.disk.on_commit(self.disk_to_remote)
+
+    # ---- under pressure (engine thread, lock held) --------------------------------------------
+    def registered(self, key: BlockKey, page: int) -> None:
+        """A block was just computed into `page`: under write-through it goes down now."""
+        if self.write_through or self.remote_through:
+            self.device_to_host([(key, page)], through=True)
+
+    def device_to_host(self, blocks: list[tuple[BlockKey, int]], through: bool = False) -> None:
+        """Device blocks (key, page) into host unless already there (and, `through`, on down).
+        With no host tier they go straight to the next tier below."""
+        t = self.t
+        if not t.host.enabled:
+            for key, page in blocks:
+                self.to_lower(key, t.pool.kv[page])
+            return
+        copied = self._copy_to_host(blocks)
+        if through:
+            # NOTE: not host_to_lower now: its wait for the copy would wait for the forward that
+            # wrote the page (issue 9, item 6). drain_through queues it once the copy is done.
+            self._through.extend(copied)
+
+    def _copy_to_host(self, blocks: list[tuple[BlockKey, int]]) -> list[tuple[BlockKey, int]]:
+        """Copy device blocks (key, page) the host lacks into host slots, a batch of copies at a
+        time. Returns the (key, slot) copied."""
+        t = self.t
+        copied = []
+        # A batch is at most the slab's size: reserving a slot evicts the LRU block, and within a
+        # batch that must never be a slot the same batch reserved (its copy is not issued yet, so
+        # the eviction's wait would not see it and disk would get the slot's stale bytes).
+        step = max(1, t.host.num_slots)
+        for start in range(0, len(blocks), step):
+            batch = []
+            for key, page in blocks[start:start + step]:
+                if t.host.slot_of(key) is not None:
+                    continue
+                slot = t.host.reserve(key)
+                batch.append((slot, t.pool.kv[page]))
+                copied.append((key, slot))
+                t.count_write("host")
+            t.transfer.copy_to_host(t.host.slab, batch)
+        return copied
+
+    def drain_through(self, wait: bool = False) -> None:
+        """Queue down the write-through blocks whose host copy is done (all, if `wait`)."""
+        while self._through:
+            key, slot = self._through[0]
+            if not wait and not self.t.transfer.ready(slot):
+                return              # copies complete in order: the rest are not done either
+            self._through.popleft()
+            if self.t.host.slot_of(key) == slot:    # else evicted meanwhile, and its eviction queued it
+                self.host_to_lower(key, slot)
+
+    def host_to_lower(self, key: BlockKey, slot: int) -> bool:
+        """A host slot's block to the next tier below (called by the host tier before the slot
+        is reused, and by drain_through)."""
+        below = self.t.next_down
+        if below is None or below.contains(key):
+            return False
+        self.t.transfer.wait_host(slot)   # NOTE: the copy into the slot is complete before put reads it
+        return self.to_lower(key, self.t.host.slab[slot])
+
+    def to_lower(self, key: BlockKey, src: torch.Tensor) -> bool:
+        """Queue a block (a device page, or a host slot already waited for) for the next tier
+        below unless it holds it; never waits (the caller holds the lock): a full queue drops it
+        (counted by the tier). put copies the bytes, so `src` may be reused once this returns."""
+        below = self.t.next_down
+        if below is None or below.contains(key):
+            return False
+        if not below.put(key, src.cpu(), wait=False):   # .cpu(): the tensor itself on CPU
+            return False
+        self.t.count_write(below.name)
+        return True
+
+    def disk_to_remote(self, committed: list) -> None:
+        """The disk writer committed these (key, payload, raw size): queue them for the remote
+        (the write-behind). Runs on the disk writer's thread: waits for room in the remote queue at
+        most one remote timeout in all, then drops (counted), so a slow store slows disk commits
+        by a bounded amount and never stops them."""
+        remote = self.t.remote
+        deadline = time.monotonic() + self.remote_timeout_s
+        for key, payload, raw_size in committed:
+            remote.put(key, payload=payload, raw_size=raw_size, wait=True,
+                       timeout=max(0.0, deadline - time.monotonic()))
+
+    # ---- the operator's moves (caller's thread) ---------------------------------------------
+    def _copies_out(self, host_only: bool = False, skip: Callable[[BlockKey], bool] = lambda key: False
+                    ) -> Iterator[list[tuple[BlockKey, torch.Tensor]]]:
+        """Every cached block (device pages unless host_only, then host slots) copied to the CPU
+        under the lock a batch at a time, each batch yielded with no lock held (the caller may
+        wait on a writer). A block that moved or left meanwhile is taken from where it is now, or
+        skipped (its own eviction queued it), as is one `skip(key)` (asked under the lock) names."""
+        t = self.t
+        with t.lock:
+            todo = [] if host_only else [t.pool.key_of(p) for p in t.pool.cached_pages()]
+            todo += [key for _, key in t.host.blocks()]
+        for start in range(0, len(todo), _FLUSH_BATCH):
+            copies = []
+            with t.lock:
+                t.transfer.sync_host()
+                for key in todo[start:start + _FLUSH_BATCH]:
+                    if skip(key):
+                        continue
+                    page = None if host_only else t.pool.page_of(key)
+                    slot = t.host.slot_of(key) if page is None else None
+                    src = t.pool.kv[page] if page is not None else (None if slot is None else t.host.slab[slot])
+                    if src is not None:
+                        copies.append((key, src.to("cpu", copy=True)))
+            yield copies
+
+    def copy_down(self, host_only: bool = False) -> int:
+        """Every cached block the next tier below lacks (device pages unless host_only, then host
+        slots) queued for it, waiting for room with no lock held. Returns blocks queued."""
+        below = self.t.next_down
+        # A store may be down: each block waits a bounded time (then drops, counted); the disk's
+        # writer always drains, so a disk put waits as long as it takes.
+        timeout = None if below.local else self.remote_timeout_s * 4
+        written = 0
+        for copies in self._copies_out(host_only, skip=below.contains):
+            queued = [key for key, block in copies if below.put(key, block, wait=True, timeout=timeout)]
+            with self.t.lock:
+                for _ in queued:
+                    self.t.count_write(below.name)
+            written += len(queued)
+        return written
+
+    def flush(self, timeout: float | None = None) -> FlushResult:
+        """Push every cached block down to the lowest tier (disk, else the remote, else host) and
+        wait for the writers: after a complete flush a restarted process hits every block. With
+        a remote tier, also wait for its writer: blocks the disk commits are forwarded to it.
+        `remote` says whether every remote write was sent (a store that is down makes it False,
+        never the flush fail)."""
+        t = self.t
+        # The disk's commits forward blocks to the remote writer, which may fail a batch before
+        # this flush waits for it: the mark makes such a loss count too.
+        remote_mark = None if t.remote is None else t.remote.write_failures()
+        with t.lock:
+            self.drain_through(wait=True)
+        complete = True
+        if t.next_down is not None:
+            written = self.copy_down()
+            if t.disk is not None:
+                complete = t.disk.flush(timeout)
+        elif not t.host.enabled:
+            return FlushResult(0, True)
+        else:
+            with t.lock:   # nothing below the host: device blocks into the host slab (memcpy, no waiting)
+                written = len(self._copy_to_host([(t.pool.key_of(page), page) for page in t.pool.cached_pages()]))
+                t.transfer.sync_host()
+        remote = None if t.remote is None else t.remote.flush(timeout, since=remote_mark)
+        return FlushResult(written, complete, remote)
+
+    def demote(self, tier: str) -> int:
+        """Evict every unused cached block of `tier` one step down the cascade (device -> host
+        -> disk), exactly as capacity pressure would. Returns blocks evicted."""
+        t = self.t
+        if tier not in ("device", "host"):
+            raise ValueError(f"tier: can demote 'device' or 'host', got {tier!r}")
+        if tier == "host" and t.disk is not None:
+            self.copy_down(host_only=True)   # the writes, outside the lock; then evict
+        if tier == "device":
+            # In batches: each eviction may cascade host -> disk (a put that never waits), so
+            # between batches, holding no lock, wait for the writer's queue to have room: an
+            # explicit demote never drops a block for a full queue, and never stalls the engine.
+            evicted = 0
+            while True:
+                with t.lock:
+                    pages = t.pool.evictable_pages()[:_FLUSH_BATCH]
+                    t.pool.evict(pages)
+                evicted += len(pages)
+                if len(pages) < _FLUSH_BATCH:
+                    return evicted
+                if t.disk is not None:
+                    t.disk.wait_for_room()
+        with t.lock:
+            n = len(t.host)
+            for _ in range(n):
+                t.host.evict_lru()
+            return n
+
+    def drop(self, tier: str) -> int:
+        """Forget every cached block of one tier (device: only pages no sequence uses)."""
+        t = self.t
+        if tier not in TIERS:
+            raise ValueError(f"tier: expected one of {TIERS}, got {tier!r}")
+        if tier == "remote":
+            # Every server's blocks live there: clearing it is the store operator's call
+            # (FLUSHDB, or its LRU and TTL), not one server's.
+            raise ValueError("tier: the remote tier is shared by every server and is not dropped from one")
+        with t.lock:
+            if tier == "device":
+                pages = t.pool.evictable_pages()
+                for page in pages:
+                    t.pool.drop(page)
+                return len(pages)
+            if tier == "host":
+                hashes = t.host.hashes()
+                for h in hashes:
+                    t.host.remove(h)
+                return len(hashes)
+        if t.disk is None:
+            return 0
+        t.disk.flush()
+        return t.disk.clear()

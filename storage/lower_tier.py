@@ -1,0 +1,57 @@
+"""What every tier below the host answers: the disk tier (storage/disk/tier.py) and the remote
+tier (storage/remote/tier.py), walked by the cache as one list, fastest first.
+
+Knows: the verbs and what each promises. Doesn't know: any tier's storage, or when a block
+moves (storage/cascade.py writes down, storage/loader.py reads up).
+
+NOTE invariants every implementation keeps:
+- reads never raise for the store's failures: a block that cannot be read, or fails
+  verification, is a miss (None), counted, and deleted when damaged;
+- a block served is bit-identical to the block stored, and only served for the key that
+  stored it (tokens, namespace and parent checked: storage/codec/stored_block.py);
+- put() copies what it is given before it returns (the caller may reuse the memory), and with
+  wait=False never waits: a full queue drops the block (counted);
+- contains() does no I/O. A `local` tier knows what it holds (the disk's index); the remote
+  tier knows only what this process wrote or read, so the cache asks the store itself with a
+  probe off the engine thread (TieredKVCache.prefetch) rather than through contains().
+"""
+from __future__ import annotations
+
+from typing import Protocol, Sequence, runtime_checkable
+
+import torch
+
+from storage.hashing import BlockKey
+
+
+@runtime_checkable
+class LowerTier(Protocol):
+    name: str       # "disk" | "remote": the tier's name in stats, billing, metrics and the CLI
+    local: bool     # contains() is the whole answer (no probe of a store is needed)
+
+    def contains(self, key: BlockKey) -> bool:
+        """Whether this tier holds the block, as far as this process knows without I/O."""
+
+    def get_many(self, keys: Sequence[BlockKey], outs: Sequence[torch.Tensor | None] | None = None,
+                 payloads: list | None = None) -> list[torch.Tensor | None]:
+        """Verified blocks for `keys` (None: a miss); `outs` receive the bytes; `payloads`, when
+        given, each hit's verified codec payload (so another tier can keep it without encoding)."""
+
+    def put(self, key: BlockKey, block: torch.Tensor | None = None, *, wait: bool,
+            timeout: float | None = None, payload: bytes | None = None, raw_size: int = 0) -> bool:
+        """Queue a block for writing: its bytes (`block`), or its payload already encoded and
+        bound to hash || namespace (`payload`, `raw_size` its decoded bytes). wait=True waits
+        for room in the queue (up to `timeout`). False: not queued. (Each tier has its own
+        default for `wait`; the cache always says.)"""
+
+    def delete(self, key: BlockKey) -> bool:
+        """Remove the block. True when there was one."""
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued write landed; False when one was lost or the wait timed out."""
+
+    def stats(self) -> object:
+        """This tier's counters (DiskStats, RemoteStats)."""
+
+    def close(self) -> None:
+        """Write what is queued (bounded), then release everything."""

@@ -1,0 +1,85 @@
+"""The tiers as one narrow handle: what the loader (moving blocks up) and the cascade (moving
+them down) are given, instead of the whole cache.
+
+Knows: the tiers themselves -- the device pool, the host slab with the copies into it
+(Transfer), and the tiers below the host as one list, fastest first (storage/lower_tier.py:
+the disk, then the remote store) --, the one lock that guards them, and the per-tier counters.
+Doesn't know: matching, planning or moving blocks (storage/tiered_cache.py places them,
+storage/cascade.py moves them down, storage/loader.py moves them up).
+
+NOTE (threads): `lock` guards the pool, the host slab's index, the Transfer's pending copies,
+the loader's maps of fills and prefetches, and `counters`. Whoever holds it does no I/O and
+never waits on a writer or the network while holding it (a wait for a host -> device copy
+from pinned memory is the one wait allowed: storage/loader.py says why).
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+from storage.device_pool import DevicePool
+from storage.host_tier import HostTier
+from storage.layout import BlockLayout
+from storage.lower_tier import LowerTier
+from storage.transfer import Transfer
+
+TIERS = ("device", "host", "disk", "remote")
+
+
+@dataclass
+class TierStats:
+    capacity_bytes: int = 0
+    used_bytes: int = 0
+    blocks: int = 0
+    hits: int = 0            # blocks served from this tier to a request
+    promotions: int = 0      # blocks copied from this tier into device pages
+    demotions: int = 0       # blocks written into this tier from the tier above
+    evictions: int = 0       # blocks that left this tier for lack of room
+    bytes_read: int = 0
+    bytes_written: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        d = {k: v for k, v in self.__dict__.items() if k != "extra"}
+        d.update(self.extra)
+        return d
+
+
+@dataclass(eq=False)
+class Tiers:
+    layout: BlockLayout
+    pool: DevicePool
+    host: HostTier
+    transfer: Transfer
+    lower: tuple[LowerTier, ...]          # below the host, fastest first
+    lock: threading.RLock = field(default_factory=threading.RLock)
+    counters: dict[str, TierStats] = field(default_factory=lambda: {t: TierStats() for t in TIERS})
+
+    def below(self, name: str) -> LowerTier | None:
+        """The lower tier called `name` ("disk", "remote"), or None when it is not configured."""
+        return next((t for t in self.lower if t.name == name), None)
+
+    @property
+    def disk(self):
+        return self.below("disk")
+
+    @property
+    def remote(self):
+        return self.below("remote")
+
+    @property
+    def next_down(self) -> LowerTier | None:
+        """Where a block leaving the lowest in-memory tier goes: the first tier below the host."""
+        return self.lower[0] if self.lower else None
+
+    def count_write(self, tier: str) -> None:
+        """A block written into `tier` from the tier above (under the lock)."""
+        st = self.counters[tier]
+        st.demotions += 1
+        st.bytes_written += self.layout.nbytes
+
+    def count_promotion(self, tier: str) -> None:
+        """A block copied into a device page, billed from `tier` (under the lock)."""
+        st = self.counters[tier]
+        st.promotions += 1
+        st.bytes_read += self.layout.nbytes
