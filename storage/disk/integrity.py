@@ -10,13 +10,17 @@ Doesn't know: what to do about damage (the tier counts, deletes, repairs), threa
 """
 from __future__ import annotations
 
+from concurrent.futures import Executor
 from dataclasses import dataclass
+from typing import Callable, ContextManager, Iterator
 
 import lmdb
 
 from storage.codec.payload import Codec
 from storage.codec.stored_block import BlockMeta, verify_and_decode
 from storage.disk.records import Databases, load_info, lru_key
+
+_CHUNK = 512                     # keys per read transaction
 from storage.layout import BlockLayout
 from storage.hashing import BlockKey, hash_block
 
@@ -48,6 +52,39 @@ def check_block(codec: Codec, layout: BlockLayout | None, h: bytes, payload: byt
     key = BlockKey(h, m.parent, m.token_ids, m.namespace)
     _, reason = verify_and_decode(codec, layout, key, None, payload, meta)
     return reason
+
+
+def verify_store(begin: Callable[..., ContextManager[lmdb.Transaction]], iter_db: Callable[..., Iterator[tuple]],
+                 dbs: Databases, executor: Executor, codec: Codec, layout: BlockLayout | None) -> VerifyReport:
+    """verify()'s walk: every block of the store checked (check_block, plus its LRU entry), a
+    chunk of keys per read transaction, the decodes on `executor`. Deletes nothing."""
+    hashes = sorted({h for h, _ in iter_db(dbs.payload, values=False)}
+                    | {h for h, _ in iter_db(dbs.meta, values=False)})
+    damaged: list[DamagedBlock] = []
+    checked = 0
+    for start in range(0, len(hashes), _CHUNK):
+        chunk = hashes[start:start + _CHUNK]
+        with begin() as txn:
+            rows = [(h, txn.get(h, db=dbs.payload), txn.get(h, db=dbs.meta)) for h in chunk]
+            # A block whose payload and meta are both gone was evicted or deleted after the
+            # listing (a live cache keeps evicting): not damage. A delete removes both in one
+            # transaction, and this chunk reads one snapshot, so one without the other is.
+            rows = [r for r in rows if r[1] is not None or r[2] is not None]
+            checked += len(rows)
+            lru_ok = {}
+            for h, _, meta in rows:
+                try:
+                    lru_ok[h] = txn.get(lru_key(BlockMeta.unpack(meta).last_access, h), db=dbs.lru) is not None
+                except (ValueError, TypeError):
+                    lru_ok[h] = True   # reported by check_block
+        reasons = executor.map(lambda r: check_block(codec, layout, *r), rows)
+        for (h, payload, meta), reason in zip(rows, reasons):
+            if reason is None and not lru_ok[h]:
+                reason = "LRU entry missing"
+            if reason is not None:
+                damaged.append(DamagedBlock(h, reason))
+    return VerifyReport(checked=checked, damaged=tuple(damaged), repaired=0)
+
 
 
 def audit(env: lmdb.Environment, dbs: Databases, capacity_bytes: int) -> list[str]:

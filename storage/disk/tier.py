@@ -1,12 +1,13 @@
 """The disk tier: compressed KV blocks in an LMDB environment, with an LRU capacity bound.
 
-Knows: the public face of the disk tier -- opening the environment, put (handed to the
-background writer), verified reads served from the store or from a put still pending, deletes,
-flush/close, stats, iteration, verify/repair and the check() audit -- and this process's
-counters. The parts live beside it: storage/disk/records.py (the four LMDB databases and their
-record formats), storage/disk/writer.py (the queue and the thread that compresses, commits and
-evicts in batches), storage/disk/integrity.py (what a servable block and a consistent store are).
-Doesn't know: the other tiers, models, or when a block should be demoted (storage/tiered_cache.py).
+Knows: the public face of the disk tier (storage/lower_tier.py's verbs and the operator's) --
+put (handed to the background writer), verified reads served from the store or from a put
+still pending, deletes, flush/close, stats, iteration, verify/repair and the check() audit --
+and this process's counters. Its parts live beside it in storage/disk/: environment.py (opening,
+the transaction gate), records.py (the databases and their formats), writer.py and pending.py
+(the queue and the thread that compresses, commits and evicts), integrity.py (what a servable
+block and a consistent store are), index.py (the stored hashes in memory), stats.py.
+Doesn't know: the other tiers, models, or when a block should be demoted (storage/cascade.py).
 
 Every counter that defines capacity lives in `info` and changes in the same write
 transaction as the blocks it counts, so several processes sharing one directory keep them
@@ -18,7 +19,7 @@ Capacity is a property of the store, not of a process: it lives in `info`, each 
 inside its commit, so processes sharing a directory always enforce one bound. A process opening
 with another capacity sets it (a restart with a new setting takes effect) and says so loudly;
 a process whose own setting was overridden meanwhile warns once. The map size follows: a process
-maps at least the file's own size and adopts a size another process grew (_begin).
+maps at least the file's own size and adopts a size another process grew (EnvGate.begin).
 
 Hits/misses/corrupt/evictions/bytes counters in `stats()` are this process's own.
 
@@ -28,13 +29,11 @@ read must cost a recompute, never a failed or hung request (issue 7, item 2).
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Iterable, Iterator, Sequence
 
 import lmdb
@@ -43,12 +42,12 @@ import torch
 from storage.priority import background_priority
 from storage.codec.payload import Codec
 from storage.codec.stored_block import BlockMeta, verify_and_decode
-from storage.disk.integrity import DamagedBlock, VerifyReport, audit, check_block
+from storage.disk.integrity import DamagedBlock, VerifyReport, audit, verify_store
 from storage.disk.index import DiskIndex
-from storage.disk.pagewalk import check_pages
-from storage.disk.preflight import DamagedEnvironment, check_environment, move_aside, opening
-from storage.disk.records import (DISK_FORMAT_VERSION, Databases, FormatMismatch, StoreInfo, delete_in_txn,
-                                  load_capacity, load_info, lru_key, open_databases, store_capacity, store_info)
+from storage.disk.environment import EnvGate, default_map_size, open_env, open_for_writing
+from storage.disk.preflight import DamagedEnvironment, opening
+from storage.disk.stats import DiskBlockInfo, DiskStats, _Counters
+from storage.disk.records import DISK_FORMAT_VERSION, StoreInfo, delete_in_txn, load_capacity, load_info, store_info
 from storage.disk.records import recount as recount_info
 from storage.disk.writer import DiskWriter
 from storage.layout import BlockLayout, dtype_name
@@ -59,85 +58,6 @@ __all__ = ["DISK_FORMAT_VERSION", "DamagedBlock", "DamagedEnvironment", "DiskBlo
 
 log = logging.getLogger(__name__)
 
-_MAP_FLOOR = 1 << 30
-_CHUNK = 512                     # keys per read transaction when iterating the whole store
-
-
-def _open_env(path: str, map_size: int, readonly: bool) -> tuple[lmdb.Environment, Databases]:
-    """Check the files before mapping them (a truncated file would SIGBUS on the first read past
-    its end), then open the environment and our databases."""
-    meta = check_environment(path)
-    if meta is not None:
-        # Never map less than the file's own map size: another process may have grown it. A
-        # reader maps exactly that (it writes nothing, so it needs no room to grow).
-        map_size = meta.map_size if readonly else max(map_size, meta.map_size)
-    os.makedirs(path, exist_ok=True)
-    # lock=True (the default) is what lets several processes share the directory. readahead=True:
-    # a stored block is one run of contiguous overflow pages (~0.1-1 MB), read whole; with
-    # readahead off (MADV_RANDOM) a cold read faulted it in 4 KiB at a time -- a burst of two
-    # 2048-token restores from a cold page cache took 1.1-1.4 s instead of 0.18-0.42 s.
-    env = lmdb.open(path, map_size=map_size, max_dbs=4, readonly=readonly, readahead=True, max_readers=512)
-    try:
-        # NOTE: before any read through the map -- a damaged page pointer past the file's end
-        # makes LMDB's first read of it a SIGBUS (storage/disk/pagewalk.py).
-        check_pages(env, path)
-        return env, open_databases(env, path, readonly)
-    except BaseException:
-        env.close()
-        raise
-
-
-def default_map_size(capacity_bytes: int) -> int:
-    """LMDB's address-space reservation: a generous multiple of the capacity (the file is
-    sparse and grows only as pages are written), with a floor for small capacities. Page
-    rounding of values and copy-on-write pages need room beyond the payload bytes."""
-    return max(4 * capacity_bytes, _MAP_FLOOR)
-
-
-@dataclass(frozen=True, slots=True)
-class DiskStats:
-    capacity_bytes: int
-    used_bytes: int
-    raw_bytes: int
-    blocks: int
-    compression_ratio: float
-    hits: int
-    misses: int
-    corrupt: int
-    evictions: int
-    bytes_read: int
-    bytes_written: int
-    write_errors: int
-    read_errors: int
-    pending_writes: int
-    queue_full_drops: int = 0      # blocks the eviction cascade could not queue (queue full)
-    recovered: str | None = None   # a damaged tier found at open and moved aside: where, and why
-
-
-@dataclass(frozen=True, slots=True)
-class DiskBlockInfo:
-    hash: bytes
-    parent: bytes
-    namespace: bytes
-    token_ids: tuple[int, ...]
-    raw_size: int
-    stored_size: int
-    hits: int
-    last_access: int
-    created: float
-
-
-@dataclass(slots=True)
-class _Counters:
-    hits: int = 0
-    misses: int = 0
-    corrupt: int = 0
-    evictions: int = 0
-    bytes_read: int = 0
-    bytes_written: int = 0
-    write_errors: int = 0
-    read_errors: int = 0
-    queue_full_drops: int = 0
 
 
 class DiskTier:
@@ -167,26 +87,13 @@ class DiskTier:
         self.recovered: str | None = None       # set when a damaged tier was moved aside at open
         want_map = map_size or default_map_size(capacity_bytes)
         if readonly:
-            self._env, self._dbs = _open_env(self.path, want_map, readonly=True)   # damage: raises
+            self._env, self._dbs = open_env(self.path, want_map, readonly=True)   # damage: raises
         else:
             with opening(self.path):
-                try:
-                    self._env, self._dbs = _open_env(self.path, want_map, readonly=False)
-                except (DamagedEnvironment, FormatMismatch, lmdb.Error) as e:
-                    # NOTE: a damaged or foreign environment is never served from and never
-                    # crashes the process: it is moved aside (kept for a post-mortem) and a
-                    # fresh tier starts. Loud in the log, and in stats().recovered.
-                    aside = move_aside(self.path, f"{type(e).__name__}: {e}")
-                    self.recovered = f"moved aside to {aside}: {e}"
-                    log.error("disk tier %s is unusable (%s): moved aside to %s; starting an empty disk tier",
-                              self.path, e, aside)
-                    self._env, self._dbs = _open_env(self.path, want_map, readonly=False)
-                self._set_capacity(capacity_bytes)
+                self._env, self._dbs, self.recovered = open_for_writing(self.path, want_map, capacity_bytes)
         self._payload, self._meta, self._lru, self._info = self._dbs   # the handles, by name
-        self._cond = threading.Condition()          # guards _stopping, _in_txn and _resizing
-        self._stopping = False
-        self._in_txn = 0                            # this process's open transactions (any thread)
-        self._resizing = False                      # a thread is adopting a map another process grew
+        self._gate = EnvGate(self._env, self.path)   # NOTE: every transaction goes through it
+        self._begin = self._gate.begin
         self._closed = False
         self._stats_lock = threading.Lock()
         self._counters = _Counters()
@@ -195,6 +102,7 @@ class DiskTier:
         self._pool: ThreadPoolExecutor | None = None
         # Every stored hash, read once at open: contains() is asked for every block of every
         # waiting request on every engine step, and must not read LMDB each time.
+        self._iter_db = self._gate.iter_db
         self._index = DiskIndex(h for h, _ in self._iter_db(self._meta, values=False))
         # Built readonly too (nothing pending, ever), but its thread runs only for a writer.
         self._writer = DiskWriter(self._env, self._dbs, codec, capacity_bytes, queue_blocks, batch_blocks, self._count,
@@ -399,15 +307,10 @@ class DiskTier:
         self._writer.stop()
         self._writer.join()        # before _stopping: its last commits still need transactions
         self._last_info, self._last_capacity = self._read_info(), self._store_capacity()
-        with self._cond:
-            self._stopping = True
-            self._cond.notify_all()
-            while self._in_txn:    # NOTE: never unmap the environment under a get_many's decode
-                self._cond.wait()
+        self._gate.close()         # waits for every open transaction, then unmaps
         if self._pool is not None:
             self._pool.shutdown()
         self._closed = True
-        self._env.close()
 
     def __enter__(self) -> "DiskTier":
         return self
@@ -446,35 +349,11 @@ class DiskTier:
         hash chain (hash == hash_block(parent, token_ids)). repair=True deletes damaged blocks
         and recomputes the counters."""
         self._check_open(write=repair)
-        hashes = sorted({h for h, _ in self._iter_db(self._payload, values=False)}
-                        | {h for h, _ in self._iter_db(self._meta, values=False)})
-        damaged: list[DamagedBlock] = []
-        checked = 0
-        for start in range(0, len(hashes), _CHUNK):
-            chunk = hashes[start:start + _CHUNK]
-            with self._begin() as txn:
-                rows = [(h, txn.get(h, db=self._payload), txn.get(h, db=self._meta)) for h in chunk]
-                # A block whose payload and meta are both gone was evicted or deleted after the
-                # listing (a live cache keeps evicting): not damage. A delete removes both in one
-                # transaction, and this chunk reads one snapshot, so one without the other is.
-                rows = [r for r in rows if r[1] is not None or r[2] is not None]
-                checked += len(rows)
-                lru_ok = {}
-                for h, _, meta in rows:
-                    try:
-                        lru_ok[h] = txn.get(lru_key(BlockMeta.unpack(meta).last_access, h), db=self._lru) is not None
-                    except (ValueError, TypeError):
-                        lru_ok[h] = True   # reported by check_block
-            reasons = self._executor().map(lambda r: check_block(self.codec, self.layout, *r), rows)
-            for (h, payload, meta), reason in zip(rows, reasons):
-                if reason is None and not lru_ok[h]:
-                    reason = "LRU entry missing"
-                if reason is not None:
-                    damaged.append(DamagedBlock(h, reason))
-        repaired = 0
-        if repair and damaged:
-            repaired = self._delete_now([d.hash for d in damaged], recount=True)
-        return VerifyReport(checked=checked, damaged=tuple(damaged), repaired=repaired)
+        report = verify_store(self._begin, self._iter_db, self._dbs, self._executor(), self.codec, self.layout)
+        if repair and report.damaged:
+            repaired = self._delete_now([d.hash for d in report.damaged], recount=True)
+            report = VerifyReport(report.checked, report.damaged, repaired)
+        return report
 
     def check(self) -> list[str]:
         """Audit: recompute every counter and index from the databases and compare.
@@ -490,55 +369,6 @@ class DiskTier:
         if write and self.readonly:
             raise RuntimeError(f"DiskTier {self.path} was opened readonly")
 
-    @contextlib.contextmanager
-    def _begin(self, **kw: object) -> Iterator[lmdb.Transaction]:
-        """Every transaction of this process (reads, deletes, the writer's commits) goes through
-        here. close() and a map resize wait until none is open, since both unmap the file that
-        buffers=True reads hold views into. A transaction must never open another one.
-
-        Another process may grow the map (it opened with a larger capacity): LMDB then refuses
-        our next transaction with MAP_RESIZED until this process adopts the new size, which
-        is only safe while no transaction of ours is open (item 5 of issue 7)."""
-        for attempt in range(3):
-            with self._cond:
-                while self._resizing:
-                    self._cond.wait()
-                if self._stopping:
-                    raise RuntimeError("DiskTier is closed")
-                self._in_txn += 1
-            try:
-                try:
-                    txn = self._env.begin(**kw)
-                except lmdb.MapResizedError:
-                    if attempt == 2:
-                        raise
-                    txn = None
-                if txn is not None:
-                    with txn:
-                        yield txn
-                    return
-            finally:
-                with self._cond:
-                    self._in_txn -= 1
-                    self._cond.notify_all()
-            self._adopt_map_size()
-
-    def _adopt_map_size(self) -> None:
-        with self._cond:
-            while self._resizing:
-                self._cond.wait()
-            self._resizing = True
-            while self._in_txn:
-                self._cond.wait()
-        try:
-            self._env.set_mapsize(0)   # 0: take the size another process set
-            log.warning("disk tier %s: another process grew the map; now %d bytes", self.path,
-                        self._env.info()["map_size"])
-        finally:
-            with self._cond:
-                self._resizing = False
-                self._cond.notify_all()
-
     def _executor(self) -> ThreadPoolExecutor:
         with self._stats_lock:
             if self._pool is None:
@@ -546,35 +376,11 @@ class DiskTier:
                                                 initializer=background_priority)
             return self._pool
 
-    def _iter_db(self, db: object, values: bool = True) -> Iterator[tuple[bytes, bytes | None]]:
-        last = None
-        while True:
-            with self._begin() as txn:
-                cur = txn.cursor(db=db)
-                ok = cur.first() if last is None else cur.set_range(last + b"\x00")
-                rows = []
-                while ok and len(rows) < _CHUNK:
-                    rows.append((cur.key(), cur.value() if values else None))
-                    ok = cur.next()
-            yield from rows
-            if not ok:
-                return
-            last = rows[-1][0]
-
     def _verify_and_decode(self, item: tuple) -> tuple[torch.Tensor | None, str | None]:
         _, key, out, payload, meta_raw = item
         return verify_and_decode(self.codec, self.layout, key, out, payload, meta_raw)
 
     # -- internals: info, direct deletes, counters -----------------------------------------
-
-    def _set_capacity(self, capacity_bytes: int) -> None:
-        with self._env.begin(write=True) as txn:       # at open, before any other thread exists
-            before = load_capacity(txn, self._dbs)
-            store_capacity(txn, self._dbs, capacity_bytes)
-        if before is not None and before != capacity_bytes:
-            log.warning("disk tier %s: capacity changed from %d to %d bytes by this process; every process "
-                        "sharing the directory now bounds it at %d (blocks beyond it are evicted, LRU first)",
-                        self.path, before, capacity_bytes, capacity_bytes)
 
     def _store_capacity(self) -> int:
         with self._begin() as txn:

@@ -23,7 +23,6 @@ import logging
 import os
 import time
 from collections import deque
-from dataclasses import dataclass
 from typing import Callable, ContextManager, Iterable
 
 import lmdb
@@ -31,46 +30,17 @@ import torch
 
 from storage.background_writer import BackgroundWriter
 from storage.priority import background_priority
-from storage.codec.payload import Codec, CodecError
+from storage.codec.payload import Codec
 from storage.disk.records import (Databases, StoreInfo, delete_in_txn, load_capacity, load_info, lru_hash,
                                   lru_key, store_info)
 from storage.disk.index import DiskIndex
+from storage.disk.pending import PendingBlock
 from storage.codec.stored_block import BlockMeta, payload_binding
 from storage.hashing import BlockKey
 
 log = logging.getLogger(__name__)
 
 _READER_CHECK_S = 5.0   # how often the writer clears dead processes' reader slots
-
-
-@dataclass(slots=True)
-class PendingBlock:
-    """A put awaiting its commit: the block's raw bytes, or (a block the remote tier read and
-    verified) the payload already encoded, which is stored as it is and decoded for a read."""
-    key: BlockKey
-    block: torch.Tensor | None
-    payload: bytes | memoryview | None = None     # encoded, bound to hash || namespace
-    raw_size: int = 0                             # the block's bytes (when only `payload` is kept)
-
-    @property
-    def nbytes(self) -> int:
-        return self.raw_size if self.block is None else self.block.numel() * self.block.element_size()
-
-    def copy_for(self, key: BlockKey, out: torch.Tensor | None, codec: Codec) -> torch.Tensor | None:
-        """This pending block served for `key` (into `out` if given); None when the key or `out`
-        does not match it."""
-        if (self.key.token_ids, self.key.namespace, self.key.parent) != (key.token_ids, key.namespace, key.parent):
-            return None
-        if self.block is None:
-            try:
-                return codec.decode(self.payload, payload_binding(key.hash, key.namespace), out)
-            except (CodecError, ValueError):
-                return None
-        if out is None:
-            return self.block.clone()
-        if out.numel() != self.block.numel() or out.dtype != self.block.dtype or not out.is_contiguous():
-            return None
-        return out.view(self.block.shape).copy_(self.block)
 
 
 def _is_no_space(e: BaseException, path: str) -> bool:

@@ -1,0 +1,54 @@
+"""The disk tier's counters as it reports them: the store's (shared by every process, from
+`info`) and this process's own, and one stored block's metadata as iter_blocks() lists it.
+
+Knows: the fields and what each counts. Doesn't know: how they are kept (storage/disk/tier.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class DiskStats:
+    capacity_bytes: int
+    used_bytes: int
+    raw_bytes: int
+    blocks: int
+    compression_ratio: float
+    hits: int
+    misses: int
+    corrupt: int
+    evictions: int
+    bytes_read: int
+    bytes_written: int
+    write_errors: int
+    read_errors: int
+    pending_writes: int
+    queue_full_drops: int = 0      # blocks the eviction cascade could not queue (queue full)
+    recovered: str | None = None   # a damaged tier found at open and moved aside: where, and why
+
+
+@dataclass(frozen=True, slots=True)
+class DiskBlockInfo:
+    hash: bytes
+    parent: bytes
+    namespace: bytes
+    token_ids: tuple[int, ...]
+    raw_size: int
+    stored_size: int
+    hits: int
+    last_access: int
+    created: float
+
+
+@dataclass(slots=True)
+class _Counters:
+    hits: int = 0
+    misses: int = 0
+    corrupt: int = 0
+    evictions: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    write_errors: int = 0
+    read_errors: int = 0
+    queue_full_drops: int = 0
