@@ -286,8 +286,8 @@ def attack_read_errors(requests: int) -> dict:
             eng.cache.demote("device")
             eng.cache.demote("host")
             eng.cache.disk.flush()
-            healthy = eng.cache.disk._env
-            eng.cache.disk._env = ReadsFail(healthy)
+            healthy = eng.cache.disk._gate._env
+            eng.cache.disk._gate._env = ReadsFail(healthy)
             results: list = [None] * requests
 
             def one(i):
@@ -300,7 +300,7 @@ def attack_read_errors(requests: int) -> dict:
                 t.start()
             for t in threads:
                 t.join(120)
-            eng.cache.disk._env = healthy
+            eng.cache.disk._gate._env = healthy
             read_errors = eng.cache.disk.stats().read_errors
     return {"requests": requests, "failed": sum(isinstance(r, Exception) for r in results),
             "wrong_tokens": sum(r != e for r, e in zip(results, expected) if not isinstance(r, Exception)),

@@ -40,15 +40,15 @@ def test_unreadable_disk_is_a_counted_miss_and_fails_no_request(tmp_path) -> Non
         eng.cache.disk.flush()
         assert eng.lookup(prompt).hit_tokens_by_tier["disk"] == 32
         total_pages = eng.cache.pool.num_pages
-        healthy_env = eng.cache.disk._env
-        eng.cache.disk._env = _ReadsFail(healthy_env)
+        healthy_env = eng.cache.disk._gate._env             # every transaction of the tier begins here
+        eng.cache.disk._gate._env = _ReadsFail(healthy_env)
         try:
             running = eng.stream(other, SamplingParams(max_tokens=40))
             next(iter(running))                       # the unrelated request is decoding
             again = eng.generate(prompt, greedy)
             rest = list(running)
         finally:
-            eng.cache.disk._env = healthy_env
+            eng.cache.disk._gate._env = healthy_env
         assert again.token_ids == first.token_ids
         assert again.usage.hit_tokens_by_tier["disk"] == 0
         assert again.usage.prompt_cache_hit_tokens + again.usage.prompt_cache_miss_tokens == len(prompt)

@@ -138,8 +138,8 @@ def test_contains_reads_no_lmdb_and_follows_commits_evictions_and_deletes(tmp_pa
             t.put(make_key(i), make_block(i))
         assert t.flush()
     with DiskTier(str(tmp_path), capacity) as t:                   # loaded at open
-        counting = CountingEnv(t._env)
-        t._env = counting
+        counting = CountingEnv(t._gate._env)
+        t._gate._env = counting                                    # every transaction of the tier begins here
         assert [t.contains(make_key(i)) for i in range(5)] == [True] * 4 + [False]
         assert counting.begins == 0
         t.put(make_key(4), make_block(4))                          # evicts block 0 (LRU)
