@@ -13,20 +13,19 @@ Knows: two ways to compute attention for a group (S sequences, Q queries padded,
   than gather_sdpa there, so it is never the CPU default).
 Each backend's `prepare` runs once per forward pass (device ops only, no host sync) and its
 `attend` once per layer per group. Doesn't know: scheduling, tiers, or how groups are formed
-(engine/paged_attention.py).
+(engine/paged_batch.py).
 """
 from __future__ import annotations
 
 import logging
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 
-if TYPE_CHECKING:
-    from engine.paged_attention import Group, PagedBatch
+from engine.paged_batch import Group, PagedBatch
 
 log = logging.getLogger(__name__)
 
@@ -36,9 +35,9 @@ BACKENDS = ("gather_sdpa", "flex_paged")
 class AttentionBackend(Protocol):
     name: str
 
-    def prepare(self, batch: "PagedBatch", g: "Group") -> Any: ...
+    def prepare(self, batch: PagedBatch, g: Group) -> Any: ...
 
-    def attend(self, q_all: torch.Tensor, kv: torch.Tensor, layer: int, g: "Group", prepared: Any,
+    def attend(self, q_all: torch.Tensor, kv: torch.Tensor, layer: int, g: Group, prepared: Any,
                scaling: float | None) -> torch.Tensor:
         """q_all [T, heads, D] -> the group's output [S * Q, heads, D] (padded rows included)."""
         ...
@@ -51,7 +50,7 @@ class _Gather:
     mask: torch.Tensor         # [S, 1, Q, C] True = attend
 
 
-def _query_rows(g: "Group") -> tuple[torch.Tensor, torch.Tensor]:
+def _query_rows(g: Group) -> tuple[torch.Tensor, torch.Tensor]:
     """[S, Q] absolute position of each query, and whether it is a real (unpadded) query."""
     j = torch.arange(g.max_q, device=g.q_len.device)
     return g.q_first[:, None] + j[None, :], j[None, :] < g.q_len[:, None]
@@ -60,7 +59,7 @@ def _query_rows(g: "Group") -> tuple[torch.Tensor, torch.Tensor]:
 class GatherSDPA:
     name = "gather_sdpa"
 
-    def prepare(self, batch: "PagedBatch", g: "Group") -> _Gather:
+    def prepare(self, batch: PagedBatch, g: Group) -> _Gather:
         S, C, B = g.size, g.max_context, batch.block_size
         pos = torch.arange(C, device=g.block_table.device)
         kv_pages = g.block_table.gather(1, (pos // B).unsqueeze(0).expand(S, C))
@@ -107,7 +106,7 @@ class FlexPaged:
         stride = 2 * L * B                      # rows from one page's slots to the next page's
         return P, stride, (P - 1) * stride + B  # ... and the length every layer's view has
 
-    def prepare(self, batch: "PagedBatch", g: "Group") -> _Flex:
+    def prepare(self, batch: PagedBatch, g: Group) -> _Flex:
         from torch.nn.attention.flex_attention import BlockMask
         kv, B = batch.kv, batch.block_size
         P, stride, M = self._rows(kv)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from engine.attention_backends import AttentionBackend, make_backend
-from engine.paged_attention import PagedBatch, SeqSlice
+from engine.paged_batch import PagedBatch, SeqSlice
 from engine.scheduler import Scheduled
 from engine.staging import StepUpload
 

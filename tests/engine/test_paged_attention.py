@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 
 from engine.model import kv_layout, model_from_config
-from engine.paged_attention import ATTN_NAME, PagedBatch, SeqSlice, prefill_groups, register
+from engine.attention_backends import GATHER_SDPA
+from engine.paged_attention import ATTN_NAME, register
+from engine.paged_batch import PagedBatch, SeqSlice, prefill_groups
 from tests.engine.conftest import random_prompt, tiny_llama_config
 
 BS = 4
@@ -37,7 +39,7 @@ def test_a_shared_group_gives_each_sequence_its_own_logits() -> None:
     def last_logits(batch_prompts: list[list[int]]) -> list[torch.Tensor]:
         kv = torch.zeros((32, *layout.shape), dtype=layout.dtype)
         sl = slices([(len(p), len(p)) for p in batch_prompts])
-        batch = PagedBatch(kv, sl, BS)
+        batch = PagedBatch(kv, sl, BS, GATHER_SDPA)
         ids = [t for p in batch_prompts for t in p]
         pos = [i for p in batch_prompts for i in range(len(p))]
         last = torch.tensor([x.q_start + x.q_len - 1 for x in sl])
@@ -47,7 +49,7 @@ def test_a_shared_group_gives_each_sequence_its_own_logits() -> None:
         return list(out.logits[0])
 
     together = last_logits(prompts)
-    assert len(PagedBatch(torch.zeros((32, *layout.shape)), slices([(9, 9), (5, 5), (12, 12)]), BS).groups) == 1
+    assert len(PagedBatch(torch.zeros((32, *layout.shape)), slices([(9, 9), (5, 5), (12, 12)]), BS, GATHER_SDPA).groups) == 1
     for p, got in zip(prompts, together):
         alone = last_logits([p])[0]
         assert torch.allclose(got, alone, atol=1e-5), (got - alone).abs().max()
