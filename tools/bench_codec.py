@@ -33,20 +33,19 @@ Targets (issue 10): ratio >= 1.40 (bf16) and >= 1.15 (fp16, fp32); v4 decode no 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import struct
 import sys
 import time
 import zlib
 from pathlib import Path
 
-import numpy as np
 import torch
 import zstandard
 
-from storage.codec import byte_planes
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_report import emit, machine_note  # noqa: E402  (a sibling script)
+from storage.codec import byte_planes  # noqa: E402
 from storage.codec.payload import CODED_PLANES, Codec
 from storage.config import CacheConfig
 from storage.layout import dtype_from_name
@@ -192,12 +191,6 @@ def plane_report(blocks: torch.Tensor, level: int) -> list[dict]:
 
 # ---- report --------------------------------------------------------------------------------------
 
-def machine_note() -> str:
-    return (f"{platform.machine()}, {os.cpu_count()} CPU threads, torch {torch.__version__}, numpy {np.__version__}, "
-            f"zstandard {zstandard.__version__} (libzstd {'.'.join(map(str, zstandard.ZSTD_VERSION))}), "
-            f"python {platform.python_version()}")
-
-
 def print_table(res: dict) -> None:
     cfg = res["config"]
     print(f"Codec v3 vs v4 on real KV of {cfg['model']} ({cfg['tokens']} tokens of demo_document.txt, "
@@ -257,10 +250,7 @@ def main(argv: list[str] | None = None) -> int:
                       "repeat": args.repeat, "cast": args.cast, "threads": 1,
                       "target_ratio": TARGET_RATIO},
            "machine": machine_note()}
-    if args.json:
-        print(json.dumps(res))
-    else:
-        print_table(res)
+    emit(res, args.json, print_table)
     return 0
 
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import shutil
 import signal
@@ -49,6 +48,7 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 MODES = ("local", "remote")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_report import machine_note  # noqa: E402  (a sibling script)
 QUESTIONS = [
     "How long is the warranty, and what does it cover?",
     "What does error code E04 mean, and what should I do?",
@@ -262,8 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     rows.sort(key=lambda r: (MODES.index(r["mode"]), r["concurrency"]))
     for r in rows:
         r["same_text_as_local"] = r["texts"] == local_texts.get(r["concurrency"])
-    machine = (f"{platform.machine()}, {os.cpu_count()} CPU threads, python {platform.python_version()}; "
-               "all four servers and the store on this machine")
+    machine = machine_note("all four servers and the store on this machine")
     if args.json:
         for r in rows:
             r.pop("texts")

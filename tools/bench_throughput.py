@@ -58,7 +58,6 @@ alternating, so a burst of outside load does not land on one system only.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import shutil
@@ -72,7 +71,8 @@ from dataclasses import dataclass
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_ttft import machine_note, prose_ids  # noqa: E402  (a sibling script, not a package)
+from bench_report import emit, machine_note  # noqa: E402  (sibling scripts, not a package)
+from bench_ttft import prose_ids  # noqa: E402
 
 from engine.engine import Engine  # noqa: E402
 from engine.model import load_model  # noqa: E402
@@ -356,10 +356,7 @@ def main(argv: list[str] | None = None) -> int:
                          "engine": {"max_batch_tokens": runner.cached.scheduler.max_batch_tokens,
                                     "max_seqs": runner.cached.scheduler.max_seqs}},
               "machine": machine_note()}
-    if args.json:
-        print(json.dumps(result))
-    else:
-        print_table(result)
+    emit(result, args.json, print_table)
     return 0
 
 

@@ -37,10 +37,8 @@ which says where the disk edges' time goes.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
-import platform
 import shutil
 import sys
 import tempfile
@@ -53,7 +51,9 @@ import lmdb
 import torch
 import zstandard
 
-from storage.codec import byte_planes
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_report import emit, machine_note  # noqa: E402  (a sibling script)
+from storage.codec import byte_planes  # noqa: E402
 from storage.codec.payload import Codec
 from storage.disk.tier import DiskTier, default_map_size
 from storage.layout import BlockLayout, dtype_from_name, dtype_name
@@ -425,13 +425,6 @@ def codec_profile(blocks: torch.Tensor, level: int, repeat: int) -> dict:
 
 # ---- report --------------------------------------------------------------------------------
 
-def machine_note() -> str:
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU (device tier = CPU)"
-    return (f"{platform.machine()}, {os.cpu_count()} CPU threads, {gpu}, torch {torch.__version__} "
-            f"({torch.get_num_threads()} intra-op threads), zstandard {zstandard.__version__}, "
-            f"lmdb {lmdb.__version__}, python {platform.python_version()}")
-
-
 def print_table(res: dict) -> None:
     cfg = res["config"]
     print(f"Tier edges: {cfg['blocks']} real KV blocks of {cfg['model']} ({cfg['dtype']}, "
@@ -506,10 +499,7 @@ def main(argv: list[str] | None = None) -> int:
                       "repeat": args.repeat, "decode_threads": threads, "writer_threads": 1,
                       "target_ratio": TARGET},
            "machine": machine_note()}
-    if args.json:
-        print(json.dumps(res))
-    else:
-        print_table(res)
+    emit(res, args.json, print_table)
     return 0
 
 

@@ -52,7 +52,6 @@ import argparse
 import json
 import logging
 import os
-import platform
 import shutil
 import statistics
 import struct
@@ -66,7 +65,9 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import zstandard
 
-from engine.engine import Engine
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_report import machine_note  # noqa: E402  (a sibling script)
+from engine.engine import Engine  # noqa: E402
 from engine.model import load_model
 from engine.sampling_params import SamplingParams
 from storage.codec.payload import Codec
@@ -439,11 +440,6 @@ class TTFTBench:
                     row["speedup_vs_recompute"] = round(recompute_ttft / ttft, 2)
                 rows.append(row)
         return rows
-
-
-def machine_note() -> str:
-    return (f"{platform.machine()}, {os.cpu_count()} CPU threads, torch {torch.__version__} "
-            f"({torch.get_num_threads()} intra-op threads), python {platform.python_version()}")
 
 
 def remote_speedup(cases: list[dict]) -> dict | None:

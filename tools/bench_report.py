@@ -1,0 +1,35 @@
+"""What every benchmark reports the same way: the machine it ran on, and its result as a table or JSON.
+
+Knows: one machine note (CPU, threads, GPU, the versions of every library a figure depends on), so
+figures from two runs can be told apart, and the table-or-JSON choice each benchmark's --json flag
+makes. Doesn't know: any benchmark's rows or limits (each prints its own table).
+Imported by the benchmarks as a sibling script (tools/ is not a package: they put tools/ on sys.path).
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+from typing import Callable
+
+
+def machine_note(extra: str = "") -> str:
+    """The machine and library versions a benchmark's figures came from (+ `extra`, the run's own)."""
+    import lmdb
+    import numpy as np
+    import torch
+    import zstandard
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU (device tier = CPU)"
+    note = (f"{platform.machine()}, {os.cpu_count()} CPU threads, {gpu}, torch {torch.__version__} "
+            f"({torch.get_num_threads()} intra-op threads), numpy {np.__version__}, zstandard {zstandard.__version__} "
+            f"(libzstd {'.'.join(map(str, zstandard.ZSTD_VERSION))}), lmdb {lmdb.__version__}, "
+            f"python {platform.python_version()}")
+    return f"{note}; {extra}" if extra else note
+
+
+def emit(result: dict, as_json: bool, print_table: Callable[[dict], None]) -> None:
+    """One benchmark's result: JSON on one line (for scripts and docs/BENCHMARKS.md), else its table."""
+    if as_json:
+        print(json.dumps(result))
+    else:
+        print_table(result)
