@@ -22,20 +22,20 @@ from typing import Iterator, Sequence as Seq
 
 import torch
 
+from engine.billing import Ledger, Prices, validate_tenant
+from engine.billing_writer import BillingWriter
 from engine.errors import EngineClosedError, QueueFullError
 from engine.model import LoadedModel, kv_layout, load_model
 from engine.model_runner import ModelRunner
-from engine.outputs import CompletionOutput, LookupResult, RequestMetrics, StreamChunk, Usage
+from engine.output_stream import completion_of, emit, take_token_text
+from engine.outputs import CompletionOutput, LookupResult, StreamChunk
 from engine.paged_attention import ATTN_NAME, register
 from engine.sampler import RowResult, SamplingError, make_generator, sample_batch
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SeqStatus
-from storage.tiered_cache import TIERS, FlushResult, TieredKVCache
-from engine.billing import Ledger, Prices, validate_tenant
-from engine.billing_writer import BillingWriter
-from engine.detokenizer import IncrementalDetokenizer
 from storage.config import CacheConfig
+from storage.tiered_cache import TIERS, FlushResult, TieredKVCache
 from storage.hashing import block_keys, namespace_digest, tenant_salt
 
 log = logging.getLogger("tieredkv.engine")
@@ -372,41 +372,10 @@ class Engine:
         self._after_token(seq, token)
 
     def _after_token(self, seq: Sequence, token: int) -> None:
-        p = seq.params
-        reason = None
-        if (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
-            reason = "stop"
-        if self.tokenizer is not None:
-            if seq.detok is None:
-                seq.detok = IncrementalDetokenizer(self.tokenizer)
-            seq.text = seq.detok.add(token)      # == decode(output_ids), in O(new tokens)
-            for stop in p.stop:
-                i = seq.text.find(stop, max(0, seq.sent_chars - len(stop)))
-                if i >= 0:
-                    seq.text, reason = seq.text[:i], "stop"
-        if reason is None and (len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= seq.max_len):
-            reason = "length"
-        self._emit(seq, final=reason is not None)
+        reason = take_token_text(seq, token, self.eos_ids, self.tokenizer)
+        emit(seq, final=reason is not None)
         if reason is not None:
             self._finish(seq, reason)
-
-    def _emit(self, seq: Sequence, final: bool) -> None:
-        end = len(seq.text)
-        if not final:
-            # Hold back a possibly partial UTF-8 character and a possibly partial stop string.
-            if seq.text.endswith("\ufffd"):
-                end -= 1
-            if seq.params.stop:
-                end = max(seq.sent_chars, end - (max(len(s) for s in seq.params.stop) - 1))
-        text = seq.text[seq.sent_chars:end]
-        ids = seq.output_ids[seq.sent_tokens:]
-        if not final and not text and not ids:
-            return
-        seq.sent_chars, seq.sent_tokens = max(seq.sent_chars, end), len(seq.output_ids)
-        if not final:
-            seq.events.put(("delta", StreamChunk(seq.request_id, text, ids, **_logprobs_of_last(seq, len(ids)))))
-        else:
-            seq.pending_final = (text, ids)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq)
@@ -414,18 +383,8 @@ class Engine:
         # (if anything below raises) neither counts it twice nor leaves it counted.
         self._done(seq)
         seq.finish_reason = reason
-        hits = seq.hit_tokens_by_tier or dict.fromkeys(TIERS, 0)
-        usage = Usage(prompt_tokens=len(seq.prompt_ids), completion_tokens=len(seq.output_ids),
-                      hit_tokens_by_tier=dict(hits), prompt_cache_miss_tokens=len(seq.prompt_ids) - sum(hits.values()))
-        now = time.perf_counter()
-        metrics = RequestMetrics(ttft_s=(seq.first_token_at or now) - seq.arrival, restore_s=seq.restore_s,
-                                 total_s=now - seq.arrival, queue_s=(seq.admitted_at or now) - seq.arrival)
-        text, ids = seq.pending_final
-        out = CompletionOutput(seq.request_id, seq.text if self.tokenizer is not None else "", list(seq.output_ids),
-                               reason, usage, metrics, list(seq.prompt_ids),
-                               seq.logprobs if seq.params.logprobs else None,
-                               seq.token_logprobs if seq.params.logprobs else None)
-        last_logprobs = _logprobs_of_last(seq, len(ids))
+        out, last = completion_of(seq, reason, with_text=self.tokenizer is not None)
+        usage = out.usage
 
         def complete(recorded: bool | None = True, error: Exception | None = None) -> None:
             # NOTE: runs after the ledger committed this request (billing thread), so a caller
@@ -434,7 +393,7 @@ class Engine:
             if error is not None:
                 seq.events.put(("error", RuntimeError(f"billing failed: {error}")))
                 return
-            seq.events.put(("delta", StreamChunk(seq.request_id, text, ids, reason, usage, metrics, **last_logprobs)))
+            seq.events.put(("delta", last))
             seq.events.put(("final", out))
         if self.billing is None:
             complete()
@@ -447,10 +406,3 @@ class Engine:
             log.exception("billing failed for %s", seq.request_id)
             complete(None, e)
 
-
-def _logprobs_of_last(seq: Sequence, n: int) -> dict:
-    """StreamChunk's logprobs fields for the sequence's last n output tokens (none when not asked)."""
-    if not seq.params.logprobs:
-        return {}
-    start = len(seq.output_ids) - n
-    return {"logprobs": seq.logprobs[start:], "token_logprobs": seq.token_logprobs[start:]}

@@ -1,0 +1,84 @@
+"""How a sequence's tokens become what its caller sees.
+
+Knows: when a sequence stops (an end-of-sequence or stop token, a stop string, its length), its
+text grown incrementally (engine/detokenizer.py), what is streamed when (a possibly partial
+UTF-8 character or stop string is held back until it is known), and the final output with its
+usage billed by token origin and its timings.
+Doesn't know: the model, the scheduler or billing (engine/engine.py runs these on the engine
+thread and hands the final chunk to the caller once the ledger committed it).
+"""
+from __future__ import annotations
+
+import time
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.outputs import CompletionOutput, RequestMetrics, StreamChunk, Usage
+from engine.sequence import Sequence
+from storage.tiered_cache import TIERS
+
+
+def take_token_text(seq: Sequence, token: int, eos_ids, tokenizer) -> str | None:
+    """Grow the sequence's text by its newest token; the reason it stops now ("stop", "length"),
+    or None. A stop string found cuts the text before it."""
+    p = seq.params
+    reason = None
+    if (token in eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
+        reason = "stop"
+    if tokenizer is not None:
+        if seq.detok is None:
+            seq.detok = IncrementalDetokenizer(tokenizer)
+        seq.text = seq.detok.add(token)      # == decode(output_ids), in O(new tokens)
+        for stop in p.stop:
+            i = seq.text.find(stop, max(0, seq.sent_chars - len(stop)))
+            if i >= 0:
+                seq.text, reason = seq.text[:i], "stop"
+    if reason is None and (len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= seq.max_len):
+        reason = "length"
+    return reason
+
+
+def emit(seq: Sequence, final: bool) -> None:
+    """Stream what is new since the last chunk; on the final token keep it for the final chunk
+    (sent only once the request is billed)."""
+    end = len(seq.text)
+    if not final:
+        # Hold back a possibly partial UTF-8 character and a possibly partial stop string.
+        if seq.text.endswith("\ufffd"):
+            end -= 1
+        if seq.params.stop:
+            end = max(seq.sent_chars, end - (max(len(s) for s in seq.params.stop) - 1))
+    text = seq.text[seq.sent_chars:end]
+    ids = seq.output_ids[seq.sent_tokens:]
+    if not final and not text and not ids:
+        return
+    seq.sent_chars, seq.sent_tokens = max(seq.sent_chars, end), len(seq.output_ids)
+    if not final:
+        seq.events.put(("delta", StreamChunk(seq.request_id, text, ids, **logprobs_of_last(seq, len(ids)))))
+    else:
+        seq.pending_final = (text, ids)
+
+
+def completion_of(seq: Sequence, reason: str, with_text: bool) -> tuple[CompletionOutput, StreamChunk]:
+    """A finished sequence's output (usage by token origin, timings) and its final stream chunk.
+    NOTE: hit + miss == prompt tokens is checked where the Usage is built (Usage.__post_init__)."""
+    hits = seq.hit_tokens_by_tier or dict.fromkeys(TIERS, 0)
+    usage = Usage(prompt_tokens=len(seq.prompt_ids), completion_tokens=len(seq.output_ids),
+                  hit_tokens_by_tier=dict(hits), prompt_cache_miss_tokens=len(seq.prompt_ids) - sum(hits.values()))
+    now = time.perf_counter()
+    metrics = RequestMetrics(ttft_s=(seq.first_token_at or now) - seq.arrival, restore_s=seq.restore_s,
+                             total_s=now - seq.arrival, queue_s=(seq.admitted_at or now) - seq.arrival)
+    text, ids = seq.pending_final
+    out = CompletionOutput(seq.request_id, seq.text if with_text else "", list(seq.output_ids),
+                           reason, usage, metrics, list(seq.prompt_ids),
+                           seq.logprobs if seq.params.logprobs else None,
+                           seq.token_logprobs if seq.params.logprobs else None)
+    last = StreamChunk(seq.request_id, text, ids, reason, usage, metrics, **logprobs_of_last(seq, len(ids)))
+    return out, last
+
+
+def logprobs_of_last(seq: Sequence, n: int) -> dict:
+    """StreamChunk's logprobs fields for the sequence's last n output tokens (none when not asked)."""
+    if not seq.params.logprobs:
+        return {}
+    start = len(seq.output_ids) - n
+    return {"logprobs": seq.logprobs[start:], "token_logprobs": seq.token_logprobs[start:]}
