@@ -267,6 +267,7 @@ def inspect(
     if remote_url is not None:
         if tree:
             raise CLIError("--tree: draws the disk tier's prefixes; not with --remote-url", code=2)
+        from tieredkv.inspect_remote import inspect_remote
         return inspect_remote(remote_url, cache_dir, verify_values or repair, repair, namespace, json_out)
     for flag, given in (("--verify", verify_values), ("--repair", repair), ("--namespace", namespace)):
         if given:
@@ -285,57 +286,6 @@ def inspect(
     out.print(overview(s.report))
     if tree:
         out.print(forest_tree(s, depth, width))
-
-
-def inspect_remote(url: str, cache_dir: Optional[str], check: bool, repair: bool, namespace: Optional[str],
-                   json_out: bool) -> None:
-    """`inspect --remote-url`: the store's listing (and with `check` its verification), printed."""
-    from storage.remote.inspect import RemoteInspector
-    from storage.remote.url import parse_remote_url
-    from tieredkv.inspect_remote import remote_overview, survey_report, verify_report
-    parsed = parse_remote_url(url, "--remote-url")        # a bad URL: exit 2, the password never shown
-    ns = None
-    if namespace is not None:
-        try:
-            ns = bytes.fromhex(namespace)
-        except ValueError:
-            ns = b""
-        if len(ns) != 32:
-            raise CLIError(f"--namespace: expected 64 hex digits, got {namespace!r}", code=2)
-    try:
-        with RemoteInspector(parsed, namespace=ns) as ri:
-            with spinner(f"Listing {parsed.redacted}"):
-                survey = ri.survey()
-            checked = None
-            if check:
-                with spinner(f"Verifying every value in {parsed.redacted}"):
-                    checked = ri.verify(repair=repair)
-    except Exception as e:
-        from redis.exceptions import RedisError
-        if isinstance(e, (RedisError, OSError)):
-            raise CLIError(f"remote store {parsed.redacted}: {type(e).__name__}: {e}") from None
-        raise
-    report = survey_report(survey, str(cache_root(cache_dir) / "billing"))
-    if checked is not None:
-        report["verify"] = verify_report(checked, repair)
-    if json_out:
-        print_json(report)
-    else:
-        out.print(remote_overview(report))
-        if checked is not None:
-            v = report["verify"]
-            out.print(f"checked {v['checked']:,} values in {escape(parsed.redacted)}: {v['damaged']} damaged"
-                      + (f", {v['repaired']} deleted" if repair else "")
-                      + (f" ({v['vanished']} evicted or expired meanwhile)" if v["vanished"] else "")
-                      + (f" ({v['errors']} not readable now)" if v["errors"] else ""), soft_wrap=True)
-            for d in v["values"][:50]:
-                out.print(f"  {escape(d['key'])}  {escape(d['reason'])}", soft_wrap=True)
-            if len(v["values"]) > 50:
-                out.print(f"  … and {len(v['values']) - 50} more")
-            if v["damaged"] > v["repaired"] and not repair:
-                out.print("run again with --repair to delete them")
-    if checked is not None and len(checked.damaged) > checked.repaired:
-        raise typer.Exit(1)
 
 
 @app.command()

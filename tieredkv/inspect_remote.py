@@ -1,14 +1,18 @@
-"""What a remote store holds, for `tieredkv inspect --remote-url`: the report and its drawing.
+"""What a remote store holds, for `tieredkv inspect --remote-url`: the command, the report, its drawing.
 
-Knows: how storage/remote/inspect.py's survey and verify results become one JSON-ready dict and
-rich renderables, and how to name a namespace (the default model and a tenant the local billing
+Knows: the command's run (list, verify, repair; its exit status), how storage/remote/inspect.py's
+survey and verify results become one JSON-ready dict and rich renderables, and how to name a namespace (the default model and a tenant the local billing
 ledger knows, as tieredkv/inspect_tree.py does for the disk tier: the store holds no names).
 Doesn't know: the store's protocol, keys or values (storage/remote/inspect.py reads them).
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
+import typer
+from rich.markup import escape
+
+from tieredkv.cli_common import CLIError, cache_root, out, print_json, spinner
 from tieredkv.inspect_tree import default_model_dir, identify, ledger_tenants, namespace_table
 
 
@@ -63,3 +67,53 @@ def remote_overview(report: dict[str, Any]) -> Any:
                       escape(str(nd["maxmemory_policy"] or "?")),
                       "?" if nd["evicted_keys"] is None else f"{int(nd['evicted_keys']):,}")
     return Group(head, nodes, namespace_table(report["namespaces"], hits=False))
+
+
+def inspect_remote(url: str, cache_dir: Optional[str], check: bool, repair: bool, namespace: Optional[str],
+                   json_out: bool) -> None:
+    """`inspect --remote-url`: the store's listing (and with `check` its verification), printed."""
+    from storage.remote.inspect import RemoteInspector
+    from storage.remote.url import parse_remote_url
+    parsed = parse_remote_url(url, "--remote-url")        # a bad URL: exit 2, the password never shown
+    ns = None
+    if namespace is not None:
+        try:
+            ns = bytes.fromhex(namespace)
+        except ValueError:
+            ns = b""
+        if len(ns) != 32:
+            raise CLIError(f"--namespace: expected 64 hex digits, got {namespace!r}", code=2)
+    try:
+        with RemoteInspector(parsed, namespace=ns) as ri:
+            with spinner(f"Listing {parsed.redacted}"):
+                survey = ri.survey()
+            checked = None
+            if check:
+                with spinner(f"Verifying every value in {parsed.redacted}"):
+                    checked = ri.verify(repair=repair)
+    except Exception as e:
+        from redis.exceptions import RedisError
+        if isinstance(e, (RedisError, OSError)):
+            raise CLIError(f"remote store {parsed.redacted}: {type(e).__name__}: {e}") from None
+        raise
+    report = survey_report(survey, str(cache_root(cache_dir) / "billing"))
+    if checked is not None:
+        report["verify"] = verify_report(checked, repair)
+    if json_out:
+        print_json(report)
+    else:
+        out.print(remote_overview(report))
+        if checked is not None:
+            v = report["verify"]
+            out.print(f"checked {v['checked']:,} values in {escape(parsed.redacted)}: {v['damaged']} damaged"
+                      + (f", {v['repaired']} deleted" if repair else "")
+                      + (f" ({v['vanished']} evicted or expired meanwhile)" if v["vanished"] else "")
+                      + (f" ({v['errors']} not readable now)" if v["errors"] else ""), soft_wrap=True)
+            for d in v["values"][:50]:
+                out.print(f"  {escape(d['key'])}  {escape(d['reason'])}", soft_wrap=True)
+            if len(v["values"]) > 50:
+                out.print(f"  … and {len(v['values']) - 50} more")
+            if v["damaged"] > v["repaired"] and not repair:
+                out.print("run again with --repair to delete them")
+    if checked is not None and len(checked.damaged) > checked.repaired:
+        raise typer.Exit(1)
