@@ -13,11 +13,12 @@ Doesn't know: the cache routes, auth's keys file, or metric names.
 from __future__ import annotations
 
 import time
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from engine.sampling_params import SamplingParams
 from service.context import AppContext, ctx
 from service.errors import APIError, from_engine_error
 from service.responses import SSE_DONE, ChunkWriter, Logprobs, chat_body, completion_body, sse
@@ -40,13 +41,7 @@ async def completions(request: Request) -> Any:
 
     def prompt_ids() -> list[int]:   # on a worker thread: tokenizing a long prompt is real work
         return _with_room(engine, engine.encode(prompt), req.max_tokens)
-    if req.stream:
-        return await _stream(c, lambda: engine.stream(prompt_ids(), params, tenant=tenant), chat=False,
-                             include_usage=req.include_usage, logprobs=logprobs)
-    out, lp = await c.dispatcher.call(lambda: _with_logprobs(engine.generate(prompt_ids(), params, tenant=tenant),
-                                                             logprobs), timeout=c.settings.request_timeout_s)
-    c.metrics.observe_request(out.usage, out.metrics)
-    return JSONResponse(completion_body(out, c.model_name, int(time.time()), lp), headers={"x-request-id": out.request_id})
+    return await _generate(c, req, prompt_ids, params, tenant, logprobs, chat=False)
 
 
 @router.post("/v1/chat/completions")
@@ -65,13 +60,22 @@ async def chat_completions(request: Request) -> Any:
         return _with_room(engine, engine.apply_chat_template(messages), req.requested_max_tokens)
     # Streaming and non-streaming chat both run the template and then generate/stream, so the
     # two see the same prompt ids and give the same greedy text.
+    return await _generate(c, req, prompt_ids, params, tenant, logprobs, chat=True)
+
+
+async def _generate(c: AppContext, req: Any, prompt_ids: Callable[[], list[int]], params: SamplingParams,
+                    tenant: str, logprobs: Any, chat: bool) -> Any:
+    """The request run: streamed as SSE, or generated off the event loop and answered in one body.
+    `prompt_ids` runs on the worker thread (tokenizing a long prompt is real work)."""
+    engine = c.engine
     if req.stream:
-        return await _stream(c, lambda: engine.stream(prompt_ids(), params, tenant=tenant),
-                             chat=True, include_usage=req.include_usage, logprobs=logprobs)
+        return await _stream(c, lambda: engine.stream(prompt_ids(), params, tenant=tenant), chat=chat,
+                             include_usage=req.include_usage, logprobs=logprobs)
     out, lp = await c.dispatcher.call(lambda: _with_logprobs(engine.generate(prompt_ids(), params, tenant=tenant),
                                                              logprobs), timeout=c.settings.request_timeout_s)
     c.metrics.observe_request(out.usage, out.metrics)
-    return JSONResponse(chat_body(out, c.model_name, int(time.time()), lp), headers={"x-request-id": out.request_id})
+    body = chat_body if chat else completion_body
+    return JSONResponse(body(out, c.model_name, int(time.time()), lp), headers={"x-request-id": out.request_id})
 
 
 @router.get("/v1/models")
