@@ -107,15 +107,15 @@ def test_a_failure_while_finishing_a_request_fails_it_alone_and_leaves_nothing_c
     # A fault after the scheduler let go of the sequence (building the result): that caller gets
     # the error, the engine's in-flight count is back to 0 (close would otherwise wait it out),
     # and the next request is served.
-    import engine.engine as engine_module
-    real, calls = engine_module.RequestMetrics, []
+    import engine.output_stream as output_module   # builds the finished request's result
+    real, calls = output_module.RequestMetrics, []
 
     def metrics(*a, **kw):
         calls.append(1)
         if len(calls) == 1:
             raise ValueError("injected")
         return real(*a, **kw)
-    monkeypatch.setattr(engine_module, "RequestMetrics", metrics)
+    monkeypatch.setattr(output_module, "RequestMetrics", metrics)
     with make_engine(tmp_path) as eng:
         with pytest.raises(RuntimeError, match="injected"):
             eng.generate(random_prompt(9, seed=5), SamplingParams(max_tokens=3))

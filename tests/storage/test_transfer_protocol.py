@@ -166,11 +166,14 @@ def test_write_through_never_waits_for_the_copy_it_just_issued(tmp_path) -> None
     block once the copy is done, exact."""
     ks = keys(6)
     cache = deferred_cache(tmp_path / "disk", pages=8, host_slots=8, write_policy="write_through")
+    held = threading.Event()
     try:
         page = cache.allocate(1)[0]
         cache.pool.kv[page].copy_(block_data(ks[0]))
+        cache.transfer._late.submit(held.wait, 60)     # the one late-copy thread: the copy waits behind this
         cache.register(page, ks[0])
-        assert len(cache.cascade._through) == 1          # its copy is (almost surely) still in flight
+        assert len(cache.cascade._through) == 1          # its copy is still in flight: register did not wait
+        held.set()
         cache.release([page])
         compute(cache, ks[1:])
         assert cache.flush().complete and not cache.cascade._through
