@@ -18,7 +18,7 @@ import lmdb
 
 from storage.codec.payload import Codec
 from storage.codec.stored_block import BlockMeta, verify_and_decode
-from storage.disk.records import Databases, load_info, lru_key
+from storage.disk.records import Databases, StoreDamaged, load_info, lru_key
 
 _CHUNK = 512                     # keys per read transaction
 from storage.layout import BlockLayout
@@ -36,6 +36,13 @@ class VerifyReport:
     checked: int
     damaged: tuple[DamagedBlock, ...]
     repaired: int
+    # What is wrong with the store as a whole, beyond its blocks: a page the walk refused
+    # (storage/disk/pagewalk.py: trees, overflow headers, the free-page lists), counters or an
+    # LRU index that disagree with the blocks (audit). Empty when sound.
+    store: tuple[str, ...] = ()
+    # What --repair did about `store`: counters recounted / the LRU index rebuilt, or the
+    # damaged store moved aside (a fresh one in its place). Empty without repair.
+    store_repaired: tuple[str, ...] = ()
 
 
 def check_block(codec: Codec, layout: BlockLayout | None, h: bytes, payload: bytes | None,
@@ -55,16 +62,19 @@ def check_block(codec: Codec, layout: BlockLayout | None, h: bytes, payload: byt
 
 
 def verify_store(begin: Callable[..., ContextManager[lmdb.Transaction]], iter_db: Callable[..., Iterator[tuple]],
-                 dbs: Databases, executor: Executor, codec: Codec, layout: BlockLayout | None) -> VerifyReport:
+                 databases: Callable[[], Databases], executor: Executor, codec: Codec,
+                 layout: BlockLayout | None) -> VerifyReport:
     """verify()'s walk: every block of the store checked (check_block, plus its LRU entry), a
-    chunk of keys per read transaction, the decodes on `executor`. Deletes nothing."""
-    hashes = sorted({h for h, _ in iter_db(dbs.payload, values=False)}
-                    | {h for h, _ in iter_db(dbs.meta, values=False)})
+    chunk of keys per read transaction, the decodes on `executor`. Deletes nothing.
+    `databases()` gives the handles, asked inside each transaction (storage/disk/environment.py)."""
+    hashes = sorted({h for h, _ in iter_db("payload", values=False)}
+                    | {h for h, _ in iter_db("meta", values=False)})
     damaged: list[DamagedBlock] = []
     checked = 0
     for start in range(0, len(hashes), _CHUNK):
         chunk = hashes[start:start + _CHUNK]
         with begin() as txn:
+            dbs = databases()
             rows = [(h, txn.get(h, db=dbs.payload), txn.get(h, db=dbs.meta)) for h in chunk]
             # A block whose payload and meta are both gone was evicted or deleted after the
             # listing (a live cache keeps evicting): not damage. A delete removes both in one
@@ -87,12 +97,17 @@ def verify_store(begin: Callable[..., ContextManager[lmdb.Transaction]], iter_db
 
 
 
-def audit(env: lmdb.Environment, dbs: Databases, capacity_bytes: int) -> list[str]:
+def audit(begin: Callable[..., ContextManager[lmdb.Transaction]], databases: Callable[[], Databases],
+          capacity_bytes: int) -> list[str]:
     """Recompute every counter and index from the databases and compare.
     Returns the problems found (empty when consistent)."""
     problems: list[str] = []
-    with env.begin() as txn:
-        info = load_info(txn, dbs)
+    with begin() as txn:
+        dbs = databases()
+        try:
+            info = load_info(txn, dbs)
+        except StoreDamaged as e:
+            return [str(e)]
         used = raw = blocks = 0
         max_seq = 0
         for h, v in txn.cursor(db=dbs.meta):

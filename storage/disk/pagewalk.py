@@ -6,7 +6,11 @@ their root page); a leaf node flagged F_BIGDATA points at a run of overflow page
 value. `check_pages` walks the trees of one snapshot (the free-page database, the main database,
 every named database) reading pages with pread, never through the map, and checks that every
 pointer lands inside the file's used pages, on a page of the kind expected that carries its own
-page number, and that every node lies inside its page.
+page number, that every node lies inside its page, that every overflow run starts with an
+overflow header of its own number and length, and that the free-page database's lists name
+only pages no tree of the snapshot uses (and none twice): LMDB hands a listed page to its next
+writer, which would overwrite a live page with it ("Located page was wrong type" on every
+later commit, or another record's bytes changed).
 Why: LMDB trusts its pointers. One flipped bit in a leaf page moved a node pointer 32 KiB past
 the end of the file, and the first cursor walk over it (building the disk index at open) died of
 SIGBUS -- every restart again (tools/fault_drill.py, docs/BENCHMARKS.md "Reliability"). The meta
@@ -23,11 +27,14 @@ LMDB 0.9 layout, little-endian, offsets from the start of a page (PAGEBASE is 0 
     node          mn_lo u16 @0, mn_hi u16 @2, mn_flags u16 @4, mn_ksize u16 @6, key @8, then data
                   branch: child page = lo | hi << 16 | flags << 32; leaf: data size = lo | hi << 16
     MDB_db        md_flags u16 @4, md_depth u16 @6, ..., md_entries u64 @32, md_root u64 @40 (48 bytes)
+    overflow      the first page of a run: mp_flags has P_OVERFLOW (0x04), mp_pages u32 @12 = its length
+    free-page db  key: a txn id (u64); value: a page list, a u64 count then that many u64 page numbers
     meta page     mm_dbs[0] (free pages) @40 (root @80), mm_dbs[1] (main) @88 (root @128),
                   mm_last_pg u64 @136, mm_txnid u64 @144
 """
 from __future__ import annotations
 
+import bisect
 import logging
 import os
 import struct
@@ -38,16 +45,18 @@ from storage.disk.preflight import DamagedEnvironment, MetaPage, read_meta_pages
 
 log = logging.getLogger(__name__)
 
-_P_BRANCH, _P_LEAF = 0x01, 0x02
+_P_BRANCH, _P_LEAF, _P_OVERFLOW = 0x01, 0x02, 0x04
 _F_BIGDATA, _F_SUBDATA, _F_DUPDATA = 0x01, 0x02, 0x04
 _P_INVALID = 0xFFFFFFFFFFFFFFFF
 _HDR, _NODE, _DB = 16, 8, 48
 _ATTEMPTS = 5
 
 
-def check_pages(env: lmdb.Environment, path: str) -> int:
+def check_pages(env: lmdb.Environment, path: str, begin=None) -> int:
     """Walk the environment's current snapshot; raises DamagedEnvironment naming the first bad
-    pointer. Returns the pages read (0 when there is no data yet)."""
+    pointer. Returns the pages read (0 when there is no data yet). `begin`: how to start the read
+    transaction that pins the snapshot (a tier's gate; default env.begin)."""
+    begin = begin or env.begin
     data = os.path.join(path, "data.mdb")
     if not os.path.isfile(data) or os.path.getsize(data) == 0:
         return 0
@@ -56,7 +65,7 @@ def check_pages(env: lmdb.Environment, path: str) -> int:
         for _ in range(_ATTEMPTS):
             # NOTE: the read transaction registers us as a reader of its snapshot, so no writer
             # (this process's or another's) reuses that snapshot's pages while we walk them.
-            with env.begin() as txn:
+            with begin() as txn:
                 meta = next((m for m in read_meta_pages(f) if m is not None and m.txnid == txn.id()), None)
                 if meta is None:
                     continue        # both meta pages are newer than our snapshot: take a new one
@@ -70,6 +79,8 @@ class _Walk:
         self.fd, self.meta, self.data = fd, meta, data
         self.psize = meta.page_size
         self.seen: set[int] = set()
+        self.runs: list[tuple[int, int]] = []     # every overflow run (first, last) of the snapshot
+        self.free: list[int] = []                 # every page the free-page database lists
 
     def fail(self, what: str) -> None:
         raise DamagedEnvironment(f"{self.data}: {what}")
@@ -78,7 +89,55 @@ class _Walk:
         for name, root in (("free-page database", self.meta.free_root), ("main database", self.meta.main_root)):
             if root != _P_INVALID:
                 self.tree(root, name, main=name == "main database")
+        self.check_free()
         return len(self.seen)
+
+    def overflow(self, pgno: int, first: int, last: int, size: int, name: str) -> None:
+        """The header of a run of overflow pages: its own number, the overflow flag, its length."""
+        head = os.pread(self.fd, _HDR, first * self.psize)
+        own, = struct.unpack_from("<Q", head, 0)
+        flags, pages = struct.unpack_from("<HI", head, 10)
+        if own != first or not flags & _P_OVERFLOW or pages != last - first + 1:
+            self.fail(f"{name}: page {pgno} points a {size}-byte value at page {first}, whose overflow header "
+                      f"is damaged (says page {own}, flags {flags:#x}, {pages} pages; expected {last - first + 1})")
+        self.runs.append((first, last))
+
+    def free_list(self, p: bytes, off: int, end: int, size: int, nflags: int, pgno: int) -> None:
+        """One free-page database record: its list of page numbers, read and kept for check_free."""
+        if nflags & _F_BIGDATA:
+            first, = struct.unpack_from("<Q", p, end)
+            raw = os.pread(self.fd, size, first * self.psize + _HDR)
+        else:
+            raw = p[end:end + size]
+        if len(raw) < 8 or len(raw) != 8 * (struct.unpack_from("<Q", raw, 0)[0] + 1):
+            self.fail(f"free-page database: page {pgno} holds a damaged page list ({size} bytes)")
+        count, = struct.unpack_from("<Q", raw, 0)
+        self.free.extend(struct.unpack_from(f"<{count}Q", raw, 8))
+
+    def check_free(self) -> None:
+        """Every listed free page inside the file, listed once, and used by no tree or overflow run
+        of the snapshot; and no two overflow runs sharing a page."""
+        runs = sorted(self.runs)
+        for (a0, a1), (b0, _) in zip(runs, runs[1:]):
+            if b0 <= a1:
+                self.fail(f"overflow runs {a0}..{a1} and {b0}.. share pages")
+        starts = [r[0] for r in runs]
+
+        def in_run(pg: int) -> bool:
+            i = bisect.bisect_right(starts, pg) - 1
+            return i >= 0 and runs[i][0] <= pg <= runs[i][1]
+        for pg in self.seen:
+            if in_run(pg):
+                self.fail(f"tree page {pg} lies inside an overflow run")
+        listed: set[int] = set()
+        for pg in self.free:
+            if not 2 <= pg <= self.meta.last_page:
+                self.fail(f"free-page database lists page {pg}, outside the file's pages 2..{self.meta.last_page}")
+            if pg in listed:
+                self.fail(f"free-page database lists page {pg} twice")
+            if pg in self.seen or in_run(pg):
+                self.fail(f"free-page database lists page {pg}, which the snapshot still uses")
+            listed.add(pg)
 
     def page(self, pgno: int, what: str) -> bytes:
         if not 2 <= pgno <= self.meta.last_page:
@@ -92,6 +151,7 @@ class _Walk:
         return p
 
     def tree(self, root: int, name: str, main: bool = False) -> None:
+        free = name == "free-page database"
         stack = [root]
         while stack:
             pgno = stack.pop()
@@ -126,9 +186,14 @@ class _Walk:
                     if not 2 <= first or last > self.meta.last_page:
                         self.fail(f"{name}: page {pgno} points a {size}-byte value at pages {first}..{last}, "
                                   f"outside the file's pages 2..{self.meta.last_page}")
+                    self.overflow(pgno, first, last, size, name)
+                    if free:
+                        self.free_list(p, off, end, size, nflags, pgno)
                     continue
                 if end + size > self.psize:
                     self.fail(f"{name}: page {pgno} has a node running past the page")
+                if free:
+                    self.free_list(p, off, end, size, nflags, pgno)
                 if nflags & _F_SUBDATA:
                     if not main or size != _DB:
                         self.fail(f"{name}: page {pgno} has a misplaced database record")

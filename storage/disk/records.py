@@ -60,6 +60,12 @@ class FormatMismatch(ValueError):
     """The directory holds a disk tier of another format version."""
 
 
+class StoreDamaged(DamagedEnvironment):
+    """Damage found in a store in use by our own checks (a delete that deleted nothing, counters
+    that cannot be read): a verdict on the store, handled like LMDB's MDB_CORRUPTED
+    (storage/disk/environment.py)."""
+
+
 class Databases(NamedTuple):
     """The four open database handles of one environment."""
     payload: Any
@@ -110,7 +116,11 @@ def _check_format(path: str, fmt: bytes | None) -> None:
 
 def load_info(txn: lmdb.Transaction, dbs: Databases) -> StoreInfo:
     raw = txn.get(b"counters", db=dbs.info)
-    return StoreInfo() if raw is None else StoreInfo(*_COUNTERS.unpack(raw))
+    if raw is None:
+        return StoreInfo()
+    if len(raw) != _COUNTERS.size:
+        raise StoreDamaged(f"the info counters are damaged ({len(raw)} bytes, expected {_COUNTERS.size})")
+    return StoreInfo(*_COUNTERS.unpack(raw))
 
 
 def store_info(txn: lmdb.Transaction, dbs: Databases, info: StoreInfo) -> None:
@@ -130,7 +140,11 @@ def store_capacity(txn: lmdb.Transaction, dbs: Databases, capacity_bytes: int) -
 # -- edits inside a write transaction: `info` changes with the blocks it counts ---------------
 
 def delete_in_txn(txn: lmdb.Transaction, dbs: Databases, h: bytes, info: StoreInfo) -> bool:
-    """Delete block `h` (payload, meta, LRU entry) and take it off `info`. True when it existed."""
+    """Delete block `h` (payload, meta, LRU entry) and take it off `info`. True when it existed.
+
+    NOTE: every delete proves it deleted: a record that was read in this transaction but that
+    LMDB's delete does not find means the tree is out of order (a flipped bit in a leaf):
+    StoreDamaged, never a True that lets a caller's loop meet the same entry again."""
     raw = txn.get(h, db=dbs.meta)
     try:
         m = None if raw is None else BlockMeta.unpack(raw)
@@ -139,14 +153,18 @@ def delete_in_txn(txn: lmdb.Transaction, dbs: Databases, h: bytes, info: StoreIn
     if m is None:
         # No usable metadata: sizes and LRU position are unknown, so scan and recount (rare).
         found = txn.delete(h, db=dbs.payload) | txn.delete(h, db=dbs.meta)
+        if raw is not None and txn.get(h, db=dbs.meta) is not None:
+            raise StoreDamaged(f"meta record {h.hex()[:16]} survives its delete")
         cur = txn.cursor(db=dbs.lru)
-        stale = [k for k in cur.iternext(keys=True, values=False) if lru_hash(k) == h]
+        stale = [bytes(k) for k in cur.iternext(keys=True, values=False) if lru_hash(k) == h]
         for k in stale:
-            txn.delete(k, db=dbs.lru)
+            if not txn.delete(k, db=dbs.lru):
+                raise StoreDamaged(f"LRU entry of {h.hex()[:16]} cannot be deleted (the lru tree is damaged)")
         recount(txn, dbs, info)
         return found or bool(stale)
-    txn.delete(lru_key(m.last_access, h), db=dbs.lru)
-    txn.delete(h, db=dbs.meta)
+    txn.delete(lru_key(m.last_access, h), db=dbs.lru)   # may be missing (verify reports it)
+    if not txn.delete(h, db=dbs.meta):
+        raise StoreDamaged(f"meta record {h.hex()[:16]} was read but cannot be deleted (the meta tree is damaged)")
     txn.delete(h, db=dbs.payload)
     info.used_bytes = max(0, info.used_bytes - m.stored_size)
     info.raw_bytes = max(0, info.raw_bytes - m.raw_size)
@@ -166,3 +184,59 @@ def recount(txn: lmdb.Transaction, dbs: Databases, info: StoreInfo) -> None:
         info.raw_bytes += m.raw_size
         info.blocks += 1
         info.next_seq = max(info.next_seq, m.last_access + 1)
+
+
+def repair_counters(txn: lmdb.Transaction, dbs: Databases) -> tuple[list[bytes], list[str]]:
+    """Make `info` and the LRU index agree with the `meta` records, in one write transaction:
+    undecodable meta records and payloads without meta are deleted, the counters recounted, and
+    the LRU index rebuilt when it is not exactly one entry per block at its access sequence.
+    Returns (every stored hash, what was wrong). Run at open (storage/disk/environment.py) and
+    by verify --repair: counters that are wrong hold a store over its capacity, an LRU entry
+    missing keeps a block from ever being evicted."""
+    fixed: list[str] = []
+    raw = txn.get(b"counters", db=dbs.info)
+    old = StoreInfo(*_COUNTERS.unpack(raw)) if raw is not None and len(raw) == _COUNTERS.size else None
+    if raw is not None and old is None:
+        fixed.append("info counters unreadable")
+    info = StoreInfo(next_seq=old.next_seq if old else 1)
+    hashes: list[bytes] = []
+    undecodable: list[bytes] = []
+    want_lru: list[bytes] = []
+    for h, v in txn.cursor(db=dbs.meta):
+        try:
+            m = BlockMeta.unpack(v)
+        except ValueError:
+            undecodable.append(bytes(h))
+            continue
+        hashes.append(bytes(h))
+        want_lru.append(lru_key(m.last_access, bytes(h)))
+        info.used_bytes += m.stored_size
+        info.raw_bytes += m.raw_size
+        info.blocks += 1
+        info.next_seq = max(info.next_seq, m.last_access + 1)
+    for h in undecodable:
+        txn.delete(h, db=dbs.meta)
+        txn.delete(h, db=dbs.payload)
+    if undecodable:
+        fixed.append(f"{len(undecodable)} undecodable meta record(s) deleted")
+    if txn.stat(dbs.payload)["entries"] != len(hashes):
+        known = set(hashes)
+        orphans = [bytes(k) for k in txn.cursor(db=dbs.payload).iternext(keys=True, values=False)
+                   if bytes(k) not in known]
+        for k in orphans:
+            txn.delete(k, db=dbs.payload)
+        if orphans:
+            fixed.append(f"{len(orphans)} payload(s) without metadata deleted")
+    have_lru = [bytes(k) for k in txn.cursor(db=dbs.lru).iternext(keys=True, values=False)]
+    want_lru.sort()
+    if have_lru != want_lru:
+        txn.drop(dbs.lru, delete=False)
+        for k in want_lru:
+            txn.put(k, b"", db=dbs.lru, append=True)
+        fixed.append(f"LRU index rebuilt ({len(have_lru)} entries for {len(want_lru)} blocks)")
+    if old is not None and (old.used_bytes, old.raw_bytes, old.blocks) != (info.used_bytes, info.raw_bytes, info.blocks):
+        fixed.append(f"info counters said {old.blocks} blocks / {old.used_bytes} bytes, the store holds "
+                      f"{info.blocks} / {info.used_bytes}")
+    if old is None or old != info:
+        store_info(txn, dbs, info)
+    return hashes, fixed

@@ -25,7 +25,11 @@ class DiskStats:
     read_errors: int
     pending_writes: int
     queue_full_drops: int = 0      # blocks the eviction cascade could not queue (queue full)
-    recovered: str | None = None   # a damaged tier found at open and moved aside: where, and why
+    recovered: str | None = None   # the last damaged store moved aside (at open or while running): where, and why
+    moved_aside: int = 0           # damaged stores this process moved aside and replaced with a fresh one
+    unavailable: str | None = None # why the tier has no store now (nothing is read or written), or None
+    free_bytes: int | None = None  # the filesystem's free space, as the writer last saw it
+    space_bound_bytes: int | None = None  # the bound the free space set below the capacity, if lower
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,3 +56,4 @@ class _Counters:
     write_errors: int = 0
     read_errors: int = 0
     queue_full_drops: int = 0
+    moved_aside: int = 0

@@ -44,17 +44,19 @@ from storage.codec.payload import Codec
 from storage.codec.stored_block import BlockMeta, verify_and_decode
 from storage.disk.integrity import DamagedBlock, VerifyReport, audit, verify_store
 from storage.disk.index import DiskIndex
-from storage.disk.environment import EnvGate, default_map_size, open_env, open_for_writing
+from storage.disk.environment import (DiskUnavailable, EnvGate, default_map_size, open_env, open_for_writing)
 from storage.disk.preflight import DamagedEnvironment, opening
 from storage.disk.stats import DiskBlockInfo, DiskStats, _Counters
-from storage.disk.records import DISK_FORMAT_VERSION, StoreInfo, delete_in_txn, load_capacity, load_info, store_info
+from storage.disk.pagewalk import check_pages
+from storage.disk.records import (DISK_FORMAT_VERSION, StoreInfo, delete_in_txn, load_capacity, load_info,
+                                  repair_counters, store_info)
 from storage.disk.records import recount as recount_info
 from storage.disk.writer import DiskWriter
 from storage.layout import BlockLayout, dtype_name
 from storage.hashing import BlockKey
 
-__all__ = ["DISK_FORMAT_VERSION", "DamagedBlock", "DamagedEnvironment", "DiskBlockInfo", "DiskStats", "DiskTier", "VerifyReport",
-           "default_map_size"]
+__all__ = ["DISK_FORMAT_VERSION", "DamagedBlock", "DamagedEnvironment", "DiskBlockInfo", "DiskStats", "DiskTier",
+           "DiskUnavailable", "VerifyReport", "default_map_size"]
 
 log = logging.getLogger(__name__)
 
@@ -84,31 +86,58 @@ class DiskTier:
         self._decode_threads = decode_threads or os.cpu_count() or 1
         if readonly and not os.path.isfile(os.path.join(self.path, "data.mdb")):
             raise FileNotFoundError(f"{self.path} holds no disk tier (no data.mdb)")
-        self.recovered: str | None = None       # set when a damaged tier was moved aside at open
-        want_map = map_size or default_map_size(capacity_bytes)
+        self.recovered: str | None = None       # the last damaged store moved aside: where, and why
+        self._map_size = map_size or default_map_size(capacity_bytes)
         if readonly:
-            self._env, self._dbs = open_env(self.path, want_map, readonly=True)   # damage: raises
+            env, dbs = open_env(self.path, self._map_size, readonly=True)   # damage: raises
+            hashes = None
         else:
+            # A damaged store is moved aside here; a full filesystem raises DiskUnavailable
+            # before LMDB maps anything (the cache then runs without this tier).
             with opening(self.path):
-                self._env, self._dbs, self.recovered = open_for_writing(self.path, want_map, capacity_bytes)
-        self._payload, self._meta, self._lru, self._info = self._dbs   # the handles, by name
-        self._gate = EnvGate(self._env, self.path)   # NOTE: every transaction goes through it
+                opened = open_for_writing(self.path, self._map_size, capacity_bytes)
+            env, dbs, hashes, self.recovered = opened.env, opened.dbs, opened.hashes, opened.recovered
+        self._gate = EnvGate(env, dbs, self.path)   # NOTE: every transaction goes through it
         self._begin = self._gate.begin
         self._closed = False
         self._stats_lock = threading.Lock()
-        self._counters = _Counters()
+        self._counters = _Counters(moved_aside=int(self.recovered is not None))
         self._last_read_error_log = -1e9
         self._last_info = self._read_info()
         self._pool: ThreadPoolExecutor | None = None
         # Every stored hash, read once at open: contains() is asked for every block of every
         # waiting request on every engine step, and must not read LMDB each time.
         self._iter_db = self._gate.iter_db
-        self._index = DiskIndex(h for h, _ in self._iter_db(self._meta, values=False))
+        self._index = DiskIndex(hashes if hashes is not None else (h for h, _ in self._iter_db("meta", values=False)))
         # Built readonly too (nothing pending, ever), but its thread runs only for a writer.
-        self._writer = DiskWriter(self._env, self._dbs, codec, capacity_bytes, queue_blocks, batch_blocks, self._count,
-                                  self._begin, self._index)
+        self._writer = DiskWriter(self._gate, codec, capacity_bytes, queue_blocks, batch_blocks, self._count,
+                                  self._index)
+        self._replace_lock = threading.Lock()    # one replacement of a damaged store at a time
         if not readonly:
+            self._gate.on_damage = self._replace_damaged
             self._writer.start()
+
+    # The environment and its database handles are the gate's: a damaged store is replaced under
+    # it. NOTE: use the handles inside a transaction only (a replacement waits for none open).
+    @property
+    def _env(self):
+        return self._gate.env
+
+    @property
+    def _dbs(self):
+        return self._gate.dbs
+
+    @property
+    def _payload(self):
+        return self._gate.dbs.payload
+
+    @property
+    def _meta(self):
+        return self._gate.dbs.meta
+
+    @property
+    def _lru(self):
+        return self._gate.dbs.lru
 
     # -- public API ----------------------------------------------------------------------
 
@@ -190,7 +219,7 @@ class DiskTier:
             raise ValueError(f"outs, payloads: expected {len(keys)} entries")
         try:
             return self._get_many(keys, outs, payloads)
-        except (lmdb.Error, OSError) as e:
+        except (lmdb.Error, OSError, DamagedEnvironment) as e:
             # Nothing was served: a decode writes only into `outs`, which the caller does not
             # use for a miss. The whole call is one miss per key.
             self._read_failed("get_many", e, misses=len(keys))
@@ -267,7 +296,7 @@ class DiskTier:
                     if payload is not None:
                         bytes(payload[::4096])   # a byte of every 4 KiB page: each is read in
                         total += len(payload)
-        except (lmdb.Error, OSError) as e:
+        except (lmdb.Error, OSError, DamagedEnvironment) as e:
             self._read_failed("read_ahead", e)
         return total
 
@@ -330,13 +359,14 @@ class DiskTier:
                          hits=c.hits, misses=c.misses, corrupt=c.corrupt, evictions=c.evictions,
                          bytes_read=c.bytes_read, bytes_written=c.bytes_written, write_errors=c.write_errors,
                          read_errors=c.read_errors, pending_writes=pending, recovered=self.recovered,
-                         queue_full_drops=c.queue_full_drops)
+                         queue_full_drops=c.queue_full_drops, moved_aside=c.moved_aside,
+                         unavailable=self._gate.down)
 
     def iter_blocks(self) -> Iterator[DiskBlockInfo]:
         """Every stored block's metadata, in hash order (undecodable records are skipped:
         verify() reports them). Reads in chunks, so no read transaction stays open long."""
         self._check_open()
-        for h, raw in self._iter_db(self._meta):
+        for h, raw in self._iter_db("meta"):
             try:
                 m = BlockMeta.unpack(raw)
             except ValueError:
@@ -345,21 +375,78 @@ class DiskTier:
                                 m.last_access, m.created)
 
     def verify(self, repair: bool = False) -> VerifyReport:
-        """Check every block: header and checksum (full decode), sizes, LRU entry, and the
-        hash chain (hash == hash_block(parent, token_ids)). repair=True deletes damaged blocks
-        and recomputes the counters."""
+        """Check what open and the writer rely on, then every block.
+
+        The store: every page pointer, overflow header and free-page list (the page walk), and
+        the `info` counters and LRU index against a recount (check()). Every block: header and
+        checksum (full decode), sizes, LRU entry, and the hash chain (hash == hash_block(parent,
+        token_ids)). repair=True moves a store with damaged pages aside (a fresh one in its
+        place: nothing in it can be trusted), recounts wrong counters and rebuilds the LRU
+        index, and deletes damaged blocks."""
         self._check_open(write=repair)
-        report = verify_store(self._begin, self._iter_db, self._dbs, self._executor(), self.codec, self.layout)
+        generation = self._gate.generation
+        try:
+            check_pages(self._env, self.path, self._begin)
+        except DamagedEnvironment as e:
+            # NOTE: no block is read through a damaged page pointer (it may SIGBUS).
+            done: tuple[str, ...] = ()
+            if repair:
+                self._replace_damaged(e, generation)
+                done = (f"store {self.recovered}",)
+            return VerifyReport(0, (), 0, (str(e),), done)
+        store = tuple(self.check())
+        store_done: tuple[str, ...] = ()
+        if repair and store:
+            with self._begin(write=True) as txn:
+                hashes, fixed = repair_counters(txn, self._dbs)
+            self._index.clear()
+            self._index.add(hashes)
+            store_done = tuple(fixed) or ("counters rewritten",)
+        report = verify_store(self._begin, self._iter_db, lambda: self._dbs, self._executor(), self.codec, self.layout)
+        repaired = 0
         if repair and report.damaged:
             repaired = self._delete_now([d.hash for d in report.damaged], recount=True)
-            report = VerifyReport(report.checked, report.damaged, repaired)
-        return report
+        return VerifyReport(report.checked, report.damaged, repaired, store, store_done)
 
     def check(self) -> list[str]:
         """Audit: recompute every counter and index from the databases and compare.
         Returns the problems found (empty when consistent)."""
         self._check_open()
-        return audit(self._env, self._dbs, self._store_capacity())
+        return audit(self._begin, lambda: self._dbs, self._store_capacity())
+
+    # -- internals: a damaged store -------------------------------------------------------
+
+    def _replace_damaged(self, e: BaseException, generation: int) -> None:
+        """The gate's on_damage: a transaction of this process found the store damaged (LMDB's
+        MDB_CORRUPTED and kin, or StoreDamaged). Move it aside and open a fresh one in its place,
+        with no transaction open (EnvGate.replace); pending puts stay queued and go to the fresh
+        store. Runs on the thread that saw the damage (a loader worker or the writer, never the
+        engine thread, which reads no LMDB). Once per damage: a second report of the same store
+        finds the generation moved on."""
+        reason = f"{type(e).__name__}: {e}"
+        with self._replace_lock:
+            got: list = []
+
+            def reopen():
+                with opening(self.path):
+                    opened = open_for_writing(self.path, self._map_size, self.capacity_bytes, reason=reason)
+                got.append(opened)
+                return opened.env, opened.dbs
+            try:
+                if not self._gate.replace(generation, reopen):
+                    return
+            except Exception as err:
+                log.error("disk tier %s: the store is damaged (%s) and no fresh one could be opened (%s); "
+                          "running without the disk tier", self.path, reason, err)
+                self._index.clear()
+                return
+            opened = got[0]
+            self._index.clear()
+            self._index.add(opened.hashes)
+            self.recovered = opened.recovered
+            self._count(moved_aside=1)
+        log.error("disk tier %s: damaged while in use (%s): %s; serving goes on with an empty disk tier",
+                  self.path, reason, opened.recovered)
 
     # -- internals: reading --------------------------------------------------------------
 

@@ -31,7 +31,8 @@ import torch
 from storage.background_writer import BackgroundWriter
 from storage.priority import background_priority
 from storage.codec.payload import Codec
-from storage.disk.records import (Databases, StoreInfo, delete_in_txn, load_capacity, load_info, lru_hash,
+from storage.disk.environment import EnvGate, is_damage, is_no_space
+from storage.disk.records import (StoreDamaged, StoreInfo, delete_in_txn, load_capacity, load_info, lru_hash,
                                   lru_key, store_info)
 from storage.disk.index import DiskIndex
 from storage.disk.pending import PendingBlock
@@ -44,20 +45,7 @@ _READER_CHECK_S = 5.0   # how often the writer clears dead processes' reader slo
 
 
 def _is_no_space(e: BaseException, path: str) -> bool:
-    # lmdb.DiskError is LMDB's ENOSPC; an OSError may carry it too. A full filesystem can also
-    # show up as EIO from a short write at commit: then the filesystem's free space decides.
-    if isinstance(e, (lmdb.MapFullError, lmdb.DiskError)) or getattr(e, "errno", None) == errno.ENOSPC:
-        return True
-    if isinstance(e, lmdb.Error) and "Input/output error" in str(e):
-        try:
-            st = os.statvfs(path)
-        except OSError:
-            return False
-        return st.f_bavail * st.f_frsize < _LOW_SPACE_BYTES
-    return False
-
-
-_LOW_SPACE_BYTES = 1 << 20   # below this much free space, an EIO at commit is taken as "disk full"
+    return is_no_space(e, path)
 
 
 class DiskWriter(BackgroundWriter[tuple[list[PendingBlock], dict[bytes, int]]]):
@@ -67,14 +55,14 @@ class DiskWriter(BackgroundWriter[tuple[list[PendingBlock], dict[bytes, int]]]):
     evictions, write_errors). Nothing runs until start().
     """
 
-    def __init__(self, env: lmdb.Environment, dbs: Databases, codec: Codec, capacity_bytes: int,
-                 queue_blocks: int, batch_blocks: int, count: Callable[..., None],
-                 begin: Callable[..., ContextManager[lmdb.Transaction]], index: DiskIndex) -> None:
+    def __init__(self, gate: EnvGate, codec: Codec, capacity_bytes: int,
+                 queue_blocks: int, batch_blocks: int, count: Callable[..., None], index: DiskIndex) -> None:
         super().__init__("tieredkv-disk-writer")
-        self._env = env
+        # The tier's environment and every transaction on it: counted for close(), map resizes
+        # adopted, a damaged store replaced. NOTE: read self._gate.dbs inside a transaction only.
+        self._gate = gate
+        self._begin = gate.begin
         self._index = index      # updated after each commit, before a put stops being pending
-        self._begin = begin      # the tier's transactions: counted for close(), map resizes adopted
-        self._dbs = dbs
         self._codec = codec
         self._capacity_bytes = capacity_bytes
         self._queue_blocks = queue_blocks
@@ -193,7 +181,7 @@ class DiskWriter(BackgroundWriter[tuple[list[PendingBlock], dict[bytes, int]]]):
             return 0
         self._last_reader_check = now
         try:
-            n = self._env.reader_check()
+            n = self._gate.env.reader_check()
         except lmdb.Error as e:
             log.warning("disk tier: reader_check failed: %s", e)
             return 0
@@ -216,14 +204,22 @@ class DiskWriter(BackgroundWriter[tuple[list[PendingBlock], dict[bytes, int]]]):
 
     def _write(self, batch: tuple[list[PendingBlock], dict[bytes, int]]) -> bool:
         items, touches = batch
-        try:
-            self.clear_stale_readers()
-            self._write_batch(items, touches)
-        except Exception:   # never let the writer die: the engine keeps running without disk writes
-            log.exception("disk tier: writing a batch of %d blocks failed; dropping it", len(items))
-            self._lost(len(items))
-            return False
-        return True
+        for attempt in range(2):
+            try:
+                self.clear_stale_readers()
+                self._write_batch(items, touches)
+                return True
+            except Exception as e:   # never let the writer die: the engine keeps running without disk writes
+                if attempt == 0 and is_damage(e):
+                    # The gate has had the store replaced (storage/disk/environment.py): the batch's
+                    # blocks are sound, so they go to the fresh store once; the accesses do not.
+                    log.warning("disk tier: the store was damaged (%s); writing the batch to the fresh store", e)
+                    touches = {}
+                    continue
+                log.exception("disk tier: writing a batch of %d blocks failed; dropping it", len(items))
+                self._lost(len(items))
+                return False
+        return False
 
     def _after(self, batch: tuple[list[PendingBlock], dict[bytes, int]], ok: bool) -> None:
         for it in batch[0]:
@@ -258,26 +254,26 @@ class DiskWriter(BackgroundWriter[tuple[list[PendingBlock], dict[bytes, int]]]):
                 self._commit(encoded, touches)
                 return True
             except Exception as e:
-                if not _is_no_space(e, self._env.path()):
+                if not _is_no_space(e, self._gate.env.path()):
                     raise
                 log.warning("disk tier: %s; evicting to make room (attempt %d)", type(e).__name__, attempt + 1)
                 self.clear_stale_readers(force=True)   # a dead reader may be what pins the pages
             # Free at least the batch or 10% of the store, more on each attempt. LMDB reuses freed
             # pages only once no transaction can still see them, hence several attempts.
             with self._begin() as txn:
-                info = load_info(txn, self._dbs)
+                info = load_info(txn, self._gate.dbs)
             if self._make_room(max(need, info.used_bytes // 10) << attempt) == 0 and info.blocks == 0:
                 break
         log.warning("disk tier: no room for %d block(s) after evicting; dropping them", len(encoded))
         return False
 
     def _commit(self, encoded: list, touches: dict[bytes, int]) -> None:
-        dbs = self._dbs
         written = 0
         stored: list[bytes] = []
         new: list = []            # (key, payload, raw size) of blocks this commit stored
         evicted: list[bytes] = []
         with self._begin(write=True) as txn:
+            dbs = self._gate.dbs
             info = load_info(txn, dbs)
             capacity = self._capacity_in(txn)
             with self._cond:
@@ -336,7 +332,7 @@ class DiskWriter(BackgroundWriter[tuple[list[PendingBlock], dict[bytes, int]]]):
     def _capacity_in(self, txn: lmdb.Transaction) -> int:
         """The store's capacity, read in the committing transaction (another process may have
         changed it); warns once when it is not this process's configured one."""
-        capacity = load_capacity(txn, self._dbs) or self._capacity_bytes
+        capacity = load_capacity(txn, self._gate.dbs) or self._capacity_bytes
         if capacity != self._capacity_bytes and not self._warned_capacity:
             self._warned_capacity = True
             log.warning("disk tier: another process set the capacity to %d bytes (this one was configured "
@@ -350,7 +346,7 @@ class DiskWriter(BackgroundWriter[tuple[list[PendingBlock], dict[bytes, int]]]):
         while freed < target:
             try:
                 with self._begin(write=True) as txn:
-                    info = load_info(txn, self._dbs)
+                    info = load_info(txn, self._gate.dbs)
                     before, limit = info.used_bytes, [per_txn]
 
                     def more() -> bool:
@@ -358,10 +354,10 @@ class DiskWriter(BackgroundWriter[tuple[list[PendingBlock], dict[bytes, int]]]):
                         return limit[0] >= 0 and before - info.used_bytes + freed < target
                     gone: list[bytes] = []
                     n = self._evict_in_txn(txn, info, more, gone)
-                    store_info(txn, self._dbs, info)
+                    store_info(txn, self._gate.dbs, info)
                 self._index.discard(gone)
             except Exception as e:
-                if not _is_no_space(e, self._env.path()):
+                if not _is_no_space(e, self._gate.env.path()):
                     raise
                 if per_txn == 1:
                     # Not even one delete fits: every page is taken or still visible to the
@@ -378,26 +374,48 @@ class DiskWriter(BackgroundWriter[tuple[list[PendingBlock], dict[bytes, int]]]):
         # be read against N's snapshot), so commit one small transaction before the retry.
         try:
             with self._begin(write=True) as txn:
-                store_info(txn, self._dbs, load_info(txn, self._dbs))
+                store_info(txn, self._gate.dbs, load_info(txn, self._gate.dbs))
         except Exception as e:
-            if not _is_no_space(e, self._env.path()):
+            if not _is_no_space(e, self._gate.env.path()):
                 raise
         return freed
 
     def _evict_in_txn(self, txn: lmdb.Transaction, info: StoreInfo, more: Callable[[], bool],
                       evicted: list[bytes]) -> int:
         """Delete least recently used blocks while more() says so, appending their hashes to
-        `evicted`. Returns how many."""
+        `evicted`. Returns how many.
+
+        NOTE: bounded. Each turn deletes the LRU database's first entry and proves it did (the
+        next first entry is another key); one that comes back means the lru tree is out of order
+        (a flipped bit in a leaf: LMDB's search no longer finds the key its cursor is on), which
+        is StoreDamaged -- the store is replaced -- never a loop. At most as many turns as the
+        database has entries, plus one."""
+        dbs = self._gate.dbs
         n = 0
+        turns = txn.stat(dbs.lru)["entries"] + 1
+        cur = txn.cursor(db=dbs.lru)
         while more():
-            cur = txn.cursor(db=self._dbs.lru)
+            if turns == 0:
+                raise StoreDamaged("the lru database holds more entries than it says (its tree is damaged)")
+            turns -= 1
             if not cur.first():
                 break
-            h = lru_hash(cur.key())
-            if delete_in_txn(txn, self._dbs, h, info):
+            first = bytes(cur.key())
+            h = lru_hash(first)
+            raw = txn.get(h, db=dbs.meta)
+            try:
+                m = None if raw is None else BlockMeta.unpack(raw)
+            except ValueError:
+                m = None
+            if m is not None and lru_key(m.last_access, h) == first:
+                delete_in_txn(txn, dbs, h, info)     # raises StoreDamaged if it deleted nothing
                 n += 1
                 evicted.append(h)
-            else:
-                cur.delete()   # stray LRU entry without a block
+            elif m is None and raw is not None:
+                delete_in_txn(txn, dbs, h, info)     # undecodable meta: deleted with a recount
+                evicted.append(h)
+            if cur.first() and bytes(cur.key()) == first:
+                cur.delete()                         # a stray entry: no block, or an older sequence
+                if cur.first() and bytes(cur.key()) == first:
+                    raise StoreDamaged(f"lru entry {first.hex()[:24]} survives its delete (the lru tree is damaged)")
         return n
-

@@ -165,7 +165,9 @@ def test_damaged_stored_block_is_a_miss_and_deleted(tmp_path: Path, db: str, dam
     with DiskTier(str(tmp_path), CAP) as t:
         assert t.get(make_key(1)) is None
         s = t.stats()
-        assert (s.corrupt, s.hits, s.blocks) == (1, 0, 2)
+        # A damaged payload is found by the read that serves it; an undecodable meta record is
+        # already deleted by the open, which recounts the store (records.repair_counters).
+        assert (s.corrupt, s.hits, s.blocks) == ((1, 0, 2) if db == "payload" else (0, 0, 2))
         assert not t.contains(make_key(1))
         assert same_bits(t.get(make_key(0)), make_block(0)) and same_bits(t.get(make_key(2)), make_block(2))
         assert t.check() == []
