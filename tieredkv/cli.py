@@ -295,11 +295,12 @@ def verify(
     repair: bool = typer.Option(False, "--repair", help="Delete damaged blocks (a later request recomputes them)."),
     json_out: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
-    """Check every disk block (checksum, full decode, hash chain, index).
+    """Check the disk tier: its pages (every pointer, overflow header and free-page list), its
+    counters and LRU index against a recount, and every block (checksum, full decode, hash chain).
 
-    Exit status: 0 clean, or every damaged block deleted by --repair; 1 damage found and
-    left in place (no --repair, or a delete failed); 2 no cache dir. Without --repair the
-    store is opened read-only, so it is safe while a server runs.
+    Exit status: 0 clean, or everything fixed by --repair (damaged blocks deleted, counters
+    recounted, a store with damaged pages moved aside); 1 damage found and left in place; 2 no
+    cache dir. Without --repair the store is opened read-only, so it is safe while a server runs.
     """
     root = cache_root(cache_dir)
     from storage.disk.preflight import DamagedEnvironment, move_aside
@@ -322,11 +323,19 @@ def verify(
     finally:
         tier.close()
     left = len(report.damaged) - report.repaired
+    store_left = bool(report.store) and not report.store_repaired
     if json_out:
         print_json({"path": str(root / "kv"), "checked": report.checked, "damaged": len(report.damaged),
                     "repaired": report.repaired, "blocks": [{"hash": d.hash.hex(), "reason": d.reason}
-                                                            for d in report.damaged]})
+                                                            for d in report.damaged],
+                    "store": list(report.store), "store_repaired": list(report.store_repaired)})
     else:
+        for problem in report.store:
+            out.print(f"store: {escape(problem)}", soft_wrap=True)
+        for done in report.store_repaired:
+            out.print(f"repaired: {escape(done)}", soft_wrap=True)
+        if store_left:
+            out.print("run again with --repair to recount the counters and rebuild the LRU index")
         out.print(f"checked {report.checked} blocks in {root / 'kv'}: {len(report.damaged)} damaged"
                   + (f", {report.repaired} deleted" if repair else ""), soft_wrap=True)
         for d in report.damaged[:50]:
@@ -335,7 +344,7 @@ def verify(
             out.print(f"  … and {len(report.damaged) - 50} more")
         if left and not repair:
             out.print("run again with --repair to delete them")
-    if left:
+    if left or store_left:
         raise typer.Exit(1)
 
 

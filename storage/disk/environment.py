@@ -34,6 +34,9 @@ from storage.disk.preflight import DamagedEnvironment, check_environment, move_a
 from storage.disk.records import (Databases, FormatMismatch, StoreDamaged, load_capacity, open_databases,
                                   repair_counters, store_capacity)
 
+__all__ = ["DAMAGE_ERRORS", "DiskUnavailable", "EnvGate", "Opened", "StoreDamaged", "default_map_size",
+           "free_bytes", "is_damage", "is_no_space", "open_env", "open_for_writing", "reserve_lock_file"]
+
 log = logging.getLogger(__name__)
 
 _MAP_FLOOR = 1 << 30

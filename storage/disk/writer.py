@@ -18,12 +18,10 @@ the file grows past the capacity and commits fail with MapFull. The writer clear
 """
 from __future__ import annotations
 
-import errno
 import logging
-import os
 import time
 from collections import deque
-from typing import Callable, ContextManager, Iterable
+from typing import Callable, Iterable
 
 import lmdb
 import torch
