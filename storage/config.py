@@ -72,6 +72,10 @@ class CacheConfig:
     host_memory: int | str = "4GiB"
     disk_dir: str | None = "~/.cache/tieredkv/kv"
     disk_capacity: int | str = "50GiB"
+    # The free space the disk tier leaves on its filesystem, whatever disk_capacity says: on a
+    # filling disk the tier shrinks (LRU first) instead of taking the last bytes the billing ledger
+    # and the rest of the machine need (storage/disk/writer.py fit_to_space).
+    disk_reserve: int | str = "256MiB"
     # zstd level of each block's coded byte plane (sign + exponent, storage/codec/payload.py); on real
     # KV levels 1-4 code alike, higher ones are slower for ~0.5%, negative ones store it as is.
     zstd_level: int = 3
@@ -97,6 +101,7 @@ class CacheConfig:
     device_bytes: int = field(init=False, repr=False, compare=False)
     host_bytes: int = field(init=False, repr=False, compare=False)
     disk_bytes: int = field(init=False, repr=False, compare=False)
+    disk_reserve_bytes: int = field(init=False, repr=False, compare=False)
     remote: RemoteURL | None = field(init=False, compare=False)   # remote_url parsed (password redacted in repr)
 
     def __post_init__(self) -> None:
@@ -105,6 +110,7 @@ class CacheConfig:
         object.__setattr__(self, "device_bytes", parse_size(self.device_memory, "device_memory"))
         object.__setattr__(self, "host_bytes", parse_size(self.host_memory, "host_memory"))
         object.__setattr__(self, "disk_bytes", parse_size(self.disk_capacity, "disk_capacity"))
+        object.__setattr__(self, "disk_reserve_bytes", parse_size(self.disk_reserve, "disk_reserve"))
         if self.device_bytes == 0:
             raise ValueError("device_memory: must be > 0 (the device pool holds the running sequences)")
         if self.disk_dir is not None and (not isinstance(self.disk_dir, (str, os.PathLike)) or not str(self.disk_dir)):

@@ -19,6 +19,7 @@ holds a prompt's blocks is asked by a probe the loader runs when the request is 
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import asdict, dataclass
 from typing import Sequence
@@ -29,7 +30,7 @@ from storage.cascade import Cascade, FlushResult
 from storage.codec.payload import Codec
 from storage.config import CacheConfig
 from storage.device_pool import DevicePool
-from storage.disk.tier import DiskTier
+from storage.disk.tier import DiskTier, DiskUnavailable
 from storage.hashing import BlockKey
 from storage.host_tier import HostTier
 from storage.layout import BlockLayout
@@ -38,6 +39,8 @@ from storage.remote.breaker import BreakerConfig
 from storage.remote.tier import RemoteTier
 from storage.tiers import TIERS, Tiers, TierStats
 from storage.transfer import Transfer
+
+log = logging.getLogger(__name__)
 
 __all__ = ["TIERS", "Acquired", "CacheMatch", "FlushResult", "TierStats", "TieredKVCache"]
 
@@ -81,8 +84,16 @@ class TieredKVCache:
             if num_pages < 2:
                 raise ValueError(f"device_memory: {config.device_bytes} bytes holds {num_pages} blocks of "
                                  f"{layout.nbytes} bytes; need at least 2")
+        self.disk_unavailable: str | None = None   # why the configured disk tier is not running
         if disk is None and config.disk_path is not None:
-            disk = DiskTier(config.disk_path, config.disk_bytes, Codec(config.zstd_level), layout=layout)
+            try:
+                disk = DiskTier(config.disk_path, config.disk_bytes, Codec(config.zstd_level), layout=layout,
+                                reserve_bytes=config.disk_reserve_bytes)
+            except DiskUnavailable as e:
+                # NOTE: a full filesystem (or a store that cannot be created) is a cache without its
+                # disk tier, never a server that cannot start; status says why.
+                log.error("disk tier unavailable, running without it: %s", e)
+                self.disk_unavailable = str(e)
         if remote is None and config.remote is not None:
             remote = RemoteTier(config.remote, layout, Codec(config.zstd_level),
                                 timeout_s=config.remote_timeout_s, ttl_s=config.remote_ttl_s,
@@ -323,11 +334,12 @@ class TieredKVCache:
                 o.bytes_read = d.bytes_read
                 o.extra = {"enabled": True, "compression_ratio": d.compression_ratio, "pending_writes": d.pending_writes,
                            "corrupt": d.corrupt, "write_errors": d.write_errors, "read_errors": d.read_errors,
-                           "recovered": d.recovered,
+                           "recovered": d.recovered, "moved_aside": d.moved_aside, "unavailable": d.unavailable,
+                           "free_bytes": d.free_bytes, "space_bound_bytes": d.space_bound_bytes,
                            "raw_bytes": d.raw_bytes,
                            "stored_bytes_written": d.bytes_written}
             else:
-                out["disk"].extra = {"enabled": False}
+                out["disk"].extra = {"enabled": False, "unavailable": self.disk_unavailable}
             o = out["remote"]
             if remote is not None:
                 # Capacity is the store's own (maxmemory + its eviction policy): not reported here.

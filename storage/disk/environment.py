@@ -307,6 +307,16 @@ class EnvGate:
         finally:
             self._release()
 
+    def set_map_size(self, size: int) -> int:
+        """Map (and so bound the data file at) `size` bytes, with no transaction open; LMDB rounds
+        a size below the pages in use up to them. Returns the size now mapped."""
+        self._exclusive()
+        try:
+            self._env.set_mapsize(size)
+            return self._env.info()["map_size"]
+        finally:
+            self._release()
+
     def replace(self, generation: int, reopen: Callable[[], tuple[lmdb.Environment, Databases]]) -> bool:
         """Close this environment and take `reopen()`'s in its place, with no transaction open;
         False (nothing done) when the store was replaced since `generation` or the gate is

@@ -60,6 +60,11 @@ __all__ = ["DISK_FORMAT_VERSION", "DamagedBlock", "DamagedEnvironment", "DiskBlo
 
 log = logging.getLogger(__name__)
 
+# The free space the tier leaves on its filesystem by default, whatever its capacity: the billing
+# ledger beside it, logs and the rest of the machine need it (issue 17: a full filesystem failed
+# every request, the ledger unable to commit while the KV store kept the disk full).
+DEFAULT_RESERVE_BYTES = 256 << 20
+
 
 
 class DiskTier:
@@ -68,16 +73,21 @@ class DiskTier:
     put() hands a block to a background writer thread; get()/get_many() verify before
     serving; a block that fails verification is counted as corrupt, deleted, and missed.
     readonly=True opens for inspection next to a running writer (no writer thread; get()
-    neither records accesses nor deletes damaged blocks).
+    neither records accesses nor deletes damaged blocks). reserve_bytes: the free space the
+    store leaves on its filesystem, whatever its capacity (None: only the capacity bounds it).
     """
 
     def __init__(self, path: str, capacity_bytes: int, codec: Codec = Codec(), *, layout: BlockLayout | None = None,
                  map_size: int | None = None, queue_blocks: int = 256, batch_blocks: int = 32,
-                 readonly: bool = False, decode_threads: int | None = None) -> None:
+                 readonly: bool = False, decode_threads: int | None = None,
+                 reserve_bytes: int | None = DEFAULT_RESERVE_BYTES) -> None:
         for name, v in (("capacity_bytes", capacity_bytes), ("queue_blocks", queue_blocks),
                         ("batch_blocks", batch_blocks), ("map_size", map_size), ("decode_threads", decode_threads)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"{name}: expected a positive int, got {v!r}")
+        if reserve_bytes is not None and (isinstance(reserve_bytes, bool) or not isinstance(reserve_bytes, int)
+                                          or reserve_bytes < 0):
+            raise ValueError(f"reserve_bytes: expected an int >= 0 or None, got {reserve_bytes!r}")
         self.path = os.path.abspath(os.path.expanduser(str(path)))
         self.capacity_bytes = capacity_bytes
         self.codec = codec
@@ -111,7 +121,7 @@ class DiskTier:
         self._index = DiskIndex(hashes if hashes is not None else (h for h, _ in self._iter_db("meta", values=False)))
         # Built readonly too (nothing pending, ever), but its thread runs only for a writer.
         self._writer = DiskWriter(self._gate, codec, capacity_bytes, queue_blocks, batch_blocks, self._count,
-                                  self._index)
+                                  self._index, reserve_bytes, self._map_size)
         self._replace_lock = threading.Lock()    # one replacement of a damaged store at a time
         if not readonly:
             self._gate.on_damage = self._replace_damaged
@@ -360,7 +370,8 @@ class DiskTier:
                          bytes_read=c.bytes_read, bytes_written=c.bytes_written, write_errors=c.write_errors,
                          read_errors=c.read_errors, pending_writes=pending, recovered=self.recovered,
                          queue_full_drops=c.queue_full_drops, moved_aside=c.moved_aside,
-                         unavailable=self._gate.down)
+                         unavailable=self._gate.down, free_bytes=self._writer.space[0],
+                         space_bound_bytes=self._writer.space[1])
 
     def iter_blocks(self) -> Iterator[DiskBlockInfo]:
         """Every stored block's metadata, in hash order (undecodable records are skipped:

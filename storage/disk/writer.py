@@ -19,6 +19,7 @@ the file grows past the capacity and commits fail with MapFull. The writer clear
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import deque
 from typing import Callable, Iterable
@@ -29,7 +30,7 @@ import torch
 from storage.background_writer import BackgroundWriter
 from storage.priority import background_priority
 from storage.codec.payload import Codec
-from storage.disk.environment import EnvGate, is_damage, is_no_space
+from storage.disk.environment import EnvGate, free_bytes, is_damage, is_no_space
 from storage.disk.records import (StoreDamaged, StoreInfo, delete_in_txn, load_capacity, load_info, lru_hash,
                                   lru_key, store_info)
 from storage.disk.index import DiskIndex
@@ -40,6 +41,8 @@ from storage.hashing import BlockKey
 log = logging.getLogger(__name__)
 
 _READER_CHECK_S = 5.0   # how often the writer clears dead processes' reader slots
+_SPACE_CHECK_S = 0.5    # how often the writer reads the filesystem's free space
+_MAP_STEP = 16 << 20    # the map grows back toward its full size in steps of at least this
 
 
 def _is_no_space(e: BaseException, path: str) -> bool:
@@ -54,7 +57,8 @@ class DiskWriter(BackgroundWriter[tuple[list[PendingBlock], dict[bytes, int]]]):
     """
 
     def __init__(self, gate: EnvGate, codec: Codec, capacity_bytes: int,
-                 queue_blocks: int, batch_blocks: int, count: Callable[..., None], index: DiskIndex) -> None:
+                 queue_blocks: int, batch_blocks: int, count: Callable[..., None], index: DiskIndex,
+                 reserve_bytes: int | None = None, map_size: int | None = None) -> None:
         super().__init__("tieredkv-disk-writer")
         # The tier's environment and every transaction on it: counted for close(), map resizes
         # adopted, a damaged store replaced. NOTE: read self._gate.dbs inside a transaction only.
@@ -76,6 +80,14 @@ class DiskWriter(BackgroundWriter[tuple[list[PendingBlock], dict[bytes, int]]]):
         # block it stored: the remote tier's write-behind, so a block is compressed once for both.
         self.on_commit: Callable[[list], None] | None = None
         self._warned_capacity = False                   # writer thread only
+        # The filesystem's free space (issue 17, item 2): the store never grows into the last
+        # `reserve_bytes` of it (the billing ledger and everything else on the disk need them).
+        # None: no such bound. Writer thread only, but for `space` (read by stats()).
+        self._reserve = reserve_bytes
+        self._full_map = map_size
+        self._last_space_check = -1e9
+        self._growth_left: int | None = None     # bytes the data file may still grow; None: unbounded
+        self.space: tuple[int | None, int | None] = (None, None)   # (free bytes, the map's bound or None)
 
     # -- the tier's side -------------------------------------------------------------------
 
@@ -200,11 +212,42 @@ class DiskWriter(BackgroundWriter[tuple[list[PendingBlock], dict[bytes, int]]]):
         touches, self._touches = self._touches, {}
         return items, touches
 
+    def fit_to_space(self, force: bool = False) -> None:
+        """Bound the data file by the filesystem's free space minus the reserve: the map size is the
+        most LMDB lets the file grow to, so a commit that would eat into the reserve gets MapFull,
+        which evicts (LRU) and reuses the freed pages inside the file: a smaller cache, never a
+        full filesystem. Checked at most twice a second (statvfs), and on every MapFull/ENOSPC."""
+        if self._reserve is None or self._full_map is None:
+            return
+        now = time.monotonic()
+        if not force and now - self._last_space_check < _SPACE_CHECK_S:
+            return
+        self._last_space_check = now
+        try:
+            free = free_bytes(self._gate.env.path())
+            used = os.path.getsize(os.path.join(self._gate.env.path(), "data.mdb"))
+        except OSError:
+            return
+        room = free - self._reserve
+        target = min(self._full_map, used + max(0, room))
+        current = self._gate.env.info()["map_size"]
+        # Hysteresis: shrink at once, grow back only by a good step (each change waits for every
+        # open transaction of the process).
+        if target < current or target >= current + _MAP_STEP or (target == self._full_map != current):
+            current = self._gate.set_map_size(target)
+            if current < self._full_map:
+                log.warning("disk tier %s: %d bytes free on its filesystem, %d reserved: the store is bounded "
+                            "at %d bytes of file (a smaller cache, LRU first)", self._gate.env.path(), free,
+                            self._reserve, current)
+        self._growth_left = None if current >= self._full_map else max(0, current - used)
+        self.space = (free, None if current >= self._full_map else current)
+
     def _write(self, batch: tuple[list[PendingBlock], dict[bytes, int]]) -> bool:
         items, touches = batch
         for attempt in range(2):
             try:
                 self.clear_stale_readers()
+                self.fit_to_space()
                 self._write_batch(items, touches)
                 return True
             except Exception as e:   # never let the writer die: the engine keeps running without disk writes
@@ -256,6 +299,7 @@ class DiskWriter(BackgroundWriter[tuple[list[PendingBlock], dict[bytes, int]]]):
                     raise
                 log.warning("disk tier: %s; evicting to make room (attempt %d)", type(e).__name__, attempt + 1)
                 self.clear_stale_readers(force=True)   # a dead reader may be what pins the pages
+                self.fit_to_space(force=True)
             # Free at least the batch or 10% of the store, more on each attempt. LMDB reuses freed
             # pages only once no transaction can still see them, hence several attempts.
             with self._begin() as txn:
@@ -274,6 +318,10 @@ class DiskWriter(BackgroundWriter[tuple[list[PendingBlock], dict[bytes, int]]]):
             dbs = self._gate.dbs
             info = load_info(txn, dbs)
             capacity = self._capacity_in(txn)
+            if self._growth_left is not None:
+                # Bounded by free space: grow by at most most of what the file may still grow
+                # (page rounding and copy-on-write pages need the rest); MapFull catches the rest.
+                capacity = min(capacity, info.used_bytes + self._growth_left * 3 // 4)
             with self._cond:
                 # NOTE: read inside the write txn, so a delete() either lands in this set or
                 # starts its own write txn after this one commits (and then sees the block).
