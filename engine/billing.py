@@ -19,6 +19,7 @@ micro-dollar in total, however many requests there are.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
@@ -29,11 +30,19 @@ from typing import Any, Iterator
 
 import lmdb
 
+from storage.disk.environment import DiskUnavailable, free_bytes, reserve_lock_file
+
 BILLED_TIERS = ("device", "host", "disk", "remote")
 PICO_PER_MICRO = 10**6
 PICO_PER_USD = 10**12
 _MAX_KEY_BYTES = 400          # LMDB keys are at most 511 bytes; leave room for the day suffix
 _DEFAULT_MAP_SIZE = 4 << 30   # a sparse file: the address space, not the disk used
+# The ledger's own room on a filling disk: a file of this size beside it, given up the moment a
+# commit finds the filesystem full, so billing never runs out of space first; made again once the
+# space is back. 16 MiB is some 50,000 requests' records.
+DEFAULT_RESERVE_BYTES = 16 << 20
+RESERVE_FILE = "reserve.bin"
+SPILL_PREFIX = "unwritten-"     # entries a closing process could not commit, read back at the next open
 
 
 @dataclass(frozen=True)
@@ -216,7 +225,7 @@ class Ledger:
     """
 
     def __init__(self, path: str | os.PathLike, prices: Prices = Prices(), readonly: bool = False,
-                 map_size: int = _DEFAULT_MAP_SIZE) -> None:
+                 map_size: int = _DEFAULT_MAP_SIZE, reserve_bytes: int = DEFAULT_RESERVE_BYTES) -> None:
         if not isinstance(prices, Prices):
             raise ValueError(f"prices: expected a Prices, got {prices!r}")
         self.path = os.path.abspath(os.fspath(path))
@@ -227,6 +236,16 @@ class Ledger:
                 raise FileNotFoundError(f"no billing ledger at {self.path}")
         else:
             os.makedirs(self.path, exist_ok=True)
+        self.reserve_bytes = reserve_bytes
+        if not readonly:
+            # NOTE: before LMDB maps lock.mdb (a full filesystem would make that a SIGBUS); the
+            # ledger's reserve is what gives it room on a full disk.
+            try:
+                reserve_lock_file(self.path)
+            except DiskUnavailable:
+                if not self.release_reserve():
+                    raise
+                reserve_lock_file(self.path)
         # NOTE durability: LMDB's defaults (sync=True, metasync=True) are kept on purpose: a
         # record() that returned has been fsync'ed, so a crash never loses a billed request.
         self._env = lmdb.open(self.path, map_size=map_size, max_dbs=4, readonly=readonly,
@@ -240,6 +259,85 @@ class Ledger:
             self._env.close()
             raise
         self._write_lock = threading.Lock()
+        if not readonly:
+            self._read_spills()
+            self.restore_reserve()
+
+    # -- the reserve: room for the ledger on a full disk -----------------------------------
+
+    def _reserve_path(self) -> str:
+        return os.path.join(self.path, RESERVE_FILE)
+
+    def release_reserve(self) -> bool:
+        """Give the reserve's space to the ledger (a commit found the filesystem full). True when
+        there was a reserve to give."""
+        try:
+            os.unlink(self._reserve_path())
+        except FileNotFoundError:
+            return False
+        import logging
+        logging.getLogger("tieredkv.billing").warning(
+            "billing: the filesystem of %s is full; its %d-byte reserve is released for the ledger", self.path,
+            self.reserve_bytes)
+        return True
+
+    def restore_reserve(self) -> bool:
+        """Make the reserve again when the filesystem has room for it (and as much again to spare).
+        True when the reserve is in place."""
+        if self.readonly or self.reserve_bytes <= 0:
+            return True
+        path = self._reserve_path()
+        if os.path.exists(path):
+            return True
+        try:
+            if free_bytes(self.path) < 2 * self.reserve_bytes:
+                return False
+            fd = os.open(path + ".tmp", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                os.posix_fallocate(fd, 0, self.reserve_bytes)
+            finally:
+                os.close(fd)
+            os.replace(path + ".tmp", path)
+            return True
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(path + ".tmp")
+            return False
+
+    def spill(self, entries: list["Entry"]) -> str:
+        """Write entries that cannot be committed to a file beside the ledger (JSON lines), read back
+        and committed by the next open (idempotent: request ids). Returns the file's path; raises
+        OSError when even that cannot be written."""
+        name = os.path.join(self.path, f"{SPILL_PREFIX}{datetime.now(timezone.utc):%Y%m%dT%H%M%S%f}-{os.getpid()}.jsonl")
+        try:
+            with open(name + ".tmp", "w") as f:
+                for e in entries:
+                    f.write(json.dumps({"request_id": e.request_key.decode(), "record": e.record.decode()}) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(name + ".tmp", name)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(name + ".tmp")
+            raise
+        return name
+
+    def _read_spills(self) -> None:
+        """Commit the entries an earlier process spilled (then delete its file)."""
+        for name in sorted(os.listdir(self.path)):
+            if not (name.startswith(SPILL_PREFIX) and name.endswith(".jsonl")):
+                continue
+            path = os.path.join(self.path, name)
+            entries = []
+            with open(path) as f:
+                for line in f:
+                    row = json.loads(line)
+                    rec = json.loads(row["record"])
+                    tenant = rec["tenant"].encode()
+                    entries.append(Entry(row["request_id"].encode(), tenant, tenant + b"\x00" + rec["day"].encode(),
+                                         row["record"].encode(), Bucket._decode(row["record"].encode())))
+            self.record_many(entries)
+            os.unlink(path)
 
     # -- writing ---------------------------------------------------------------------------
 

@@ -48,8 +48,10 @@ class Engine:
                  max_seqs: int = 64, max_queue: int = 256, max_loading: int = 8,
                  decode_step_tokens: int | None = None, ledger_dir: str | None = None,
                  num_pages: int | None = None, prices: Prices | None = None, sync_debug: str | None = None,
-                 attention: str | None = None) -> None:
+                 attention: str | None = None, billing_failure: str = "serve") -> None:
         cache = cache or CacheConfig()
+        if billing_failure not in ("serve", "refuse"):
+            raise ValueError(f"billing_failure: expected 'serve' or 'refuse', got {billing_failure!r}")
         self.loaded = loaded
         self.config = cache
         self.tokenizer = loaded.tokenizer
@@ -74,7 +76,10 @@ class Engine:
             ledger_dir = os.path.join(os.path.dirname(cache.disk_path), "billing")
         self.ledger = Ledger(ledger_dir, prices or Prices()) if ledger_dir is not None else None
         # Owns the ledger's writes: the engine thread never waits for an fsync.
-        self.billing = BillingWriter(self.ledger) if self.ledger is not None else None
+        # billing_failure: what a request gets when the ledger cannot be written (a full disk):
+        # "serve" (answered, billed from memory when the ledger takes it; /ready says degraded)
+        # or "refuse" (the request fails). engine/billing_writer.py.
+        self.billing = BillingWriter(self.ledger, on_failure=billing_failure) if self.ledger is not None else None
         self.vocab_size = loaded.model.config.vocab_size
         eos = loaded.model.config.eos_token_id
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -199,6 +204,7 @@ class Engine:
         return {"model": self.model_name, "block_size": self.block_size, "dtype": str(self.layout.dtype).removeprefix("torch."),
                 "block_bytes": self.layout.nbytes, "write_policy": self.config.write_policy,
                 "tiers": tiers,
+                "billing": self.billing.status() if self.billing is not None else {"state": "off"},
                 "engine": {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                            "loading": len(self.scheduler.loading),
                            "attention": self.runner.backend.name, "sync_debug": self.sync_debug,

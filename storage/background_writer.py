@@ -54,6 +54,11 @@ class BackgroundWriter(Generic[Batch]):
     def _on_start(self) -> None:
         """On the writer thread, before its first batch."""
 
+    def _idle_timeout(self) -> float | None:
+        """Under _cond, with nothing to do: how long to sleep before asking _has_work again (a
+        retry that comes due); None: until something is queued or the writer stops."""
+        return None
+
     # ---- the thread --------------------------------------------------------------------------
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name=self._thread_name, daemon=True)
@@ -79,7 +84,7 @@ class BackgroundWriter(Generic[Batch]):
         while True:
             with self._cond:
                 while not self._has_work() and not self._stopping:
-                    self._cond.wait()
+                    self._cond.wait(self._idle_timeout())
                 if not self._has_work():
                     return          # stopping, and everything queued was written
                 batch = self._take()

@@ -1,0 +1,165 @@
+"""Issue 17, item 2: a full filesystem is never a failed request, and billing is never lost silently.
+
+On a real tmpfs filled to the last byte: the ledger's reserve gives it room first; past that the
+default policy answers the request, keeps its bill in memory (status: degraded), and commits it
+when space returns; "refuse" fails the request instead; a process closing while degraded spills
+the bills to a file that the next open commits. Counters and events, no wall-clock bounds.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from engine.billing import Ledger, RESERVE_FILE, SPILL_PREFIX
+from engine.billing_writer import BillingWriter
+from tests.engine.conftest import make_engine, random_prompt
+from tieredkv import SamplingParams
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path):
+    mnt = tmp_path / "fs"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    assert r.returncode == 0, f"mounting a tmpfs needs root (CI and our machines have it): {r.stderr}"
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+def fill(mnt: Path, leave: int = 0) -> Path:
+    """Fill the filesystem, leaving about `leave` bytes; returns the (new) filler file."""
+    filler = mnt / f"filler-{len(list(mnt.glob('filler-*')))}"
+    with open(filler, "wb") as f:
+        try:
+            while True:
+                st = os.statvfs(mnt)
+                left = st.f_bavail * st.f_frsize - leave
+                if left <= 0:
+                    break
+                f.write(b"\1" * min(left, 1 << 20))
+                f.flush()
+        except OSError:
+            pass
+    return filler
+
+
+def entry(ledger: Ledger, i: int, tenant: str = "acme"):
+    return ledger.prepare(tenant, f"req-{i}", 32, 4, {"disk": 16}, 16)
+
+
+def wait_until(cond, deadline_s: float = 60.0) -> bool:
+    end = time.monotonic() + deadline_s
+    while not cond():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def submit_and_wait(writer: BillingWriter, e):
+    got = threading.Event()
+    result = {}
+
+    def done(recorded, error):
+        result.update(recorded=recorded, error=error)
+        got.set()
+    writer.submit(e, done)
+    assert got.wait(60)
+    return result
+
+
+def test_the_reserve_gives_the_ledger_room_then_serve_keeps_bills_in_memory_until_space_returns(small_fs: Path) -> None:
+    ledger = Ledger(small_fs / "billing", reserve_bytes=2 << 20)
+    assert (small_fs / "billing" / RESERVE_FILE).stat().st_size == 2 << 20
+    writer = BillingWriter(ledger)
+    try:
+        filler = fill(small_fs)
+        # The filesystem is full: the first commit that fails gives the ledger its reserve.
+        for i in range(20):
+            assert submit_and_wait(writer, entry(ledger, i)) == {"recorded": True, "error": None}
+        assert not (small_fs / "billing" / RESERVE_FILE).exists()
+        assert writer.status()["state"] == "ok"
+        # Fill what the reserve gave back: now no commit fits. The requests are answered (no error)
+        # and their bills wait in memory; the operator sees it.
+        filler2 = fill(small_fs)
+        answered = [submit_and_wait(writer, entry(ledger, i)) for i in range(20, 200)]
+        assert all(a["error"] is None for a in answered)
+        status = writer.status()
+        assert status["state"] == "degraded" and status["unwritten"] > 0 and status["error"], status
+        # Space returns: every bill is committed by the writer's retry, exactly once.
+        filler.unlink()
+        filler2.unlink()
+        assert wait_until(lambda: writer.status()["state"] == "ok")
+        assert ledger.tenant("acme").requests == 200
+        ledger.check()
+        assert wait_until(lambda: (small_fs / "billing" / RESERVE_FILE).exists())   # made again
+    finally:
+        writer.close()
+        ledger.close()
+
+
+def test_refuse_fails_the_request_when_the_ledger_cannot_be_written(small_fs: Path) -> None:
+    ledger = Ledger(small_fs / "billing", reserve_bytes=0)
+    writer = BillingWriter(ledger, on_failure="refuse")
+    try:
+        fill(small_fs)
+        results = [submit_and_wait(writer, entry(ledger, i)) for i in range(200)]
+        failed = [r for r in results if r["error"] is not None]
+        assert failed and all(r["recorded"] is None for r in failed)
+        assert writer.status()["state"] == "ok"          # nothing kept: the callers were told
+        ledger.check()
+    finally:
+        writer.close()
+        ledger.close()
+
+
+def test_closing_while_degraded_spills_the_bills_and_the_next_open_commits_them(small_fs: Path) -> None:
+    ledger = Ledger(small_fs / "billing", reserve_bytes=0)
+    writer = BillingWriter(ledger)
+    crumb = small_fs / "crumb"
+    crumb.write_bytes(b"\1" * 8192)      # freed before closing: room for a spill file, not a commit
+    filler = fill(small_fs)
+    try:
+        for i in range(400):
+            submit_and_wait(writer, entry(ledger, i))
+            if writer.status()["state"] == "degraded":
+                break
+        assert writer.status()["state"] == "degraded"
+        crumb.unlink()
+    finally:
+        writer.close()
+        ledger.close()
+    spills = [p for p in (small_fs / "billing").iterdir() if p.name.startswith(SPILL_PREFIX)]
+    assert writer.spilled >= 1 and len(spills) == 1, (writer.spilled, spills)
+    filler.unlink()
+    with Ledger(small_fs / "billing") as again:       # reads the spill back, then deletes it
+        assert again.tenant("acme").requests == i + 1   # every answered request billed, once
+        again.check()
+    assert not [p for p in (small_fs / "billing").iterdir() if p.name.startswith(SPILL_PREFIX)]
+
+
+def test_an_engine_on_a_full_filesystem_answers_every_request_and_bills_them_when_space_returns(small_fs: Path) -> None:
+    """Issue 17: 'billing failed: No space left on device' on 10 of 10 requests."""
+    eng = make_engine(small_fs)
+    prompts = [random_prompt(24, seed) for seed in range(8)]
+    try:
+        filler = fill(small_fs)
+        ledger_reserve = eng.ledger.path + "/" + RESERVE_FILE
+        outs = [eng.generate(p, SamplingParams(max_tokens=4)) for p in prompts]   # none raises
+        assert all(len(o.token_ids) == 4 for o in outs)
+        filler2 = fill(small_fs) if not os.path.exists(ledger_reserve) else None
+        more = [eng.generate(p, SamplingParams(max_tokens=4)) for p in prompts]
+        assert all(len(o.token_ids) == 4 for o in more)
+        filler.unlink()
+        if filler2 is not None:
+            filler2.unlink()
+        assert wait_until(lambda: eng.cache_status()["billing"]["state"] == "ok")
+        assert wait_until(lambda: eng.ledger.tenant("default").requests == 16), eng.ledger.summary()
+        eng.ledger.check()
+    finally:
+        eng.close()
