@@ -1,7 +1,7 @@
 """create_app(engine, settings): the FastAPI app -- routes wired, errors, metrics, lifespan.
 
-Knows: which routers make the app, the unauthenticated operational routes (/health for load
-balancers, /metrics for Prometheus), the per-request count by route and status, and the
+Knows: which routers make the app, the unauthenticated operational routes (/health: liveness,
+/ready: readiness with each tier's state, for load balancers; /metrics for Prometheus), the per-request count by route and status, and the
 shutdown order: stop admitting (503), wait for in-flight requests (bounded by
 settings.shutdown_timeout_s), then engine.close() -- which flushes cached blocks to disk;
 the ledger is already committed, request by request.
@@ -15,7 +15,7 @@ from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -53,10 +53,26 @@ def create_app(engine: Any, settings: ServiceSettings = ServiceSettings()) -> Fa
 
     @app.get("/health")
     async def health(request: Request) -> Any:
+        """Liveness: the process serves HTTP and its engine loop runs (503 while shutting down,
+        as load balancers expect). A degraded tier is not a reason to restart: see /ready."""
         c = ctx(request)
         if c.dispatcher.draining or c.engine_closed:
             raise APIError(503, "the server is shutting down", code="shutting_down")
+        if not engine_alive(c.engine):
+            raise APIError(503, "the engine loop has stopped", code="engine_stopped")
         return {"status": "ok", "model": c.model_name, "in_flight": c.dispatcher.in_flight}
+
+    @app.get("/ready")
+    async def ready(request: Request) -> Any:
+        """Readiness: whether this server should get traffic now, with each tier's state. 503 when
+        shutting down, when the engine loop stopped, or when billing cannot be written (requests
+        would be answered with their bills only in memory: engine/billing_writer.py). A disk tier
+        moved aside or unavailable, or an open remote breaker, is a smaller cache: reported, still
+        ready."""
+        c = ctx(request)
+        status = await run_in_threadpool(c.engine.cache_status)
+        body = readiness(status, draining=c.dispatcher.draining or c.engine_closed, alive=engine_alive(c.engine))
+        return JSONResponse(body, status_code=200 if body["ready"] else 503)
 
     @app.get("/metrics")
     async def prometheus(request: Request) -> Response:
@@ -71,6 +87,43 @@ def create_app(engine: Any, settings: ServiceSettings = ServiceSettings()) -> Fa
     app.add_middleware(CatchAll)
     app.add_middleware(CountRequests, metrics=metrics)
     return app
+
+
+def engine_alive(engine: Any) -> bool:
+    thread = getattr(engine, "_thread", None)
+    return thread is None or thread.is_alive()
+
+
+def readiness(status: dict, draining: bool, alive: bool) -> dict:
+    """/ready's body: ready or not, why not, and each tier's state as cache_status reports it."""
+    tiers = status.get("tiers", {})
+    disk, remote, host = (tiers.get(t) or {} for t in ("disk", "remote", "host"))
+    billing = status.get("billing", {"state": "off"})
+    if not disk.get("enabled", True) and not disk.get("unavailable"):
+        disk_state = "off"
+    elif disk.get("unavailable"):
+        disk_state = "unavailable"
+    elif disk.get("moved_aside"):
+        disk_state = "recovered"          # a damaged store was moved aside; a fresh one serves
+    else:
+        disk_state = "ok"
+    if not remote.get("enabled", True):
+        remote_state = "off"
+    else:
+        remote_state = "ok" if remote.get("breaker", "closed") == "closed" else f"breaker {remote.get('breaker')}"
+    reasons = []
+    if draining:
+        reasons.append("shutting down")
+    if not alive:
+        reasons.append("the engine loop has stopped")
+    if billing.get("state") == "degraded":
+        reasons.append(f"billing cannot be written ({billing.get('unwritten')} bills in memory: {billing.get('error')})")
+    return {"ready": not reasons, "reasons": reasons,
+            "tiers": {"device": "ok", "host": "ok" if host.get("enabled", True) else "off",
+                      "disk": disk_state, "remote": remote_state},
+            "disk": {k: disk.get(k) for k in ("unavailable", "recovered", "moved_aside", "free_bytes",
+                                              "space_bound_bytes") if k in disk},
+            "billing": billing}
 
 
 async def shutdown(c: AppContext) -> None:

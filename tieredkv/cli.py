@@ -75,6 +75,11 @@ def serve(
     device_memory: str = typer.Option("1GiB", help="Device page pool size."),
     host_memory: str = typer.Option("4GiB", help="Host tier size (0 disables it)."),
     disk_capacity: str = typer.Option("50GiB", help="Disk tier capacity (compressed bytes)."),
+    disk_reserve: str = typer.Option("256MiB", help="Free space the disk tier always leaves on its filesystem "
+                                     "(it shrinks, LRU first, rather than fill the disk)."),
+    on_billing_failure: str = typer.Option("serve", help="When the billing ledger cannot be written (a full "
+                                           "disk): serve (answer; keep bills in memory, written when space "
+                                           "returns; /ready says 503) or refuse (the request fails)."),
     api_keys: Optional[str] = typer.Option(None, help='JSON file {"sk-...": {"tenant": ..., "role": "admin"|"user"}}.'),
     block_size: int = typer.Option(16, help="Tokens per cached block."),
     prices: Optional[str] = typer.Option(None, help="Prices file (JSON or .toml), micro-dollars per 1M tokens."),
@@ -98,8 +103,10 @@ def serve(
     from storage.config import CacheConfig
     root = cache_root(cache_dir)
     cache = CacheConfig(block_size=block_size, device_memory=device_memory, host_memory=host_memory,
-                        disk_dir=str(root / "kv"), disk_capacity=disk_capacity,
+                        disk_dir=str(root / "kv"), disk_capacity=disk_capacity, disk_reserve=disk_reserve,
                         **remote_options(remote_url, remote_timeout, remote_ttl, remote_write))
+    if on_billing_failure not in ("serve", "refuse"):
+        raise CLIError(f"--on-billing-failure: expected serve or refuse, got {on_billing_failure!r}", code=2)
     for name, path in (("--prices", prices), ("--api-keys", api_keys)):
         if path and not os.path.isfile(path):
             raise CLIError(f"{name}: no such file {path}", code=2)
@@ -118,7 +125,7 @@ def serve(
                      "once, ~30 s)"):
             from engine import Engine
             engine = Engine.from_pretrained(model, cache, device=device, dtype=dtype, ledger_dir=str(root / "billing"),
-                                            prices=price_table)
+                                            prices=price_table, billing_failure=on_billing_failure)
         bound = sock.getsockname()
         sock.listen(2048)
         shown = f"[{bound[0]}]" if sock.family == socket.AF_INET6 else bound[0]
@@ -214,6 +221,19 @@ def status(
         ratio = f"{disk['compression_ratio']:.2f}x" if disk.get("used_bytes") else "n/a (empty)"
         out.print(f"disk: compression ratio {ratio}, pending writes "
                   f"{disk.get('pending_writes', 0)}, corrupt blocks found {disk.get('corrupt', 0)}")
+    if disk.get("moved_aside"):
+        out.print(f"[bold yellow]disk: damaged store moved aside {disk['moved_aside']}x[/] (a fresh one serves): "
+                  f"{escape(str(disk.get('recovered')))}", soft_wrap=True)
+    if disk.get("unavailable"):
+        out.print(f"[bold red]disk: unavailable[/] ({escape(str(disk['unavailable']))}); serving without it",
+                  soft_wrap=True)
+    if disk.get("space_bound_bytes"):
+        out.print(f"[bold yellow]disk: bounded by free space[/]: {format_size(disk.get('free_bytes') or 0)} free, "
+                  f"store file held at {format_size(disk['space_bound_bytes'])}", soft_wrap=True)
+    billing = body.get("billing", {})
+    if billing.get("state") == "degraded":
+        out.print(f"[bold red]billing: degraded[/]: {billing.get('unwritten', 0)} bills in memory, not yet in the "
+                  f"ledger ({escape(str(billing.get('error')))}); written when the disk has room", soft_wrap=True)
     remote = tiers.get("remote", {})
     if remote.get("enabled"):
         breaker = remote.get("breaker", "?")
