@@ -90,6 +90,16 @@ def is_no_space(e: BaseException, path: str) -> bool:
     return False
 
 
+def data_file_id(path: str) -> tuple[int, int] | None:
+    """(device, inode) of `path`/data.mdb, or None when there is none: how a process sharing the
+    directory sees that another one moved the store aside and started a fresh one."""
+    try:
+        st = os.stat(os.path.join(path, "data.mdb"))
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
 def reserve_lock_file(path: str, lock_name: str = "lock.mdb") -> None:
     """Before LMDB opens `path`: make its lock file's pages real. LMDB writes its reader table
     through a shared map of lock.mdb, which it only ftruncates: on a full filesystem the first
@@ -225,6 +235,7 @@ class EnvGate:
         self._down: str | None = None               # why no store can be had (begin raises DiskUnavailable)
         self._resizing = False                      # a thread is adopting a new map or a new store
         self.generation = 0                         # +1 each time the store is replaced
+        self.file_id = data_file_id(path)           # (device, inode) of the data.mdb this gate maps
         # Called (error, generation) on the thread that saw a DAMAGE_ERRORS error, after its
         # transaction closed; the tier replaces the store. None: nothing is done (readonly).
         self.on_damage: Callable[[BaseException, int], None] | None = None
@@ -336,6 +347,7 @@ class EnvGate:
                 self._down = f"{self._path}: no usable store ({type(e).__name__}: {e})"
                 raise
             self.generation += 1
+            self.file_id = data_file_id(self._path)
             return True
         finally:
             self._release()

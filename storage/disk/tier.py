@@ -44,7 +44,8 @@ from storage.codec.payload import Codec
 from storage.codec.stored_block import BlockMeta, verify_and_decode
 from storage.disk.integrity import DamagedBlock, VerifyReport, audit, verify_store
 from storage.disk.index import DiskIndex
-from storage.disk.environment import (DiskUnavailable, EnvGate, default_map_size, open_env, open_for_writing)
+from storage.disk.environment import (DiskUnavailable, EnvGate, data_file_id, default_map_size, open_env,
+                                      open_for_writing)
 from storage.disk.preflight import DamagedEnvironment, opening
 from storage.disk.stats import DiskBlockInfo, DiskStats, _Counters
 from storage.disk.pagewalk import check_pages
@@ -125,6 +126,7 @@ class DiskTier:
         self._replace_lock = threading.Lock()    # one replacement of a damaged store at a time
         if not readonly:
             self._gate.on_damage = self._replace_damaged
+            self._writer.on_tick = self._follow
             self._writer.start()
 
     # The environment and its database handles are the gate's: a damaged store is replaced under
@@ -440,7 +442,11 @@ class DiskTier:
 
             def reopen():
                 with opening(self.path):
-                    opened = open_for_writing(self.path, self._map_size, self.capacity_bytes, reason=reason)
+                    # Another process sharing the directory may have moved it aside already: then
+                    # its fresh store is taken as it is, never moved aside in turn.
+                    theirs = data_file_id(self.path) not in (None, self._gate.file_id)
+                    opened = open_for_writing(self.path, self._map_size, self.capacity_bytes,
+                                              reason=None if theirs else reason)
                 got.append(opened)
                 return opened.env, opened.dbs
             try:
@@ -458,6 +464,26 @@ class DiskTier:
             self._count(moved_aside=1)
         log.error("disk tier %s: damaged while in use (%s): %s; serving goes on with an empty disk tier",
                   self.path, reason, opened.recovered)
+
+    def _follow(self) -> None:
+        """The writer's tick: when data.mdb is no longer the file this process maps (another
+        process sharing the directory moved a damaged store aside), take the fresh one."""
+        now = data_file_id(self.path)
+        if now is None or now == self._gate.file_id:
+            return
+        generation = self._gate.generation
+        log.warning("disk tier %s: another process replaced the store; following it", self.path)
+
+        def reopen():
+            with opening(self.path):
+                opened = open_for_writing(self.path, self._map_size, self.capacity_bytes)
+            self._index.clear()
+            self._index.add(opened.hashes)
+            return opened.env, opened.dbs
+        try:
+            self._gate.replace(generation, reopen)
+        except Exception:
+            log.exception("disk tier %s: following the replaced store failed", self.path)
 
     # -- internals: reading --------------------------------------------------------------
 

@@ -80,6 +80,9 @@ class DiskWriter(BackgroundWriter[tuple[list[PendingBlock], dict[bytes, int]]]):
         # block it stored: the remote tier's write-behind, so a block is compressed once for both.
         self.on_commit: Callable[[list], None] | None = None
         self._warned_capacity = False                   # writer thread only
+        # Called on the writer thread every few seconds (with the stale-reader check): the tier
+        # follows a store another process sharing the directory moved aside (DiskTier._follow).
+        self.on_tick: Callable[[], None] | None = None
         # The filesystem's free space (issue 17, item 2): the store never grows into the last
         # `reserve_bytes` of it (the billing ledger and everything else on the disk need them).
         # None: no such bound. Writer thread only, but for `space` (read by stats()).
@@ -190,6 +193,8 @@ class DiskWriter(BackgroundWriter[tuple[list[PendingBlock], dict[bytes, int]]]):
         if not force and now - self._last_reader_check < _READER_CHECK_S:
             return 0
         self._last_reader_check = now
+        if self.on_tick is not None:
+            self.on_tick()
         try:
             n = self._gate.env.reader_check()
         except lmdb.Error as e:

@@ -244,3 +244,32 @@ def test_lmdb_reports_the_damage_we_turn_into_a_verdict(tmp_path: Path) -> None:
         raise AssertionError("LMDB read through a page of the wrong type")
     finally:
         env.close()
+
+
+WRITE_FRESH = """
+import sys
+from storage.disk.tier import DiskTier
+from tests.storage.disk_tier_child import make_block, make_key
+with DiskTier(sys.argv[1], 64 << 20) as t:
+    for i in range(200, 205):
+        t.put(make_key(i), make_block(i))
+"""
+
+
+def test_a_process_sharing_the_directory_follows_a_store_another_one_moved_aside(tmp_path: Path) -> None:
+    """Process B moved a damaged store aside and started a fresh one: process A, still mapping the
+    old file, takes the fresh one at its writer's next tick instead of writing into the old one."""
+    from storage.disk.preflight import move_aside
+    kv = tmp_path / "kv"
+    with DiskTier(str(kv), CAP) as t:
+        for i in range(10):
+            t.put(make_key(i), make_block(i))
+        assert t.flush(timeout=60)
+        move_aside(str(kv), "moved by another process (test)")
+        run_child(WRITE_FRESH, kv)
+        t._writer.clear_stale_readers(force=True)        # the writer's periodic tick
+        assert t.get(make_key(3)) is None and same_bits(t.get(make_key(202)), make_block(202))
+        t.put(make_key(300), make_block(300))
+        assert t.flush(timeout=60)
+    with DiskTier(str(kv), CAP) as t:
+        assert t.stats().blocks == 6 and same_bits(t.get(make_key(300)), make_block(300))
