@@ -86,9 +86,10 @@ class _Walk:
         raise DamagedEnvironment(f"{self.data}: {what}")
 
     def run(self) -> int:
-        for name, root in (("free-page database", self.meta.free_root), ("main database", self.meta.main_root)):
+        for name, root, depth in (("free-page database", self.meta.free_root, self.meta.free_depth),
+                                  ("main database", self.meta.main_root, self.meta.main_depth)):
             if root != _P_INVALID:
-                self.tree(root, name, main=name == "main database")
+                self.tree(root, name, depth, main=name == "main database")
         self.check_free()
         return len(self.seen)
 
@@ -150,11 +151,16 @@ class _Walk:
             self.fail(f"{what}: page {pgno} is cut short")
         return p
 
-    def tree(self, root: int, name: str, main: bool = False) -> None:
+    def tree(self, root: int, name: str, depth: int, main: bool = False) -> None:
+        """Walk one B+tree of `depth` levels: every page at the last level a leaf, every other a
+        branch (LMDB asserts as much in mdb_cursor_sibling: a child of the wrong kind aborted the
+        process), every branch with at least one child."""
         free = name == "free-page database"
-        stack = [root]
+        if not 1 <= depth <= 32:
+            self.fail(f"{name}: a depth of {depth} levels")
+        stack = [(root, 1)]
         while stack:
-            pgno = stack.pop()
+            pgno, level = stack.pop()
             p = self.page(pgno, name)
             own, = struct.unpack_from("<Q", p, 0)
             flags, lower, upper = struct.unpack_from("<HHH", p, 10)
@@ -162,6 +168,12 @@ class _Walk:
             if own != pgno or kind not in (_P_BRANCH, _P_LEAF):
                 self.fail(f"{name}: page {pgno} is not a branch or leaf page of its own number "
                           f"(says page {own}, flags {flags:#x})")
+            # NOTE: exactly one kind bit and nothing else: a stored page never carries P_DIRTY (with it
+            # set LMDB would edit the read-only map in place instead of copying: SIGSEGV).
+            if flags != (_P_LEAF if level == depth else _P_BRANCH):
+                self.fail(f"{name}: page {pgno} at level {level} of {depth} has flags {flags:#x}")
+            if kind == _P_BRANCH and lower < _HDR + 2:
+                self.fail(f"{name}: branch page {pgno} has no child")
             if not (_HDR <= lower <= upper <= self.psize) or (lower - _HDR) % 2:
                 self.fail(f"{name}: page {pgno} has a damaged header (lower {lower}, upper {upper})")
             n = (lower - _HDR) // 2
@@ -173,7 +185,7 @@ class _Walk:
                 if kind == _P_BRANCH:
                     if end > self.psize:
                         self.fail(f"{name}: page {pgno} has a key running past the page")
-                    stack.append(lo | hi << 16 | nflags << 32)
+                    stack.append((lo | hi << 16 | nflags << 32, level + 1))
                     continue
                 size = lo | hi << 16
                 if nflags & _F_DUPDATA:
@@ -198,6 +210,7 @@ class _Walk:
                     if not main or size != _DB:
                         self.fail(f"{name}: page {pgno} has a misplaced database record")
                     sub_root, = struct.unpack_from("<Q", p, end + 40)
+                    sub_depth, = struct.unpack_from("<H", p, end + 6)
                     if sub_root != _P_INVALID:
                         key = p[off + _NODE:end].decode("ascii", "replace")
-                        self.tree(sub_root, f"database {key!r}")
+                        self.tree(sub_root, f"database {key!r}", sub_depth)

@@ -47,6 +47,8 @@ class MetaPage:
     last_page: int
     txnid: int
     free_root: int = _P_INVALID
+    free_depth: int = 0
+    main_depth: int = 0
 
 
 def _read_meta(f, offset: int, index: int) -> MetaPage | None:
@@ -62,10 +64,12 @@ def _read_meta(f, offset: int, index: int) -> MetaPage | None:
     main_root, = struct.unpack_from("<Q", p, 128)
     free_root, = struct.unpack_from("<Q", p, 80)
     last_page, txnid = struct.unpack_from("<QQ", p, 136)
+    free_depth, = struct.unpack_from("<H", p, 46)
+    main_depth, = struct.unpack_from("<H", p, 94)
     if (pgno != index or not flags & _P_META or magic != _MAGIC or version != _DATA_VERSION
             or page_size < 512 or page_size > 65536 or page_size & (page_size - 1)):
         return None
-    return MetaPage(page_size, map_size, main_root, last_page, txnid, free_root)
+    return MetaPage(page_size, map_size, main_root, last_page, txnid, free_root, free_depth, main_depth)
 
 
 def read_meta_pages(f) -> tuple[MetaPage | None, MetaPage | None]:
