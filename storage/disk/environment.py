@@ -57,9 +57,11 @@ class DiskUnavailable(OSError):
 
 
 # The errors that mean the store itself is damaged: LMDB's MDB_CORRUPTED, MDB_PAGE_NOTFOUND,
-# MDB_PANIC (the environment had a fatal error and must be reopened), MDB_INVALID, and ours.
+# MDB_PANIC (the environment had a fatal error and must be reopened), MDB_INVALID, MDB_INCOMPATIBLE
+# (our databases never change their flags: a node flag flipped says "dup-sorted" -- fault drill),
+# and ours.
 DAMAGE_ERRORS: tuple[type[BaseException], ...] = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.PanicError,
-                                                  lmdb.InvalidError, DamagedEnvironment)
+                                                  lmdb.InvalidError, lmdb.IncompatibleError, DamagedEnvironment)
 
 
 def is_damage(e: BaseException) -> bool:

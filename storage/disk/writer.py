@@ -89,6 +89,7 @@ class DiskWriter(BackgroundWriter[tuple[list[PendingBlock], dict[bytes, int]]]):
         self._reserve = reserve_bytes
         self._full_map = map_size
         self._last_space_check = -1e9
+        self._last_set: int | None = None        # the map size this writer last set
         self._growth_left: int | None = None     # bytes the data file may still grow; None: unbounded
         self.space: tuple[int | None, int | None] = (None, None)   # (free bytes, the map's bound or None)
 
@@ -234,12 +235,14 @@ class DiskWriter(BackgroundWriter[tuple[list[PendingBlock], dict[bytes, int]]]):
         except OSError:
             return
         room = free - self._reserve
-        target = min(self._full_map, used + max(0, room))
         current = self._gate.env.info()["map_size"]
+        if current != self._last_set and current > self._full_map:
+            self._full_map = current          # another process grew the map: that is the full size now
+        target = min(self._full_map, used + max(0, room))
         # Hysteresis: shrink at once, grow back only by a good step (each change waits for every
         # open transaction of the process).
         if target < current or target >= current + _MAP_STEP or (target == self._full_map != current):
-            current = self._gate.set_map_size(target)
+            current = self._last_set = self._gate.set_map_size(target)
             if current < self._full_map:
                 log.warning("disk tier %s: %d bytes free on its filesystem, %d reserved: the store is bounded "
                             "at %d bytes of file (a smaller cache, LRU first)", self._gate.env.path(), free,
