@@ -200,7 +200,8 @@ def test_verify_finds_damage_exits_1_and_repair_deletes_it(cache: dict, tmp_path
     r = tkv("verify", "--cache-dir", str(root), "--repair")
     assert r.returncode == 0 and "1 damaged, 1 deleted" in r.stdout
     assert tkv_json("verify", "--cache-dir", str(root)) == {"path": str(root / "kv"), "checked": 23, "damaged": 0,
-                                                            "repaired": 0, "blocks": []}
+                                                            "repaired": 0, "blocks": [], "store": [],
+                                                            "store_repaired": []}
 
 
 # ---- the real default model: serve + status/billing over HTTP, and the demo ------------------
