@@ -117,6 +117,9 @@ class Engine:
             if self.tokenizer is None:
                 raise ValueError("prompt: this model has no tokenizer; pass a list of token ids")
             ids = list(self.tokenizer(prompt)["input_ids"])
+        elif isinstance(prompt, (list, tuple)) and len(prompt) >= self.max_context:
+            raise ValueError(f"prompt: {len(prompt)} tokens leave no room to generate within the context of "
+                             f"{self.max_context} tokens")       # before anything walks the list
         elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             ids = list(prompt)
         else:
@@ -138,6 +141,9 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise ValueError("params: expected a SamplingParams")
         validate_tenant(tenant)   # refused now, not when the finished request is billed
+        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
         ids = self.encode(prompt)
         seq = Sequence(request_id=f"cmpl-{uuid.uuid4().hex[:24]}", prompt_ids=ids, params=params, tenant=tenant,
                        namespace=self.namespace(tenant), block_size=self.block_size,
@@ -341,7 +347,8 @@ class Engine:
         try:
             with self._sync_check():
                 step = sample_batch(torch.stack([row for _, row in producing]), [q.params for q, _ in producing],
-                                    [q.generator for q, _ in producing])
+                                    [q.generator for q, _ in producing],
+                                    [(q.prompt_ids, q.output_ids) for q, _ in producing], self.eos_ids)
             results = step.read()        # the step's one wait for the device
         except Exception as e:
             log.exception("sampling a step of %d sequences failed", len(producing))

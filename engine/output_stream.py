@@ -1,9 +1,9 @@
 """How a sequence's tokens become what its caller sees.
 
-Knows: when a sequence stops (an end-of-sequence or stop token, a stop string, its length), its
-text grown incrementally (engine/detokenizer.py), what is streamed when (a possibly partial
-UTF-8 character or stop string is held back until it is known), and the final output with its
-usage billed by token origin and its timings.
+Knows: when a sequence stops (an end-of-sequence or stop token, a stop string, its length; not
+before min_tokens), its text grown incrementally (engine/detokenizer.py), what is streamed when
+(a possibly partial UTF-8 character or stop string is held back until it is known), and the
+final output with its usage billed by token origin and its timings.
 Doesn't know: the model, the scheduler or billing (engine/engine.py runs these on the engine
 thread and hands the final chunk to the caller once the ledger committed it).
 """
@@ -19,19 +19,30 @@ from storage.tiered_cache import TIERS
 
 def take_token_text(seq: Sequence, token: int, eos_ids, tokenizer) -> str | None:
     """Grow the sequence's text by its newest token; the reason it stops now ("stop", "length"),
-    or None. A stop string found cuts the text before it."""
+    or None. A stop string found cuts the text before it (after it with
+    include_stop_str_in_output); an end or stop token's own text is left out likewise, as vLLM
+    does. Nothing stops the sequence before it has min_tokens (the sampler keeps end and stop ids
+    from being drawn until then; a stop string must end past the text of those tokens)."""
     p = seq.params
-    reason = None
-    if (token in eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
-        reason = "stop"
+    counting = len(seq.output_ids) > p.min_tokens      # this token is past the first min_tokens
+    stop_token = counting and ((token in eos_ids and not p.ignore_eos) or token in p.stop_token_ids)
+    reason = "stop" if stop_token else None
     if tokenizer is not None:
         if seq.detok is None:
             seq.detok = IncrementalDetokenizer(tokenizer)
-        seq.text = seq.detok.add(token)      # == decode(output_ids), in O(new tokens)
-        for stop in p.stop:
-            i = seq.text.find(stop, max(0, seq.sent_chars - len(stop)))
-            if i >= 0:
-                seq.text, reason = seq.text[:i], "stop"
+        if not stop_token or p.include_stop_str_in_output:
+            seq.text = seq.detok.add(token)      # == decode(output_ids), in O(new tokens)
+        if not counting:
+            seq.stop_floor = len(seq.text)
+        elif p.stop:
+            found = None
+            for stop in p.stop:
+                i = seq.text.find(stop, max(0, seq.sent_chars - len(stop), seq.stop_floor - len(stop) + 1))
+                if i >= 0 and (found is None or i < found[0]):
+                    found = (i, stop)
+            if found is not None:
+                i, stop = found
+                seq.text, reason = seq.text[:i + (len(stop) if p.include_stop_str_in_output else 0)], "stop"
     if reason is None and (len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= seq.max_len):
         reason = "length"
     return reason
@@ -45,7 +56,7 @@ def emit(seq: Sequence, final: bool) -> None:
         # Hold back a possibly partial UTF-8 character and a possibly partial stop string.
         if seq.text.endswith("\ufffd"):
             end -= 1
-        if seq.params.stop:
+        if seq.params.stop and not seq.params.include_stop_str_in_output:
             end = max(seq.sent_chars, end - (max(len(s) for s in seq.params.stop) - 1))
     text = seq.text[seq.sent_chars:end]
     ids = seq.output_ids[seq.sent_tokens:]

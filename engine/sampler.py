@@ -12,12 +12,18 @@ logprobs stay on the device until `SampledStep.read()`, which copies them all ba
 transfer into pinned memory and one event wait per step, not one `.item()` per sequence).
 A draw is an exponential race (argmax of p / Exp(1) noise, a multinomial draw without the
 host-side checks `torch.multinomial` makes).
-Doesn't know sequences or batching; the engine hands it the rows that produce a token.
+Penalties (repetition, frequency, presence) and min_tokens' ban on end/stop ids change the logits
+of the rows that ask for them, as tensor ops over those rows at once; a step where no row asks
+does no such work and samples the model's logits as they are. Log-probabilities are always the
+model's (before penalties and temperature), as vLLM reports them by default.
+Doesn't know sequences or batching; the engine hands it the rows that produce a token (and, for
+penalties and min_tokens, each row's prompt and output ids so far).
 """
 from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass
+from typing import Collection, Sequence
 
 import torch
 
@@ -94,14 +100,18 @@ class SampledStep:
         return out
 
 
-def sample_batch(logits: torch.Tensor, params: list[SamplingParams],
-                 generators: list[torch.Generator | None]) -> SampledStep:
-    """logits [N, vocab] (any dtype, any device), one params and generator per row."""
+def sample_batch(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+                 history: Sequence[tuple[list[int], list[int]]] | None = None,
+                 eos_ids: Collection[int] = ()) -> SampledStep:
+    """logits [N, vocab] (any dtype, any device), one params and generator per row; `history`:
+    each row's (prompt ids, output ids so far), needed only by rows with penalties or min_tokens;
+    `eos_ids`: the ids min_tokens keeps from being sampled (besides the row's stop_token_ids)."""
     nan = torch.isnan(logits).any(dim=-1)
-    tokens = torch.argmax(logits, dim=-1)
+    scores = _processed(logits, params, history, eos_ids)
+    tokens = torch.argmax(scores, dim=-1)
     for i, (p, g) in enumerate(zip(params, generators)):
         if not is_greedy(p) and g is not None:
-            tokens[i] = _draw(logits[i], p, g)
+            tokens[i] = _draw(scores[i], p, g)
     widths = [p.logprobs or 0 for p in params]
     lp_index = lp_value = None
     if any(widths):
@@ -119,10 +129,82 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams],
     return SampledStep(tokens, nan, lp_index, lp_value, widths)
 
 
+def _banned(p: SamplingParams, output_len: int, eos_ids: Collection[int]) -> list[int]:
+    """The ids min_tokens keeps this row from sampling now (none once it has min_tokens)."""
+    if output_len >= p.min_tokens:
+        return []
+    return list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_ids))
+
+
+def _processed(logits: torch.Tensor, params: list[SamplingParams],
+               history: Sequence[tuple[list[int], list[int]]] | None, eos_ids: Collection[int]) -> torch.Tensor:
+    """The logits with every row's penalties and min_tokens ban applied (float32), or `logits`
+    itself when no row has any: the common step pays nothing."""
+    penalized = [i for i, p in enumerate(params) if p.penalized]
+    if not penalized and not any(p.min_tokens for p in params):
+        return logits
+    if history is None:
+        raise ValueError("sample_batch: penalties and min_tokens need each row's token history")
+    bans = [(i, b) for i, p in enumerate(params) if p.min_tokens
+            for b in [_banned(p, len(history[i][1]), eos_ids)] if b]
+    if not penalized and not bans:
+        return logits
+    scores = logits.to(torch.float32, copy=True)
+    vocab, device = scores.shape[-1], scores.device
+    if penalized:
+        ps = [params[i] for i in penalized]
+        rows = _upload([penalized], torch.long, device)[0]
+        # float64: a repetition penalty as small or large as the params allow neither rounds to 0
+        # nor turns a logit into NaN (an overflow is an infinity, as a logit may be).
+        x = scores.index_select(0, rows).double()
+        # [3, R]: repetition, frequency and presence penalty of each penalized row.
+        rep, freq, pres = _upload([[p.repetition_penalty for p in ps], [p.frequency_penalty for p in ps],
+                                   [p.presence_penalty for p in ps]], torch.float64, device).unsqueeze(2)
+        counts = _counts([history[i][1] for i in penalized], vocab, device)      # output tokens only
+        present = counts > 0
+        if any(p.repetition_penalty != 1 for p in ps):
+            prompts = [history[i][0] if p.repetition_penalty != 1 else [] for i, p in zip(penalized, ps)]
+            seen = present | (_counts(prompts, vocab, device) > 0)
+            x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+        x = x - freq * counts - pres * present
+        scores.index_copy_(0, rows, x.float())
+    if bans:
+        pairs = [(i, t) for i, ids in bans for t in ids if t < vocab]
+        if pairs:
+            where = _upload([[i for i, _ in pairs], [t for _, t in pairs]], torch.long, device)
+            scores[where[0], where[1]] = float("-inf")
+    return scores
+
+
+def _counts(lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """[len(lists), vocab] float64: how often each token id occurs in each list."""
+    width = max((len(ids) for ids in lists), default=0)
+    out = torch.zeros((len(lists), vocab + 1), dtype=torch.float64, device=device)
+    if width:
+        # Padded with `vocab`, a column cut off below (so is any id past the logits' width).
+        idx = _upload([ids + [vocab] * (width - len(ids)) for ids in lists], torch.long, device).clamp_(0, vocab)
+        out.scatter_add_(1, idx, torch.ones(idx.shape, dtype=torch.float64, device=device))
+    return out[:, :vocab]
+
+
+def _upload(rows: list[list], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list of rows as a device tensor, without waiting for the device (pinned memory and a
+    non-blocking copy under CUDA: the step's invariant is one wait, in SampledStep.read)."""
+    t = torch.tensor(rows, dtype=dtype)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def _draw(row: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> torch.Tensor:
-    """A 0-d device tensor: the token drawn from temperature + top-k + top-p over `row`."""
+    """A 0-d device tensor: the token drawn from temperature + min-p + top-k + top-p over `row`."""
     x = row.double()
     x = (x - x.max()) / params.temperature          # finite: the max is 0, the rest <= 0 or -inf
+    if params.min_p > 0:
+        # vLLM's order: min_p on the tempered distribution, then top-k and top-p. The top token
+        # always stays (its probability is the max).
+        p = torch.softmax(x, dim=-1)
+        x = x.masked_fill(p < params.min_p * p.max(), float("-inf"))
     if params.top_k and params.top_k < x.numel():
         kth = torch.topk(x, params.top_k).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))

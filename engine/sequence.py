@@ -57,6 +57,7 @@ class Sequence:
     detok: Any = None                             # its IncrementalDetokenizer (engine thread)
     sent_chars: int = 0                           # text already streamed
     sent_tokens: int = 0                          # token ids already streamed
+    stop_floor: int = 0                           # text a stop string must end past (min_tokens' text)
     logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     token_logprobs: list[float] = field(default_factory=list)   # the sampled token's, per output token
     pending_final: tuple[str, list[int]] = ("", [])  # the last chunk's text and ids

@@ -27,6 +27,7 @@ from service.dispatch import Dispatcher
 from service.errors import APIError, install_error_handlers
 from service.metrics import ServiceMetrics
 from service.openapi import install_openapi
+from service.schemas import IGNORED_HEADER, ignored_header_value
 from service.settings import ServiceSettings
 
 log = logging.getLogger("tieredkv.service")
@@ -47,6 +48,7 @@ def create_app(engine: Any, settings: ServiceSettings = ServiceSettings()) -> Fa
     app = FastAPI(title="tieredkv", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.state.tieredkv = context
     app.state.max_body_bytes = settings.max_body_bytes
+    app.state.unknown_fields = settings.unknown_fields
     install_error_handlers(app)
     app.include_router(openai_routes.router)
     app.include_router(cache_routes.router)
@@ -84,6 +86,7 @@ def create_app(engine: Any, settings: ServiceSettings = ServiceSettings()) -> Fa
 
     install_openapi(app)
     # Added last, so it runs first (outermost): the error catch-all sits inside the counting.
+    app.add_middleware(IgnoredFieldsHeader)
     app.add_middleware(CatchAll)
     app.add_middleware(CountRequests, metrics=metrics)
     return app
@@ -166,6 +169,30 @@ class CatchAll:
                 raise      # a response is under way: nothing well-formed can be sent now
             response = APIError(500, "internal server error", code="internal_error").response()
             await response(scope, receive, send)
+
+
+class IgnoredFieldsHeader:
+    """Lenient mode: a response to a request whose unknown fields were dropped names them in
+    the X-Tieredkv-Ignored-Fields header (service.schemas.parse_body records them in the
+    request's state, which is this scope's "state")."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_wrapper(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                names = (scope.get("state") or {}).get("ignored_fields")
+                if names:
+                    value = ignored_header_value(names).encode("ascii")
+                    message = {**message, "headers": [*message.get("headers", []),
+                                                      (IGNORED_HEADER.lower().encode(), value)]}
+            await send(message)
+        await self.app(scope, receive, send_wrapper)
 
 
 class CountRequests:

@@ -50,6 +50,7 @@ async def lookup(request: Request) -> Any:
     c.authenticate(request)
     req = await parse_body(request, LookupRequest)
     caller = c.caller(request, req.user)
+    c.check_prompt_size(prompt=req.prompt, messages=req.messages)
     engine = c.engine
     if req.messages is not None:
         messages = [m.to_dict() for m in req.messages]

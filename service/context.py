@@ -1,7 +1,8 @@
 """What every route of one app shares: the engine, settings, keys, dispatcher and metrics.
 
 Knows: how a route gets at them (`ctx(request)`) and the per-request checks every route
-repeats: who is calling, and whether the named model is the one served.
+repeats: who is calling, whether the named model is the one served, and whether a prompt is
+small enough to be worth tokenizing.
 Doesn't know: any route's logic.
 """
 from __future__ import annotations
@@ -14,9 +15,12 @@ from fastapi import Request
 
 from service.auth import ApiKeys, Caller, resolve_caller
 from service.dispatch import Dispatcher
-from service.errors import APIError
+from service.errors import APIError, bad_request
 from service.metrics import ServiceMetrics
 from service.settings import ServiceSettings
+
+# A token is a few bytes of text (about 4 in English); 32 leaves room for any real prompt that fits.
+PROMPT_BYTES_PER_TOKEN = 32
 
 
 @dataclass
@@ -40,6 +44,34 @@ class AppContext:
 
     def caller(self, request: Request, user: object = None) -> Caller:
         return resolve_caller(self.keys, request.headers.get("authorization"), user)
+
+    @property
+    def max_prompt_bytes(self) -> int:
+        return self.settings.max_prompt_bytes or PROMPT_BYTES_PER_TOKEN * self.engine.max_context
+
+    def check_prompt_size(self, prompt: Any = None, messages: Any = None) -> None:
+        """400 for a prompt that cannot fit the context, found without tokenizing it: text (or
+        chat messages' contents, summed) longer in UTF-8 than max_prompt_bytes, or more token
+        ids than the context holds. (An 8 MB prompt was tokenized in full before the engine's
+        length check refused it.)"""
+        if isinstance(prompt, list):
+            context = self.engine.max_context
+            if len(prompt) >= context:
+                raise bad_request(f"prompt: {len(prompt)} tokens leave no room to generate within the context "
+                                  f"of {context} tokens", param="prompt")
+            return
+        field = "prompt" if messages is None else "messages"
+        texts = [prompt] if messages is None else [m.content for m in messages]
+        limit = self.max_prompt_bytes
+        size = 0
+        for text in texts:
+            if isinstance(text, str):
+                size += len(text) if len(text) > limit else len(text.encode("utf-8"))
+            if size > limit:
+                how = "max_prompt_bytes" if self.settings.max_prompt_bytes else \
+                    f"{PROMPT_BYTES_PER_TOKEN} bytes per token of the model's {self.engine.max_context}-token context"
+                raise bad_request(f"{field}: more than {limit} bytes of UTF-8 text, the most this server tokenizes "
+                                  f"({how}); shorten it", param=field)
 
     def check_model(self, model: str) -> None:
         if model != self.model_name:

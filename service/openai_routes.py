@@ -1,9 +1,9 @@
 """OpenAI-compatible routes: /v1/completions, /v1/chat/completions, /v1/models.
 
 Knows: the order every generation request goes through -- authenticate (401), parse the
-body (400), resolve the tenant, check the model (404), build SamplingParams (400), admit
-(429/503), run the engine call off the event loop -- and how engine output becomes a JSON
-response or an SSE stream. A stream's first chunk is awaited before the response starts, so
+body (415/413/400), resolve the tenant, check the model (404), build SamplingParams (400), bound
+the prompt's size before it is tokenized (400), admit (429/503), run the engine call off the
+event loop -- and how engine output becomes a JSON response or an SSE stream. A stream's first chunk is awaited before the response starts, so
 errors the engine raises up front (bad prompt, queue full, closed) get their real HTTP status;
 an error after that is sent as a last `data: {"error": ...}` event.
 The engine bills a request before it returns its last output, so a response (or a stream's
@@ -35,12 +35,13 @@ async def completions(request: Request) -> Any:
     req = await parse_body(request, CompletionRequest)
     caller = c.caller(request, req.user)
     c.check_model(req.model)
-    params = _params(req, req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS)
+    params = _params(req, COMPLETIONS_DEFAULT_MAX_TOKENS)
+    c.check_prompt_size(prompt=req.prompt)      # before anything tokenizes it
     engine, tenant, prompt = c.engine, caller.tenant, req.prompt
     logprobs = _logprobs(engine, req, chat=False)
 
     def prompt_ids() -> list[int]:   # on a worker thread: tokenizing a long prompt is real work
-        return _with_room(engine, engine.encode(prompt), req.max_tokens)
+        return _with_room(engine, engine.encode(prompt), req.requested_max_tokens)
     return await _generate(c, req, prompt_ids, params, tenant, logprobs, chat=False)
 
 
@@ -51,7 +52,8 @@ async def chat_completions(request: Request) -> Any:
     req = await parse_body(request, ChatRequest)
     caller = c.caller(request, req.user)
     c.check_model(req.model)
-    params = _params(req, req.requested_max_tokens, c.settings.default_chat_max_tokens)
+    params = _params(req, c.settings.default_chat_max_tokens)
+    c.check_prompt_size(messages=req.messages)
     engine, tenant = c.engine, caller.tenant
     messages = [m.to_dict() for m in req.messages]
     logprobs = _logprobs(engine, req, chat=True)
@@ -117,9 +119,9 @@ def _with_logprobs(out: Any, logprobs: Logprobs | None) -> tuple[Any, dict[str, 
     return out, None if logprobs is None else logprobs.of(out)
 
 
-def _params(req: Any, max_tokens: int | None, default_max_tokens: int) -> Any:
+def _params(req: Any, default_max_tokens: int) -> Any:
     try:
-        return req.sampling_params(max_tokens, default_max_tokens)
+        return req.sampling_params(default_max_tokens)
     except ValueError as e:
         raise from_engine_error(e) from None
 

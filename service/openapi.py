@@ -1,8 +1,9 @@
 """The OpenAPI document at /openapi.json, with the request bodies the routes really take.
 
 Knows: which route parses which body model (the routes read their bodies themselves, through
-service.schemas.parse_body, for OpenAI-shaped 400s, so FastAPI cannot see them), and OpenAI's
-error body. Doesn't know: what the routes do.
+service.schemas.parse_body, for OpenAI-shaped 400s, so FastAPI cannot see them), that a body is
+closed to unknown fields (`additionalProperties: false`) unless the app ignores them, and
+OpenAI's error body. Doesn't know: what the routes do.
 """
 from __future__ import annotations
 
@@ -30,10 +31,14 @@ def install_openapi(app: FastAPI) -> None:
         schemas["Error"] = _ERROR
         error = {"description": "OpenAI-shaped error",
                  "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+        lenient = getattr(app.state, "unknown_fields", "reject") == "ignore"
         for path, model in BODIES.items():
             schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
             schemas.update(schema.pop("$defs", {}))
             schemas[model.__name__] = schema
+            if lenient:      # unknown fields are dropped (and named in a response header), not refused
+                for s in [schema, *schemas.values()]:
+                    s.pop("additionalProperties", None)
             op = doc["paths"][path]["post"]
             op["requestBody"] = {"required": path != "/v1/cache/flush", "content": {"application/json": {
                 "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}

@@ -3,33 +3,53 @@
 Knows: OpenAI's request shapes for /v1/completions and /v1/chat/completions (single choice,
 text or token-id prompts), the cache routes' bodies, and OpenAI's defaults (temperature 1,
 top_p 1, completions max_tokens 16). Types are strict: "5" is not an int and 1 is not a
-string. Unknown fields are ignored, as vLLM does; known OpenAI fields this server cannot
-honour are refused with a 400 naming the field rather than silently ignored, so a user never
-believes they got something they did not: n > 1, penalties, logit_bias, echo, best_of > 1,
-suffix, tools / tool_choice / parallel_tool_calls / functions, response_format other than
-text, modalities other than text, audio, prediction, a message's name, stream_options without
-stream, chat top_logprobs without logprobs. Log-probabilities are honoured: completions
-`logprobs` (0-20) and chat `logprobs` / `top_logprobs` (0-20). A body is at most
-`max_body_bytes` (413 past it, counted while it streams in), its JSON at most as deep as
-Python's parser goes (400 past it), and its strings valid Unicode (a lone surrogate such as
-"\ud800" is a 400 naming the field).
+string. Nothing is silently ignored (issue 17):
+- Honoured on both generation routes: max_tokens / max_completion_tokens (one name for the
+  same cap; both given and different is a 400), temperature, top_p, stop, seed, stream,
+  stream_options, logprobs (completions: 0-20; chat: logprobs + top_logprobs 0-20),
+  frequency_penalty / presence_penalty ([-2, 2], OpenAI's), and vLLM's extensions top_k, min_p,
+  repetition_penalty, min_tokens, stop_token_ids, include_stop_str_in_output, ignore_eos
+  (engine/sampling_params.py says what each does). `user` names the tenant on a server without
+  keys (a label otherwise); n=1, best_of=1, echo=false, suffix null, logit_bias {}, store=false
+  and the like, which ask for nothing, are accepted.
+- Refused with a 400 naming the field, as a user would otherwise believe they got it: n > 1,
+  best_of > 1, echo, suffix, logit_bias, guided_* / structured_outputs, response_format other
+  than text, tools / tool_choice / parallel_tool_calls / functions / function_call, modalities
+  other than text, audio, prediction, reasoning_effort, metadata, store=true, service_tier,
+  web_search_options, verbosity, a message's name, stream_options without stream, chat
+  top_logprobs without logprobs.
+- Any other field (nested ones too, such as messages[0].foo) is unknown: a 400
+  "Unrecognized request argument supplied: <name>" (OpenAI's words) -- unless the server runs
+  with ServiceSettings(unknown_fields="ignore") (`tieredkv serve --lenient-fields`, vLLM's
+  behaviour): then it is dropped, logged once per name, and named in the response header
+  X-Tieredkv-Ignored-Fields.
+A body must be sent as application/json (415 otherwise; an empty body where one is optional
+needs no type), is at most `max_body_bytes` (413 past it, counted while it streams in), its JSON
+at most as deep as Python's parser goes (400 past it), and its strings and keys valid Unicode (a
+lone surrogate such as "\ud800" is a 400 naming the field, escaped).
 Doesn't know: tenants or the engine.
 """
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any, Literal, TypeVar
+from urllib.parse import quote
 
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from engine.sampling_params import SamplingParams
-from service.errors import APIError, bad_request, validation_error
+from service.errors import APIError, bad_request, param_of, validation_error
+
+log = logging.getLogger("tieredkv.service")
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 MAX_LOGPROBS = 20          # top log-probabilities per token, as OpenAI's chat and vLLM's default
+IGNORED_HEADER = "X-Tieredkv-Ignored-Fields"
 
-_STRICT = ConfigDict(strict=True, extra="ignore")
+# extra="forbid": an unknown field is an error that parse_body reports (or, in lenient mode, drops).
+_STRICT = ConfigDict(strict=True, extra="forbid")
 M = TypeVar("M", bound=BaseModel)
 
 
@@ -91,15 +111,25 @@ class ChatMessage(BaseModel):
         return {"role": "system" if self.role == "developer" else self.role, "content": self.content}
 
 
+_GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
+           "guided_whitespace_pattern", "structured_outputs")
+
+
 class _GenerationRequest(BaseModel):
     """The fields completions and chat share."""
     model_config = _STRICT
     model: str
     max_tokens: int | None = None
+    max_completion_tokens: int | None = None   # OpenAI's newer name for max_tokens
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None                 # extension (vLLM's): 0 = off
+    min_p: float | None = None               # extension (vLLM's): 0 = off
     stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # extension (vLLM's)
+    include_stop_str_in_output: bool | None = None   # extension (vLLM's)
+    min_tokens: int | None = None            # extension (vLLM's)
+    repetition_penalty: float | None = None  # extension (vLLM's): 1 = off
     seed: int | None = None
     user: str | None = None
     n: int | None = None
@@ -109,6 +139,21 @@ class _GenerationRequest(BaseModel):
     presence_penalty: float | None = None
     logit_bias: dict[str, Any] | None = None
     ignore_eos: bool | None = None           # extension (vLLM's)
+    # Refused (any value but null): constrained decoding is not implemented.
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
+    structured_outputs: Any = None
+
+    @field_validator(*_GUIDED, mode="before")
+    @classmethod
+    def _no_guided(cls, v: Any) -> Any:
+        if v is not None:
+            raise ValueError("guided (constrained) decoding is not supported by this server")
+        return v
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -124,13 +169,6 @@ class _GenerationRequest(BaseModel):
             raise ValueError(f"only n=1 is supported, got {v}")
         return v
 
-    @field_validator("frequency_penalty", "presence_penalty")
-    @classmethod
-    def _no_penalty(cls, v: float | None) -> float | None:
-        if v not in (None, 0):
-            raise ValueError(f"penalties are not supported (only 0), got {v}")
-        return v
-
     @field_validator("logit_bias")
     @classmethod
     def _no_bias(cls, v: dict | None) -> dict | None:
@@ -141,26 +179,42 @@ class _GenerationRequest(BaseModel):
     def model_post_init(self, _: Any) -> None:
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options: only allowed when stream is true", param="stream_options")
+        if None not in (self.max_tokens, self.max_completion_tokens) and self.max_tokens != self.max_completion_tokens:
+            raise bad_request(f"max_completion_tokens: {self.max_completion_tokens} differs from max_tokens "
+                              f"{self.max_tokens} (two names for one cap); give one of them",
+                              param="max_completion_tokens")
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
     @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
     def top_logprobs_n(self) -> int | None:
         """How many top log-probabilities per token the response carries; None: no logprobs."""
         return None
 
-    def sampling_params(self, max_tokens: int | None, default_max_tokens: int) -> SamplingParams:
+    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         """The engine's SamplingParams; its own checks raise ValueError naming the field."""
+        max_tokens = self.requested_max_tokens
         return SamplingParams(
             max_tokens=default_max_tokens if max_tokens is None else max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=self.top_k or 0,
+            min_p=0.0 if self.min_p is None else self.min_p,
             seed=self.seed,
             stop=self.stop or (),
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            include_stop_str_in_output=bool(self.include_stop_str_in_output),
             ignore_eos=bool(self.ignore_eos),
+            min_tokens=self.min_tokens or 0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            presence_penalty=self.presence_penalty or 0.0,
             # The engine returns the sampled token's log-probability with any top n >= 1.
             logprobs=0 if self.top_logprobs_n is None else max(self.top_logprobs_n, 1))
 
@@ -203,7 +257,6 @@ class CompletionRequest(_GenerationRequest):
 
 class ChatRequest(_GenerationRequest):
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None   # OpenAI's newer name for max_tokens
     logprobs: bool | None = None
     top_logprobs: int | None = None
     tools: Any = None
@@ -215,6 +268,12 @@ class ChatRequest(_GenerationRequest):
     modalities: Any = None
     audio: Any = None
     prediction: Any = None
+    reasoning_effort: Any = None
+    metadata: Any = None
+    store: bool | None = None
+    service_tier: Any = None
+    web_search_options: Any = None
+    verbosity: Any = None
 
     @field_validator("tools", "functions", mode="before")
     @classmethod
@@ -244,10 +303,18 @@ class ChatRequest(_GenerationRequest):
             raise ValueError('only ["text"] is supported')
         return v
 
-    @field_validator("parallel_tool_calls", "audio", "prediction", mode="before")
+    @field_validator("parallel_tool_calls", "audio", "prediction", "reasoning_effort", "metadata", "service_tier",
+                     "web_search_options", "verbosity", mode="before")
     @classmethod
     def _refused(cls, v: Any) -> Any:
         return _refuse(v)
+
+    @field_validator("store")
+    @classmethod
+    def _not_stored(cls, v: bool | None) -> bool | None:
+        if v:
+            raise ValueError("storing completions is not supported by this server (only false)")
+        return v
 
     @field_validator("messages")
     @classmethod
@@ -269,10 +336,6 @@ class ChatRequest(_GenerationRequest):
     @property
     def top_logprobs_n(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
-
-    @property
-    def requested_max_tokens(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
 class LookupRequest(BaseModel):
@@ -317,32 +380,108 @@ async def read_body(request: Request) -> bytes:
     return b"".join(chunks)
 
 
+def _encodable(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
+def shown_name(name: str) -> str:
+    """A key as an error may show it: itself when it is valid Unicode, else its escaped repr
+    (ascii()), so a lone surrogate never reaches a response body or a log line."""
+    return name if _encodable(name) else ascii(name)
+
+
 def _bad_string(data: Any) -> str | None:
-    """The path of the first string that is not valid Unicode (a lone surrogate), or None.
-    Iterative: the parsed JSON may be nested as deep as the parser allowed."""
+    """The path of the first string or object key that is not valid Unicode (a lone surrogate),
+    or None. The path shows such a key escaped. Iterative: the parsed JSON may be nested as deep
+    as the parser allowed."""
     stack: list[tuple[Any, str]] = [(data, "")]
     while stack:
         value, path = stack.pop()
         if isinstance(value, str):
-            try:
-                value.encode("utf-8")
-            except UnicodeEncodeError:
+            if not _encodable(value):
                 return path or "request body"
         elif isinstance(value, dict):
-            stack.extend((v, f"{path}.{k}" if path else str(k)) for k, v in value.items())
+            for k, v in value.items():
+                sub = f"{path}.{shown_name(k)}" if path else shown_name(k)
+                if not _encodable(k):
+                    return sub
+                stack.append((v, sub))
         elif isinstance(value, list):
             stack.extend((v, f"{path}[{i}]") for i, v in enumerate(value))
     return None
 
 
+def is_json_media_type(content_type: str | None) -> bool:
+    """application/json (any parameters, such as charset=utf-8), or a structured +json type."""
+    media = (content_type or "").split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
+def _unsupported_media_type(content_type: str | None) -> APIError:
+    got = "none" if not content_type else repr(content_type[:100])
+    return APIError(415, f"Content-Type must be application/json (got {got})", code="unsupported_media_type")
+
+
+def _short(name: str, limit: int = 200) -> str:
+    return name if len(name) <= limit else name[:limit] + "..."
+
+
+def unrecognized(name: str) -> APIError:
+    """OpenAI's answer to a field it does not know, in its words."""
+    return bad_request(f"Unrecognized request argument supplied: {_short(name)}", param=_short(name))
+
+
+def _drop(data: dict, loc: tuple) -> None:
+    """Remove the value at a pydantic error location from the parsed body."""
+    parent: Any = data
+    for part in loc[:-1]:
+        parent = parent[part]
+    if isinstance(parent, dict):
+        parent.pop(loc[-1], None)
+
+
+MAX_LOGGED_IGNORED = 1000     # field names remembered for "logged once"; past it, no more warnings
+
+
+def _note_ignored(request: Request, names: list[str]) -> None:
+    """Lenient mode: the names go into the response header (service.app adds it) and each new
+    one is logged once at WARNING."""
+    state = request.app.state
+    logged: set[str] = getattr(state, "ignored_fields_logged", None) or set()
+    state.ignored_fields_logged = logged
+    for name in names:
+        if name not in logged and len(logged) < MAX_LOGGED_IGNORED:
+            logged.add(name)
+            log.warning("ignoring the unrecognized request field %s (%s %s); it is not honoured",
+                        ascii(_short(name)), request.method, request.url.path)
+    request.state.ignored_fields = list(dict.fromkeys(getattr(request.state, "ignored_fields", []) + names))
+
+
+def ignored_header_value(names: list[str]) -> str:
+    """The header's value: each name percent-encoded where it is not a plain identifier path
+    (so a comma or a non-ASCII letter cannot break the list), at most 32 names of 100 chars."""
+    shown = [quote(_short(n, 100), safe="._-[]") for n in names[:32]]
+    return ",".join(shown + (["..."] if len(names) > 32 else []))
+
+
 async def parse_body(request: Request, model: type[M], *, empty_ok: bool = False) -> M:
-    """The request's JSON body as `model`; APIError 400 for malformed JSON, a body that is not
-    an object, or any field of the wrong type (the message names the field); 413 past the size
-    limit."""
+    """The request's JSON body as `model`; APIError 415 when it is not sent as JSON, 400 for
+    malformed JSON, a body that is not an object, any field of the wrong type (the message names
+    the field) or an unknown field (unless the app ignores them); 413 past the size limit."""
+    content_type = request.headers.get("content-type")
+    json_type = is_json_media_type(content_type)
+    if not json_type and not empty_ok:
+        raise _unsupported_media_type(content_type)
     raw = await read_body(request)
     if not raw.strip() and empty_ok:
         data: Any = {}
     else:
+        if not json_type:
+            raise _unsupported_media_type(content_type)
         try:
             data = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -354,6 +493,20 @@ async def parse_body(request: Request, model: type[M], *, empty_ok: bool = False
     bad = _bad_string(data)
     if bad is not None:
         raise bad_request(f"{bad}: not valid Unicode (a lone surrogate such as \\ud800)", param=bad)
+    lenient = getattr(request.app.state, "unknown_fields", "reject") == "ignore"
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        errors = list(e.errors())
+    unknown = [err for err in errors if err.get("type") == "extra_forbidden"]
+    if not unknown:
+        raise validation_error(errors)
+    if not lenient:
+        raise unrecognized(param_of(tuple(unknown[0]["loc"])))
+    # Lenient: drop every unknown field (deepest first, so a list index stays valid) and retry.
+    for err in sorted(unknown, key=lambda err: len(err["loc"]), reverse=True):
+        _drop(data, tuple(err["loc"]))
+    _note_ignored(request, [param_of(tuple(err["loc"])) for err in unknown])
     try:
         return model.model_validate(data)
     except ValidationError as e:

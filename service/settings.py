@@ -43,6 +43,13 @@ class ServiceSettings:
     # /metrics needs an admin key (when keys are configured). Off by default, as Prometheus
     # scrapers usually reach it on a private port; turn it on when the port is public.
     protect_metrics: bool = False
+    # A request field the server does not know: "reject" (a 400 naming it, OpenAI's behaviour) or
+    # "ignore" (vLLM's: dropped, logged once per name, named in the X-Tieredkv-Ignored-Fields
+    # header). Known fields the server cannot honour are refused either way.
+    unknown_fields: str = "reject"
+    # Longest prompt text (UTF-8 bytes; chat: the messages' contents together) that is tokenized;
+    # longer is a 400 before the tokenizer runs. None: 32 bytes per token of the model's context.
+    max_prompt_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.api_keys_file is not None and not isinstance(self.api_keys_file, (str, os.PathLike)):
@@ -65,6 +72,11 @@ class ServiceSettings:
             raise ValueError(f"max_body_bytes: expected an int >= 1024, got {self.max_body_bytes!r}")
         if not isinstance(self.protect_metrics, bool):
             raise ValueError(f"protect_metrics: expected True or False, got {self.protect_metrics!r}")
+        if self.unknown_fields not in ("reject", "ignore"):
+            raise ValueError(f"unknown_fields: expected 'reject' or 'ignore', got {self.unknown_fields!r}")
+        if self.max_prompt_bytes is not None and (isinstance(self.max_prompt_bytes, bool) or
+                                                  not isinstance(self.max_prompt_bytes, int) or self.max_prompt_bytes < 1):
+            raise ValueError(f"max_prompt_bytes: expected an int >= 1 or None, got {self.max_prompt_bytes!r}")
         if not isinstance(self.close_engine_on_shutdown, bool):
             raise ValueError(f"close_engine_on_shutdown: expected True or False, got {self.close_engine_on_shutdown!r}")
 

@@ -89,6 +89,11 @@ def serve(
     max_body: str = typer.Option("8MiB", help="Largest request body accepted (413 past it)."),
     protect_metrics: bool = typer.Option(False, "--protect-metrics",
                                          help="/metrics needs an admin key (with --api-keys)."),
+    lenient_fields: bool = typer.Option(False, "--lenient-fields",
+                                        help="Ignore request fields the server does not know (vLLM's behaviour) "
+                                        "instead of refusing them with a 400; each is logged once and named in "
+                                        "the X-Tieredkv-Ignored-Fields response header. Known fields it cannot "
+                                        "honour (tools, guided_*, logit_bias, ...) are refused either way."),
     remote_url: Optional[str] = typer.Option(None, help=REMOTE_HELP),
     remote_timeout: Optional[float] = typer.Option(None, help="Seconds bounding every call to the remote store "
                                                    "(default 0.5); a failure is a miss."),
@@ -115,7 +120,7 @@ def serve(
     from service.server import check_bind
     from service.settings import ServiceSettings
     settings = ServiceSettings(api_keys_file=api_keys, host=host, port=port, max_body_bytes=parse_size(max_body, "--max-body"),
-                               protect_metrics=protect_metrics)
+                               protect_metrics=protect_metrics, unknown_fields="ignore" if lenient_fields else "reject")
     check_bind(host, settings)
     if api_keys:
         ApiKeys.from_file(api_keys)            # a bad keys file fails now, not after the model loads

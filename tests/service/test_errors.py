@@ -92,6 +92,34 @@ CASES = [
      "max_tokens", None),
     ("seed-huge", "POST", COMPL, {"model": M, "prompt": "x", "seed": 2**70}, 400, "seed", None),
     ("wrong-method", "GET", COMPL, None, 405, None, "method_not_allowed"),
+    # Issue 17, item 4: the sampling fields now honoured are validated, naming the field.
+    ("repetition-penalty-0", "POST", COMPL, {"model": M, "prompt": "x", "repetition_penalty": 0}, 400,
+     "repetition_penalty", None),
+    ("frequency-penalty-3", "POST", COMPL, {"model": M, "prompt": "x", "frequency_penalty": 3}, 400,
+     "frequency_penalty", None),
+    ("presence-penalty-str", "POST", CHAT, {"model": M, "messages": OK_CHAT, "presence_penalty": "1"}, 400,
+     "presence_penalty", None),
+    ("chat-presence-penalty-neg", "POST", CHAT, {"model": M, "messages": OK_CHAT, "presence_penalty": -2.5}, 400,
+     "presence_penalty", None),
+    ("min-p-2", "POST", COMPL, {"model": M, "prompt": "x", "min_p": 2}, 400, "min_p", None),
+    ("min-tokens-past-max", "POST", COMPL, {"model": M, "prompt": "x", "max_tokens": 4, "min_tokens": 5}, 400,
+     "min_tokens", None),
+    ("chat-min-tokens-neg", "POST", CHAT, {"model": M, "messages": OK_CHAT, "min_tokens": -1}, 400, "min_tokens", None),
+    ("stop-token-ids-neg", "POST", COMPL, {"model": M, "prompt": "x", "stop_token_ids": [-1]}, 400, "stop_token_ids",
+     None),
+    ("stop-token-ids-str", "POST", CHAT, {"model": M, "messages": OK_CHAT, "stop_token_ids": "2"}, 400,
+     "stop_token_ids", None),
+    ("stop-token-ids-past-vocab", "POST", COMPL, {"model": M, "prompt": "x", "stop_token_ids": [10**9]}, 400,
+     "stop_token_ids", None),
+    ("include-stop-str-int", "POST", COMPL, {"model": M, "prompt": "x", "include_stop_str_in_output": 1}, 400,
+     "include_stop_str_in_output", None),
+    ("max-completion-tokens-differs", "POST", COMPL, {"model": M, "prompt": "x", "max_tokens": 3,
+                                                      "max_completion_tokens": 4}, 400, "max_completion_tokens", None),
+    ("chat-max-completion-tokens-differs", "POST", CHAT, {"model": M, "messages": OK_CHAT, "max_tokens": 3,
+                                                          "max_completion_tokens": 4}, 400, "max_completion_tokens",
+     None),
+    ("completions-max-completion-tokens-0", "POST", COMPL, {"model": M, "prompt": "x", "max_completion_tokens": 0},
+     400, "max_tokens", None),
 ]
 
 
@@ -101,12 +129,17 @@ def substitute(body, model):
     return body
 
 
+def send(body) -> dict:
+    """httpx keyword arguments for a case's body: raw bytes are sent as JSON too."""
+    if isinstance(body, bytes):
+        return {"content": body, "headers": {"content-type": "application/json"}}
+    return {"json": body} if body is not None else {}
+
+
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_bad_input_gets_an_openai_error(client, engine, case):
     _, method, path, body, status, param, code = case
-    body = substitute(body, engine.model_name)
-    kw = {"content": body} if isinstance(body, bytes) else ({"json": body} if body is not None else {})
-    r = client.request(method, path, **kw)
+    r = client.request(method, path, **send(substitute(body, engine.model_name)))
     assert r.status_code == status, r.text
     assert r.headers["content-type"].startswith("application/json")
     err = r.json()["error"]
@@ -119,8 +152,7 @@ def test_bad_input_gets_an_openai_error(client, engine, case):
 
 def test_server_keeps_serving_after_errors(client, engine):
     for case in CASES:
-        body = substitute(case[3], engine.model_name)
-        client.request(case[1], case[2], **({"content": body} if isinstance(body, bytes) else {"json": body}))
+        client.request(case[1], case[2], **send(substitute(case[3], engine.model_name)))
     r = client.post(COMPL, json={"model": engine.model_name, "prompt": "still here", "max_tokens": 2})
     assert r.status_code == 200
     assert client.get("/health").json()["in_flight"] == 0
@@ -239,3 +271,9 @@ def test_the_openapi_document_describes_the_request_bodies(client):
     props = doc["components"]["schemas"]["CompletionRequest"]["properties"]
     assert {"model", "prompt", "max_tokens", "stream"} <= set(props)
     assert "ChatMessage" in doc["components"]["schemas"]
+    # Issue 17: the sampling fields now honoured are documented, and unknown fields are refused.
+    for name in ("CompletionRequest", "ChatRequest"):
+        schema = doc["components"]["schemas"][name]
+        assert {"stop_token_ids", "min_tokens", "repetition_penalty", "frequency_penalty", "presence_penalty", "min_p",
+                "max_completion_tokens", "include_stop_str_in_output"} <= set(schema["properties"])
+        assert schema["additionalProperties"] is False
