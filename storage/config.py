@@ -72,9 +72,10 @@ class CacheConfig:
     host_memory: int | str = "4GiB"
     disk_dir: str | None = "~/.cache/tieredkv/kv"
     disk_capacity: int | str = "50GiB"
-    # The free space the disk tier leaves on its filesystem, whatever disk_capacity says: on a
-    # filling disk the tier shrinks (LRU first) instead of taking the last bytes the billing ledger
-    # and the rest of the machine need (storage/disk/writer.py fit_to_space).
+    # The free space the disk tier leaves on its filesystem (at most a tenth of the filesystem),
+    # whatever disk_capacity says: on a filling disk the tier shrinks (LRU first) instead of taking
+    # the last bytes the billing ledger and the rest of the machine need (storage/disk/writer.py
+    # fit_to_space).
     disk_reserve: int | str = "256MiB"
     # zstd level of each block's coded byte plane (sign + exponent, storage/codec/payload.py); on real
     # KV levels 1-4 code alike, higher ones are slower for ~0.5%, negative ones store it as is.

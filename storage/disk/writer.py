@@ -30,7 +30,7 @@ import torch
 from storage.background_writer import BackgroundWriter
 from storage.priority import background_priority
 from storage.codec.payload import Codec
-from storage.disk.environment import EnvGate, free_bytes, is_damage, is_no_space
+from storage.disk.environment import EnvGate, is_damage, is_no_space
 from storage.disk.records import (StoreDamaged, StoreInfo, delete_in_txn, load_capacity, load_info, lru_hash,
                                   lru_key, store_info)
 from storage.disk.index import DiskIndex
@@ -230,11 +230,14 @@ class DiskWriter(BackgroundWriter[tuple[list[PendingBlock], dict[bytes, int]]]):
             return
         self._last_space_check = now
         try:
-            free = free_bytes(self._gate.env.path())
+            st = os.statvfs(self._gate.env.path())
             used = os.path.getsize(os.path.join(self._gate.env.path(), "data.mdb"))
         except OSError:
             return
-        room = free - self._reserve
+        free = st.f_bavail * st.f_frsize
+        # At most a tenth of the filesystem: a reserve larger than a small disk would leave no tier.
+        reserve = min(self._reserve, st.f_blocks * st.f_frsize // 10)
+        room = free - reserve
         current = self._gate.env.info()["map_size"]
         if current != self._last_set and current > self._full_map:
             self._full_map = current          # another process grew the map: that is the full size now
@@ -246,7 +249,7 @@ class DiskWriter(BackgroundWriter[tuple[list[PendingBlock], dict[bytes, int]]]):
             if current < self._full_map:
                 log.warning("disk tier %s: %d bytes free on its filesystem, %d reserved: the store is bounded "
                             "at %d bytes of file (a smaller cache, LRU first)", self._gate.env.path(), free,
-                            self._reserve, current)
+                            reserve, current)
         self._growth_left = None if current >= self._full_map else max(0, current - used)
         self.space = (free, None if current >= self._full_map else current)
 
