@@ -142,10 +142,8 @@ async def shutdown(c: AppContext) -> None:
     c.dispatcher.shutdown()
 
 
-class CatchAll:
-    """Any exception a route lets escape becomes a 500 with OpenAI's body, and the connection
-    stays open. (A FastAPI handler for Exception runs in Starlette's outermost middleware, which
-    re-raises after answering; uvicorn then drops the keep-alive connection.)"""
+class HTTPMiddleware:
+    """An ASGI middleware that acts on HTTP requests (`http`); anything else passes through."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -154,6 +152,18 @@ class CatchAll:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        await self.http(scope, receive, send)
+
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        raise NotImplementedError
+
+
+class CatchAll(HTTPMiddleware):
+    """Any exception a route lets escape becomes a 500 with OpenAI's body, and the connection
+    stays open. (A FastAPI handler for Exception runs in Starlette's outermost middleware, which
+    re-raises after answering; uvicorn then drops the keep-alive connection.)"""
+
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = False
 
         async def send_wrapper(message: Message) -> None:
@@ -171,18 +181,12 @@ class CatchAll:
             await response(scope, receive, send)
 
 
-class IgnoredFieldsHeader:
+class IgnoredFieldsHeader(HTTPMiddleware):
     """Lenient mode: a response to a request whose unknown fields were dropped names them in
     the X-Tieredkv-Ignored-Fields header (service.schemas.parse_body records them in the
     request's state, which is this scope's "state")."""
 
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
 
         async def send_wrapper(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -195,18 +199,15 @@ class IgnoredFieldsHeader:
         await self.app(scope, receive, send_wrapper)
 
 
-class CountRequests:
+class CountRequests(HTTPMiddleware):
     """Counts every HTTP response by route template and status (unmatched paths share one label,
     so a scanner cannot blow up the label set)."""
 
     def __init__(self, app: ASGIApp, metrics: ServiceMetrics) -> None:
-        self.app = app
+        super().__init__(app)
         self.metrics = metrics
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
         status = 500
 
         async def send_wrapper(message: Message) -> None:

@@ -48,3 +48,23 @@ def valkey_cluster():
         yield cluster.start()
     finally:
         cluster.cleanup()
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """Mount real, small tmpfs filesystems (`tmpfs("16m")` -> its path), unmounted after the test:
+    what a full disk is, for the tests that need one. Needs root, as our machines and CI have."""
+    import subprocess
+    mounted = []
+
+    def mount(size: str):
+        mnt = tmp_path / f"fs{len(mounted)}"
+        mnt.mkdir()
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)],
+                           capture_output=True, text=True)
+        assert r.returncode == 0, f"mounting a tmpfs needs root (CI and our machines have it): {r.stderr}"
+        mounted.append(mnt)
+        return mnt
+    yield mount
+    for mnt in mounted:
+        subprocess.run(["umount", "-l", str(mnt)], check=True)

@@ -206,25 +206,19 @@ def test_counters_that_disagree_with_the_blocks_are_corrected_at_open_and_by_ver
         assert (s.blocks, s.used_bytes) == (right.blocks, right.used_bytes) and t.check() == []
 
 
-def test_a_full_filesystem_at_open_is_an_unavailable_tier_not_a_sigbus(tmp_path: Path) -> None:
+def test_a_full_filesystem_at_open_is_an_unavailable_tier_not_a_sigbus(tmpfs) -> None:
     """LMDB writes lock.mdb through a map: created on a full filesystem, that was a SIGBUS at
     start (issue 17). The lock file is allocated first, so a full filesystem is DiskUnavailable."""
-    mnt = tmp_path / "fs"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, text=True)
-    assert r.returncode == 0, f"mounting a tmpfs needs root (CI and our machines have it): {r.stderr}"
-    try:
-        with open(mnt / "filler", "wb") as f:
-            try:
-                while True:
-                    f.write(b"\0" * 65536)
-                    f.flush()
-            except OSError:
-                pass
-        out = run_child(OPEN, mnt / "kv", "rw").stdout
-        assert out.startswith("refused DiskUnavailable") and "full" in out, out
-    finally:
-        subprocess.run(["umount", str(mnt)], check=True)
+    mnt = tmpfs("1m")
+    with open(mnt / "filler", "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+        except OSError:
+            pass
+    out = run_child(OPEN, mnt / "kv", "rw").stdout
+    assert out.startswith("refused DiskUnavailable") and "full" in out, out
 
 
 def test_lmdb_reports_the_damage_we_turn_into_a_verdict(tmp_path: Path) -> None:
