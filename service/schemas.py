@@ -37,7 +37,7 @@ from typing import Any, Literal, TypeVar
 from urllib.parse import quote
 
 from fastapi import Request
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from engine.sampling_params import SamplingParams
 from service.errors import APIError, bad_request, param_of, validation_error
@@ -78,6 +78,11 @@ def _top_n(v: int | None) -> int | None:
     return v
 
 
+# A field this server refuses unless null: documented as such in /openapi.json (service/openapi.py),
+# so clients and fuzzers see what is accepted; the validators below refuse any other value.
+REFUSED = Field(default=None, json_schema_extra={"type": "null", "description": "not supported by this server"})
+
+
 def _refuse(v: Any) -> Any:
     """For fields this server cannot honour: any value but null is a 400 naming the field."""
     if v is not None:
@@ -89,7 +94,7 @@ class ChatMessage(BaseModel):
     model_config = _STRICT
     role: Literal["system", "developer", "user", "assistant"]
     content: str
-    name: Any = None           # refused: the chat template has no place for a participant's name
+    name: Any = REFUSED           # refused: the chat template has no place for a participant's name
 
     @field_validator("name", mode="before")
     @classmethod
@@ -140,13 +145,13 @@ class _GenerationRequest(BaseModel):
     logit_bias: dict[str, Any] | None = None
     ignore_eos: bool | None = None           # extension (vLLM's)
     # Refused (any value but null): constrained decoding is not implemented.
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    guided_decoding_backend: Any = None
-    guided_whitespace_pattern: Any = None
-    structured_outputs: Any = None
+    guided_json: Any = REFUSED
+    guided_regex: Any = REFUSED
+    guided_choice: Any = REFUSED
+    guided_grammar: Any = REFUSED
+    guided_decoding_backend: Any = REFUSED
+    guided_whitespace_pattern: Any = REFUSED
+    structured_outputs: Any = REFUSED
 
     @field_validator(*_GUIDED, mode="before")
     @classmethod
@@ -262,18 +267,18 @@ class ChatRequest(_GenerationRequest):
     tools: Any = None
     tool_choice: Any = None
     parallel_tool_calls: Any = None
-    functions: Any = None
-    function_call: Any = None
+    functions: Any = REFUSED
+    function_call: Any = REFUSED
     response_format: Any = None
     modalities: Any = None
-    audio: Any = None
-    prediction: Any = None
-    reasoning_effort: Any = None
-    metadata: Any = None
+    audio: Any = REFUSED
+    prediction: Any = REFUSED
+    reasoning_effort: Any = REFUSED
+    metadata: Any = REFUSED
     store: bool | None = None
-    service_tier: Any = None
-    web_search_options: Any = None
-    verbosity: Any = None
+    service_tier: Any = REFUSED
+    web_search_options: Any = REFUSED
+    verbosity: Any = REFUSED
 
     @field_validator("tools", "functions", mode="before")
     @classmethod
