@@ -87,6 +87,29 @@ class CacheCollector:
                 fam = GaugeMetricFamily(f"tieredkv_disk_{key}", help_text)
                 fam.add_metric([], float(disk[key]))
                 yield fam
+        if _is_number(disk.get("moved_aside")):
+            fam = CounterMetricFamily("tieredkv_disk_moved_aside", "Damaged disk stores moved aside and replaced "
+                                      "with a fresh one by this process (at open or while serving)")
+            fam.add_metric([], float(disk["moved_aside"]))
+            yield fam
+        if disk.get("enabled") is not None:
+            fam = GaugeMetricFamily("tieredkv_disk_unavailable", "1 while the configured disk tier has no store "
+                                    "(a full filesystem at open, or no fresh store could be made)")
+            fam.add_metric([], 1.0 if disk.get("unavailable") else 0.0)
+            yield fam
+        if _is_number(disk.get("space_bound_bytes")):
+            fam = GaugeMetricFamily("tieredkv_disk_space_bound_bytes", "The data file's bound set by the "
+                                    "filesystem's free space minus the reserve (present only while it binds)")
+            fam.add_metric([], float(disk["space_bound_bytes"]))
+            yield fam
+        billing = status.get("billing", {})
+        if _is_number(billing.get("unwritten")):
+            # An alert on tieredkv_billing_unwritten > 0 fires while requests are answered with their
+            # bills only in memory (engine/billing_writer.py; /ready is 503 meanwhile).
+            fam = GaugeMetricFamily("tieredkv_billing_unwritten", "Finished requests whose bill is kept in "
+                                    "memory because the ledger cannot be written")
+            fam.add_metric([], float(billing["unwritten"]))
+            yield fam
         remote = tiers.get("remote", {})
         if remote.get("enabled"):
             yield from _remote_metrics(remote)

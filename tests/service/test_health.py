@@ -42,6 +42,9 @@ def test_ready_reports_each_tier_and_a_full_filesystem_fails_no_request(small_fs
         assert ready.status_code == 503 and not ready.json()["ready"], ready.text
         assert any("billing cannot be written" in why for why in ready.json()["reasons"])
         assert c.get("/v1/cache/status").json()["billing"]["state"] == "degraded"
+        unwritten = [line for line in c.get("/metrics").text.splitlines() if line.startswith("tieredkv_billing_unwritten ")]
+        assert unwritten and float(unwritten[0].split()[1]) > 0, unwritten
+        assert "tieredkv_disk_unavailable 0.0" in c.get("/metrics").text
         for f in fillers:
             f.unlink()
         deadline = time.monotonic() + 60
