@@ -365,7 +365,12 @@ class EnvGate:
                 ok = cur.first() if last is None else cur.set_range(last + b"\x00")
                 rows = []
                 while ok and len(rows) < _CHUNK:
-                    rows.append((cur.key(), cur.value() if values else None))
+                    key = cur.key()
+                    # NOTE: bounded: keys must come in strictly increasing order, else a damaged
+                    # tree could hand this loop the same chunk forever (set_range from `last`).
+                    if (rows and key <= rows[-1][0]) or (last is not None and key <= last):
+                        raise StoreDamaged(f"database {name!r}: keys out of order (its tree is damaged)")
+                    rows.append((key, cur.value() if values else None))
                     ok = cur.next()
             yield from rows
             if not ok:
