@@ -104,7 +104,13 @@ class _Walk:
         self.runs.append((first, last))
 
     def free_list(self, p: bytes, off: int, end: int, size: int, nflags: int, pgno: int) -> None:
-        """One free-page database record: its list of page numbers, read and kept for check_free."""
+        """One free-page database record: its list of page numbers, read and kept for check_free.
+        Its key is the id of the transaction that freed them, never past the snapshot's own
+        (LMDB asserts `id <= me_pglast` in mdb_freelist_save: a larger one aborted the process)."""
+        ksize, = struct.unpack_from("<H", p, off + 6)
+        if ksize != 8 or struct.unpack_from("<Q", p, off + _NODE)[0] > self.meta.txnid:
+            self.fail(f"free-page database: page {pgno} holds a damaged key (a transaction id past "
+                      f"the snapshot's {self.meta.txnid})")
         if nflags & _F_BIGDATA:
             first, = struct.unpack_from("<Q", p, end)
             raw = os.pread(self.fd, size, first * self.psize + _HDR)

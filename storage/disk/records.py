@@ -107,6 +107,8 @@ def open_databases(env: lmdb.Environment, path: str, readonly: bool) -> Database
 
 
 def _check_format(path: str, fmt: bytes | None) -> None:
+    if fmt is not None and len(fmt) != _U64.size:
+        raise StoreDamaged(f"disk tier {path}: the format record is damaged ({len(fmt)} bytes)")
     if fmt is not None and _U64.unpack(fmt)[0] != DISK_FORMAT_VERSION:
         raise FormatMismatch(f"disk tier {path}: format version {_U64.unpack(fmt)[0]}, this build reads "
                          f"{DISK_FORMAT_VERSION}; point disk_dir elsewhere or delete the directory")
@@ -130,6 +132,8 @@ def store_info(txn: lmdb.Transaction, dbs: Databases, info: StoreInfo) -> None:
 
 def load_capacity(txn: lmdb.Transaction, dbs: Databases) -> int | None:
     raw = txn.get(b"capacity", db=dbs.info)
+    if raw is not None and len(raw) != _U64.size:
+        raise StoreDamaged(f"the capacity record is damaged ({len(raw)} bytes)")
     return None if raw is None else _U64.unpack(raw)[0]
 
 
