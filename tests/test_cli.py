@@ -488,3 +488,56 @@ def test_demo_with_a_remote_store_ends_with_a_second_server_hitting_it(tmp_path:
     assert bill["requests"] == report["totals"]["requests"] == sum(len(rows) for rows in phases.values())
     assert bill["hit_tokens_by_tier"] == report["totals"]["hit_tokens_by_tier"]
     assert bill["cost_pico"] == report["totals"]["cost_pico"]
+
+
+def test_demo_runs_again_and_again_on_one_cache_dir(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """Issue 17, item 5: a second `tieredkv demo` on the same dir was refused for the disk tier's
+    own lock file (kv.open-lock). Three runs in a row each tell the whole story from an empty
+    cache; a store that `verify --repair` moved aside is the demo's too; a foreign file is refused."""
+    demo_dir = tmp_path / "demo"
+    for run in range(3):
+        if run == 2:        # the kv of run 2, damaged and moved aside (kv.damaged-<stamp>-<pid>)
+            data = demo_dir / "kv" / "data.mdb"
+            os.truncate(data, os.path.getsize(data) // 2)
+            r = tkv("verify", "--cache-dir", str(demo_dir), "--repair")
+            assert r.returncode == 0 and len(list(demo_dir.glob("kv.damaged-*"))) == 1, (r.stdout, r.stderr)
+        r = tkv("demo", "--json", "--model", str(tiny_model_dir), "--cache-dir", str(demo_dir), "--max-tokens", "2",
+                timeout=600)
+        assert r.returncode == 0, (run, r.stderr)
+        report = json.loads(r.stdout)
+        phases = {p["name"]: p["rows"] for p in report["phases"]}
+        # Cleared at start: the first question misses, the restart hits what this run wrote to disk.
+        assert phases["document"][0]["hit_tokens"] == 0, run
+        assert phases["restart"][0]["hit_tokens_by_tier"]["disk"] > 1000, run
+        assert sorted(os.listdir(demo_dir)) == ["billing", "kv", "kv.open-lock"], run
+        bill = tkv_json("billing", "--cache-dir", str(demo_dir))["tenants"]["demo"]
+        assert bill["requests"] == report["totals"]["requests"], run      # this run's ledger only
+    (demo_dir / "notes.txt").write_text("mine")
+    r = tkv("demo", "--model", str(tiny_model_dir), "--cache-dir", str(demo_dir))
+    assert_one_line_error(r, 2, "notes.txt", "did not make")
+    assert sorted(os.listdir(demo_dir)) == ["billing", "kv", "kv.open-lock", "notes.txt"]
+
+
+def test_demo_cache_dir_reset_knows_what_the_demo_and_its_tiers_make(tmp_path: Path) -> None:
+    from storage.disk.preflight import move_aside, opening
+    from tieredkv.demo import reset_cache_dir
+    d = tmp_path / "demo"
+    for sub in ("kv", "billing", "server2/kv", "old"):
+        (d / sub).mkdir(parents=True)
+        (d / sub / "data.mdb").write_bytes(b"x")
+    for kv in (d / "kv", d / "server2" / "kv"):
+        with opening(str(kv)):
+            pass
+    aside = move_aside(str(d / "old"), "test")                 # as the disk tier names a moved-aside store
+    os.rename(aside, d / ("kv" + aside[len(str(d / "old")):]))
+    assert len(os.listdir(d)) == 5 and len(list(d.glob("kv.damaged-*"))) == 1
+    reset_cache_dir(d)
+    assert sorted(os.listdir(d)) == ["kv.open-lock"]
+    for foreign in ("kv.damaged-", "kvx.open-lock", "server2.open-lock", "notes.txt"):
+        (d / "billing").mkdir()
+        (d / foreign).write_text("not the demo's")
+        with pytest.raises(ValueError, match=re.escape(foreign)):
+            reset_cache_dir(d)
+        assert (d / "billing").is_dir()          # nothing deleted
+        (d / foreign).unlink()
+        (d / "billing").rmdir()

@@ -156,7 +156,7 @@ def serve(
 def demo(
     cache_dir: Optional[str] = typer.Option(None, help="Demo cache dir (default: demo/ in the cache root). It is "
                                             "CLEARED at start so every run tells the same story; a dir holding "
-                                            "anything but the demo's kv/ and billing/ is refused."),
+                                            "anything the demo did not make (kv/, billing/, server2/, kv's lock) is refused."),
     model: Optional[str] = typer.Option(None, help="Model (default SmolLM2-135M-Instruct)."),
     max_tokens: int = typer.Option(16, help="Tokens generated per request."),
     device: str = typer.Option("auto", help="auto, cpu, cuda, cuda:N."),

@@ -35,6 +35,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Callable, ContextManager
 
+from storage.disk.preflight import ASIDE_INFIX, LOCK_SUFFIX
+
 BLOCK_SIZE = 16
 TIERS = ("device", "host", "disk", "remote")
 TENANT = "demo"
@@ -50,9 +52,15 @@ CHAT_TURNS = (
     "What size of battery would suit a family of four?",
     "Thanks! What should I ask the installer before I sign anything?",
 )
-# The demo owns these entries of its cache dir and deletes them at start (server2: the second
-# server's disk tier in the remote phase).
+# The demo owns these entries of its cache dir and deletes them at start: kv (the disk tier),
+# billing (the ledger), server2 (the second server of the remote phase: its disk tier, with that
+# tier's lock and any store moved aside inside it).
 _OWNED = {"kv", "billing", "server2"}
+# Beside kv the disk tier makes its open lock (kept: deleting a lock file another process may be
+# waiting on is a race; it is empty) and, when it finds a damaged store, moves that aside
+# (storage/disk/preflight.py; deleted with the rest).
+_KV_LOCK = "kv" + LOCK_SUFFIX
+_KV_ASIDE = "kv" + ASIDE_INFIX
 
 
 def document() -> str:
@@ -90,13 +98,23 @@ def reset_cache_dir(path: Path) -> None:
     if path.exists():
         if not path.is_dir():
             raise ValueError(f"cache_dir: {path} is a file, not a directory")
-        foreign = sorted(set(os.listdir(path)) - _OWNED)
+        names = os.listdir(path)
+        foreign = sorted(n for n in names if not _is_owned(n) and n != _KV_LOCK)
         if foreign:
             raise ValueError(f"cache_dir: {path} holds files the demo did not make ({', '.join(foreign[:3])}); "
                              "the demo deletes its cache dir at start, so give it an empty or a demo directory")
-        for name in _OWNED:
-            shutil.rmtree(path / name, ignore_errors=True)
+        for name in filter(_is_owned, names):
+            entry = path / name
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
     path.mkdir(parents=True, exist_ok=True)
+
+
+def _is_owned(name: str) -> bool:
+    """An entry the demo deletes at start (its lock file is the demo's too, but kept)."""
+    return name in _OWNED or (name.startswith(_KV_ASIDE) and len(name) > len(_KV_ASIDE))
 
 
 class Demo:

@@ -33,6 +33,11 @@ _DATA_VERSION = 1
 _P_BRANCH, _P_LEAF, _P_META = 0x01, 0x02, 0x08
 _P_INVALID = 0xFFFFFFFFFFFFFFFF
 _META_BYTES = 152
+# Beside a disk dir `<path>`: its open lock `<path>.open-lock` (`opening`) and a damaged
+# environment moved aside, `<path>.damaged-<UTC stamp>-<pid>` (`move_aside`). Named here so
+# whoever owns a directory holding a disk dir (the demo) can tell these from foreign files.
+LOCK_SUFFIX = ".open-lock"
+ASIDE_INFIX = ".damaged-"
 
 
 class DamagedEnvironment(RuntimeError):
@@ -117,7 +122,7 @@ def move_aside(path: str, reason: str) -> str:
     """Rename a damaged environment directory out of the way; returns the new path. The bytes
     are kept for a post-mortem (and `tieredkv verify` on them); nothing is deleted."""
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    aside = f"{path}.damaged-{stamp}-{os.getpid()}"
+    aside = f"{path}{ASIDE_INFIX}{stamp}-{os.getpid()}"
     os.rename(path, aside)
     with open(os.path.join(aside, "DAMAGED.txt"), "w") as f:
         f.write(reason + "\n")
@@ -130,7 +135,7 @@ def opening(path: str) -> Iterator[None]:
     and opens the environment, so two processes starting at once never both move it aside (the
     second would move the first's fresh environment)."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fd = os.open(f"{path}.open-lock", os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(f"{path}{LOCK_SUFFIX}", os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield

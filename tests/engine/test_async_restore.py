@@ -32,6 +32,7 @@ class DriveGate:
         self.open = threading.Event()
         self.open.set()
         self.entered = threading.Event()
+        self.timed_out = False             # a read got through a closed gate (its 10 s bound)
         self.read_threads: list[str] = []
         self.decode_threads: list[str] = []
         real_get_many, real_decode = DiskTier.get_many, Codec.decode
@@ -40,7 +41,8 @@ class DriveGate:
         def get_many(tier, keys, outs=None):
             gate.read_threads.append(threading.current_thread().name)
             gate.entered.set()
-            gate.open.wait(timeout=10)     # bounded: the old code's engine thread gets through
+            if not gate.open.wait(timeout=10):     # bounded: the old code's engine thread gets through
+                gate.timed_out = True
             return real_get_many(tier, keys, outs)
 
         def decode(codec, *args, **kw):
@@ -96,13 +98,19 @@ def test_other_requests_keep_decoding_while_a_restore_waits_on_the_drive(tmp_pat
         waiter = threading.Thread(target=lambda: result.update(out=eng.generate(restored, GREEDY)))
         waiter.start()
         assert gate.entered.wait(10)
-        held_at = time.monotonic()
-        time.sleep(0.5)                  # the restore is held on the "drive" for half a second
-        during = sum(held_at < t < held_at + 0.5 for t in stamps)
+        # The restore is held on the "drive" until the running request made 10 more tokens:
+        # counted, not timed (a loaded machine makes them slower, never fewer). The old code's
+        # engine thread sat in the held read: no token until the gate's own 10 s bound.
+        held_from = len(stamps)
+        deadline = time.monotonic() + 60
+        while len(stamps) < held_from + 10 and long.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        during = len(stamps) - held_from
+        still_held = "out" not in result and not gate.timed_out
         gate.open.set()
         waiter.join(30)
         long.join(60)
-    assert during >= 10, f"the running request made {during} tokens while a restore waited"
+    assert during >= 10 and still_held, f"the running request made {during} tokens while a restore waited"
     out = result["out"]
     assert out.token_ids == first.token_ids and out.usage.hit_tokens_by_tier["disk"] == 8 * BS
     assert len(stamps) == 200

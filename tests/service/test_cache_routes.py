@@ -1,6 +1,7 @@
 """Cache routes on a real server: status, lookup, billing (exact sums), flush/drop, /metrics."""
 from __future__ import annotations
 
+import time
 from datetime import datetime, timezone
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -112,16 +113,42 @@ def scrape(client) -> dict[tuple, float]:
             for fam in text_string_to_metric_families(r.text) for s in fam.samples}
 
 
+def scrape_until(client, done, timeout: float = 60.0) -> dict[tuple, float]:
+    """A scrape for which done(scrape) holds, polled (a deadline, not a bet on timing): the HTTP
+    request counter is incremented after the response is sent, so the client can scrape first."""
+    deadline = time.monotonic() + timeout
+    while not done(got := scrape(client)):
+        assert time.monotonic() < deadline, "timed out waiting for the metrics"
+        time.sleep(0.02)
+    return got
+
+
+def scrape_settled(client, timeout: float = 60.0) -> tuple[dict[tuple, float], dict]:
+    """A scrape with the tiers' status read just before and just after it, equal: the cache did
+    not change meanwhile (a request's disk -> host prefetch may land after the request ends)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        first = client.get("/v1/cache/status").json()["tiers"]
+        got = scrape(client)
+        if client.get("/v1/cache/status").json()["tiers"] == first:
+            return got, first
+        assert time.monotonic() < deadline, "the cache never settled"
+        time.sleep(0.05)
+
+
 def test_metrics(client, engine, tokenizer):
     ids = tokenizer(TEXT + " (metrics)")["input_ids"]
+    completions = ("tieredkv_http_requests_total", (("route", "/v1/completions"), ("status", "200")))
+    start = scrape(client).get(completions, 0)
     complete(client, engine, ids, "metrics")
     client.post("/v1/cache/flush", json={})
     client.post("/v1/cache/flush", json={"tier": "device"})
     client.post("/v1/cache/flush", json={"tier": "host"})
-    before = scrape(client)
+    # Counted after its response (see scrape_until): `before` must include the first completion.
+    before = scrape_until(client, lambda m: m.get(completions, 0) >= start + 1)
     usage = complete(client, engine, ids, "metrics")                   # disk hits: one restore
-    after = scrape(client)
-    status = client.get("/v1/cache/status").json()["tiers"]
+    scrape_until(client, lambda m: m.get(completions, 0) >= before[completions] + 1)
+    after, status = scrape_settled(client)
 
     def delta(name, **labels):
         key = (name, tuple(sorted(labels.items())))
@@ -141,4 +168,4 @@ def test_metrics(client, engine, tokenizer):
         assert after[("tieredkv_cache_hit_tokens_total", (("tier", tier),))] == status[tier]["hit_tokens"]
     assert after[("tieredkv_requests_in_flight", ())] == 0
     client.get("/no/such/route")
-    assert scrape(client)[("tieredkv_http_requests_total", (("route", "unmatched"), ("status", "404")))] >= 1
+    scrape_until(client, lambda m: m.get(("tieredkv_http_requests_total", (("route", "unmatched"), ("status", "404"))), 0) >= 1)

@@ -115,8 +115,10 @@ def test_with_the_store_killed_both_servers_answer_and_report_the_open_breaker(t
     server = ValkeyServer()
     try:
         server.start()
-        # A cooldown longer than the test: the breaker, once open, stays open while we look.
-        with two_servers(tmp_path, tokenizer, server.url, remote_timeout_s=0.2, remote_retry_s=60) as (a, b):
+        # A cooldown longer than the test: the breaker, once open, stays open while we look. A
+        # stopped store refuses connections at once, so the timeout is never waited for; a generous
+        # one keeps a loaded machine's slow answer (store up) from counting as an outage.
+        with two_servers(tmp_path, tokenizer, server.url, remote_timeout_s=10, remote_retry_s=60) as (a, b):
             prompt = TEXT + "Before the store went away."
             first = complete(a, prompt)
             wait_until_in_store(b, prompt, cached(first["usage"]["prompt_tokens"]))

@@ -4,6 +4,7 @@ Each test writes under its own namespace, so tests sharing a server never see ea
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -166,11 +167,17 @@ def test_a_server_down_opens_the_breaker_without_an_exception_and_a_restart_clos
     try:
         server.start()
         ks = keys(3, ns=os.urandom(32))
-        rt = tier(server.url, timeout_s=0.2, breaker=BreakerConfig(failures_to_open=3, cooldown_s=0.3))
+        # A stopped server refuses connections at once, so the timeout is never waited for: a
+        # generous one only keeps a loaded machine's slow answer from counting as an outage.
+        rt = tier(server.url, timeout_s=10, breaker=BreakerConfig(failures_to_open=3, cooldown_s=0.3))
+        # The breaker's clock is the test's: the cooldown passes when the test says, never because
+        # a loaded machine took 0.3 s between two calls (that made the "open" calls probes).
+        now = [0.0]
+        rt.breaker._clock = lambda: now[0]
         try:
             for k in ks:
                 rt.put(k, block_data(k))
-            assert rt.flush(10) and rt.get(ks[0]) is not None
+            assert rt.flush(60) and rt.get(ks[0]) is not None
             server.stop()
             for _ in range(3):                        # three failures in a row: open
                 assert rt.get_many(ks) == [None] * 3
@@ -180,14 +187,18 @@ def test_a_server_down_opens_the_breaker_without_an_exception_and_a_restart_clos
             # for a timeout) -- counted, not timed: a loaded machine makes any time bound flaky.
             assert rt.stats().skipped == 2 and rt.stats().errors == 3
             extra = keys(4, ns=os.urandom(32))[3]
+            # The mark before the put: the writer may drop the batch before flush() starts waiting.
+            mark = rt.write_failures()
             assert rt.put(extra, block_data(extra))   # queued, then dropped by the open breaker
-            assert rt.flush(10) is False and rt.stats().write_drops == 1
+            assert rt.flush(60, since=mark) is False and rt.stats().write_drops == 1
+            assert rt.breaker.state == "open" and rt.stats().errors == 3
             server.start()                            # back, on the same port, empty
-            time.sleep(0.35)                          # the cooldown: the next call is a probe
+            now[0] += 0.3                             # the cooldown: the next call is a probe
+            assert rt.breaker.state == "half_open"
             assert rt.get(ks[0]) is None              # a miss (the store restarted empty)...
             assert rt.breaker.state == "closed"       # ...but it answered: closed again
             rt.put(ks[0], block_data(ks[0]))          # written again (the "known" set was forgotten)
-            assert rt.flush(10) and same_bits(rt.get(ks[0]), block_data(ks[0]))
+            assert rt.flush(60) and same_bits(rt.get(ks[0]), block_data(ks[0]))
         finally:
             rt.close()
     finally:
@@ -206,7 +217,19 @@ def test_a_store_that_never_answers_costs_at_most_its_timeout(tmp_path) -> None:
         try:
             t0 = time.monotonic()
             assert rt.get_many(ks) == [None, None]
-            assert time.monotonic() - t0 < 0.6      # one timeout (no retry on a timeout)
+            # One timeout, no retry: a retry would reconnect (redis-py drops a timed-out
+            # connection), so the hung store saw exactly one connection -- counted, not timed
+            # (a loaded machine can stretch one 0.2 s timeout past any tight bound). The bound
+            # only says it was bounded (no timeout at all would hang here forever).
+            assert time.monotonic() - t0 < 30
+            listener.settimeout(0)
+            accepted = []
+            with contextlib.suppress(BlockingIOError):
+                while True:
+                    accepted.append(listener.accept()[0])
+            for conn in accepted:
+                conn.close()
+            assert len(accepted) == 1
             assert rt.get_many(ks) == [None, None]
             assert rt.breaker.state == "open"
             skipped = rt.stats().skipped
