@@ -84,32 +84,24 @@ class CacheCollector:
         for key, help_text in (("compression_ratio", "Raw bytes / compressed bytes of the disk tier"),
                                ("pending_writes", "Blocks waiting in the disk writer's queue")):
             if _is_number(disk.get(key)):
-                fam = GaugeMetricFamily(f"tieredkv_disk_{key}", help_text)
-                fam.add_metric([], float(disk[key]))
-                yield fam
+                yield _single(GaugeMetricFamily, f"tieredkv_disk_{key}", help_text, disk[key])
         if _is_number(disk.get("moved_aside")):
-            fam = CounterMetricFamily("tieredkv_disk_moved_aside", "Damaged disk stores moved aside and replaced "
-                                      "with a fresh one by this process (at open or while serving)")
-            fam.add_metric([], float(disk["moved_aside"]))
-            yield fam
+            yield _single(CounterMetricFamily, "tieredkv_disk_moved_aside", "Damaged disk stores moved aside and "
+                          "replaced with a fresh one by this process (at open or while serving)", disk["moved_aside"])
         if disk.get("enabled") is not None:
-            fam = GaugeMetricFamily("tieredkv_disk_unavailable", "1 while the configured disk tier has no store "
-                                    "(a full filesystem at open, or no fresh store could be made)")
-            fam.add_metric([], 1.0 if disk.get("unavailable") else 0.0)
-            yield fam
+            yield _single(GaugeMetricFamily, "tieredkv_disk_unavailable", "1 while the configured disk tier has "
+                          "no store (a full filesystem at open, or no fresh store could be made)",
+                          1 if disk.get("unavailable") else 0)
         if _is_number(disk.get("space_bound_bytes")):
-            fam = GaugeMetricFamily("tieredkv_disk_space_bound_bytes", "The data file's bound set by the "
-                                    "filesystem's free space minus the reserve (present only while it binds)")
-            fam.add_metric([], float(disk["space_bound_bytes"]))
-            yield fam
+            yield _single(GaugeMetricFamily, "tieredkv_disk_space_bound_bytes", "The data file's bound set by the "
+                          "filesystem's free space minus the reserve (present only while it binds)",
+                          disk["space_bound_bytes"])
         billing = status.get("billing", {})
         if _is_number(billing.get("unwritten")):
             # An alert on tieredkv_billing_unwritten > 0 fires while requests are answered with their
             # bills only in memory (engine/billing_writer.py; /ready is 503 meanwhile).
-            fam = GaugeMetricFamily("tieredkv_billing_unwritten", "Finished requests whose bill is kept in "
-                                    "memory because the ledger cannot be written")
-            fam.add_metric([], float(billing["unwritten"]))
-            yield fam
+            yield _single(GaugeMetricFamily, "tieredkv_billing_unwritten", "Finished requests whose bill is kept "
+                          "in memory because the ledger cannot be written", billing["unwritten"])
         remote = tiers.get("remote", {})
         if remote.get("enabled"):
             yield from _remote_metrics(remote)
@@ -118,13 +110,10 @@ class CacheCollector:
 def _remote_metrics(remote: dict[str, Any]) -> Iterable[Metric]:
     for key, suffix, help_text in _REMOTE_COUNTERS:
         if _is_number(remote.get(key)):
-            fam = CounterMetricFamily(f"tieredkv_remote_{suffix}", help_text)
-            fam.add_metric([], float(remote[key]))
-            yield fam
+            yield _single(CounterMetricFamily, f"tieredkv_remote_{suffix}", help_text, remote[key])
     if _is_number(remote.get("pending_writes")):
-        fam = GaugeMetricFamily("tieredkv_remote_pending_writes", "Blocks waiting in the remote writer's queue")
-        fam.add_metric([], float(remote["pending_writes"]))
-        yield fam
+        yield _single(GaugeMetricFamily, "tieredkv_remote_pending_writes", "Blocks waiting in the remote writer's "
+                      "queue", remote["pending_writes"])
     # One series per state, 1 for the current one (Prometheus' idiom for an enum): an alert on
     # tieredkv_remote_breaker_state{state="open"} == 1 fires while the store is being skipped.
     fam = GaugeMetricFamily("tieredkv_remote_breaker_state",
@@ -132,6 +121,13 @@ def _remote_metrics(remote: dict[str, Any]) -> Iterable[Metric]:
     for state in BREAKER_STATES:
         fam.add_metric([state], 1.0 if remote.get("breaker") == state else 0.0)
     yield fam
+
+
+def _single(family: type, name: str, help_text: str, value: float) -> Metric:
+    """A metric family of one unlabelled sample."""
+    fam = family(name, help_text)
+    fam.add_metric([], float(value))
+    return fam
 
 
 def _is_number(value: object) -> bool:
