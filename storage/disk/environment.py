@@ -146,8 +146,8 @@ def open_env(path: str, map_size: int, readonly: bool) -> tuple[lmdb.Environment
         # makes LMDB's first read of it a SIGBUS (storage/disk/pagewalk.py).
         check_pages(env, path)
         return env, open_databases(env, path, readonly)
-    except BaseException:
-        env.close()
+    except BaseException as e:
+        release(env, e)
         raise
 
 
@@ -179,8 +179,8 @@ def open_for_writing(path: str, map_size: int, capacity_bytes: int, reason: str 
             env, dbs = open_env(path, map_size, readonly=False)
             try:
                 return Opened(env, dbs, _prepare(env, dbs, path, capacity_bytes))
-            except BaseException:
-                env.close()
+            except BaseException as e:
+                release(env, e)
                 raise
         except (DamagedEnvironment, FormatMismatch, lmdb.Error) as e:
             if not is_damage(e) and is_no_space(e, path):
@@ -219,6 +219,22 @@ def _prepare(env: lmdb.Environment, dbs: Databases, path: str, capacity_bytes: i
                     "sharing the directory now bounds it at %d (blocks beyond it are evicted, LRU first)",
                     path, before, capacity_bytes, capacity_bytes)
     return hashes
+
+
+_ABANDONED: list[lmdb.Environment] = []     # damaged environments never closed (release, EnvGate.replace)
+
+
+def release(env: lmdb.Environment, e: BaseException) -> None:
+    """Close an environment that failed to open -- unless LMDB itself found it damaged: then
+    abandon it. NOTE: an LMDB operation on a damaged page can corrupt LMDB's own memory, and its
+    close then aborts the process on a double free (fault drill, lru leaf). Kept referenced (py-lmdb
+    closes on collection): a map's address space and a file descriptor per damaged store, once.
+    Our own checks (the page walk, the databases' presence) refuse before LMDB touches a damaged
+    page: those environments are closed."""
+    if isinstance(e, lmdb.Error) and is_damage(e):
+        _ABANDONED.append(env)
+    else:
+        env.close()
 
 
 class EnvGate:
@@ -339,10 +355,8 @@ class EnvGate:
         try:
             if self.generation != generation or self._stopping or self._down is not None:
                 return False
-            try:
-                self._env.close()
-            except lmdb.Error:
-                pass
+            # NOTE: the damaged environment is abandoned, not closed (see release()).
+            _ABANDONED.append(self._env)
             try:
                 self._env, self.dbs = reopen()
             except BaseException as e:

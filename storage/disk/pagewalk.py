@@ -183,6 +183,7 @@ class _Walk:
             if not (_HDR <= lower <= upper <= self.psize) or (lower - _HDR) % 2:
                 self.fail(f"{name}: page {pgno} has a damaged header (lower {lower}, upper {upper})")
             n = (lower - _HDR) // 2
+            packed = 0              # the nodes' sizes as LMDB lays them out: EVEN(8 + key + data) each
             for off in struct.unpack_from(f"<{n}H", p, _HDR):
                 if off < upper or off + _NODE > self.psize:
                     self.fail(f"{name}: page {pgno} has a node at {off}, outside {upper}..{self.psize}")
@@ -191,9 +192,11 @@ class _Walk:
                 if kind == _P_BRANCH:
                     if end > self.psize:
                         self.fail(f"{name}: page {pgno} has a key running past the page")
+                    packed += (_NODE + ksize + 1) & ~1
                     stack.append((lo | hi << 16 | nflags << 32, level + 1))
                     continue
                 size = lo | hi << 16
+                packed += (_NODE + ksize + (8 if nflags & _F_BIGDATA else size) + 1) & ~1
                 if nflags & _F_DUPDATA:
                     self.fail(f"{name}: page {pgno} has a duplicate-sorted node (none of ours is)")
                 if nflags & _F_BIGDATA:
@@ -220,3 +223,10 @@ class _Walk:
                     if sub_root != _P_INVALID:
                         key = p[off + _NODE:end].decode("ascii", "replace")
                         self.tree(sub_root, f"database {key!r}", sub_depth)
+            # NOTE: LMDB packs a page's nodes from its end down to `upper`, so their sizes add up to
+            # exactly psize - upper. A flipped key or data size breaks the sum; LMDB would then
+            # move memory by the wrong sizes when it edits the page (heap corruption, an abort at
+            # the next free: fault drill, lru leaf).
+            if packed != self.psize - upper:
+                self.fail(f"{name}: page {pgno} has node sizes adding up to {packed} bytes in a "
+                          f"{self.psize - upper}-byte node area")
