@@ -196,13 +196,14 @@ class Cascade:
         # The disk's commits forward blocks to the remote writer, which may fail a batch before
         # this flush waits for it: the mark makes such a loss count too.
         remote_mark = None if t.remote is None else t.remote.write_failures()
+        disk_mark = None if t.disk is None else t.disk.write_failures()   # likewise the disk's drops
         with t.lock:
             self.drain_through(wait=True)
         complete = True
         if t.next_down is not None:
             written = self.copy_down()
             if t.disk is not None:
-                complete = t.disk.flush(timeout)
+                complete = t.disk.flush(timeout, since=disk_mark)
         elif not t.host.enabled:
             return FlushResult(0, True)
         else:

@@ -331,14 +331,19 @@ class DiskTier:
         self._index.clear()
         return n
 
-    def flush(self, timeout: float | None = None) -> bool:
+    def flush(self, timeout: float | None = None, since: int | None = None) -> bool:
         """Block until every queued put and access update is committed (including those other
         threads add meanwhile). False on timeout, if the writer thread is gone, or if any block
-        was dropped (no room even after evicting, an I/O error) while it waited: the dropped
-        blocks are counted in stats().write_errors."""
+        was dropped (no room even after evicting, an I/O error) while it waited -- or since
+        `since`, a write_failures() mark: the dropped blocks are counted in stats().write_errors."""
         if self.readonly or self._closed:
             return True
-        return self._writer.flush(timeout)
+        return self._writer.flush(timeout, since)
+
+    def write_failures(self) -> int:
+        """A mark for flush(since=...): taken before queueing puts, a flush then also sees a block
+        the writer dropped before the flush began waiting."""
+        return self._writer.dropped()
 
     def close(self) -> None:
         """Flush, stop the writer, close the environment. Idempotent."""

@@ -159,12 +159,14 @@ class DiskWriter(BackgroundWriter[tuple[list[PendingBlock], dict[bytes, int]]]):
             self._queue.clear()
             self._cond.notify_all()
 
-    def flush(self, timeout: float | None = None) -> bool:
+    def flush(self, timeout: float | None = None, since: int | None = None) -> bool:
         """Block until every queued put and access update is committed (including those other
         threads add meanwhile). False on timeout, if the writer thread is gone, or if any block
-        was dropped instead of committed while waiting (NOTE: never True after a lost write)."""
+        was dropped instead of committed while waiting -- or since `since`, a dropped() mark taken
+        before the puts, so a batch lost before this call began counts too (NOTE: never True
+        after a lost write)."""
         with self._cond:
-            dropped_before = self._dropped
+            dropped_before = self._dropped if since is None else since
             return (self._wait_for(lambda: not self._pending and not self._touches and not self._busy, timeout,
                                    needs_thread=True)
                     and self._dropped == dropped_before)
