@@ -83,11 +83,21 @@ class Transfer:
             self.wait_host(slot)
 
     def issued(self) -> "torch.cuda.Event | None":
-        """A mark after every copy issued so far, for another stream to wait on (CUDA; None
-        elsewhere, where a copy's source is read before this returns or is a snapshot). The
-        loader's stream waits on it before it writes pages whose blocks were just copied out."""
+        """A mark after every copy issued so far AND every compute-stream kernel issued so far,
+        for another stream to wait on (CUDA; None elsewhere, where a copy's source is read before
+        this returns or is a snapshot, and a forward is done when it returns). The loader's stream
+        waits on it before it writes pages handed to a fill.
+
+        NOTE invariant (issue 18): a page handed to a fill may have had no copy out at all -- a
+        partial page freed by a preemption after a step of non-final prefill chunks, which never
+        synchronises -- while the previous forward's K/V writes into it are still queued on the
+        compute stream. A mark on the copy stream alone would let the fill land first and that
+        forward overwrite it: wrong KV registered and moved down the tiers. So the copy stream
+        first waits for the compute stream (called on the engine thread, whose current stream is
+        the compute stream), then the mark is recorded."""
         if not self.cuda:
             return None
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
         mark = torch.cuda.Event()
         mark.record(self.stream)
         return mark

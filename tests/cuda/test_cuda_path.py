@@ -114,3 +114,23 @@ def test_demote_behind_a_slow_compute_stream_stores_the_final_bytes(tmp_path) ->
         got = cache.disk.get(k)
         assert got is not None and same_bits(got.view(TINY.shape), block_data(k)), "stale bytes on disk"
     cache.close()
+
+
+def test_a_fill_waits_for_the_compute_streams_writes_into_its_page_even_without_a_copy_out() -> None:
+    """Issue 18: the mark a fill's stream waits on (Transfer.issued) covers the compute stream's
+    queued writes, not only copies out. A page written by a long queued kernel and never copied
+    out is read by another stream after the mark: it must see the kernel's bytes."""
+    from storage.transfer import Transfer
+    t = Transfer(torch.device("cuda"))
+    page = torch.zeros(1 << 20, device="cuda")
+    big = torch.randn(4096, 4096, device="cuda")
+    for _ in range(20):                     # keep the compute stream busy well past this CPU code
+        big = big @ big / 64
+    page.fill_(7.0)                         # the "forward's K/V write", queued behind the matmuls
+    mark = t.issued()                       # no copy out was issued for this page
+    fill = torch.cuda.Stream()
+    with torch.cuda.stream(fill):
+        fill.wait_event(mark)
+        seen = page.clone()                 # what a fill's stream would overwrite (or read)
+    fill.synchronize()
+    assert bool((seen == 7.0).all())
