@@ -24,6 +24,7 @@ import torch
 
 from engine.billing import Ledger, Prices, validate_tenant
 from engine.billing_writer import BillingWriter
+from engine.prefill_model import PrefillModel
 from engine.errors import EngineClosedError, QueueFullError
 from engine.model import LoadedModel, kv_layout, load_model
 from engine.model_runner import ModelRunner
@@ -80,6 +81,8 @@ class Engine:
         # "serve" (answered, billed from memory when the ledger takes it; /ready says degraded)
         # or "refuse" (the request fails). engine/billing_writer.py.
         self.billing = BillingWriter(self.ledger, on_failure=billing_failure) if self.ledger is not None else None
+        # The engine's compute rate, fitted from its own steps (engine/prefill_model.py).
+        self.prefill_model = PrefillModel()
         self.vocab_size = loaded.model.config.vocab_size
         eos = loaded.model.config.eos_token_id
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -211,6 +214,10 @@ class Engine:
                 "block_bytes": self.layout.nbytes, "write_policy": self.config.write_policy,
                 "tiers": tiers,
                 "billing": self.billing.status() if self.billing is not None else {"state": "off"},
+                # What compute-or-load decides from (issue 18): each tier's measured restore rate
+                # and this engine's fitted prefill time.
+                "cost_model": {"restore_bytes_per_s": self.cache.tiers.rates.snapshot(),
+                               "prefill": self.prefill_model.snapshot()},
                 "engine": {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                            "loading": len(self.scheduler.loading),
                            "attention": self.runner.backend.name, "sync_debug": self.sync_debug,
@@ -321,9 +328,12 @@ class Engine:
         if not scheduled:
             time.sleep(0.001)
             return
+        work = [(s.num_tokens, s.seq.num_computed + s.num_tokens) for s in scheduled]
         try:
+            started = time.perf_counter()
             with self._sync_check():
                 rows = list(self.runner.forward(scheduled))
+            self.prefill_model.observe(work, time.perf_counter() - started)
         except Exception as batch_error:
             log.exception("a forward pass of %d sequences failed", len(scheduled))
             rows = []

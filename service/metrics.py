@@ -102,6 +102,19 @@ class CacheCollector:
             # bills only in memory (engine/billing_writer.py; /ready is 503 meanwhile).
             yield _single(GaugeMetricFamily, "tieredkv_billing_unwritten", "Finished requests whose bill is kept "
                           "in memory because the ledger cannot be written", billing["unwritten"])
+        cost = status.get("cost_model", {})
+        rates = cost.get("restore_bytes_per_s", {})
+        if rates:
+            fam = GaugeMetricFamily("tieredkv_restore_bytes_per_second", "Each tier's restore rate into the pool, "
+                                    "a moving average of the loader's fills (seeded by a calibration)",
+                                    labels=["tier"])
+            for tier, r in rates.items():
+                if _is_number(r.get("bytes_per_s")):
+                    fam.add_metric([tier], float(r["bytes_per_s"]))
+            yield fam
+        if _is_number(cost.get("prefill", {}).get("prefill_2048_s")):
+            yield _single(GaugeMetricFamily, "tieredkv_prefill_2048_seconds", "Predicted time to compute 2048 new "
+                          "tokens, from the engine's step times", cost["prefill"]["prefill_2048_s"])
         remote = tiers.get("remote", {})
         if remote.get("enabled"):
             yield from _remote_metrics(remote)

@@ -226,6 +226,7 @@ class Loader:
         if not c.host.enabled:
             return []
         done, copies = [], []
+        started = time.perf_counter()
         with c.lock:
             for f in fills:
                 slot = c.host.slot_of(f.key)
@@ -236,6 +237,7 @@ class Loader:
                 copies.append((c.pool.kv[f.page], c.host.slab[slot]))
                 done.append(f)
             self._copy_many(copies)
+        c.rates.observe("host", len(done) * c.layout.nbytes, time.perf_counter() - started)
         return done
 
     def _fill_from_disk(self, fills: list[Fill]) -> list[bool]:
@@ -245,6 +247,15 @@ class Loader:
         return self._fill_from(self.t.remote, fills, keep=True)
 
     def _fill_from(self, tier, fills: list[Fill], keep: bool = False) -> list[bool]:
+        """Read, verify and decode blocks of the disk or remote tier into the fills' pages, and
+        record the tier's restore rate (bytes restored over the wall time)."""
+        started = time.perf_counter()
+        ok = self._read_into_pages(tier, fills, keep)
+        if tier is not None:
+            self.t.rates.observe(tier.name, sum(ok) * self.t.layout.nbytes, time.perf_counter() - started)
+        return ok
+
+    def _read_into_pages(self, tier, fills: list[Fill], keep: bool = False) -> list[bool]:
         """Read, verify and decode blocks of the disk or remote tier (get_many: a miss is None,
         never an exception for the store's failures) into the fills' pages. `keep` (the remote
         tier): the blocks read also go to the local disk, with their payloads (_keep_on_disk)."""

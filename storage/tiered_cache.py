@@ -110,6 +110,8 @@ class TieredKVCache:
                                remote_through=config.remote_write == "write_through",
                                remote_timeout_s=config.remote_timeout_s)
         self.loader = Loader(self.tiers)
+        # A planner needs a figure before the first fill: a few ms of host copies and one decode.
+        self.tiers.rates.calibrate(layout, disk.codec if disk is not None else None, self.device)
 
     # ---- where blocks are ----------------------------------------------------------------
     def _tier_of(self, key: BlockKey, probed: frozenset[bytes] | None = None) -> str | None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from storage.device_pool import DevicePool
 from storage.host_tier import HostTier
 from storage.layout import BlockLayout
+from storage.restore_rates import RestoreRates
 from storage.lower_tier import LowerTier
 from storage.transfer import Transfer
 
@@ -54,6 +55,8 @@ class Tiers:
     lower: tuple[LowerTier, ...]          # below the host, fastest first
     lock: threading.RLock = field(default_factory=threading.RLock)
     counters: dict[str, TierStats] = field(default_factory=lambda: {t: TierStats() for t in TIERS})
+    # Each tier's measured restore rate (storage/restore_rates.py): fed by the loader's fills.
+    rates: RestoreRates = field(default_factory=RestoreRates)
 
     def below(self, name: str) -> LowerTier | None:
         """The lower tier called `name` ("disk", "remote"), or None when it is not configured."""

@@ -235,6 +235,15 @@ def status(
     if disk.get("space_bound_bytes"):
         out.print(f"[bold yellow]disk: bounded by free space[/]: {format_size(disk.get('free_bytes') or 0)} free, "
                   f"store file held at {format_size(disk['space_bound_bytes'])}", soft_wrap=True)
+    cost = body.get("cost_model", {})
+    rates = cost.get("restore_bytes_per_s", {})
+    if rates:
+        shown = ", ".join(f"{t} {format_size(int(r['bytes_per_s']))}/s"
+                          f"{' (calibrated)' if r.get('source') == 'calibration' else ''}" for t, r in rates.items())
+        pre = cost.get("prefill", {})
+        out.print(f"restore rates: {shown}; prefill of 2048 tokens "
+                  + (f"~{pre['prefill_2048_s'] * 1e3:.0f} ms (fitted on {pre['steps']} steps)"
+                     if pre.get("fitted") else "not fitted yet"), soft_wrap=True)
     billing = body.get("billing", {})
     if billing.get("state") == "degraded":
         out.print(f"[bold red]billing: degraded[/]: {billing.get('unwritten', 0)} bills in memory, not yet in the "
