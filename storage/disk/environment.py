@@ -404,4 +404,5 @@ class EnvGate:
             self._cond.notify_all()
             while self._in_txn or self._resizing:
                 self._cond.wait()
-        self._env.close()
+        if self._down is None:          # a tier that went down abandoned its damaged environment
+            self._env.close()

@@ -123,6 +123,10 @@ def move_aside(path: str, reason: str) -> str:
     are kept for a post-mortem (and `tieredkv verify` on them); nothing is deleted."""
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     aside = f"{path}{ASIDE_INFIX}{stamp}-{os.getpid()}"
+    n = 1
+    while os.path.exists(aside):      # a second store damaged within the same second
+        aside = f"{path}{ASIDE_INFIX}{stamp}-{os.getpid()}-{n}"
+        n += 1
     os.rename(path, aside)
     with open(os.path.join(aside, "DAMAGED.txt"), "w") as f:
         f.write(reason + "\n")

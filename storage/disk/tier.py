@@ -65,6 +65,8 @@ log = logging.getLogger(__name__)
 # ledger beside it, logs and the rest of the machine need it (issue 17: a full filesystem failed
 # every request, the ledger unable to commit while the KV store kept the disk full).
 DEFAULT_RESERVE_BYTES = 256 << 20
+# Damaged stores one process replaces before it turns its disk tier off (a sick drive).
+MAX_REPLACEMENTS = 8
 
 
 
@@ -446,6 +448,13 @@ class DiskTier:
             got: list = []
 
             def reopen():
+                with self._stats_lock:
+                    replaced = self._counters.moved_aside
+                if replaced >= MAX_REPLACEMENTS:
+                    # NOTE: a disk that keeps damaging fresh stores is off for this process (each
+                    # damaged environment is abandoned, not closed: this bounds what they hold).
+                    raise DiskUnavailable(f"{self.path}: {replaced} stores damaged in this process; the disk "
+                                          "tier is off until a restart (check the drive)")
                 with opening(self.path):
                     # Another process sharing the directory may have moved it aside already: then
                     # its fresh store is taken as it is, never moved aside in turn.
@@ -512,12 +521,20 @@ class DiskTier:
     # -- internals: info, direct deletes, counters -----------------------------------------
 
     def _store_capacity(self) -> int:
-        with self._begin() as txn:
-            return load_capacity(txn, self._dbs) or self.capacity_bytes
+        try:
+            with self._begin() as txn:
+                return load_capacity(txn, self._dbs) or self.capacity_bytes
+        except DiskUnavailable:
+            return self.capacity_bytes
 
     def _read_info(self) -> StoreInfo:
-        with self._begin() as txn:
-            return load_info(txn, self._dbs)
+        """The store's counters; empty while the tier has no store (stats() never raises for it:
+        /metrics and status read it)."""
+        try:
+            with self._begin() as txn:
+                return load_info(txn, self._dbs)
+        except DiskUnavailable:
+            return StoreInfo()
 
     def _delete_now(self, hashes: Iterable[bytes], recount: bool = False) -> int:
         """Delete blocks in a short write transaction of the calling thread. Returns how many."""

@@ -267,3 +267,21 @@ def test_a_process_sharing_the_directory_follows_a_store_another_one_moved_aside
         assert t.flush(timeout=60)
     with DiskTier(str(kv), CAP) as t:
         assert t.stats().blocks == 6 and same_bits(t.get(make_key(300)), make_block(300))
+
+
+def test_a_disk_that_keeps_damaging_its_stores_is_turned_off_not_replaced_forever(tmp_path: Path) -> None:
+    """Each replacement abandons a damaged environment (its map and file descriptor); past
+    MAX_REPLACEMENTS in one process the tier is off, reads miss and status says why."""
+    from storage.disk.tier import MAX_REPLACEMENTS
+    kv = tmp_path / "kv"
+    with DiskTier(str(kv), CAP) as t:
+        for round_ in range(MAX_REPLACEMENTS + 1):
+            t.put(make_key(round_), make_block(round_))
+            assert t.flush(timeout=60)
+            _break_tree(kv, "meta")
+            assert t.get(make_key(round_)) is None                   # found damaged: a miss
+        s = t.stats()
+        assert s.moved_aside == MAX_REPLACEMENTS and "tier is off" in s.unavailable
+        assert t.get(make_key(0)) is None and t.stats().read_errors >= 1
+        t.put(make_key(99), make_block(99))                            # no exception: the write is dropped
+        assert t.flush(timeout=60) is False
