@@ -283,5 +283,6 @@ def test_a_disk_that_keeps_damaging_its_stores_is_turned_off_not_replaced_foreve
         s = t.stats()
         assert s.moved_aside == MAX_REPLACEMENTS and "tier is off" in s.unavailable
         assert t.get(make_key(0)) is None and t.stats().read_errors >= 1
+        mark = t.write_failures()
         t.put(make_key(99), make_block(99))                            # no exception: the write is dropped
-        assert t.flush(timeout=60) is False
+        assert t.flush(timeout=60, since=mark) is False
