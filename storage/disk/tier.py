@@ -177,6 +177,9 @@ class DiskTier:
         self._check_open(write=True)
         if block is None and payload is None:
             raise ValueError("put: give the block, or its encoded payload")
+        if self._gate.down is not None:
+            self._writer.lost(1)             # the tier is off (stats().unavailable): a lost write, counted
+            return False
         if block is not None:
             dtype_name(block.dtype)
             if self.layout is not None and (tuple(block.shape) != self.layout.shape or block.dtype != self.layout.dtype):

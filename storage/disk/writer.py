@@ -181,7 +181,7 @@ class DiskWriter(BackgroundWriter[tuple[list[PendingBlock], dict[bytes, int]]]):
         with self._cond:
             return self._dropped
 
-    def _lost(self, n: int) -> None:
+    def lost(self, n: int) -> None:
         """n blocks will never be committed: counted for stats() and for flush()'s answer."""
         if n:
             with self._cond:
@@ -271,7 +271,7 @@ class DiskWriter(BackgroundWriter[tuple[list[PendingBlock], dict[bytes, int]]]):
                     touches = {}
                     continue
                 log.exception("disk tier: writing a batch of %d blocks failed; dropping it", len(items))
-                self._lost(len(items))
+                self.lost(len(items))
                 return False
         return False
 
@@ -290,15 +290,15 @@ class DiskWriter(BackgroundWriter[tuple[list[PendingBlock], dict[bytes, int]]]):
                 encoded.append((it.key, payload, it.nbytes))
             except Exception:
                 log.exception("disk tier: encoding block %s failed", it.key.hash.hex()[:16])
-                self._lost(1)
+                self.lost(1)
         if self._try_commit(encoded, touches):
             return
         if len(encoded) > 1:   # the batch does not fit as a whole: try each block alone
             for e in encoded:
                 if not self._try_commit([e], {}):
-                    self._lost(1)
+                    self.lost(1)
         else:
-            self._lost(len(encoded))
+            self.lost(len(encoded))
 
     def _try_commit(self, encoded: list, touches: dict[bytes, int]) -> bool:
         """Commit, making room on MapFull/ENOSPC; False when it still does not fit."""
