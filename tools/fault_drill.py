@@ -7,7 +7,7 @@ that did not cause the fault (must be 0).
     python tools/fault_drill.py                  # 520 page flips, the full drill
     python tools/fault_drill.py --json --flips 180 --keep-failed /tmp/kept
     python tools/fault_drill.py --only page_flip --kinds lru_leaf,freedb_leaf --flips 60
-    python tools/lmdb_pages.py --self-check      # the page classifier against LMDB's own counts
+    python tools/fault_drill.py --self-check     # the page classifier against LMDB's own counts
 
 The attacked store: capacity 1 MiB, ~3 MiB of blocks put (first at twice the capacity, then at
 1 MiB, with reads between batches), so eviction has run and the `lru` and free-page databases
@@ -115,6 +115,21 @@ def child(code: str, *args: object, timeout: float = 120) -> subprocess.Complete
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *map(str, args)], cwd=REPO,
                           capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+def self_check(blocks: int = 600, capacity: int = SMALL_CAP) -> int:
+    """Populate a store the drill's way and check tools/lmdb_pages.py's walk against LMDB's own
+    counts (page kinds per database, every page in a tree or free-listed)."""
+    from lmdb_pages import classify, compare_with_lmdb, print_counts
+    with tempfile.TemporaryDirectory() as tmp:
+        populate_evicting(os.path.join(tmp, "kv"), blocks, capacity)
+        pm = classify(os.path.join(tmp, "kv"))
+        diffs = compare_with_lmdb(os.path.join(tmp, "kv"), pm)
+        print_counts(pm)
+    print("self-check:", "OK, the walk agrees with LMDB's page counts" if not diffs else "MISMATCH")
+    for d in diffs:
+        print("  ", d)
+    return 1 if diffs else 0
 
 
 def populate_evicting(path: str | Path, blocks: int, capacity: int = SMALL_CAP) -> list[int]:
@@ -811,7 +826,11 @@ def main() -> None:
     ap.add_argument("--trials-jsonl", help="append every trial's plan and children's reports here")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--self-check", action="store_true", help="only check the page classifier "
+                    "(tools/lmdb_pages.py) against LMDB's own counts on the drill's store, then exit")
     args = ap.parse_args()
+    if args.self_check:
+        sys.exit(self_check())
     for k, v in (_QUICK if args.quick else _FULL).items():
         if getattr(args, k) is None:
             setattr(args, k, v)

@@ -1,7 +1,7 @@
 """Label every page of an LMDB data.mdb by what it is, with plain file reads (no LMDB, no map).
 
     python tools/lmdb_pages.py STORE_DIR          # counts per kind
-    python tools/lmdb_pages.py --self-check       # populate a small store, compare with py-lmdb's stats
+    python tools/fault_drill.py --self-check      # populate the drill's store, compare with py-lmdb's stats
 
 Used by tools/fault_drill.py to aim a bit flip at one kind of page on purpose.
 
@@ -213,22 +213,6 @@ def compare_with_lmdb(path: str, pm: PageMap) -> list[str]:
     return diffs + pm.problems
 
 
-def self_check(blocks: int = 600, capacity: int = 1 << 20) -> int:
-    """Populate a store the drill's way and check the walk against LMDB's own counts."""
-    import tempfile
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from fault_drill import populate_evicting
-    with tempfile.TemporaryDirectory() as tmp:
-        populate_evicting(os.path.join(tmp, "kv"), blocks, capacity)
-        pm = classify(os.path.join(tmp, "kv"))
-        diffs = compare_with_lmdb(os.path.join(tmp, "kv"), pm)
-        print_counts(pm)
-    print("self-check:", "OK, the walk agrees with LMDB's page counts" if not diffs else "MISMATCH")
-    for d in diffs:
-        print("  ", d)
-    return 1 if diffs else 0
-
-
 def print_counts(pm: PageMap) -> None:
     print(f"page size {pm.page_size}, pages 0..{pm.last_page}, txnid {pm.txnid} (meta page {pm.meta_index})")
     for kind, pages in sorted(pm.by_kind().items()):
@@ -236,8 +220,6 @@ def print_counts(pm: PageMap) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["--self-check"]:
-        sys.exit(self_check())
     if len(sys.argv) != 2:
         sys.exit(__doc__)
     pm = classify(sys.argv[1])
