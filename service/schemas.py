@@ -126,7 +126,7 @@ class _GenerationRequest(BaseModel):
     model: str
     max_tokens: int | None = None
     max_completion_tokens: int | None = None   # OpenAI's newer name for max_tokens
-    temperature: float | None = None
+    temperature: float | None = Field(default=None, ge=0, le=2)   # OpenAI's range (the Python API allows more)
     top_p: float | None = None
     top_k: int | None = None                 # extension (vLLM's): 0 = off
     min_p: float | None = None               # extension (vLLM's): 0 = off

@@ -541,3 +541,15 @@ def test_demo_cache_dir_reset_knows_what_the_demo_and_its_tiers_make(tmp_path: P
         assert (d / "billing").is_dir()          # nothing deleted
         (d / foreign).unlink()
         (d / "billing").rmdir()
+
+
+def test_small_mistakes_get_an_error_that_names_what_the_user_typed(cache: dict) -> None:
+    """Issue 20's small things: a bad size names its flag, --cache-dir given the disk tier itself
+    names its parent, an unknown tenant is said to be unknown (it used to print a row of zeros)."""
+    root = cache["root"]
+    assert_one_line_error(tkv("serve", "--device-memory", "1XB"), 2, "--device-memory", "'1XB'")
+    assert_one_line_error(tkv("inspect", "--cache-dir", str(root / "kv")), 2,
+                          "is a disk tier, not a cache dir", f"--cache-dir {root}")
+    assert_one_line_error(tkv("billing", "--cache-dir", str(root), "--tenant", "nope"), 1,
+                          "no such tenant 'nope'", "alice", "bob")
+    assert tkv_json("billing", "--cache-dir", str(root), "--tenant", "alice")["requests"] == 2

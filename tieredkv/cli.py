@@ -106,6 +106,9 @@ def serve(
     """Run the OpenAI-compatible HTTP service on a model with the tiered KV cache."""
     from engine.billing import Prices
     from storage.config import CacheConfig
+    for flag, value in (("--device-memory", device_memory), ("--host-memory", host_memory),
+                        ("--disk-capacity", disk_capacity), ("--disk-reserve", disk_reserve)):
+        parse_size(value, flag)             # a bad size names the flag the user typed
     root = cache_root(cache_dir)
     cache = CacheConfig(block_size=block_size, device_memory=device_memory, host_memory=host_memory,
                         disk_dir=str(root / "kv"), disk_capacity=disk_capacity, disk_reserve=disk_reserve,
@@ -401,6 +404,8 @@ def billing(
         url = server_url(None)        # $TIEREDKV_URL names the server, as for `status`
     if url:
         body = get_json(url, "/v1/cache/billing", api_key_of(api_key), {"tenant": tenant} if tenant else None)
+        if tenant is not None and not body.get("requests"):
+            raise CLIError(f"no such tenant {tenant!r}: the server has billed no request to it", code=1)
     else:
         from engine.billing import Ledger
         root = cache_root(cache_dir)
@@ -408,6 +413,10 @@ def billing(
         if not (path / "data.mdb").is_file():
             raise CLIError(f"cache dir: no billing ledger at {path} (pass --cache-dir or --url)", code=2)
         with Ledger(path, readonly=True) as ledger:
+            known = ledger.tenants()
+            if tenant is not None and tenant not in known:
+                shown = ", ".join(known[:10]) + (f", ... ({len(known)} in all)" if len(known) > 10 else "")
+                raise CLIError(f"no such tenant {tenant!r} in {path} (tenants: {shown or 'none yet'})", code=1)
             body = ledger.tenant(tenant).to_dict() if tenant else ledger.summary()
     if json_out:
         return print_json(body)

@@ -72,6 +72,10 @@ def cache_root(cache_dir: Optional[str]) -> Path:
 
 def existing_dir(path: Path, what: str) -> Path:
     if not path.is_dir():
+        if (path.parent / "data.mdb").is_file():
+            # --cache-dir named the disk tier itself (…/kv): the cache dir is the one holding it.
+            raise CLIError(f"cache dir: {path.parent} is a disk tier, not a cache dir; pass the directory "
+                           f"that holds it: --cache-dir {path.parent.parent}", code=2)
         raise CLIError(f"cache dir: no {what} at {path} (pass --cache-dir, or set TIEREDKV_HOME)", code=2)
     return path
 

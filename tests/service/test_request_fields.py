@@ -324,3 +324,13 @@ def test_max_prompt_bytes_setting(engine):
         assert c.post(COMPL, json={"model": engine.model_name, "prompt": "a" * 100, "max_tokens": 1}).status_code == 200
         r = c.post(COMPL, json={"model": engine.model_name, "prompt": "a" * 101, "max_tokens": 1})
         assert r.status_code == 400 and "max_prompt_bytes" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_temperature_is_bounded_by_openais_range(client, engine, route) -> None:
+    body = {"model": engine.model_name, "max_tokens": 1,
+            **({"prompt": "x"} if route.endswith("/completions") and "chat" not in route
+               else {"messages": [{"role": "user", "content": "x"}]})}
+    r = client.post(route, json={**body, "temperature": 2.5})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "temperature", r.text
+    assert client.post(route, json={**body, "temperature": 2}).status_code == 200
