@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import threading
 import tomllib
@@ -31,6 +32,8 @@ from typing import Any, Iterator
 import lmdb
 
 from storage.disk.environment import DiskUnavailable, free_bytes, reserve_lock_file
+
+log = logging.getLogger("tieredkv.billing")
 
 BILLED_TIERS = ("device", "host", "disk", "remote")
 PICO_PER_MICRO = 10**6
@@ -275,8 +278,7 @@ class Ledger:
             os.unlink(self._reserve_path())
         except FileNotFoundError:
             return False
-        import logging
-        logging.getLogger("tieredkv.billing").warning(
+        log.warning(
             "billing: the filesystem of %s is full; its %d-byte reserve is released for the ledger", self.path,
             self.reserve_bytes)
         return True

@@ -60,6 +60,7 @@ class BillingWriter(BackgroundWriter[list[tuple[Entry, Done | None]]]):
         self._failed: list[Entry] = []        # writer thread: the batch just failed, for _after
         self.error: str | None = None         # under _cond: the last failure, while degraded
         self.degraded_since: float | None = None   # under _cond: wall time the ledger first failed
+        self._last_logged_error: str | None = None   # writer thread: one log line per distinct failure
         self.spilled = 0                      # entries written to a spill file at close
         self.groups = 0                       # commits made (for tests and stats)
         self.entries = 0
@@ -143,8 +144,6 @@ class BillingWriter(BackgroundWriter[list[tuple[Entry, Done | None]]]):
                     self._last_logged_error = str(e)
                 return [None] * len(entries), e
         raise AssertionError("unreachable")
-
-    _last_logged_error: str | None = None   # writer thread: one log line per distinct failure
 
     def _after(self, group: list[tuple[Entry, Done | None]], ok: bool) -> None:
         failed, self._failed = self._failed, []

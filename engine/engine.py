@@ -23,7 +23,7 @@ from typing import Iterator, Sequence as Seq
 import torch
 
 from engine.billing import Ledger, Prices, validate_tenant
-from engine.billing_writer import BillingWriter
+from engine.billing_writer import ON_FAILURE, BillingWriter
 from engine.prefill_model import PrefillModel
 from engine.errors import EngineClosedError, QueueFullError
 from engine.model import LoadedModel, kv_layout, load_model
@@ -51,8 +51,8 @@ class Engine:
                  num_pages: int | None = None, prices: Prices | None = None, sync_debug: str | None = None,
                  attention: str | None = None, billing_failure: str = "serve") -> None:
         cache = cache or CacheConfig()
-        if billing_failure not in ("serve", "refuse"):
-            raise ValueError(f"billing_failure: expected 'serve' or 'refuse', got {billing_failure!r}")
+        if billing_failure not in ON_FAILURE:      # before any thread starts
+            raise ValueError(f"billing_failure: expected one of {ON_FAILURE}, got {billing_failure!r}")
         self.loaded = loaded
         self.config = cache
         self.tokenizer = loaded.tokenizer

@@ -23,7 +23,6 @@ from storage.codec.stored_block import payload_binding
 from storage.layout import BlockLayout
 
 ALPHA = 0.2             # weight of a new measurement in the moving average
-RESTORING_TIERS = ("host", "disk", "remote")
 
 
 @dataclass(slots=True)

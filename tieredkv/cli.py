@@ -113,8 +113,10 @@ def serve(
     cache = CacheConfig(block_size=block_size, device_memory=device_memory, host_memory=host_memory,
                         disk_dir=str(root / "kv"), disk_capacity=disk_capacity, disk_reserve=disk_reserve,
                         **remote_options(remote_url, remote_timeout, remote_ttl, remote_write))
-    if on_billing_failure not in ("serve", "refuse"):
-        raise CLIError(f"--on-billing-failure: expected serve or refuse, got {on_billing_failure!r}", code=2)
+    from engine.billing_writer import ON_FAILURE
+    if on_billing_failure not in ON_FAILURE:
+        raise CLIError(f"--on-billing-failure: expected one of {', '.join(ON_FAILURE)}, got {on_billing_failure!r}",
+                       code=2)
     for name, path in (("--prices", prices), ("--api-keys", api_keys)):
         if path and not os.path.isfile(path):
             raise CLIError(f"{name}: no such file {path}", code=2)

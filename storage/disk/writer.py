@@ -45,10 +45,6 @@ _SPACE_CHECK_S = 0.5    # how often the writer reads the filesystem's free space
 _MAP_STEP = 16 << 20    # the map grows back toward its full size in steps of at least this
 
 
-def _is_no_space(e: BaseException, path: str) -> bool:
-    return is_no_space(e, path)
-
-
 class DiskWriter(BackgroundWriter[tuple[list[PendingBlock], dict[bytes, int]]]):
     """Pending puts and recorded accesses, committed in batches by one thread. Thread-safe.
 
@@ -308,7 +304,7 @@ class DiskWriter(BackgroundWriter[tuple[list[PendingBlock], dict[bytes, int]]]):
                 self._commit(encoded, touches)
                 return True
             except Exception as e:
-                if not _is_no_space(e, self._gate.env.path()):
+                if not is_no_space(e, self._gate.env.path()):
                     raise
                 log.warning("disk tier: %s; evicting to make room (attempt %d)", type(e).__name__, attempt + 1)
                 self.clear_stale_readers(force=True)   # a dead reader may be what pins the pages
@@ -416,7 +412,7 @@ class DiskWriter(BackgroundWriter[tuple[list[PendingBlock], dict[bytes, int]]]):
                     store_info(txn, self._gate.dbs, info)
                 self._index.discard(gone)
             except Exception as e:
-                if not _is_no_space(e, self._gate.env.path()):
+                if not is_no_space(e, self._gate.env.path()):
                     raise
                 if per_txn == 1:
                     # Not even one delete fits: every page is taken or still visible to the
@@ -435,7 +431,7 @@ class DiskWriter(BackgroundWriter[tuple[list[PendingBlock], dict[bytes, int]]]):
             with self._begin(write=True) as txn:
                 store_info(txn, self._gate.dbs, load_info(txn, self._gate.dbs))
         except Exception as e:
-            if not _is_no_space(e, self._gate.env.path()):
+            if not is_no_space(e, self._gate.env.path()):
                 raise
         return freed
 
