@@ -143,17 +143,52 @@ def store_capacity(txn: lmdb.Transaction, dbs: Databases, capacity_bytes: int) -
 
 # -- edits inside a write transaction: `info` changes with the blocks it counts ---------------
 
+def read_meta(txn: lmdb.Transaction, dbs: Databases, h: bytes) -> tuple[bytes | None, BlockMeta | None]:
+    """Block `h`'s meta record as stored and decoded: (None, None) when there is none, (raw, None)
+    when it is there but cannot be decoded (damaged)."""
+    raw = txn.get(h, db=dbs.meta)
+    try:
+        return raw, None if raw is None else BlockMeta.unpack(raw)
+    except ValueError:
+        return raw, None
+
+
+@dataclass(slots=True)
+class MetaScan:
+    """One pass over every `meta` record: the counters they add up to, and what else a repair needs."""
+    info: StoreInfo
+    hashes: list[bytes]            # blocks with a decodable record
+    undecodable: list[bytes]       # records that cannot be decoded
+    lru_keys: list[bytes]          # the LRU entry each decodable block should have, in key order
+
+
+def scan_meta(txn: lmdb.Transaction, dbs: Databases, next_seq: int = 1) -> MetaScan:
+    scan = MetaScan(StoreInfo(next_seq=next_seq), [], [], [])
+    info = scan.info
+    for h, v in txn.cursor(db=dbs.meta):
+        h = bytes(h)
+        try:
+            m = BlockMeta.unpack(v)
+        except ValueError:
+            scan.undecodable.append(h)
+            continue
+        scan.hashes.append(h)
+        scan.lru_keys.append(lru_key(m.last_access, h))
+        info.used_bytes += m.stored_size
+        info.raw_bytes += m.raw_size
+        info.blocks += 1
+        info.next_seq = max(info.next_seq, m.last_access + 1)
+    scan.lru_keys.sort()
+    return scan
+
+
 def delete_in_txn(txn: lmdb.Transaction, dbs: Databases, h: bytes, info: StoreInfo) -> bool:
     """Delete block `h` (payload, meta, LRU entry) and take it off `info`. True when it existed.
 
     NOTE: every delete proves it deleted: a record that was read in this transaction but that
     LMDB's delete does not find means the tree is out of order (a flipped bit in a leaf):
     StoreDamaged, never a True that lets a caller's loop meet the same entry again."""
-    raw = txn.get(h, db=dbs.meta)
-    try:
-        m = None if raw is None else BlockMeta.unpack(raw)
-    except ValueError:
-        m = None
+    raw, m = read_meta(txn, dbs, h)
     if m is None:
         # No usable metadata: sizes and LRU position are unknown, so scan and recount (rare).
         found = txn.delete(h, db=dbs.payload) | txn.delete(h, db=dbs.meta)
@@ -178,16 +213,9 @@ def delete_in_txn(txn: lmdb.Transaction, dbs: Databases, h: bytes, info: StoreIn
 
 def recount(txn: lmdb.Transaction, dbs: Databases, info: StoreInfo) -> None:
     """Recompute `info`'s counters from every decodable `meta` record."""
-    info.used_bytes = info.raw_bytes = info.blocks = 0
-    for _, v in txn.cursor(db=dbs.meta):
-        try:
-            m = BlockMeta.unpack(v)
-        except ValueError:
-            continue
-        info.used_bytes += m.stored_size
-        info.raw_bytes += m.raw_size
-        info.blocks += 1
-        info.next_seq = max(info.next_seq, m.last_access + 1)
+    counted = scan_meta(txn, dbs, info.next_seq).info
+    info.used_bytes, info.raw_bytes, info.blocks = counted.used_bytes, counted.raw_bytes, counted.blocks
+    info.next_seq = counted.next_seq
 
 
 def repair_counters(txn: lmdb.Transaction, dbs: Databases) -> tuple[list[bytes], list[str]]:
@@ -198,26 +226,13 @@ def repair_counters(txn: lmdb.Transaction, dbs: Databases) -> tuple[list[bytes],
     by verify --repair: counters that are wrong hold a store over its capacity, an LRU entry
     missing keeps a block from ever being evicted."""
     fixed: list[str] = []
-    raw = txn.get(b"counters", db=dbs.info)
-    old = StoreInfo(*_COUNTERS.unpack(raw)) if raw is not None and len(raw) == _COUNTERS.size else None
-    if raw is not None and old is None:
+    try:
+        old: StoreInfo | None = load_info(txn, dbs)
+    except StoreDamaged:
+        old = None
         fixed.append("info counters unreadable")
-    info = StoreInfo(next_seq=old.next_seq if old else 1)
-    hashes: list[bytes] = []
-    undecodable: list[bytes] = []
-    want_lru: list[bytes] = []
-    for h, v in txn.cursor(db=dbs.meta):
-        try:
-            m = BlockMeta.unpack(v)
-        except ValueError:
-            undecodable.append(bytes(h))
-            continue
-        hashes.append(bytes(h))
-        want_lru.append(lru_key(m.last_access, bytes(h)))
-        info.used_bytes += m.stored_size
-        info.raw_bytes += m.raw_size
-        info.blocks += 1
-        info.next_seq = max(info.next_seq, m.last_access + 1)
+    scan = scan_meta(txn, dbs, old.next_seq if old else 1)
+    info, hashes, undecodable, want_lru = scan.info, scan.hashes, scan.undecodable, scan.lru_keys
     for h in undecodable:
         txn.delete(h, db=dbs.meta)
         txn.delete(h, db=dbs.payload)
@@ -232,7 +247,6 @@ def repair_counters(txn: lmdb.Transaction, dbs: Databases) -> tuple[list[bytes],
         if orphans:
             fixed.append(f"{len(orphans)} payload(s) without metadata deleted")
     have_lru = [bytes(k) for k in txn.cursor(db=dbs.lru).iternext(keys=True, values=False)]
-    want_lru.sort()
     if have_lru != want_lru:
         txn.drop(dbs.lru, delete=False)
         for k in want_lru:

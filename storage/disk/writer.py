@@ -32,7 +32,7 @@ from storage.priority import background_priority
 from storage.codec.payload import Codec
 from storage.disk.environment import EnvGate, is_damage, is_no_space
 from storage.disk.records import (StoreDamaged, StoreInfo, delete_in_txn, load_capacity, load_info, lru_hash,
-                                  lru_key, store_info)
+                                  lru_key, read_meta, store_info)
 from storage.disk.index import DiskIndex
 from storage.disk.pending import PendingBlock
 from storage.codec.stored_block import BlockMeta, payload_binding
@@ -336,13 +336,9 @@ class DiskWriter(BackgroundWriter[tuple[list[PendingBlock], dict[bytes, int]]]):
                 # starts its own write txn after this one commits (and then sees the block).
                 cancelled = set(self._cancelled)
             for h, n in touches.items():   # accesses first: they happened before this batch's puts
-                raw = txn.get(h, db=dbs.meta)
-                try:
-                    m = None if raw is None else BlockMeta.unpack(raw)
-                except ValueError:
-                    m = None   # damaged: the next get or verify() deletes it
+                _, m = read_meta(txn, dbs, h)
                 if m is None:
-                    continue   # evicted or deleted since it was read
+                    continue   # evicted or deleted since it was read (or damaged: the next get deletes it)
                 txn.delete(lru_key(m.last_access, h), db=dbs.lru)
                 m.last_access, m.hits = info.next_seq, m.hits + n
                 info.next_seq += 1
@@ -457,11 +453,7 @@ class DiskWriter(BackgroundWriter[tuple[list[PendingBlock], dict[bytes, int]]]):
                 break
             first = bytes(cur.key())
             h = lru_hash(first)
-            raw = txn.get(h, db=dbs.meta)
-            try:
-                m = None if raw is None else BlockMeta.unpack(raw)
-            except ValueError:
-                m = None
+            raw, m = read_meta(txn, dbs, h)
             if m is not None and lru_key(m.last_access, h) == first:
                 delete_in_txn(txn, dbs, h, info)     # raises StoreDamaged if it deleted nothing
                 n += 1
