@@ -346,17 +346,21 @@ class EnvGate:
         finally:
             self._release()
 
-    def replace(self, generation: int, reopen: Callable[[], tuple[lmdb.Environment, Databases]]) -> bool:
-        """Close this environment and take `reopen()`'s in its place, with no transaction open;
-        False (nothing done) when the store was replaced since `generation` or the gate is
-        closing. If reopen raises, the tier is down: every later transaction raises
-        DiskUnavailable (a miss to every reader, a dropped batch to the writer)."""
+    def replace(self, generation: int, reopen: Callable[[], tuple[lmdb.Environment, Databases]],
+                damaged: bool = True) -> bool:
+        """Take `reopen()`'s environment in place of this one, with no transaction open; the old
+        one is abandoned when `damaged` (see release()), else closed. False (nothing done) when
+        the store was replaced since `generation` or the gate is closing. If reopen raises, the
+        tier is down: every later transaction raises DiskUnavailable (a miss to every reader, a
+        dropped batch to the writer)."""
         self._exclusive()
         try:
             if self.generation != generation or self._stopping or self._down is not None:
                 return False
-            # NOTE: the damaged environment is abandoned, not closed (see release()).
-            _ABANDONED.append(self._env)
+            if damaged:
+                _ABANDONED.append(self._env)
+            else:
+                self._env.close()
             try:
                 self._env, self.dbs = reopen()
             except BaseException as e:

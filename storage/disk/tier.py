@@ -44,8 +44,8 @@ from storage.codec.payload import Codec
 from storage.codec.stored_block import BlockMeta, verify_and_decode
 from storage.disk.integrity import DamagedBlock, VerifyReport, audit, verify_store
 from storage.disk.index import DiskIndex
-from storage.disk.environment import (DiskUnavailable, EnvGate, data_file_id, default_map_size, open_env,
-                                      open_for_writing)
+from storage.disk.environment import (DiskUnavailable, EnvGate, Opened, data_file_id, default_map_size,
+                                      open_env, open_for_writing)
 from storage.disk.preflight import DamagedEnvironment, opening
 from storage.disk.stats import DiskBlockInfo, DiskStats, _Counters
 from storage.disk.pagewalk import check_pages
@@ -448,35 +448,15 @@ class DiskTier:
         finds the generation moved on."""
         reason = f"{type(e).__name__}: {e}"
         with self._replace_lock:
-            got: list = []
-
-            def reopen():
-                with self._stats_lock:
-                    replaced = self._counters.moved_aside
-                if replaced >= MAX_REPLACEMENTS:
-                    # NOTE: a disk that keeps damaging fresh stores is off for this process (each
-                    # damaged environment is abandoned, not closed: this bounds what they hold).
-                    raise DiskUnavailable(f"{self.path}: {replaced} stores damaged in this process; the disk "
-                                          "tier is off until a restart (check the drive)")
-                with opening(self.path):
-                    # Another process sharing the directory may have moved it aside already: then
-                    # its fresh store is taken as it is, never moved aside in turn.
-                    theirs = data_file_id(self.path) not in (None, self._gate.file_id)
-                    opened = open_for_writing(self.path, self._map_size, self.capacity_bytes,
-                                              reason=None if theirs else reason)
-                got.append(opened)
-                return opened.env, opened.dbs
             try:
-                if not self._gate.replace(generation, reopen):
-                    return
+                opened = self._swap_store(generation, reason)
             except Exception as err:
                 log.error("disk tier %s: the store is damaged (%s) and no fresh one could be opened (%s); "
                           "running without the disk tier", self.path, reason, err)
                 self._index.clear()
                 return
-            opened = got[0]
-            self._index.clear()
-            self._index.add(opened.hashes)
+            if opened is None:
+                return
             self.recovered = opened.recovered
             self._count(moved_aside=1)
         log.error("disk tier %s: damaged while in use (%s): %s; serving goes on with an empty disk tier",
@@ -488,19 +468,42 @@ class DiskTier:
         now = data_file_id(self.path)
         if now is None or now == self._gate.file_id:
             return
-        generation = self._gate.generation
         log.warning("disk tier %s: another process replaced the store; following it", self.path)
+        with self._replace_lock:
+            try:
+                self._swap_store(self._gate.generation, None)
+            except Exception:
+                log.exception("disk tier %s: following the replaced store failed", self.path)
+
+    def _swap_store(self, generation: int, reason: str | None) -> Opened | None:
+        """Put a store in place of the one the gate maps (EnvGate.replace), and the index with it.
+        `reason`: this process found the store damaged -- it is moved aside (unless another process
+        sharing the directory replaced it already: that fresh store is taken as it is) and the
+        damaged environment abandoned; None: another process replaced it, which is followed. None
+        returned when the store was replaced since `generation`; raises when no store can be had
+        (the tier is then down)."""
+        got: list[Opened] = []
 
         def reopen():
+            if reason is not None:
+                with self._stats_lock:
+                    replaced = self._counters.moved_aside
+                if replaced >= MAX_REPLACEMENTS:
+                    # NOTE: a disk that keeps damaging fresh stores is off for this process (each
+                    # damaged environment is abandoned, not closed: this bounds what they hold).
+                    raise DiskUnavailable(f"{self.path}: {replaced} stores damaged in this process; the disk "
+                                          "tier is off until a restart (check the drive)")
             with opening(self.path):
-                opened = open_for_writing(self.path, self._map_size, self.capacity_bytes)
+                theirs = data_file_id(self.path) not in (None, self._gate.file_id)
+                opened = open_for_writing(self.path, self._map_size, self.capacity_bytes,
+                                          reason=None if theirs else reason)
             self._index.clear()
             self._index.add(opened.hashes)
+            got.append(opened)
             return opened.env, opened.dbs
-        try:
-            self._gate.replace(generation, reopen)
-        except Exception:
-            log.exception("disk tier %s: following the replaced store failed", self.path)
+        if not self._gate.replace(generation, reopen, damaged=reason is not None):
+            return None
+        return got[0]
 
     # -- internals: reading --------------------------------------------------------------
 
