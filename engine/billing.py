@@ -218,6 +218,12 @@ class Entry:
     record: bytes
     bucket: "Bucket"
 
+    @classmethod
+    def of(cls, request_key: bytes, tenant: str, day: str, record: bytes, bucket: "Bucket") -> "Entry":
+        """An entry's keys follow from its tenant and UTC day (the `days` table's key)."""
+        tenant_key = tenant.encode()
+        return cls(request_key, tenant_key, tenant_key + b"\x00" + day.encode(), record, bucket)
+
 
 class Ledger:
     """Per-tenant billing in an LMDB environment at `path` (a directory of its own).
@@ -334,10 +340,10 @@ class Ledger:
             with open(path) as f:
                 for line in f:
                     row = json.loads(line)
-                    rec = json.loads(row["record"])
-                    tenant = rec["tenant"].encode()
-                    entries.append(Entry(row["request_id"].encode(), tenant, tenant + b"\x00" + rec["day"].encode(),
-                                         row["record"].encode(), Bucket._decode(row["record"].encode())))
+                    record = row["record"].encode()
+                    rec = json.loads(record)
+                    entries.append(Entry.of(row["request_id"].encode(), rec["tenant"], rec["day"], record,
+                                            Bucket._decode(record)))
             self.record_many(entries)
             os.unlink(path)
 
@@ -355,7 +361,7 @@ class Ledger:
         """Validate and price one request's usage (ValueError naming the field); nothing is written."""
         if self.readonly:
             raise PermissionError(f"ledger at {self.path} was opened read-only")
-        tenant_key = _check_name(tenant, "tenant")
+        _check_name(tenant, "tenant")          # Entry.of makes the key from it
         rid_key = _check_name(request_id, "request_id")
         _check_count(prompt_tokens, "prompt_tokens")
         _check_count(completion_tokens, "completion_tokens")
@@ -375,7 +381,7 @@ class Ledger:
                 + sum(n * self.prices.hit(t) for t, n in hits.items()))
         one = Bucket(1, prompt_tokens, completion_tokens, hits, miss_tokens, cost)
         record = json.dumps({"tenant": tenant, "day": day, **one._stored()}, separators=(",", ":")).encode()
-        return Entry(rid_key, tenant_key, tenant_key + b"\x00" + day.encode(), record, one)
+        return Entry.of(rid_key, tenant, day, record, one)
 
     def record_many(self, entries: list["Entry"]) -> list[bool]:
         """Bill several prepared requests in one write transaction: one fsync for all of them
