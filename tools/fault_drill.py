@@ -294,6 +294,15 @@ def _open(path: str, capacity: int, progress: _Progress) -> DiskTier | None:
     return t
 
 
+def _close(t: DiskTier, progress: _Progress) -> None:
+    progress.step("close")
+    try:
+        t.close()
+    except Exception as e:
+        progress.error("close", e)
+    progress.step("closed")
+
+
 def phase_run(progress: _Progress, path: str, known: list[int], fresh: list[int], capacity: int,
               flush_timeout: float) -> None:
     t = _open(path, capacity, progress)
@@ -328,12 +337,7 @@ def phase_run(progress: _Progress, path: str, known: list[int], fresh: list[int]
         progress.error("stats", e)
     progress.step("read_new")
     _read(t, fresh, progress, "new_")
-    progress.step("close")
-    try:
-        t.close()
-    except Exception as e:
-        progress.error("close", e)
-    progress.step("closed")
+    _close(t, progress)
 
 
 def phase_reopen(progress: _Progress, path: str, indices: list[int], capacity: int, flush_timeout: float) -> None:
@@ -348,12 +352,7 @@ def phase_reopen(progress: _Progress, path: str, indices: list[int], capacity: i
         progress.error("check", e)
     progress.step("read")
     _read(t, indices, progress, "")
-    progress.step("close")
-    try:
-        t.close()
-    except Exception as e:
-        progress.error("close", e)
-    progress.step("closed")
+    _close(t, progress)
 
 
 _FH_THREAD = re.compile(r"^(?:Current thread|Thread) (0x[0-9a-f]+)")
