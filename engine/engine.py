@@ -203,6 +203,10 @@ class Engine:
         # cache.lookup asks the remote store (if any) now: this runs on the caller's thread.
         return LookupResult(len(ids), self.cache.lookup(keys).tokens_by_tier(self.block_size))
 
+    def alive(self) -> bool:
+        """Whether the step loop runs (False once it stopped: closed, or died)."""
+        return self._thread.is_alive()
+
     def cache_status(self) -> dict:
         stats = self.cache.stats()
         tiers = {}

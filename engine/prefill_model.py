@@ -50,11 +50,8 @@ class PrefillModel:
     def predict(self, new_tokens: int, context: int) -> float | None:
         """Seconds to compute `new_tokens` whose context ends at `context`, or None before a fit."""
         with self._lock:
-            if self._coef is None:
-                return None
-            a, b, c = self._coef
-        # The same features as observe(): the attention term is new tokens x the context after them.
-        return a + b * new_tokens + c * new_tokens * context
+            coef = self._coef
+        return None if coef is None else _seconds(coef, new_tokens, context)
 
     def snapshot(self) -> dict:
         with self._lock:
@@ -62,6 +59,11 @@ class PrefillModel:
         out = {"steps": steps, "fitted": coef is not None}
         if coef is not None:
             out.update(overhead_s=coef[0], per_token_s=coef[1], per_token_context_s=coef[2])
-            p = self.predict(2048, 2048)
-            out["prefill_2048_s"] = round(p, 4) if p is not None else None
+            out["prefill_2048_s"] = round(_seconds(coef, 2048, 2048), 4)
         return out
+
+
+def _seconds(coef: tuple[float, float, float], new_tokens: int, context: int) -> float:
+    # The same features as observe(): the attention term is new tokens x the context after them.
+    a, b, c = coef
+    return a + b * new_tokens + c * new_tokens * context

@@ -1,10 +1,10 @@
 """create_app(engine, settings): the FastAPI app -- routes wired, errors, metrics, lifespan.
 
 Knows: which routers make the app, the unauthenticated operational routes (/health: liveness,
-/ready: readiness with each tier's state, for load balancers; /metrics for Prometheus), the per-request count by route and status, and the
-shutdown order: stop admitting (503), wait for in-flight requests (bounded by
-settings.shutdown_timeout_s), then engine.close() -- which flushes cached blocks to disk;
-the ledger is already committed, request by request.
+/ready: readiness with each tier's state, for load balancers; /metrics for Prometheus), the
+per-request count by route and status, and the shutdown order: stop admitting (503), wait for
+in-flight requests (bounded by settings.shutdown_timeout_s), then engine.close() -- which flushes
+cached blocks to disk; the ledger is already committed, request by request.
 Doesn't know: how the server process is run (service.server) or how routes work inside.
 """
 from __future__ import annotations
@@ -93,8 +93,8 @@ def create_app(engine: Any, settings: ServiceSettings = ServiceSettings()) -> Fa
 
 
 def engine_alive(engine: Any) -> bool:
-    thread = getattr(engine, "_thread", None)
-    return thread is None or thread.is_alive()
+    alive = getattr(engine, "alive", None)     # duck-typed engines (tests, tools) may not say
+    return alive is None or alive()
 
 
 def readiness(status: dict, draining: bool, alive: bool) -> dict:
