@@ -25,6 +25,7 @@ import torch
 from engine.billing import Ledger, Prices, validate_tenant
 from engine.billing_writer import ON_FAILURE, BillingWriter
 from engine.prefill_model import PrefillModel
+from engine.restore_planner import RestorePlanner
 from engine.errors import EngineClosedError, QueueFullError
 from engine.model import LoadedModel, kv_layout, load_model
 from engine.model_runner import ModelRunner
@@ -70,8 +71,15 @@ class Engine:
         self.cache = TieredKVCache(self.layout, cache, loaded.device, num_pages=num_pages)
         # A sequence never outgrows the pool (else it could neither run nor be preempted).
         self.max_context = min(loaded.max_context, self.cache.pool.num_pages * self.block_size)
+        # The engine's compute rate, fitted from its own steps (engine/prefill_model.py), and what
+        # decides from it and the tiers' restore rates whether a hit is loaded or recomputed.
+        self.prefill_model = PrefillModel()
+        self.planner = RestorePlanner(cache.restore_policy, self.cache.tiers.rates, self.prefill_model,
+                                      self.layout.nbytes, self.block_size,
+                                      chunk_tokens=decode_step_tokens or max_batch_tokens)
         self.scheduler = Scheduler(self.cache, max_batch_tokens=max_batch_tokens, max_seqs=max_seqs,
-                                   max_loading=max_loading, decode_step_tokens=decode_step_tokens)
+                                   max_loading=max_loading, decode_step_tokens=decode_step_tokens,
+                                   planner=self.planner)
         self.runner = ModelRunner(loaded.model, self.cache.pool.kv, self.block_size, attention)
         if ledger_dir is None and cache.disk_path is not None:
             ledger_dir = os.path.join(os.path.dirname(cache.disk_path), "billing")
@@ -81,8 +89,6 @@ class Engine:
         # "serve" (answered, billed from memory when the ledger takes it; /ready says degraded)
         # or "refuse" (the request fails). engine/billing_writer.py.
         self.billing = BillingWriter(self.ledger, on_failure=billing_failure) if self.ledger is not None else None
-        # The engine's compute rate, fitted from its own steps (engine/prefill_model.py).
-        self.prefill_model = PrefillModel()
         self.vocab_size = loaded.model.config.vocab_size
         eos = loaded.model.config.eos_token_id
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -213,6 +219,7 @@ class Engine:
         for t in TIERS:
             d = stats[t].to_dict()
             d["hit_tokens"] = stats[t].hits * self.block_size
+            d["recomputed_hit_tokens"] = stats[t].recomputed * self.block_size
             tiers[t] = d
         return {"model": self.model_name, "block_size": self.block_size, "dtype": str(self.layout.dtype).removeprefix("torch."),
                 "block_bytes": self.layout.nbytes, "write_policy": self.config.write_policy,
@@ -221,7 +228,8 @@ class Engine:
                 # What compute-or-load decides from (issue 18): each tier's measured restore rate
                 # and this engine's fitted prefill time.
                 "cost_model": {"restore_bytes_per_s": self.cache.tiers.rates.snapshot(),
-                               "prefill": self.prefill_model.snapshot()},
+                               "prefill": self.prefill_model.snapshot(),
+                               "planner": self.planner.snapshot()},
                 "engine": {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                            "loading": len(self.scheduler.loading),
                            "attention": self.runner.backend.name, "sync_debug": self.sync_debug,

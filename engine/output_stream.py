@@ -77,7 +77,8 @@ def completion_of(seq: Sequence, reason: str, with_text: bool) -> tuple[Completi
                   hit_tokens_by_tier=dict(hits), prompt_cache_miss_tokens=len(seq.prompt_ids) - sum(hits.values()))
     now = time.perf_counter()
     metrics = RequestMetrics(ttft_s=(seq.first_token_at or now) - seq.arrival, restore_s=seq.restore_s,
-                             total_s=now - seq.arrival, queue_s=(seq.admitted_at or now) - seq.arrival)
+                             total_s=now - seq.arrival, queue_s=(seq.admitted_at or now) - seq.arrival,
+                             recomputed_hit_tokens=seq.recomputed_hit_tokens)
     text, ids = seq.pending_final
     out = CompletionOutput(seq.request_id, seq.text if with_text else "", list(seq.output_ids),
                            reason, usage, metrics, list(seq.prompt_ids),

@@ -48,6 +48,9 @@ class RequestMetrics:
     restore_s: float         # time spent promoting host/disk blocks into device pages
     total_s: float           # submit -> finished
     queue_s: float = 0.0     # submit -> admitted
+    # Hit tokens (billed as hits) the engine recomputed instead of loading, because the planner
+    # predicted that faster (engine/restore_planner.py).
+    recomputed_hit_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -27,8 +27,10 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from engine.restore_planner import RestorePlanner, Split
 from engine.sequence import Sequence, SeqStatus
-from storage.tiered_cache import TIERS, Acquired, TieredKVCache
+from storage.loader import Load
+from storage.tiered_cache import TIERS, Acquired, CacheMatch, TieredKVCache
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +41,8 @@ class Scheduled:
 
 class Scheduler:
     def __init__(self, cache: TieredKVCache, max_batch_tokens: int = 512, max_seqs: int = 64,
-                 max_loading: int = 8, decode_step_tokens: int | None = None) -> None:
+                 max_loading: int = 8, decode_step_tokens: int | None = None,
+                 planner: RestorePlanner | None = None) -> None:
         if max_batch_tokens < 1 or max_seqs < 1 or max_loading < 1:
             raise ValueError("max_batch_tokens, max_seqs and max_loading must be >= 1")
         if decode_step_tokens is not None and decode_step_tokens < 1:
@@ -57,6 +60,8 @@ class Scheduler:
         self.running: list[Sequence] = []       # admission order: oldest first
         self.loading: list[Sequence] = []       # prefix being filled by the loader, oldest first
         self.max_loading = max_loading
+        # Compute or load (engine/restore_planner.py); None: every hit is loaded.
+        self.planner = planner
         self.preemptions = 0
         self._failed: list[tuple[Sequence, Exception]] = []   # engine thread only
 
@@ -86,8 +91,14 @@ class Scheduler:
                 break
             if seq.status is not SeqStatus.RUNNING:
                 continue   # preempted earlier in this loop
-            n = min(seq.num_tokens - seq.num_computed, budget)
             try:
+                if seq.load is not None and seq.num_computed == seq.compute_until:
+                    if not seq.load.ready():
+                        continue       # its front is computed; its back is still loading
+                    self._join(seq)
+                n = min(seq.num_tokens - seq.num_computed, budget)
+                if seq.load is not None:
+                    n = min(n, seq.compute_until - seq.num_computed)
                 if not self._reserve(seq, n, out):
                     continue
             except Exception as e:
@@ -154,7 +165,7 @@ class Scheduler:
         if len(match) < len(keys) and keys[len(match)].hash in pending:
             return None
         needs_load = any(tier != "device" for _, tier in match.blocks)
-        if needs_load and len(self.loading) >= self.max_loading:
+        if needs_load and self.loads_in_flight() >= self.max_loading:
             return None     # back-pressure on the loader; requests without a load go ahead
         remaining = seq.num_tokens - len(match) * self.block_size
         n = min(remaining, budget)
@@ -163,6 +174,9 @@ class Scheduler:
             # With nothing running every page is free or evictable, and the engine only accepts
             # sequences that fit the pool (Sequence.max_len), so this cannot stall forever.
             return False
+        split = self._split(seq, match) if needs_load else None
+        if split is not None and split.start > split.device:
+            return self._start_split(seq, match, split, budget)
         load = self.cache.plan(match, seq.prefetch)
         if load.pending:
             seq.load, seq.status = load, SeqStatus.LOADING
@@ -170,34 +184,96 @@ class Scheduler:
             return True
         return self._start(seq, self.cache.finish_load(load), budget)
 
-    def _start(self, seq: Sequence, acquired: Acquired, budget: int) -> Scheduled | None:
+    def _split(self, seq: Sequence, match: CacheMatch) -> Split | None:
+        """The planner's split for a first admission (None: load everything). A re-admission
+        after preemption loads what the cache holds: its billing is decided, and its blocks are
+        the pool's newest (often still on the device)."""
+        if self.planner is None or seq.hit_tokens_by_tier is not None:
+            return None
+        return self.planner.split([tier for _, tier in match.blocks])
+
+    def _start_split(self, seq: Sequence, match: CacheMatch, split: Split, budget: int) -> Scheduled | None:
+        """Compute-or-load: the device blocks [0, d) are acquired, blocks [d, s) are recomputed
+        by this sequence's prefill from now on, and blocks [s, n) are planned on the loader at the
+        same time. The sequence runs its front (never past block s) while its back loads, and
+        joins the back when both are done (_join)."""
+        front = self.cache.finish_load(self.cache.plan(CacheMatch(match.blocks[:split.device])))
+        if len(front.pages) < split.device:     # the pool changed under us: load as usual instead
+            self.cache.release(front.pages)
+            return None
+        recomputed = self.cache.recomputed(match.blocks[split.device:split.start], seq.prefetch)
+        back = self.cache.plan(CacheMatch(match.blocks[split.start:]), seq.prefetch) if split.loaded else None
+        seq.recomputed_hit_tokens = len(recomputed) * self.block_size
+        return self._start(seq, front, budget, recomputed, back)
+
+    def _start(self, seq: Sequence, acquired: Acquired, budget: int, recomputed: tuple[str, ...] = (),
+               back: Load | None = None) -> Scheduled | None:
         """A sequence holding its prefix's pages starts running with its first chunk. None when
         the pages for that chunk are not there now (only after a load: the pool changed while it
         loaded): it gives its pages back and waits first in line; its restored blocks stay cached,
-        so the next admission hits them on the device."""
+        so the next admission hits them on the device. With a split (_start_split): `recomputed`
+        are the billed tiers of the blocks after `acquired` it computes itself, and `back` the
+        load of the blocks after those."""
         seq.pages = list(acquired.pages)
         seq.registered = len(acquired.pages)
         seq.num_computed = len(acquired.pages) * self.block_size
         if seq.hit_tokens_by_tier is None:
-            # NOTE billing: decided once, at the first admission, from the blocks actually
-            # served. A preempted request's recompute is our cost, not the tenant's.
+            # NOTE billing: decided once, at the first admission, from the blocks the cache held:
+            # served, recomputed by choice, or being loaded (a back block whose fill fails is
+            # taken off again at the join: the cache did not hold it). A preempted request's
+            # recompute is our cost, not the tenant's.
             hits = dict.fromkeys(TIERS, 0)
-            for tier in acquired.tiers:
+            for tier in (*acquired.tiers, *recomputed, *(back.tiers if back is not None else ())):
                 hits[tier] += self.block_size
             seq.hit_tokens_by_tier = hits
             seq.restore_s = acquired.restore_s
             seq.admitted_at = time.perf_counter()
+        if back is not None:
+            seq.load = back
+            seq.compute_until = (len(acquired.pages) + len(recomputed)) * self.block_size
         n = min(seq.num_tokens - seq.num_computed, budget)
+        if seq.load is not None:
+            n = min(n, seq.compute_until - seq.num_computed)
         need = seq.pages_needed(seq.num_computed + n)
         if not self.cache.can_allocate(need):
-            self.cache.release(seq.pages)
-            seq.reset_for_preemption()
+            self._give_back(seq)
             self.waiting.appendleft(seq)
             return None
         seq.pages.extend(self.cache.allocate(need))
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
         return Scheduled(seq, n)
+
+    def _join(self, seq: Sequence) -> None:
+        """A split sequence computed its front and its back finished loading: the back's pages
+        join its page table after the front's. A back block whose fill failed ends the loaded
+        part there; the sequence computes it and the rest (never less than it computed), and it
+        is billed as computed (the cache did not hold it after all)."""
+        load, seq.load = seq.load, None
+        planned = load.tiers
+        acquired = self.cache.finish_load(load)
+        if len(seq.pages) != seq.registered or seq.num_computed != len(seq.pages) * self.block_size:
+            self.cache.release(acquired.pages)
+            raise RuntimeError(f"compute-or-load join out of step: {len(seq.pages)} pages, "
+                               f"{seq.registered} registered, {seq.num_computed} tokens computed")
+        for tier in planned[len(acquired.pages):]:
+            seq.hit_tokens_by_tier[tier] -= self.block_size
+        seq.pages.extend(acquired.pages)
+        seq.registered += len(acquired.pages)
+        seq.num_computed += len(acquired.pages) * self.block_size
+        seq.restore_s = acquired.restore_s
+
+    def loads_in_flight(self) -> int:
+        """Sequences waiting for the loader: loading ones, and running ones with a back part."""
+        return len(self.loading) + sum(1 for s in self.running if s.load is not None)
+
+    def _give_back(self, seq: Sequence) -> None:
+        """Every page a sequence holds goes back (a back part still loading included)."""
+        if seq.load is not None:
+            self.cache.cancel_load(seq.load)
+            seq.load = None
+        self.cache.release(seq.pages)
+        seq.reset_for_preemption()
 
     def _reserve(self, seq: Sequence, n: int, scheduled: list[Scheduled]) -> bool:
         """Pages for n more tokens of a running sequence, preempting the newest others if needed.
@@ -217,8 +293,7 @@ class Scheduler:
     def preempt(self, seq: Sequence) -> None:
         """Give back a running sequence's pages; it goes first in line to be re-admitted."""
         self.preemptions += 1
-        self.cache.release(seq.pages)
-        seq.reset_for_preemption()
+        self._give_back(seq)
         self.running.remove(seq)
         self.waiting.appendleft(seq)
 

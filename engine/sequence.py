@@ -45,7 +45,10 @@ class Sequence:
     # Billing: decided at the first admission; a preempted request is not billed again.
     hit_tokens_by_tier: dict[str, int] | None = None
     restore_s: float = 0.0
-    load: Load | None = None                      # its prefix being filled, while LOADING
+    load: Load | None = None                      # its prefix being filled: while LOADING, or its back
+                                                  # part while RUNNING its front (compute-or-load)
+    compute_until: int = 0                        # with a back part loading: where its front ends
+    recomputed_hit_tokens: int = 0                # hit tokens it recomputed by choice (billed as hits)
     prefetch: Prefetch | None = None              # its disk -> host prefetch, started at submit
     arrival: float = field(default_factory=time.perf_counter)
     admitted_at: float | None = None
@@ -91,4 +94,5 @@ class Sequence:
         self.pages = []
         self.num_computed = 0
         self.registered = 0
+        self.compute_until = 0
         self.status = SeqStatus.WAITING

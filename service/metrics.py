@@ -27,6 +27,8 @@ _TIER_FIELDS = (
     ("blocks", "blocks", "Cached blocks the tier holds", False),
     ("hit_tokens", "hit_tokens", "Prompt tokens served from the tier", True),
     ("promotions", "promotions", "Blocks promoted from the tier into device pages", True),
+    ("recomputed_hit_tokens", "recomputed_hit_tokens", "Hit tokens held in the tier that were recomputed "
+     "by choice (compute-or-load), billed as hits all the same", True),
     ("demotions", "demotions", "Blocks demoted into the tier from the one above", True),
     ("evictions", "evictions", "Blocks evicted from the tier", True),
 )

@@ -23,6 +23,7 @@ _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 WRITE_POLICIES = ("write_back", "write_through")
 REMOTE_WRITES = ("write_back", "write_through")
+RESTORE_POLICIES = ("auto", "load", "recompute")
 
 
 def default_cache_root() -> "Path":
@@ -98,6 +99,11 @@ class CacheConfig:
     # The circuit breaker's cooldown: after a few failures in a row the remote tier is skipped
     # for this long, then one call probes it.
     remote_retry_s: float = 5.0
+    # Compute or load a hit held below the device (engine/restore_planner.py): "auto" recomputes
+    # the front of the prefix while it loads the back, split where the measured restore rates
+    # and prefill time predict the earliest finish; "load" always loads; "recompute" never does.
+    # Either way a block the cache held is billed as a hit from the tier that held it.
+    restore_policy: str = "auto"
     # Parsed sizes in bytes; filled in by __post_init__.
     device_bytes: int = field(init=False, repr=False, compare=False)
     host_bytes: int = field(init=False, repr=False, compare=False)
@@ -132,6 +138,8 @@ class CacheConfig:
         v = self.remote_ttl_s
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0.001):
             raise ValueError(f"remote_ttl_s: expected seconds >= 0.001 or None (no TTL), got {v!r}")
+        if self.restore_policy not in RESTORE_POLICIES:
+            raise ValueError(f"restore_policy: expected one of {RESTORE_POLICIES}, got {self.restore_policy!r}")
         if self.remote_write not in REMOTE_WRITES:
             raise ValueError(f"remote_write: expected one of {REMOTE_WRITES}, got {self.remote_write!r}")
 

@@ -221,6 +221,21 @@ class TieredKVCache:
                 self.tiers.counters[tier].hits += 1
             return Acquired(tuple(load.pages[:cut]), tuple(load.tiers[:cut]), time.perf_counter() - load.started)
 
+    def recomputed(self, blocks: Sequence[tuple[BlockKey, str]], prefetch: Prefetch | None = None) -> tuple[str, ...]:
+        """Matched blocks a request recomputes by choice (compute-or-load, engine/restore_planner.py):
+        the tier each is billed from -- the one match() found it in, as plan() would bill it (a
+        block its own prefetch moved into the host is a disk hit) -- counted as a hit and a
+        recompute of that tier. Nothing is read, moved or held."""
+        with self._lock:
+            out = []
+            for key, tier in blocks:
+                if tier == "host" and prefetch is not None and key.hash in prefetch.moved:
+                    tier = "disk"
+                self.tiers.counters[tier].hits += 1
+                self.tiers.counters[tier].recomputed += 1
+                out.append(tier)
+            return tuple(out)
+
     def cancel_load(self, load: Load) -> None:
         """The request behind a Load is gone: give its pages back now. Fills in flight finish on
         their own references (their pages become cached blocks or free pages when done)."""

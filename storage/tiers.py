@@ -34,6 +34,7 @@ class TierStats:
     blocks: int = 0
     hits: int = 0            # blocks served from this tier to a request
     promotions: int = 0      # blocks copied from this tier into device pages
+    recomputed: int = 0      # blocks held here, billed as hits, recomputed by choice (compute-or-load)
     demotions: int = 0       # blocks written into this tier from the tier above
     evictions: int = 0       # blocks that left this tier for lack of room
     bytes_read: int = 0

@@ -1,0 +1,143 @@
+"""Compute or load: which of a matched prefix's blocks to recompute and which to restore.
+
+Knows: the restore policy ("auto", "load", "recompute"), the two measured figures it decides
+from -- each tier's restore rate (storage/restore_rates.py, fed by the loader's own fills) and
+this engine's prefill time (engine/prefill_model.py, fitted from its own steps) -- and the split
+rule. For a matched prefix of `n` blocks whose first `d` are on the device, it picks `s` in
+[d, n]: blocks [d, s) are recomputed by chunked prefill from the front while blocks [s, n) are
+loaded at the same time (the idea of Cake, "Compute Or Load KV Cache? Why Not Both?"), with
+`s` minimizing the predicted max(compute(d..s), load(s..n)). `s = d` loads everything (today's
+behaviour), `s = n` recomputes everything. Both parts end before the suffix's prefill starts,
+so the suffix's own time is the same for every `s` and is left out.
+Doesn't know: pages, fills or sequences (the scheduler carries the split out), or billing (a
+block the cache held is billed from the tier that held it whichever way it reached the pool).
+
+Without a figure for a tier in the loaded part, or before the prefill model's first fit, "auto"
+loads: the old behaviour, and the fills it makes are what the figures are then learned from.
+
+Runs on the engine thread (the scheduler's admission); the figures it reads are thread-safe.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+from storage.config import RESTORE_POLICIES as POLICIES
+
+LOCAL = ("host", "disk")        # fills on the loader's fill pool, one after another
+# A split must beat loading everything by this fraction: recomputing takes engine steps every
+# running request shares, a load runs on the loader's threads, so a near-tie goes to the load.
+MIN_GAIN = 0.10
+
+
+class Rates(Protocol):
+    def get(self, tier: str) -> float | None: ...
+
+
+class Prefill(Protocol):
+    def predict(self, new_tokens: int, context: int) -> float | None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Split:
+    """The plan for one matched prefix: blocks [device, start) recomputed, [start, n) loaded."""
+    device: int                  # d: leading blocks already on the device
+    start: int                   # s
+    n: int                       # matched blocks
+    compute_s: float | None      # predicted time of the recomputed part (None: no figure)
+    load_s: float | None         # predicted time of the loaded part
+    reason: str                  # "policy", "no figures", "predicted"
+
+    @property
+    def recomputed(self) -> int:
+        return self.start - self.device
+
+    @property
+    def loaded(self) -> bool:
+        return self.start < self.n
+
+
+class RestorePlanner:
+    def __init__(self, policy: str, rates: Rates, prefill: Prefill, block_bytes: int, block_size: int,
+                 chunk_tokens: int) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"restore_policy: expected one of {POLICIES}, got {policy!r}")
+        self.policy = policy
+        self.rates = rates
+        self.prefill = prefill
+        self.block_bytes = block_bytes
+        self.block_size = block_size
+        self.chunk_tokens = chunk_tokens      # the scheduler's per-step budget: prefill goes in chunks
+        self.decisions = {"load": 0, "recompute": 0, "split": 0}   # engine thread only
+
+    def split(self, tiers: Sequence[str]) -> Split:
+        """The split for a matched prefix whose blocks are held in `tiers` (prefix order)."""
+        n = len(tiers)
+        d = next((i for i, t in enumerate(tiers) if t != "device"), n)
+        if self.policy == "load" or d == n:
+            return self._decided(Split(d, d, n, None, None, "policy"))
+        if self.policy == "recompute":
+            return self._decided(Split(d, n, n, None, None, "policy"))
+        costs = self._load_costs(tiers)
+        if costs is None or self.compute_seconds(d, d + 1) is None:
+            return self._decided(Split(d, d, n, None, None, "no figures"))
+        load_all = self._load_seconds(costs, d, n)
+        # compute(d..s) grows with s and load(s..n) shrinks: the best max is where they cross.
+        lo, hi = d, n
+        while lo < hi:        # the first s whose compute reaches its load
+            mid = (lo + hi) // 2
+            if self.compute_seconds(d, mid) >= self._load_seconds(costs, mid, n):
+                hi = mid
+            else:
+                lo = mid + 1
+        best = min((s for s in (lo - 1, lo) if d <= s <= n),
+                   key=lambda s: (max(self.compute_seconds(d, s), self._load_seconds(costs, s, n)), s))
+        predicted = max(self.compute_seconds(d, best), self._load_seconds(costs, best, n))
+        if best == d or predicted > load_all * (1 - MIN_GAIN):
+            return self._decided(Split(d, d, n, 0.0, load_all, "predicted"))
+        return self._decided(Split(d, best, n, self.compute_seconds(d, best),
+                                   self._load_seconds(costs, best, n), "predicted"))
+
+    def compute_seconds(self, start: int, end: int) -> float | None:
+        """Predicted time to prefill blocks [start, end) in the scheduler's chunks."""
+        if end <= start:
+            return 0.0
+        total, pos, stop = 0.0, start * self.block_size, end * self.block_size
+        while pos < stop:
+            chunk = min(self.chunk_tokens, stop - pos)
+            t = self.prefill.predict(chunk, pos + chunk)
+            if t is None:
+                return None
+            total, pos = total + t, pos + chunk
+        return total
+
+    def _load_costs(self, tiers: Sequence[str]) -> list[tuple[str, float]] | None:
+        """Per block: the tier it loads from and its restore time (0 for a device block), or
+        None when a tier in the prefix has no figure yet."""
+        out = []
+        for t in tiers:
+            if t == "device":
+                out.append((t, 0.0))
+                continue
+            rate = self.rates.get(t)
+            if not rate:
+                return None
+            out.append((t, self.block_bytes / rate))
+        return out
+
+    @staticmethod
+    def _load_seconds(costs: list[tuple[str, float]], start: int, end: int) -> float:
+        # Host and disk fills run one after another on a fill worker; remote fills run on their
+        # own pool at the same time (storage/loader.py), so the slower of the two sums.
+        local = sum(c for t, c in costs[start:end] if t in LOCAL)
+        remote = sum(c for t, c in costs[start:end] if t not in LOCAL)
+        return max(local, remote)
+
+    def _decided(self, split: Split) -> Split:
+        kind = "load" if split.start == split.device else "recompute" if split.start == split.n else "split"
+        if split.device < split.n:
+            self.decisions[kind] += 1
+        return split
+
+    def snapshot(self) -> dict:
+        return {"policy": self.policy, "decisions": dict(self.decisions), "min_gain": MIN_GAIN}

@@ -1,0 +1,92 @@
+"""The compute-or-load split rule (engine/restore_planner.py) on given figures.
+
+The figures are the planner's inputs (a restore rate per tier, a prefill time per chunk): here
+they are fixed numbers so each expected split can be worked out by hand.
+"""
+import pytest
+
+from engine.restore_planner import MIN_GAIN, RestorePlanner
+
+BLOCK_BYTES, BS = 1000, 4
+
+
+class Figures:
+    """Restore rates (bytes/s per tier) and a prefill time of `token_s` per token + `step_s` per chunk."""
+
+    def __init__(self, rates: dict[str, float] | None, token_s: float | None, step_s: float = 0.0) -> None:
+        self.rates, self.token_s, self.step_s = rates or {}, token_s, step_s
+
+    def get(self, tier):
+        return self.rates.get(tier)
+
+    def predict(self, new_tokens, context):
+        return None if self.token_s is None else self.step_s + self.token_s * new_tokens
+
+
+def planner(policy="auto", rates=None, token_s=None, step_s=0.0, chunk=512):
+    f = Figures(rates, token_s, step_s)
+    return RestorePlanner(policy, f, f, BLOCK_BYTES, BS, chunk)
+
+
+def test_policies_load_and_recompute_ignore_the_figures():
+    tiers = ["device", "device", "disk", "disk", "host"]
+    s = planner("load", {"disk": 1.0}, 0.0).split(tiers)
+    assert (s.device, s.start, s.n, s.recomputed) == (2, 2, 5, 0)
+    s = planner("recompute", {"disk": 1e12}, 1.0).split(tiers)
+    assert (s.device, s.start, s.n, s.recomputed, s.loaded) == (2, 5, 5, 3, False)
+
+
+def test_without_figures_auto_loads():
+    tiers = ["disk"] * 6
+    assert planner(rates={"disk": 1e6}, token_s=None).split(tiers).start == 0     # no prefill fit yet
+    assert planner(rates={}, token_s=1.0).split(tiers).start == 0                 # no disk rate yet
+    assert planner(rates={"disk": 1e6}, token_s=None).split(tiers).reason == "no figures"
+
+
+def test_a_fast_tier_is_loaded_and_a_slow_one_recomputed():
+    tiers = ["device"] + ["disk"] * 8
+    fast = planner(rates={"disk": BLOCK_BYTES * 1000.0}, token_s=1.0).split(tiers)    # 1 ms a block, 4 s a block to compute
+    assert (fast.start, fast.recomputed) == (1, 0)
+    slow = planner(rates={"disk": BLOCK_BYTES / 1000.0}, token_s=1e-3).split(tiers)   # 1000 s a block, 4 ms to compute
+    assert (slow.start, slow.recomputed, slow.loaded) == (9, 8, False)
+
+
+def test_the_split_is_where_compute_and_load_cross():
+    # A block loads in 1 s and computes in 4 tokens x 0.25 s = 1 s: with 15 blocks to place,
+    # compute(0..s) = s and load(s..15) = 15 - s cross at 7.5; s = 7 and 8 both finish at 8 s,
+    # the tie goes to the smaller s (less engine time).
+    p = planner(rates={"disk": BLOCK_BYTES / 1.0}, token_s=0.25)
+    s = p.split(["disk"] * 15)
+    assert (s.device, s.start, s.n) == (0, 7, 15)
+    assert s.compute_s == pytest.approx(7.0) and s.load_s == pytest.approx(8.0)
+    assert p.decisions == {"load": 0, "recompute": 0, "split": 1}
+
+
+def test_remote_and_local_fills_overlap_in_the_prediction():
+    # Local blocks load on the fill pool and remote ones on their own pool at the same time.
+    p = planner(rates={"disk": BLOCK_BYTES / 1.0, "remote": BLOCK_BYTES / 1.0}, token_s=1.0)
+    costs = p._load_costs(["disk", "disk", "remote", "remote", "remote"])
+    assert p._load_seconds(costs, 0, 5) == pytest.approx(3.0)
+    assert p._load_seconds(costs, 3, 5) == pytest.approx(2.0)
+
+
+def test_chunks_each_pay_the_step_overhead():
+    p = planner(rates={"disk": 1.0}, token_s=0.0, step_s=0.5, chunk=8)   # 2 blocks a chunk
+    assert p.compute_seconds(0, 4) == pytest.approx(1.0)
+    assert p.compute_seconds(0, 5) == pytest.approx(1.5)
+    assert p.compute_seconds(3, 3) == 0.0
+
+
+def test_a_near_tie_goes_to_the_load():
+    # Splitting would finish 5% sooner than loading everything: below MIN_GAIN, so load.
+    assert MIN_GAIN > 0.05
+    n = 20
+    # load-all = 20 s; best split ~ compute == load: choose token_s so the best max is 19 s.
+    p = planner(rates={"disk": BLOCK_BYTES / 1.0}, token_s=19.0 / 4)    # a block computes in 19 s
+    s = p.split(["disk"] * n)
+    assert s.start == 0 and s.reason == "predicted"
+
+
+def test_unknown_policy_is_refused():
+    with pytest.raises(ValueError, match="restore_policy"):
+        planner("sometimes")
