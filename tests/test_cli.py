@@ -256,6 +256,7 @@ def test_serve_then_status_and_billing_over_http(tmp_path: Path, default_model_c
         assert set(status["tiers"]) == {"device", "host", "disk", "remote"} and status["tiers"]["device"]["blocks"] == blocks
         r = tkv("status", "--url", url)
         assert r.returncode == 0 and "SmolLM2-135M-Instruct" in r.stdout
+        assert "compute or load (auto): " in r.stdout and "hit tokens recomputed by choice" in r.stdout
         assert all(re.search(rf"^\W*{t}\s", r.stdout, re.M) for t in ("device", "host", "disk", "remote"))
         bill = tkv_json("billing", "--url", url)["tenants"]["carol"]
         assert (bill["requests"], bill["prompt_tokens"], bill["miss_tokens"]) == (1, p, p)

@@ -102,6 +102,11 @@ def serve(
     remote_write: Optional[str] = typer.Option(None, help="write_back (default: blocks reach the store when they "
                                                "reach disk) or write_through (as soon as computed: what several "
                                                "servers sharing a store want)."),
+    restore_policy: str = typer.Option("auto", help="auto (default: recompute the front of a hit held below the "
+                                       "device while its back loads, split where the measured restore rates "
+                                       "and prefill time predict the earliest first token), load (always load "
+                                       "a hit) or recompute (never load: a fast GPU with a slow drive). Hits "
+                                       "are billed from the tier that held them either way."),
 ) -> None:
     """Run the OpenAI-compatible HTTP service on a model with the tiered KV cache."""
     from engine.billing import Prices
@@ -112,6 +117,7 @@ def serve(
     root = cache_root(cache_dir)
     cache = CacheConfig(block_size=block_size, device_memory=device_memory, host_memory=host_memory,
                         disk_dir=str(root / "kv"), disk_capacity=disk_capacity, disk_reserve=disk_reserve,
+                        restore_policy=restore_policy,
                         **remote_options(remote_url, remote_timeout, remote_ttl, remote_write))
     from engine.billing_writer import ON_FAILURE
     if on_billing_failure not in ON_FAILURE:
@@ -249,6 +255,13 @@ def status(
         out.print(f"restore rates: {shown}; prefill of 2048 tokens "
                   + (f"~{pre['prefill_2048_s'] * 1e3:.0f} ms (fitted on {pre['steps']} steps)"
                      if pre.get("fitted") else "not fitted yet"), soft_wrap=True)
+        plan = cost.get("planner", {})
+        if plan:
+            made = plan.get("decisions", {})
+            recomputed = sum(d.get("recomputed_hit_tokens", 0) for d in tiers.values() if isinstance(d, dict))
+            out.print(f"compute or load ({plan.get('policy')}): {made.get('load', 0)} hits loaded, "
+                      f"{made.get('split', 0)} split, {made.get('recompute', 0)} recomputed; "
+                      f"{recomputed:,} hit tokens recomputed by choice", soft_wrap=True)
     billing = body.get("billing", {})
     if billing.get("state") == "degraded":
         out.print(f"[bold red]billing: degraded[/]: {billing.get('unwritten', 0)} bills in memory, not yet in the "

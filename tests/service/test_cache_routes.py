@@ -161,11 +161,16 @@ def test_metrics(client, engine, tokenizer):
     assert delta("tieredkv_prompt_tokens_total", origin="miss") == usage["prompt_cache_miss_tokens"]
     assert delta("tieredkv_completion_tokens_total") == usage["completion_tokens"]
     assert delta("tieredkv_http_requests_total", route="/v1/completions", status="200") == 1
-    assert delta("tieredkv_cache_promotions_total", tier="disk") == usage["prompt_cache_hit_tokens_by_tier"]["disk"] // BLOCK_SIZE
+    # Each disk hit was loaded, or recomputed by the compute-or-load planner's choice.
+    assert (delta("tieredkv_cache_promotions_total", tier="disk")
+            + delta("tieredkv_cache_recomputed_hit_tokens_total", tier="disk") // BLOCK_SIZE
+            == usage["prompt_cache_hit_tokens_by_tier"]["disk"] // BLOCK_SIZE)
     for tier in ("device", "host", "disk"):
         assert after[("tieredkv_cache_blocks", (("tier", tier),))] == status[tier]["blocks"]
         assert after[("tieredkv_cache_capacity_bytes", (("tier", tier),))] == status[tier]["capacity_bytes"]
         assert after[("tieredkv_cache_hit_tokens_total", (("tier", tier),))] == status[tier]["hit_tokens"]
+        assert (after[("tieredkv_cache_recomputed_hit_tokens_total", (("tier", tier),))]
+                == status[tier]["recomputed_hit_tokens"])
     assert after[("tieredkv_requests_in_flight", ())] == 0
     client.get("/no/such/route")
     scrape_until(client, lambda m: m.get(("tieredkv_http_requests_total", (("route", "unmatched"), ("status", "404"))), 0) >= 1)
