@@ -87,20 +87,31 @@ class Cascade:
         time. Returns the (key, slot) copied."""
         t = self.t
         copied = []
-        # A batch is at most the slab's size: reserving a slot evicts the LRU block, and within a
-        # batch that must never be a slot the same batch reserved (its copy is not issued yet, so
-        # the eviction's wait would not see it and disk would get the slot's stale bytes).
-        step = max(1, t.host.num_slots)
-        for start in range(0, len(blocks), step):
+        start = 0
+        while start < len(blocks):
+            # A batch is at most the slots a reserve may take now (free, or an unpinned block's):
+            # reserving a slot evicts the LRU unpinned block, and within a batch that must never
+            # be a slot the same batch reserved (its copy is not issued yet, so the eviction's
+            # wait would not see it and disk would get the slot's stale bytes). Pins change only
+            # under the lock, which we hold.
+            step = t.host.reservable()
+            if step == 0:
+                # Every slot is being read by a fill right now (a tiny slab): these blocks skip
+                # the host tier, as with none configured.
+                for key, page in blocks[start:]:
+                    if t.host.slot_of(key) is None:
+                        self.to_lower(key, t.pool.kv[page])
+                break
             batch = []
             for key, page in blocks[start:start + step]:
                 if t.host.slot_of(key) is not None:
                     continue
-                slot = t.host.reserve(key)
+                slot = t.host.reserve(key)      # never None within `step` (see above)
                 batch.append((slot, t.pool.kv[page]))
                 copied.append((key, slot))
                 t.count_write("host")
             t.transfer.copy_to_host(t.host.slab, batch)
+            start += step
         return copied
 
     def drain_through(self, wait: bool = False) -> None:
@@ -236,9 +247,9 @@ class Cascade:
                 if t.disk is not None:
                     t.disk.wait_for_room()
         with t.lock:
-            n = len(t.host)
-            for _ in range(n):
-                t.host.evict_lru()
+            n = 0
+            while len(t.host) and t.host.evict_lru():   # a block a fill is reading now stays
+                n += 1
             return n
 
     def drop(self, tier: str) -> int:

@@ -1,11 +1,18 @@
 """The host tier: one preallocated slab of block slots in host memory.
 
-Knows: hash -> slot, LRU order of slots, capacity in bytes (whole blocks). The slab is pinned
+Knows: hash -> slot, LRU order of slots, capacity in bytes (whole blocks), and how many readers
+each slot has now (a fill copying it into a page with no lock held). The slab is pinned
 when CUDA is available so device <-> host copies can run asynchronously on a copy stream; it is
 exactly the slots' size (storage/pinned.py: not rounded up to a power of two), and pageable
 with `pinned: false` in stats when the OS refuses to lock it.
 Doesn't know: the device pool or the disk -- a full slab hands its LRU block to `on_evict`
 (the path to disk) before the slot is reused.
+
+NOTE invariant (issue 18): a slot with readers (`pin`) is never evicted, removed to the free list
+or handed out by `reserve` to another block, so its bytes stay put while it is read with the tiers' lock free.
+Enforced here: `evict_lru` skips pinned slots (the LRU unpinned block goes instead), `remove` of
+a pinned block forgets its key but keeps the slot out of the free list until its last `unpin`,
+and `reserve` answers None when every slot is pinned (the caller sends the block elsewhere).
 """
 from __future__ import annotations
 
@@ -45,6 +52,9 @@ class HostTier:
         self._keys: list[BlockKey | None] = [None] * self.num_slots
         self._lru: OrderedDict[bytes, int] = OrderedDict()   # hash -> slot, LRU first
         self._free: deque[int] = deque(range(self.num_slots))
+        self._readers: list[int] = [0] * self.num_slots      # per slot: pins not yet unpinned
+        self._pinned = 0                   # slots with readers
+        self._orphans: set[int] = set()    # slots whose block left while read: free at the last unpin
         self.evictions = 0
 
     @property
@@ -72,39 +82,75 @@ class HostTier:
         """(slot, key) of every block, in LRU order (least recent first)."""
         return [(slot, self._keys[slot]) for slot in self._lru.values()]
 
-    def reserve(self, block: BlockKey) -> int:
-        """A slot for `block` (its old slot if it is already here). Evicts the LRU block when
-        full; the caller copies the bytes into `self.slab[slot]`."""
+    def pin(self, slot: int) -> None:
+        """A reader of `slot` (a copy out of it, made with no lock held) starts: until its
+        `unpin`, the slot keeps its bytes (never evicted, freed or reserved for another block)."""
+        self._readers[slot] += 1
+        self._pinned += self._readers[slot] == 1
+
+    def unpin(self, slot: int) -> None:
+        """A reader of `slot` is done (its copy out is complete)."""
+        assert self._readers[slot] > 0, f"host slot {slot} unpinned more often than pinned"
+        self._readers[slot] -= 1
+        if self._readers[slot] == 0:
+            self._pinned -= 1
+            if slot in self._orphans:
+                self._orphans.discard(slot)
+                self._free.append(slot)
+
+    def readers(self, slot: int) -> int:
+        return self._readers[slot]
+
+    def reservable(self) -> int:
+        """Slots a `reserve` could hand out now (free, or holding an unpinned block): a batch of
+        at most this many reserves never evicts a slot the same batch reserved."""
+        return self.num_slots - self._pinned
+
+    def reserve(self, block: BlockKey) -> int | None:
+        """A slot for `block` (its old slot if it is already here: callers look it up first, and a
+        block present is never rewritten in place). Evicts the LRU unpinned block
+        when full; the caller copies the bytes into `self.slab[slot]`. None when every slot is
+        pinned by a reader (the block does not fit now)."""
         if not self.enabled:
             raise RuntimeError("host tier is disabled (host_memory=0)")
         slot = self._lru.get(block.hash)
         if slot is not None:
             self._lru.move_to_end(block.hash)
             return slot
-        if not self._free:
-            self.evict_lru()
+        if not self._free and not self.evict_lru():
+            return None
         slot = self._free.popleft()
         self._keys[slot] = block
         self._lru[block.hash] = slot
         return slot
 
-    def evict_lru(self) -> None:
-        """Evict the least recently used block now (through `on_evict`)."""
-        # NOTE invariant: capacity holds because a slot is only reused after its block left.
-        h, slot = self._lru.popitem(last=False)
+    def evict_lru(self) -> bool:
+        """Evict the least recently used block no reader pins now (through `on_evict`). False
+        when every block is pinned (nothing evicted)."""
+        # NOTE invariant: capacity holds because a slot is only reused after its block left, and
+        # a pinned slot is skipped: its reader's copy is still running (see the module's note).
+        h = next((h for h, slot in self._lru.items() if not self._readers[slot]), None)
+        if h is None:
+            return False
+        slot = self._lru.pop(h)
         key = self._keys[slot]
         if self.on_evict is not None:
             self.on_evict(key, slot)     # the slot's bytes are intact until this returns
         self._keys[slot] = None
         self._free.append(slot)
         self.evictions += 1
+        return True
 
     def remove(self, block_hash: bytes) -> bool:
+        """Forget a block. A pinned slot joins the free list only at its last unpin."""
         slot = self._lru.pop(block_hash, None)
         if slot is None:
             return False
         self._keys[slot] = None
-        self._free.append(slot)
+        if self._readers[slot]:
+            self._orphans.add(slot)
+        else:
+            self._free.append(slot)
         return True
 
     def stats(self) -> HostStats:
@@ -119,7 +165,11 @@ class HostTier:
         self.pinned, self.pinned_bytes = False, 0
 
     def audit(self) -> None:
-        assert len(self._lru) + len(self._free) == self.num_slots, "host slots leaked or doubled"
+        assert len(self._lru) + len(self._free) + len(self._orphans) == self.num_slots, "host slots leaked or doubled"
         assert not set(self._free) & set(self._lru.values()), "a slot is both free and used"
+        assert not set(self._free) & self._orphans and not self._orphans & set(self._lru.values())
+        assert all(self._readers[slot] for slot in self._orphans), "a removed slot outlived its readers"
+        assert not any(self._readers[slot] for slot in self._free), "a free slot has readers"
+        assert self._pinned == sum(1 for n in self._readers if n), "pinned slots miscounted"
         for h, slot in self._lru.items():
             assert self._keys[slot] is not None and self._keys[slot].hash == h

@@ -11,11 +11,16 @@ counters), never the cache that owns it.
 Threads (NOTE: who owns what):
 - plan/finish (TieredKVCache) run on the engine thread under the tiers' lock and only allocate,
   acquire, release and register pages: no copy, read or decode.
-- a fill runs on a `tieredkv-load` worker. It takes the tiers' lock once for all its host blocks
-  (look the slots up, copy them into the pages: memcpys, or on CUDA one batch of copies it
-  waits for before letting go, since a slot may be reused once the lock is free) and to finish
-  its fills; disk reads and decodes run with no lock held, straight into the pages on CPU, into
-  the worker's pinned staging blocks on CUDA (then one batch of copies into the pages).
+- a fill runs on a `tieredkv-load` worker. It holds the tiers' lock only for bookkeeping: once
+  to look its host blocks' slots up and pin them (HostTier.pin: a pinned slot is never evicted,
+  freed or reserved, so its bytes stay put) and take each slot's pending copy in, once to unpin
+  them, and once to finish its fills. Between those, with no lock held, it waits for the copies
+  into the slots (on CUDA its copy stream waits for them, not the CPU) and copies the slots into
+  the pages (memcpys, or on CUDA one batch of copies it waits for). Disk reads and decodes run
+  with no lock held, straight into the pages on CPU; on CUDA into the worker's two pinned
+  staging halves, double-buffered: part k+1 is read and decoded into one half while part k's
+  copies out of the other run on the worker's stream, and a half is rewritten only once the
+  copies out of it are complete.
 - remote work runs on `tieredkv-remote` workers, its own pool so a slow store (each call bounded
   by its timeout) never delays a disk fill: a probe (RemoteProbe: which blocks after the last
   local one the store holds, answered before the request is admitted) and the fills of blocks
@@ -35,9 +40,10 @@ wait for it cut their prefix there.
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -50,7 +56,13 @@ from storage.tiers import Tiers
 
 log = logging.getLogger("tieredkv.loader")
 
-STAGE_BLOCKS = 32       # a load worker's pinned staging blocks for disk fills (a GPU device)
+# A staged fill (a GPU device) reads a part of STAGE_BLOCKS blocks into one of a load worker's
+# two pinned staging halves while the other half's copies into the pages run. Not the remote
+# tier's MGET chunk (storage/remote/client.py, 32): a part of two MGETs lets the store's network
+# read of the second overlap the decode of the first inside one get_many. STAGE_BYTES caps both
+# halves together for models with large blocks (a part never has fewer than one block).
+STAGE_BLOCKS = 64
+STAGE_BYTES = 256 << 20
 LOAD_WORKERS = 2        # requests whose blocks are read at once (each read decodes in parallel)
 PREFETCH_WORKERS = 1    # a prefetch is I/O-bound readahead; one at a time keeps the drive streaming
 PREFETCH_CHUNK = 8      # blocks per prefetch task: a fill claims the chunks not started yet
@@ -152,8 +164,11 @@ class Loader:
         # write directly); on CPU they decode straight into the pages. Tests set it on CPU to
         # run the staged path's bookkeeping.
         self.stage_decodes = device.type != "cpu"
-        self._local = threading.local()         # each load worker's staging blocks
+        self._local = threading.local()         # each load worker's staging halves
         self._buffers: list = []                # their HostBuffers, released by close()
+        # Tests (CPU) call defer_copies(): the fills' copies into pages then complete later, on a
+        # thread, as on CUDA, so a missing wait before a source is reused shows as wrong bytes.
+        self._late: ThreadPoolExecutor | None = None
         self.prefetched_blocks = 0
         self.failed_fills = 0
 
@@ -220,12 +235,14 @@ class Loader:
 
     def _fill_from_host(self, fills: list[Fill]) -> list[Fill]:
         """The fills whose block is in the host tier, copied into their pages as one batch.
-        NOTE: under the tiers' lock until the copies are complete: a slot may be reused once
-        the lock is free (one wait per batch, and host -> device from pinned memory is fast)."""
+        NOTE: the tiers' lock is held only to pin the slots and take their pending copies in
+        (then to unpin them), never across a wait or a copy: a pinned slot is not evicted or
+        reused (storage/host_tier.py enforces it), and a copy into it that is still running is
+        waited for with the lock free (Transfer.pending / wait)."""
         c = self.t
         if not c.host.enabled:
             return []
-        done, copies = [], []
+        done, slots, copies, copies_in = [], [], [], []
         started = time.perf_counter()
         with c.lock:
             for f in fills:
@@ -233,10 +250,19 @@ class Loader:
                 if slot is None:
                     continue
                 c.host.touch(f.key)
-                c.transfer.wait_host(slot)   # the copy into the slot is complete before we read it
+                c.host.pin(slot)
+                copies_in.append(c.transfer.pending(slot))
                 copies.append((c.pool.kv[f.page], c.host.slab[slot]))
+                slots.append(slot)
                 done.append(f)
+        try:
+            for copy_in in copies_in:     # the copy into the slot is complete before we read it
+                c.transfer.wait(copy_in, self._stream)
             self._copy_many(copies)
+        finally:
+            with c.lock:                  # the copies out are complete (or failed): the slots may go
+                for slot in slots:
+                    c.host.unpin(slot)
         c.rates.observe("host", len(done) * c.layout.nbytes, time.perf_counter() - started)
         return done
 
@@ -271,48 +297,85 @@ class Loader:
                 self._keep_on_disk([(f.key, c.pool.kv[f.page], p) for f, b, p in zip(fills, got, kw["payloads"])
                                     if b is not None])
             return [b is not None for b in got]
-        # A device the CPU cannot write: decode into this worker's pinned staging blocks, then
-        # one batch of truly asynchronous copies into the pages (issue 9, item 4: a decode into
-        # fresh pageable memory made each copy a staged, serialised one).
+        # A device the CPU cannot write: decode into this worker's pinned staging halves, then
+        # truly asynchronous copies into the pages (issue 9, item 4: a decode into fresh
+        # pageable memory made each copy a staged, serialised one). Double-buffered (issue 18):
+        # part k's copies run while part k+1 is read and decoded into the other half.
         stage = self._staging()
+        part = stage.shape[1]
+        copying: list[object | None] = [None, None]     # each half's copies out, not waited for yet
         ok: list[bool] = []
-        for start in range(0, len(fills), STAGE_BLOCKS):
-            part = fills[start:start + STAGE_BLOCKS]
-            if keep:
-                kw["payloads"] = [None] * len(part)
-            got = tier.get_many([f.key for f in part], [stage[i] for i in range(len(part))], **kw)
-            self._copy_many([(c.pool.kv[f.page], stage[i]) for i, (f, b) in enumerate(zip(part, got)) if b is not None])
-            if keep:      # from the staging blocks (CPU), before the next part reuses them
-                self._keep_on_disk([(f.key, stage[i], p) for i, (f, b, p) in enumerate(zip(part, got, kw["payloads"]))
-                                    if b is not None])
-            ok += [b is not None for b in got]
+        try:
+            for n, start in enumerate(range(0, len(fills), part)):
+                half, chunk = stage[n % 2], fills[start:start + part]
+                # NOTE invariant: a half is rewritten only once every copy out of it is complete.
+                self._wait_copies(copying[n % 2])
+                copying[n % 2] = None
+                if keep:
+                    kw["payloads"] = [None] * len(chunk)
+                got = tier.get_many([f.key for f in chunk], [half[i] for i in range(len(chunk))], **kw)
+                copying[n % 2] = self._copy_async([(c.pool.kv[f.page], half[i])
+                                                   for i, (f, b) in enumerate(zip(chunk, got)) if b is not None])
+                if keep:      # reads the half (CPU) beside the copies, before it is rewritten
+                    self._keep_on_disk([(f.key, half[i], p) for i, (f, b, p) in enumerate(zip(chunk, got, kw["payloads"]))
+                                        if b is not None])
+                ok += [b is not None for b in got]
+        finally:
+            # A fill is done only when its bytes are, and the next call rewrites the halves.
+            for done in copying:
+                self._wait_copies(done)
         return ok
 
     def _staging(self) -> torch.Tensor:
-        """This worker's staging blocks [STAGE_BLOCKS, *layout.shape] (pinned on CUDA)."""
+        """This worker's two staging halves [2, part, *layout.shape] (pinned on CUDA): a part is
+        STAGE_BLOCKS blocks, fewer when two halves would pass STAGE_BYTES."""
         stage = getattr(self._local, "stage", None)
         if stage is None:
             layout = self.t.layout
-            buf = host_buffer(STAGE_BLOCKS * layout.nbytes, pin=self._stream is not None)
+            part = max(1, min(STAGE_BLOCKS, STAGE_BYTES // (2 * layout.nbytes)))
+            buf = host_buffer(2 * part * layout.nbytes, pin=self._stream is not None)
             self._buffers.append(buf)
-            stage = self._local.stage = buf.tensor.view(layout.dtype).view(STAGE_BLOCKS, *layout.shape)
+            stage = self._local.stage = buf.tensor.view(layout.dtype).view(2, part, *layout.shape)
         return stage
+
+    def defer_copies(self) -> None:
+        """Tests (CPU): copies into pages complete later, on a thread (see `_late`)."""
+        if self._stream is None and self._late is None:
+            self._late = ThreadPoolExecutor(1, thread_name_prefix="tieredkv-late-fill")
+
+    def _copy_async(self, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> object | None:
+        """Issue dst <- src for each pair; returns their completion for `_wait_copies` (a CUDA
+        event, a Future in the deferred CPU mode, None when already complete: CPU memcpys).
+        NOTE: the sources must not be rewritten, nor the fills finished, before it is waited."""
+        if not copies:
+            return None
+        if self._stream is not None:
+            with torch.cuda.stream(self._stream):
+                for dst, src in copies:
+                    dst.copy_(src, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(self._stream)
+            return done
+        if self._late is not None:
+            return self._late.submit(_late_copy, copies)
+        for dst, src in copies:
+            dst.copy_(src)
+        return None
+
+    @staticmethod
+    def _wait_copies(done: object | None) -> None:
+        """The CPU waits for these copies only (a stream sync would also wait for later work)."""
+        if done is None:
+            return
+        if isinstance(done, Future):
+            done.result()
+        else:
+            done.synchronize()
 
     def _copy_many(self, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """dst <- src for each pair, complete when this returns (a fill is done only when its
         bytes are, and the sources are reused next)."""
-        if self._stream is None:
-            for dst, src in copies:
-                dst.copy_(src)
-            return
-        if not copies:
-            return
-        with torch.cuda.stream(self._stream):
-            for dst, src in copies:
-                dst.copy_(src, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(self._stream)
-        done.synchronize()        # these copies only (a stream sync would also wait for later work)
+        self._wait_copies(self._copy_async(copies))
 
     def _finish_fills(self, fills: list[Fill], ok: dict[int, bool]) -> None:
         c = self.t
@@ -383,6 +446,8 @@ class Loader:
                     if block is None or c.pool.page_of(key) is not None or c.host.slot_of(key) is not None:
                         continue
                     slot = c.host.reserve(key)
+                    if slot is None:               # every slot is being read by a fill now
+                        continue
                     c.transfer.wait_host(slot)     # a dropped block's late copy must not land on ours
                     c.host.slab[slot].copy_(block.view(c.layout.shape))
                     into.moved.add(key.hash)
@@ -401,6 +466,16 @@ class Loader:
         self._fills.shutdown(wait=True)
         if self._remote is not None:
             self._remote.shutdown(wait=True)
-        for buf in self._buffers:      # every copy out of them completed inside _copy_many
+        if self._late is not None:
+            self._late.shutdown(wait=True)
+        for buf in self._buffers:      # every copy out of them was waited for by its fill
             buf.close()
         self._buffers.clear()
+
+
+def _late_copy(copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """A deferred copy (tests, CPU): reads its sources when it runs, as a queued device copy
+    would, so a source rewritten before the wait shows as wrong bytes in the page."""
+    time.sleep(random.uniform(0.0005, 0.003))
+    for dst, src in copies:
+        dst.copy_(src)

@@ -7,10 +7,10 @@ the disk, then the remote store) --, the one lock that guards them, and the per-
 Doesn't know: matching, planning or moving blocks (storage/tiered_cache.py places them,
 storage/cascade.py moves them down, storage/loader.py moves them up).
 
-NOTE (threads): `lock` guards the pool, the host slab's index, the Transfer's pending copies,
-the loader's maps of fills and prefetches, and `counters`. Whoever holds it does no I/O and
-never waits on a writer or the network while holding it (a wait for a host -> device copy
-from pinned memory is the one wait allowed: storage/loader.py says why).
+NOTE (threads): `lock` guards the pool, the host slab's index and its slots' readers, the
+Transfer's pending copies, the loader's maps of fills and prefetches, and `counters`. Whoever
+holds it does no I/O and never waits on a writer, the network or a device copy while holding it:
+a fill reading host slots pins them under it and copies with it free (storage/loader.py).
 """
 from __future__ import annotations
 

@@ -5,9 +5,10 @@ is truly asynchronous) and records an event for the host slot it writes. Two dif
 follow from that, and they must never be confused:
 - `fence()`: device-side. Compute-stream work issued after it sees every copy issued before it
   (a page is rewritten only after its block was copied out). The CPU does not wait.
-- `wait_host(slot)` / `sync_host()`: CPU-side. Host code (the disk writer's put, the loader's
-  copy into a page, a prefetch writing the slot) reads or rewrites a slot only after the copy
-  into it is complete.
+- `wait_host(slot)` / `sync_host()`: CPU-side. Host code (the disk writer's put, a prefetch
+  writing the slot) reads or rewrites a slot only after the copy into it is complete. A reader
+  that pins the slot (the loader's host fill) takes its `pending` completion under the lock and
+  `wait`s for it after letting the lock go (on CUDA: its copy stream waits, not the CPU).
 NOTE invariant (issue 9, item 1): a fence never clears what a CPU-side wait checks. The old
 protocol kept one "pending" flag for both, so after a fence the disk writer could checksum a
 slot whose copy was still queued, and the stale bytes passed verification forever.
@@ -74,6 +75,27 @@ class Transfer:
             return
         if isinstance(done, Future):
             done.result()
+        else:
+            done.synchronize()
+
+    def pending(self, slot: int) -> object | None:
+        """The completion of the last copy into `slot` not yet waited for (None: none), for a
+        reader that pins the slot (HostTier.pin: no copy into it can be issued meanwhile) and
+        waits with `wait` once it let the tiers' lock go. Under the tiers' lock."""
+        return self._host_pending.get(slot)
+
+    @staticmethod
+    def wait(done: object | None, stream: "torch.cuda.Stream | None" = None) -> None:
+        """Wait for a completion from `pending` with no lock held: the CPU waits (a Future; an
+        Event with no `stream`), or, for a reader that is itself a copy on `stream`, that stream
+        waits (device-side: the CPU goes on). The entry stays in the pending map; the next
+        `wait_host` of the slot finds it complete."""
+        if done is None:
+            return
+        if isinstance(done, Future):
+            done.result()
+        elif stream is not None:
+            stream.wait_event(done)
         else:
             done.synchronize()
 

@@ -39,3 +39,30 @@ def test_disabled_when_zero_bytes():
 
 def test_not_pinned_without_cuda():
     assert HostTier(TINY, TINY.nbytes).pinned is torch.cuda.is_available()
+
+
+def test_a_pinned_slot_is_never_evicted_reserved_or_freed():
+    evicted = []
+    host = HostTier(TINY, 2 * TINY.nbytes, on_evict=lambda k, slot: evicted.append(k.hash))
+    a, b, c, d = keys(4)
+    sa, sb = host.reserve(a), host.reserve(b)
+    host.pin(sa)                                  # a fill reads a's slot (the LRU one)
+    assert host.reservable() == 1
+    sc = host.reserve(c)                          # evicts b, not the pinned LRU block a
+    assert evicted == [b.hash] and sc == sb and host.slot_of(a) == sa
+    host.pin(sc)
+    assert host.reservable() == 0
+    assert host.reserve(d) is None and not host.evict_lru()   # every slot is being read
+    assert host.slot_of(d) is None and evicted == [b.hash]
+    host.audit()
+    assert host.remove(a.hash)                    # forgotten, but its slot stays out of use...
+    assert host.slot_of(a) is None and host.reserve(d) is None
+    host.audit()
+    host.pin(sa)
+    host.unpin(sa)
+    assert host.reserve(d) is None                # ...until its last reader is done
+    host.unpin(sa)
+    assert host.reserve(d) == sa and host.reservable() == 1
+    host.unpin(sc)
+    assert host.reservable() == 2
+    host.audit()

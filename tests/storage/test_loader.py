@@ -165,9 +165,9 @@ def test_a_fill_waits_for_a_started_prefetch_chunk_and_claims_the_rest(tmp_path,
 
 
 def test_staged_disk_fills_put_each_block_in_its_own_page(tmp_path, held_reads, monkeypatch) -> None:
-    """The GPU path's bookkeeping, run on the CPU: disk fills decode into 3 staging blocks at a
-    time and are copied from there into their pages; a block missing mid-chunk leaves its page
-    unfilled and every other block lands in its own page, exact."""
+    """The GPU path's bookkeeping, run on the CPU: disk fills decode parts of 3 blocks into two
+    staging halves in turn and are copied from there into their pages; a block missing mid-part
+    leaves its page unfilled and every other block lands in its own page, exact."""
     monkeypatch.setattr("storage.loader.STAGE_BLOCKS", 3)
     cache, ks = disk_only(tmp_path, 8, pages=10)
     try:

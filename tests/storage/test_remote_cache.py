@@ -82,6 +82,32 @@ def test_a_block_computed_by_one_cache_is_a_remote_hit_for_another(tmp_path, cac
     b.audit()
 
 
+def test_staged_remote_fills_double_buffer_across_mgets_and_keep_exact_payloads(tmp_path, caches, valkey,
+                                                                               monkeypatch) -> None:
+    """The GPU path on the CPU (issue 18): parts of 3 blocks in two staging halves, each part two
+    MGETs of at most 2 keys (the store's read of one overlapping the decode of the other), copies
+    into the pages late; 8 blocks are 3 parts, so a half is reused."""
+    monkeypatch.setattr("storage.loader.STAGE_BLOCKS", 3)
+    monkeypatch.setattr("storage.remote.client.MGET_CHUNK", 2)
+    ks = keys(8, ns=os.urandom(32))
+    a = caches(tmp_path / "a", valkey.url)
+    a.release(fill(a, ks))
+    assert a.flush(10).remote is True
+    b = caches(tmp_path / "b", valkey.url)
+    b.loader.stage_decodes = True
+    b.loader.defer_copies()
+    got = restore(b, ks)
+    assert got.tiers == ("remote",) * 8
+    for page, k in zip(got.pages, ks):
+        assert same_bits(b.pool.kv[page], block_data(k))
+    b.release(got.pages)
+    assert b.disk.flush(10) and all(b.disk.contains(k) for k in ks)    # kept from the staging halves
+    raw = raw_client(valkey.url)
+    with b.disk._env.begin() as txn:
+        assert all(txn.get(k.hash, db=b.disk._payload) == bytes(unpack_value(raw.get(remote_key(k)))[1]) for k in ks)
+    b.audit()
+
+
 def test_without_a_disk_tier_blocks_falling_out_of_host_and_a_flush_reach_the_remote(caches, valkey) -> None:
     ks = keys(12, ns=os.urandom(32))
     a = caches(None, valkey.url, pages=4, host_slots=4)
