@@ -38,7 +38,7 @@ from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SeqStatus
 from storage.config import CacheConfig
 from storage.tiered_cache import TIERS, FlushResult, TieredKVCache
-from storage.hashing import block_keys, namespace_digest, tenant_salt
+from storage.hashing import BlockKey, block_keys, namespace_digest, tenant_salt
 
 log = logging.getLogger("tieredkv.engine")
 
@@ -202,10 +202,15 @@ class Engine:
              tenant: str = "default") -> CompletionOutput:
         return self.generate(self.apply_chat_template(messages), params, tenant)
 
+    def prompt_keys(self, prompt: Prompt, tenant: str = "default") -> tuple[list[int], list[BlockKey]]:
+        """A prompt's token ids and the keys of its full blocks, capped at len - 1 tokens: the
+        blocks a request for it would look up (lookup, and a router's /v1/cache/block_hashes)."""
+        ids = self.encode(prompt)
+        return ids, block_keys(self.namespace(tenant), ids, self.block_size, max_tokens=len(ids) - 1)
+
     def lookup(self, prompt: Prompt, tenant: str = "default") -> LookupResult:
         """Hit tokens by tier a request for this prompt would get now; promotes and bills nothing."""
-        ids = self.encode(prompt)
-        keys = block_keys(self.namespace(tenant), ids, self.block_size, max_tokens=len(ids) - 1)
+        ids, keys = self.prompt_keys(prompt, tenant)
         # cache.lookup asks the remote store (if any) now: this runs on the caller's thread.
         return LookupResult(len(ids), self.cache.lookup(keys).tokens_by_tier(self.block_size))
 

@@ -62,7 +62,7 @@ def create_app(engine: Any, settings: ServiceSettings = ServiceSettings()) -> Fa
             raise APIError(503, "the server is shutting down", code="shutting_down")
         if not engine_alive(c.engine):
             raise APIError(503, "the engine loop has stopped", code="engine_stopped")
-        return {"status": "ok", "model": c.model_name, "in_flight": c.dispatcher.in_flight}
+        return {"status": "ok", "model": c.model_name, "in_flight": c.dispatcher.in_flight, "instance": c.instance}
 
     @app.get("/ready")
     async def ready(request: Request) -> Any:

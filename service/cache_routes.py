@@ -1,9 +1,12 @@
-"""Cache routes: /v1/cache/status, /v1/cache/lookup, /v1/cache/billing, /v1/cache/flush.
+"""Cache routes: /v1/cache/status, /v1/cache/lookup, /v1/cache/block_hashes, /v1/cache/billing,
+/v1/cache/flush.
 
 Knows: who may see what -- status shows the whole cache to an admin (and to everyone on a
 server without keys), and to any other key only that key's own tenant's usage: tier-wide hit
 counts describe other tenants' traffic, so they are not every tenant's to read; lookup answers for the caller's own
 tenant (the engine salts hashes by tenant, so a tenant can never probe another's cache);
+block_hashes gives a router (`tieredkv route`) the caller's tenant's block hashes of a prompt,
+the keys this server's KV events name (a router cannot derive the tenant's namespace itself);
 billing shows the caller's tenant, and an admin any tenant (?tenant=X) or all of them;
 flush is admin-only. Blocking engine and ledger calls run in Starlette's threadpool.
 Doesn't know: generation, or how the engine computes a lookup.
@@ -43,24 +46,40 @@ async def status(request: Request) -> Any:
             "note": "tier-wide cache status is shown to admin keys only"}
 
 
-@router.post("/lookup")
-async def lookup(request: Request) -> Any:
-    """What a prompt would hit right now, per tier, for the caller's tenant. Promotes nothing, bills nothing."""
+async def _prompt_call(request: Request, method: str) -> tuple[str, Any]:
+    """engine.<method>(prompt, tenant=...) for a LookupRequest body (prompt, or chat messages run
+    through the chat template exactly as /v1/chat/completions does), for the caller's tenant."""
     c = ctx(request)
     c.authenticate(request)
     req = await parse_body(request, LookupRequest)
     caller = c.caller(request, req.user)
     c.check_prompt_size(prompt=req.prompt, messages=req.messages)
     engine = c.engine
+    fn = getattr(engine, method)
     if req.messages is not None:
         messages = [m.to_dict() for m in req.messages]
-        result = await _engine_call(lambda: engine.lookup(engine.apply_chat_template(messages), tenant=caller.tenant))
-    else:
-        result = await _engine_call(engine.lookup, req.prompt, tenant=caller.tenant)
+        return caller.tenant, await _engine_call(lambda: fn(engine.apply_chat_template(messages), tenant=caller.tenant))
+    return caller.tenant, await _engine_call(fn, req.prompt, tenant=caller.tenant)
+
+
+@router.post("/lookup")
+async def lookup(request: Request) -> Any:
+    """What a prompt would hit right now, per tier, for the caller's tenant. Promotes nothing, bills nothing."""
+    tenant, result = await _prompt_call(request, "lookup")
     hit = sum(result.hit_tokens_by_tier.values())
-    return {"tenant": caller.tenant, "prompt_tokens": result.prompt_tokens, "hit_tokens": hit,
+    return {"tenant": tenant, "prompt_tokens": result.prompt_tokens, "hit_tokens": hit,
             "miss_tokens": result.prompt_tokens - hit,
             "hit_tokens_by_tier": {t: result.hit_tokens_by_tier.get(t, 0) for t in TIERS}}
+
+
+@router.post("/block_hashes")
+async def block_hashes(request: Request) -> Any:
+    """The hashes (hex) of the prompt's full blocks for the caller's tenant, capped at len - 1
+    tokens as a request's lookup is: what this server's KV events call these blocks. Same body,
+    auth and tenant as /v1/cache/lookup. Reads no tier."""
+    tenant, (ids, keys) = await _prompt_call(request, "prompt_keys")
+    return {"tenant": tenant, "block_size": ctx(request).engine.block_size, "prompt_tokens": len(ids),
+            "hashes": [k.hash.hex() for k in keys]}
 
 
 @router.get("/billing")

@@ -8,6 +8,7 @@ Doesn't know: any route's logic.
 from __future__ import annotations
 
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +32,8 @@ class AppContext:
     dispatcher: Dispatcher
     metrics: ServiceMetrics
     started: int = field(default_factory=lambda: int(time.time()))
+    # This process's run, in /health: a router sees a restarted backend by it (its caches are new).
+    instance: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
     engine_closed: bool = False
 
     @property

@@ -15,7 +15,8 @@ from fastapi.openapi.utils import get_openapi
 from service.schemas import ChatRequest, CompletionRequest, FlushRequest, LookupRequest
 
 BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatRequest,
-          "/v1/cache/lookup": LookupRequest, "/v1/cache/flush": FlushRequest}
+          "/v1/cache/lookup": LookupRequest, "/v1/cache/block_hashes": LookupRequest,
+          "/v1/cache/flush": FlushRequest}
 _ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
     "type": "object", "required": ["message", "type", "param", "code"],
     "properties": {"message": {"type": "string"}, "type": {"type": "string"},

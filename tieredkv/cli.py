@@ -1,4 +1,4 @@
-"""The `tieredkv` command line: serve, demo, status, inspect, verify, billing.
+"""The `tieredkv` command line: serve, route, demo, status, inspect, verify, billing.
 
 Knows: the commands and their options; the cache layout (the KV store in <cache>/kv, the
 ledger in <cache>/billing); which command reads a running server (httpx) and which reads the
@@ -158,6 +158,54 @@ def serve(
         raise
     from service.server import serve as run_server
     run_server(engine, settings, sock=sock, log_level=log_level)
+
+
+# ---- route -------------------------------------------------------------------------------
+
+@app.command()
+@friendly
+def route(
+    backend: list[str] = typer.Option(..., "--backend", help="A tieredkv server's URL (http://host:port); give "
+                                      "--backend once per server, all serving the same model."),
+    host: str = typer.Option("127.0.0.1", help="Address to bind. The router checks no key itself: the backends "
+                             "do (the Authorization header passes through)."),
+    port: int = typer.Option(8100, help="Port (0: any free port; the chosen one is printed)."),
+    api_key: Optional[str] = typer.Option(None, help="An admin key of the backends, to read where their KV "
+                                          "events are (/v1/cache/status), where they have keys "
+                                          "(default $TIEREDKV_API_KEY)."),
+    load_tokens: float = typer.Option(256.0, help="What one request in flight on a backend costs, in prompt tokens "
+                                      "to prefill: weighed against the prefix it holds. 0: prefix only."),
+    health_interval: float = typer.Option(2.0, help="Seconds between health checks of each backend."),
+    prediction_ttl: float = typer.Option(30.0, help="Seconds a routed prompt's blocks count as on its backend "
+                                         "before its events confirm them (without events: the only knowledge)."),
+    log_level: str = typer.Option("info", help="uvicorn log level."),
+) -> None:
+    """Route OpenAI requests over several servers: each to the one holding its prompt's prefix.
+
+    Subscribes to every backend's KV events (serve --kv-events), keeps an index of which server
+    holds which block on which tier, and sends each request where its longest prefix is cached,
+    weighed against the requests in flight there. Streams pass through; a dead backend gets no
+    traffic; a request whose connection fails before any answer goes to another backend.
+    """
+    import logging
+
+    import uvicorn
+
+    from service.router.app import create_router_app
+    from service.router.settings import RouterSettings
+    settings = RouterSettings(backends=tuple(backend), host=host, port=port, api_key=api_key_of(api_key),
+                              load_tokens=load_tokens, health_interval_s=health_interval,
+                              prediction_ttl_s=prediction_ttl)
+    sock = bind_socket(host, port)
+    sock.listen(2048)
+    bound = sock.getsockname()
+    shown = f"[{bound[0]}]" if sock.family == socket.AF_INET6 else bound[0]
+    logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO), format="%(levelname)s: %(message)s")
+    err.print(f"tieredkv: routing on http://{shown}:{bound[1]} over {len(backend)} backend"
+              f"{'s' if len(backend) != 1 else ''}: {', '.join(backend)}", soft_wrap=True)
+    config = uvicorn.Config(create_router_app(settings), log_level=log_level, lifespan="on",
+                            timeout_graceful_shutdown=30)
+    uvicorn.Server(config).run(sockets=[sock])
 
 
 # ---- demo --------------------------------------------------------------------------------

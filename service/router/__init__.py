@@ -1,0 +1,17 @@
+"""`tieredkv route`: an OpenAI-compatible front of several tieredkv servers that sends each request
+to the server already holding its prompt's prefix, weighed against that server's load.
+
+One concept per file:
+
+    events.py      vLLM's KV-event wire format, decoded (and encoded, for tests and tools)
+    index.py       block hash -> {backend: the media holding it}, plus routing-time predictions
+    subscriber.py  one backend's event stream: ZMQ SUB, sequence gaps filled by replay
+    backends.py    the backend set: health checks, in-flight counts, a subscriber per backend
+    policy.py      which backend gets a request: longest weighted prefix against load
+    proxy.py       forwarding one request (streams unbuffered; retries before any byte is sent)
+    metrics.py     /metrics of the router
+    app.py         the FastAPI app: routes, lifespan
+
+Knows: HTTP, ZMQ and the events' format; imports nothing of the engine (no torch).
+Doesn't know: how a backend computes block hashes -- it asks one (/v1/cache/block_hashes).
+"""

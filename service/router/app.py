@@ -1,0 +1,124 @@
+"""create_router_app(settings): the router's FastAPI app.
+
+Knows: the routes -- POST /v1/completions and /v1/chat/completions (routed by prefix and load),
+GET /v1/models[/{id}] (to any backend up), GET /health (200 while a backend is up, with each
+backend's state and event stream; 503 when none is) and GET /metrics -- and the lifespan: one
+httpx client, the backend set's first health check before the first request, and its health
+loop and subscribers stopped at shutdown. The router checks no key itself: the Authorization
+header goes to the backend, which does (and which alone derives the tenant).
+Doesn't know: how a backend is chosen (policy.py) or forwarded to (proxy.py).
+"""
+from __future__ import annotations
+
+import json
+import logging
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from service.router.backends import BackendSet
+from service.router.index import PrefixIndex
+from service.router.metrics import RouterMetrics
+from service.router.policy import Policy
+from service.router.proxy import Proxy, error
+from service.router.settings import RouterSettings
+
+log = logging.getLogger("tieredkv.router")
+
+
+class Router:
+    """What the routes share: the settings, the index, the backend set, the proxy."""
+
+    def __init__(self, settings: RouterSettings) -> None:
+        self.settings = settings
+        self.index = PrefixIndex(settings.prediction_ttl_s)
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(settings.request_timeout_s, connect=5.0),
+                                        limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+        self.backends = BackendSet(list(settings.backends), self.index, self.client,
+                                   health_interval_s=settings.health_interval_s,
+                                   health_timeout_s=settings.health_timeout_s, api_key=settings.api_key,
+                                   replay_timeout_s=settings.replay_timeout_s)
+        self.metrics = RouterMetrics(self.backends)
+        self.proxy = Proxy(self.backends, self.index, Policy(settings.load_tokens, dict(settings.weights)),
+                           self.metrics, self.client, hash_timeout_s=settings.hash_timeout_s)
+
+    async def start(self) -> None:
+        await self.backends.start()
+
+    async def stop(self) -> None:
+        await self.backends.stop()
+        await self.client.aclose()
+
+
+def create_router_app(settings: RouterSettings) -> FastAPI:
+    router = Router(settings)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await router.start()
+        yield
+        await router.stop()
+
+    app = FastAPI(title="tieredkv router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.router = router
+
+    async def generation(request: Request, chat: bool) -> Response:
+        body = await _read_body(request, settings.max_body_bytes)
+        if body is None:
+            return error(413, f"request body: larger than the router's limit of {settings.max_body_bytes} bytes",
+                         "request_too_large")
+        try:
+            doc = json.loads(body)
+        except ValueError:
+            doc = None          # the backend answers the 400
+        headers = dict(request.headers)
+        blocks = await router.proxy.prompt_blocks(chat, doc, headers)
+        sse = isinstance(doc, dict) and doc.get("stream") is True
+        return await router.proxy.forward("POST", request.url.path, body, headers, blocks, sse=sse)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await generation(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await generation(request, chat=True)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        return await router.proxy.forward("GET", "/v1/models", b"", dict(request.headers))
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request) -> Response:
+        return await router.proxy.forward("GET", request.url.path, b"", dict(request.headers))
+
+    @app.get("/health")
+    async def health() -> Any:
+        views = [b.view(router.index) for b in router.backends.backends]
+        up = sum(v["healthy"] for v in views)
+        body = {"status": "ok" if up else "no backend up", "backends_up": up, "backends": views}
+        return JSONResponse(body, status_code=200 if up else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(router.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+async def _read_body(request: Request, limit: int) -> bytes | None:
+    """The body, or None once it passes `limit` (checked as it streams in: never buffered past it)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        return None
+    parts, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            return None
+        parts.append(chunk)
+    return b"".join(parts)

@@ -1,0 +1,204 @@
+"""Forwarding one request: its block hashes, the backend chosen for it, the bytes relayed.
+
+Knows: the steps. (1) The prompt's block hashes come from one healthy backend's
+POST /v1/cache/block_hashes, asked with the caller's own Authorization header and `user` (the
+hashes are namespaced by the tenant, which only a backend derives); when that fails -- a bad
+body, a bad key, an older backend -- the request is routed as a miss and the backend it reaches
+gives the client the real error. (2) The policy picks a backend among the healthy ones not
+tried yet; the prompt's blocks are predicted onto it at once (index.predict), so the next
+request for the same new prefix follows. (3) The request goes out with the client's headers
+(Authorization included; hop-by-hop ones dropped) and the router waits for the answer's status
+line and first body chunk. A connection that fails before then -- refused, reset, closed
+without an answer -- takes the backend out of rotation and the request goes to the next
+backend, as does a 503 (the backend is shutting down) or a 429 (its queue is full) while
+another backend is left; nothing has reached the client yet. (4) From then on the body is
+relayed chunk by chunk as it arrives (an SSE stream unbuffered, usage chunks and all); a
+backend lost mid-stream ends an SSE stream with an error event (what a tieredkv server itself
+sends then) and any other body short.
+A retried request may have been partly run on the backend that failed (its bill included):
+that is the price of never failing a request a live backend could answer.
+Doesn't know: the HTTP app (app.py) or how the cheapest backend is computed (policy.py).
+"""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+import httpx
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from service.router.backends import Backend, BackendSet
+from service.router.index import PrefixIndex
+from service.router.metrics import RouterMetrics
+from service.router.policy import Candidate, Policy, choose
+
+log = logging.getLogger("tieredkv.router")
+HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
+              "transfer-encoding", "upgrade", "host", "content-length", "accept-encoding"}
+DROP_FROM_ANSWER = HOP_BY_HOP - {"content-length"} | {"server", "date"}
+BACKEND_HEADER = "x-tieredkv-backend"
+# Failures that mean the request never got an answer from a live backend: safe to send elsewhere.
+RETRYABLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.ReadError, httpx.WriteError,
+             httpx.RemoteProtocolError, httpx.PoolTimeout)
+
+
+@dataclass(frozen=True, slots=True)
+class PromptBlocks:
+    hashes: list[bytes]
+    block_size: int
+    prompt_tokens: int
+
+
+def error(status: int, message: str, code: str) -> JSONResponse:
+    types = {502: "server_error", 503: "service_unavailable", 504: "timeout", 413: "invalid_request_error"}
+    return JSONResponse({"error": {"message": message, "type": types.get(status, "server_error"), "param": None,
+                                   "code": code}}, status_code=status)
+
+
+class InFlight:
+    """One request counted in its backend's in-flight count until released (once)."""
+
+    def __init__(self, b: Backend) -> None:
+        self.backend = b
+        b.in_flight += 1
+
+    def __call__(self) -> None:
+        if self.backend is not None:
+            self.backend.in_flight -= 1
+            self.backend = None
+
+
+class Proxy:
+    def __init__(self, backends: BackendSet, index: PrefixIndex, policy: Policy, metrics: RouterMetrics,
+                 client: httpx.AsyncClient, hash_timeout_s: float = 30.0) -> None:
+        self.backends = backends
+        self.index = index
+        self.policy = policy
+        self.metrics = metrics
+        self.client = client
+        self.hash_timeout_s = hash_timeout_s
+
+    # ---- (1) block hashes ----------------------------------------------------------------
+    async def prompt_blocks(self, chat: bool, doc: Any, headers: dict[str, str]) -> PromptBlocks | None:
+        field = "messages" if chat else "prompt"
+        if not isinstance(doc, dict) or field not in doc:
+            return None
+        body = {field: doc[field]}
+        if doc.get("user") is not None:
+            body["user"] = doc["user"]
+        up = sorted(self.backends.healthy(), key=lambda b: (b.in_flight, b.routed))
+        if not up:
+            return None
+        b = up[0]
+        auth = {k: v for k, v in headers.items() if k.lower() == "authorization"}
+        try:
+            r = await self.client.post(f"{b.url}/v1/cache/block_hashes", json=body, headers=auth,
+                                       timeout=self.hash_timeout_s)
+        except httpx.HTTPError as e:
+            self.metrics.hash_lookups.labels("transport_error").inc()
+            log.debug("router: block hashes from %s failed: %s", b.url, e)
+            return None
+        if r.status_code != 200:
+            self.metrics.hash_lookups.labels(f"http_{r.status_code}").inc()
+            if r.status_code == 404:
+                b.warn_once("no-hashes", "router: backend %s has no /v1/cache/block_hashes (an older tieredkv?); "
+                            "requests are routed by load only", b.url)
+            return None
+        try:
+            got = r.json()
+            blocks = PromptBlocks([bytes.fromhex(h) for h in got["hashes"]], int(got["block_size"]),
+                                  int(got.get("prompt_tokens") or len(got["hashes"]) * int(got["block_size"])))
+        except (ValueError, KeyError, TypeError):
+            self.metrics.hash_lookups.labels("bad_answer").inc()
+            return None
+        self.metrics.hash_lookups.labels("ok").inc()
+        return blocks
+
+    # ---- (2)-(4) choose, send, relay -----------------------------------------------------
+    def _choose(self, blocks: PromptBlocks | None, tried: set[str]) -> tuple[Backend, int] | None:
+        up = [b for b in self.backends.healthy() if b.name not in tried]
+        if not up:
+            return None
+        candidates = [Candidate(b.name, b.in_flight, b.routed) for b in up]
+        if blocks is None:
+            choice = choose(self.policy, candidates, {}, 0, 1)
+        else:
+            prefixes = self.index.prefix(blocks.hashes, [c.name for c in candidates])
+            choice = choose(self.policy, candidates, prefixes, blocks.prompt_tokens, blocks.block_size)
+        return self.backends.by_name(choice.backend), choice.hit_tokens
+
+    async def forward(self, method: str, path: str, body: bytes, headers: dict[str, str],
+                      blocks: PromptBlocks | None = None, sse: bool = False) -> Response:
+        out_headers = {k: v for k, v in headers.items() if k.lower() not in HOP_BY_HOP}
+        tried: set[str] = set()
+        while True:
+            picked = self._choose(blocks, tried)
+            if picked is None:
+                if tried:
+                    self.metrics.failed.labels("all_backends_failed").inc()
+                    return error(502, f"no backend could take the request ({len(tried)} tried)", "backends_failed")
+                self.metrics.failed.labels("no_backend_up").inc()
+                return error(503, "no backend is up", "no_backend")
+            b, hit_tokens = picked
+            tried.add(b.name)
+            if blocks is not None:
+                self.index.predict(b.name, blocks.hashes)
+            b.routed += 1
+            release = InFlight(b)
+            upstream: httpx.Response | None = None
+            try:
+                req = self.client.build_request(method, f"{b.url}{path}", content=body or None, headers=out_headers)
+                upstream = await self.client.send(req, stream=True)
+                if upstream.status_code in (429, 503) and self._others_up(tried):
+                    await upstream.aclose()
+                    release()
+                    if upstream.status_code == 503:
+                        self.backends.mark_down(b, "answered 503")
+                    self.metrics.retries.labels(b.url, f"http_{upstream.status_code}").inc()
+                    continue
+                chunks = upstream.aiter_raw()
+                first = await anext(chunks, b"")
+            except RETRYABLE as e:
+                if upstream is not None:
+                    await upstream.aclose()
+                release()
+                self.backends.mark_down(b, f"{type(e).__name__}: {e}")
+                self.metrics.retries.labels(b.url, type(e).__name__).inc()
+                log.warning("router: %s %s on %s failed before any byte was sent (%s: %s); trying another backend",
+                            method, path, b.url, type(e).__name__, e)
+                continue
+            except BaseException:
+                if upstream is not None:
+                    await upstream.aclose()
+                release()
+                raise
+            self.metrics.requests.labels(b.url, str(upstream.status_code)).inc()
+            if blocks is not None and upstream.status_code == 200:
+                self.metrics.prompt_tokens.labels(b.url).inc(blocks.prompt_tokens)
+                self.metrics.predicted_hit_tokens.labels(b.url).inc(hit_tokens)
+            answer = {k: v for k, v in upstream.headers.items() if k.lower() not in DROP_FROM_ANSWER}
+            answer[BACKEND_HEADER] = b.url
+            return StreamingResponse(self._relay(b, upstream, first, chunks, release, sse),
+                                     status_code=upstream.status_code, headers=answer)
+
+    def _others_up(self, tried: set[str]) -> bool:
+        return any(b.name not in tried for b in self.backends.healthy())
+
+    async def _relay(self, b: Backend, upstream: httpx.Response, first: bytes, chunks: AsyncIterator[bytes],
+                     release: InFlight, sse: bool) -> AsyncIterator[bytes]:
+        try:
+            if first:
+                yield first
+            async for chunk in chunks:
+                yield chunk
+        except httpx.HTTPError as e:
+            log.warning("router: backend %s failed mid-answer: %s: %s", b.url, type(e).__name__, e)
+            if sse:
+                body = {"error": {"message": f"the backend failed mid-stream: {type(e).__name__}",
+                                  "type": "server_error", "param": None, "code": "backend_failed"}}
+                yield f"data: {json.dumps(body)}\n\n".encode()
+        finally:
+            release()
+            await upstream.aclose()

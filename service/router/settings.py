@@ -1,0 +1,43 @@
+"""RouterSettings: the knobs of `tieredkv route`, validated once.
+
+Knows: defaults and their reasons. Doesn't know: what uses them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+from service.router.policy import DEFAULT_WEIGHTS
+
+DEFAULT_MAX_BODY_BYTES = 8 << 20       # a backend's default limit: a bigger body would be refused there anyway
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    backends: tuple[str, ...]
+    host: str = "127.0.0.1"
+    port: int = 8100
+    api_key: str | None = None           # an admin key of the backends, to read their /v1/cache/status
+    health_interval_s: float = 2.0
+    health_timeout_s: float = 5.0
+    load_tokens: float = 256.0           # an in-flight request costs as much as prefilling this many tokens
+    weights: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_WEIGHTS))
+    prediction_ttl_s: float = 30.0       # how long a routed prompt's blocks count as on its backend unconfirmed
+    request_timeout_s: float = 600.0     # reading a backend's answer (a long generation streams; a body waits)
+    hash_timeout_s: float = 30.0
+    replay_timeout_s: float = 2.0
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+
+    def __post_init__(self) -> None:
+        if not self.backends:
+            raise ValueError("backends: give at least one --backend URL")
+        for url in self.backends:
+            parts = urlsplit(url)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ValueError(f"--backend: expected an http(s)://host:port URL, got {url!r}")
+        for name in ("health_interval_s", "health_timeout_s", "request_timeout_s", "hash_timeout_s",
+                     "replay_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: expected > 0, got {getattr(self, name)}")
+        if self.prediction_ttl_s < 0:
+            raise ValueError(f"prediction_ttl_s: expected >= 0, got {self.prediction_ttl_s}")

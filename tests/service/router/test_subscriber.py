@@ -1,0 +1,99 @@
+"""One backend's event stream into the index: sync by replay at start, live batches, gaps filled
+by replay, a fresh subscriber (a restarted router) rebuilding the same picture. Against a fake
+publisher speaking vLLM's ZMQ protocol (vllm_format.FakePublisher) on loopback."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import zmq
+import zmq.asyncio
+
+from service.router.index import PrefixIndex
+from service.router.subscriber import EventSubscriber
+from tests.service.router import vllm_format as v
+
+H = [bytes([i]) * 32 for i in range(16)]
+
+
+async def until(cond, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition never held"
+        await asyncio.sleep(0.01)
+
+
+def subscriber(pub: v.FakePublisher, index: PrefixIndex, ctx: zmq.asyncio.Context, replay: str | None = "own",
+               **kw) -> EventSubscriber:
+    return EventSubscriber("a", pub.endpoint, pub.replay_endpoint if replay == "own" else replay, "", index, ctx, **kw)
+
+
+def test_a_subscriber_syncs_by_replay_follows_live_and_fills_a_gap() -> None:
+    pub = v.FakePublisher()
+
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        index = PrefixIndex(prediction_ttl_s=0)
+        for i in range(3):                                  # published before anyone listened
+            pub.publish(v.encode([v.stored([H[i]], "GPU")]))
+        sub = subscriber(pub, index, ctx)
+        sub.start()
+        await asyncio.wait_for(sub.synced.wait(), 10)
+        assert sub.last_seq == 2 and index.blocks("a") == 3 and pub.replay_requests == [0]
+        # Live: the SUB socket may still be joining, so publish until one arrives live.
+        seq = pub.publish(v.encode([v.stored([H[3]], "CPU")]))
+        await until(lambda: sub.last_seq >= seq)
+        # A batch the subscriber never sees live (a gap) is asked for on the replay socket.
+        pub.publish(v.encode([v.removed([H[0]], "GPU")]), send=False)
+        last = pub.publish(v.encode([v.stored([H[4]], "DISK")]))
+        await until(lambda: sub.last_seq == last)
+        assert index.media(H[0]) == {} and index.media(H[4]) == {"a": ["DISK"]} and index.blocks("a") == 4
+        assert sub.stats.gaps >= 1 and sub.stats.lost == 0 and sub.stats.bad == 0
+        assert pub.replay_requests[-1] <= last - 1
+        # A restarted router: a fresh index and subscriber rebuild the same picture by replay alone.
+        rebuilt = PrefixIndex(prediction_ttl_s=0)
+        again = subscriber(pub, rebuilt, ctx)
+        again.start()
+        await asyncio.wait_for(again.synced.wait(), 10)
+        assert again.last_seq == last
+        assert {bytes(h): rebuilt.media(h) for h in H} == {bytes(h): index.media(h) for h in H}
+        await sub.stop()
+        await again.stop()
+        ctx.term()
+    try:
+        asyncio.run(main())
+    finally:
+        pub.close()
+
+
+def test_a_silent_replay_socket_loses_its_range_and_the_live_stream_goes_on() -> None:
+    pub = v.FakePublisher()
+    silent = zmq.Context()
+    sink = silent.socket(zmq.ROUTER)                        # accepts the request, never answers
+    port = sink.bind_to_random_port("tcp://127.0.0.1")
+
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        index = PrefixIndex(prediction_ttl_s=0)
+        sub = subscriber(pub, index, ctx, replay=f"tcp://127.0.0.1:{port}", replay_timeout_s=0.3)
+        sub.start()
+        await asyncio.wait_for(sub.synced.wait(), 10)
+        assert sub.stats.replay_failures == 1
+        seq = -1
+        while sub.last_seq < seq or seq < 0:                # until one arrives live (SUB joining)
+            seq = pub.publish(v.encode([v.stored([H[0]])]))
+            await asyncio.sleep(0.05)
+        pub.publish(b"not msgpack \xc1")
+        pub.publish(v.encode([v.stored([H[1]])]), send=False)
+        last = pub.publish(v.encode([v.stored([H[2]])]))
+        await until(lambda: sub.last_seq == last)
+        assert sub.stats.bad == 1 and sub.stats.lost == 1 and sub.stats.replay_failures == 2
+        assert index.media(H[2]) == {"a": ["GPU"]} and index.media(H[1]) == {}
+        await sub.stop()
+        ctx.term()
+    try:
+        asyncio.run(main())
+    finally:
+        sink.close(linger=0)
+        silent.term()
+        pub.close()
