@@ -87,15 +87,15 @@ class TieredKVCache:
         self.disk_unavailable: str | None = None   # why the configured disk tier is not running
         if disk is None and config.disk_path is not None:
             try:
-                disk = DiskTier(config.disk_path, config.disk_bytes, Codec(config.zstd_level), layout=layout,
-                                reserve_bytes=config.disk_reserve_bytes)
+                disk = DiskTier(config.disk_path, config.disk_bytes, Codec(config.zstd_level, config.codec),
+                                layout=layout, reserve_bytes=config.disk_reserve_bytes)
             except DiskUnavailable as e:
                 # NOTE: a full filesystem (or a store that cannot be created) is a cache without its
                 # disk tier, never a server that cannot start; status says why.
                 log.error("disk tier unavailable, running without it: %s", e)
                 self.disk_unavailable = str(e)
         if remote is None and config.remote is not None:
-            remote = RemoteTier(config.remote, layout, Codec(config.zstd_level),
+            remote = RemoteTier(config.remote, layout, Codec(config.zstd_level, config.codec),
                                 timeout_s=config.remote_timeout_s, ttl_s=config.remote_ttl_s,
                                 breaker=BreakerConfig(cooldown_s=config.remote_retry_s))
         self.tiers = Tiers(layout=layout,

@@ -122,6 +122,7 @@ def test_bad_input_is_one_line_and_a_nonzero_exit(tmp_path: Path) -> None:
     assert_one_line_error(tkv("billing", "--cache-dir", missing), 2, "no billing ledger")
     assert_one_line_error(tkv("billing", "--cache-dir", missing, "--url", "http://127.0.0.1:1"), 2, "not both")
     assert_one_line_error(tkv("serve", "--cache-dir", missing, "--device-memory", "12XB"), 2, "--device-memory", "12XB")
+    assert_one_line_error(tkv("serve", "--cache-dir", missing, "--codec", "lz4"), 2, "--codec", "lz4")
     assert_one_line_error(tkv("status", "--url", "ftp://example"), 2, "--url")
     with socket.socket() as s:              # a port nobody listens on
         s.bind(("127.0.0.1", 0))
