@@ -39,6 +39,7 @@ from engine.sequence import Sequence, SeqStatus
 from storage.config import CacheConfig
 from storage.tiered_cache import TIERS, FlushResult, TieredKVCache
 from storage.hashing import block_keys, namespace_digest, tenant_salt
+from storage.prefix_tree import build_forest, node_to_dict
 
 log = logging.getLogger("tieredkv.engine")
 
@@ -208,6 +209,33 @@ class Engine:
         keys = block_keys(self.namespace(tenant), ids, self.block_size, max_tokens=len(ids) - 1)
         # cache.lookup asks the remote store (if any) now: this runs on the caller's thread.
         return LookupResult(len(ids), self.cache.lookup(keys).tokens_by_tier(self.block_size))
+
+    def prefix_tree(self, tenants: Seq[str] | None = None, depth: int = 8, width: int = 8,
+                    max_disk_blocks: int = 20_000) -> dict:
+        """The prefixes cached for these tenants (None: those of every tenant the ledger knows,
+        and "default", that have any) in the device pool, host slab and disk, as trees with
+        their text: one per tenant, chains of single children folded (storage/prefix_tree.py).
+        Tenants sharing a namespace (isolate_tenants=False) are shown once, as "*". Reads the
+        disk's block records (at most `max_disk_blocks`): call it off the engine thread."""
+        every = tenants is None
+        if every:
+            tenants = sorted(set(self.ledger.tenants() if self.ledger is not None else ()) | {"default"})
+        by_ns = {}
+        for t in tenants:
+            by_ns.setdefault(self.namespace(t), "*" if not self.config.isolate_tenants else t)
+        blocks, truncated = self.cache.cached_blocks(frozenset(by_ns), max_disk_blocks)
+        forest = build_forest(blocks)
+        decode = None if self.tokenizer is None else (lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False))
+        out = {}
+        for ns, tenant in by_ns.items():
+            nodes = forest.get(ns, [])
+            if every and not nodes:
+                continue           # every tenant asked for: only those with something cached
+            shown, more = nodes[:width], nodes[width:]
+            out[tenant] = {"namespace": ns.hex(), "blocks": sum(n.total_blocks for n in nodes),
+                           "tree": [node_to_dict(n, decode, depth, width, preview_chars=160) for n in shown],
+                           "more_roots": len(more)}
+        return {"block_size": self.block_size, "truncated": truncated, "tenants": out}
 
     def alive(self) -> bool:
         """Whether the step loop runs (False once it stopped: closed, or died)."""

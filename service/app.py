@@ -1,7 +1,8 @@
 """create_app(engine, settings): the FastAPI app -- routes wired, errors, metrics, lifespan.
 
 Knows: which routers make the app, the unauthenticated operational routes (/health: liveness,
-/ready: readiness with each tier's state, for load balancers; /metrics for Prometheus), the
+/ready: readiness with each tier's state, for load balancers; /metrics for Prometheus; the
+/dashboard page's static files, whose data routes authenticate as always), the
 per-request count by route and status, and the shutdown order: stop admitting (503), wait for
 in-flight requests (bounded by settings.shutdown_timeout_s), then engine.close() -- which flushes
 cached blocks to disk; the ledger is already committed, request by request.
@@ -20,7 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service import cache_routes, openai_routes
+from service import cache_routes, dashboard, openai_routes
 from service.auth import ApiKeys, require_admin
 from service.context import AppContext, ctx
 from service.dispatch import Dispatcher
@@ -52,6 +53,7 @@ def create_app(engine: Any, settings: ServiceSettings = ServiceSettings()) -> Fa
     install_error_handlers(app)
     app.include_router(openai_routes.router)
     app.include_router(cache_routes.router)
+    app.include_router(dashboard.router)
 
     @app.get("/health")
     async def health(request: Request) -> Any:

