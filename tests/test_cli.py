@@ -555,3 +555,45 @@ def test_small_mistakes_get_an_error_that_names_what_the_user_typed(cache: dict)
     assert_one_line_error(tkv("billing", "--cache-dir", str(root), "--tenant", "nope"), 1,
                           "no such tenant 'nope'", "alice", "bob")
     assert tkv_json("billing", "--cache-dir", str(root), "--tenant", "alice")["requests"] == 2
+
+
+# ---- the first hour (issue 20, items 1-2): an empty disk tier and a slow hit explained ----------
+
+def test_inspect_says_why_the_disk_tier_is_empty_and_how_to_fill_it(tmp_path: Path, cache: dict) -> None:
+    from storage.disk.tier import DiskTier
+    DiskTier(str(tmp_path / "kv"), 64 << 20).close()           # as a server leaves it before any flush
+    r = tkv("inspect", "--cache-dir", str(tmp_path), "--tree", TIEREDKV_URL="http://127.0.0.1:8123")
+    assert r.returncode == 0, r.stderr
+    text = " ".join(r.stdout.split())
+    assert "0 blocks" in text
+    for words in ("written back", "evict", "on a flush", "when the server shuts down", "tieredkv status",
+                  "curl -s -X POST http://127.0.0.1:8123/v1/cache/flush -H 'content-type: application/json' -d '{}'",
+                  "Ctrl-C flushes"):
+        assert words in text, words
+    assert "Cached prefixes" not in text                        # no empty tree under it
+    full = tkv("inspect", "--cache-dir", str(cache["root"]))
+    assert full.returncode == 0 and "written back" not in full.stdout
+
+
+def test_demo_says_why_a_hit_is_slower_than_recomputing() -> None:
+    from rich.console import Console
+
+    from engine.model import DEFAULT_MODEL_NAME
+    from tieredkv.demo import DEFAULT_MODEL, Phase, Row, phase_view, slow_hit_note
+    assert DEFAULT_MODEL == DEFAULT_MODEL_NAME
+
+    def row(label: str, hits: dict[str, int], ttft: float, recompute: float) -> Row:
+        hit = sum(hits.values())
+        return Row("chat", label, "q?", "a.", 40, {"device": 0, "host": 0, "disk": 0, "remote": 0, **hits}, hit, 40 - hit,
+                   4, ttft, 1.0, recompute, round(recompute / ttft, 2), 1, 2)
+    slow = row("turn 1", {"disk": 16}, ttft=50.0, recompute=40.0)          # 0.8x
+    rows = [slow, row("turn 2", {"device": 32}, ttft=10.0, recompute=40.0),   # 4.0x
+            row("turn 3", {}, ttft=38.0, recompute=40.0),                     # a miss: nothing to explain
+            row("turn 4", {"host": 16}, ttft=41.0, recompute=40.0)]           # 0.98x: shown as 1.0x
+    assert [slow_hit_note(r) is not None for r in rows] == [True, False, False, False]
+    console = Console(record=True, width=400)
+    console.print(phase_view(Phase("chat", "A chat", rows)))
+    lines = [ln for ln in console.export_text().splitlines() if "0.8x:" in ln]
+    assert len(lines) == 1, console.export_text()
+    assert ("turn 1, 0.8x: recomputing all 40 tokens takes only 40 ms here, about what reading 16 back from disk "
+            "costs") in lines[0]

@@ -21,6 +21,7 @@ from rich.table import Table
 
 from tieredkv.cli_common import (CLIError, api_key_of, cache_root, err, existing_dir, friendly, get_json, micro, out,
                                  print_json, remote_options, server_url, spinner)
+from tieredkv.cli_common import FIRST_LOAD
 from storage.config import format_size, parse_size
 
 TIERS = ("device", "host", "disk", "remote")
@@ -148,8 +149,7 @@ def serve(
         ApiKeys.from_file(api_keys)            # a bad keys file fails now, not after the model loads
     sock = bind_socket(host, port)
     try:
-        with spinner(f"Loading {model or 'SmolLM2-135M-Instruct'} (the first run converts the default model "
-                     "once, ~30 s)"):
+        with spinner(f"Loading {model}" if model else f"Loading SmolLM2-135M-Instruct ({FIRST_LOAD})"):
             from engine import Engine
             engine = Engine.from_pretrained(model, cache, device=device, dtype=dtype, ledger_dir=str(root / "billing"),
                                             prices=price_table, billing_failure=on_billing_failure)
@@ -346,8 +346,8 @@ def inspect(
         tier.close()
     if json_out:
         return print_json({**s.report, **({"tree": tree_to_dict(s, depth, width)} if tree else {})})
-    out.print(overview(s.report))
-    if tree:
+    out.print(overview(s.report, server_url(None)))
+    if tree and s.report["blocks"]:
         out.print(forest_tree(s, depth, width))
 
 

@@ -4,7 +4,8 @@ Knows: how to survey an open DiskTier (`survey`: totals and blocks per namespace
 metadata made a forest by storage/prefix_tree.py, which the live server's tree shares); how to
 name a namespace when it belongs to the default model and a tenant the billing ledger knows (the
 disk tier stores no model names).
-`overview` and `forest_tree` draw the result (rich renderables).
+`overview` and `forest_tree` draw the result (rich renderables); an empty store's overview says
+why it is empty (write-back) and how to flush a running server (`empty_disk_note`).
 Doesn't know: LMDB or payloads -- it reads only what DiskTier.iter_blocks yields.
 """
 from __future__ import annotations
@@ -134,8 +135,9 @@ def load_decoder(model_dir: str | None) -> Callable[[list[int]], str] | None:
 
 # ---- drawing -----------------------------------------------------------------------------
 
-def overview(report: dict[str, Any]) -> Any:
-    """The store's totals and a table of its namespaces."""
+def overview(report: dict[str, Any], url: str = "http://127.0.0.1:8000") -> Any:
+    """The store's totals and a table of its namespaces; for an empty store, why and how to fill
+    it (`url`: the server a flush would go to)."""
     from rich.console import Group
     from rich.markup import escape
 
@@ -144,7 +146,19 @@ def overview(report: dict[str, Any]) -> Any:
     head = (f"Disk tier {escape(report['path'])}\n"
             f"  {n:,} block{'s' if n != 1 else ''}, {format_size(report['stored_bytes'])} stored, "
             f"{format_size(report['raw_bytes'])} raw, compression {report['compression_ratio']:.2f}x")
+    if n == 0:
+        return Group(head, escape(empty_disk_note(url)))
     return Group(head, namespace_table(report["namespaces"], hits=True))
+
+
+def empty_disk_note(url: str) -> str:
+    """Why a disk tier holds nothing yet (write-back: blocks reach disk late), and how to fill it."""
+    return ("  Nothing on disk yet: blocks are written back, so they reach disk when the device and host\n"
+            "  tiers evict them, on a flush, or when the server shuts down; until then a running server\n"
+            "  holds them above disk (`tieredkv status` shows them). To write them to disk now, flush it:\n"
+            f"    curl -s -X POST {url}/v1/cache/flush -H 'content-type: application/json' -d '{{}}'\n"
+            "  (with -H 'authorization: Bearer <admin key>' if the server has keys), or stop the server\n"
+            "  (Ctrl-C flushes), then run inspect again.")
 
 
 def namespace_table(namespaces: list[dict[str, Any]], hits: bool) -> Any:
