@@ -70,6 +70,17 @@ def converted_dir(gguf_path: str | os.PathLike, cache_dir: str | os.PathLike | N
     return root / "models" / f"{path.stem}-{digest}{suffix}"
 
 
+def find_conversion(gguf_path: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> Path | None:
+    """An existing complete conversion of `gguf_path` in any dtype (under `cache_dir`, then the
+    default root), for readers of its config and tokenizer; never converts."""
+    for root in dict.fromkeys((cache_dir, None)):
+        for dtype in (torch.float32, torch.bfloat16):
+            d = converted_dir(gguf_path, root, dtype)
+            if _is_complete(d):
+                return d
+    return None
+
+
 def gguf_checkpoint(gguf_path: Path, cache_dir: str | os.PathLike | None, check_config: ConfigCheck,
                     dtype: torch.dtype = torch.float32) -> Path:
     """The cached conversion of `gguf_path` for a model running in `dtype`, converting it first

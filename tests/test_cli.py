@@ -282,7 +282,9 @@ def test_serve_then_status_and_billing_over_http(tmp_path: Path, default_model_c
     assert tkv_json("billing", "--cache-dir", str(root))["tenants"]["carol"]["requests"] == 1
     report = tkv_json("inspect", "--cache-dir", str(root))
     assert report["blocks"] == blocks
-    assert [n["label"] for n in report["namespaces"]] == ["SmolLM2-135M-Instruct (float32), tenant carol"]
+    from engine.model import resolve_dtype        # bfloat16 on a CPU with native bf16, else float32
+    dtype = str(resolve_dtype("auto", "cpu")).removeprefix("torch.")
+    assert [n["label"] for n in report["namespaces"]] == [f"SmolLM2-135M-Instruct ({dtype}), tenant carol"]
 
 
 def test_demo_json_hits_every_tier_and_matches_the_ledger(tmp_path: Path, default_model_converted: None) -> None:

@@ -54,7 +54,7 @@ def survey(tier: Any, billing_dir: str, decode: bool) -> Survey:
         d["stored_bytes"] += b.stored_size
         d["raw_bytes"] += b.raw_size
         d["hits"] += b.hits
-    model_dir = default_model_dir()
+    model_dir = default_model_dir(os.path.dirname(os.path.abspath(billing_dir)) if billing_dir else None)   # the cache root
     labels = identify(set(per_ns), {len(b.token_ids) for b in blocks}, ledger_tenants(billing_dir), model_dir)
     namespaces = []
     for ns, d in sorted(per_ns.items(), key=lambda kv: (-kv[1]["blocks"], kv[0])):
@@ -84,15 +84,16 @@ def ledger_tenants(billing_dir: str) -> list[str]:
         return []
 
 
-def default_model_dir() -> str | None:
-    """The converted default model's directory (config + tokenizer), if it exists; never converts."""
+def default_model_dir(cache_root: str | None = None) -> str | None:
+    """The converted default model's directory (config + tokenizer) under `cache_root` or the
+    default root, in any dtype, if one exists; never converts."""
     try:
-        from engine.gguf_cache import converted_dir
+        from engine.gguf_cache import find_conversion
         from engine.model import default_gguf_path
-        d = converted_dir(default_gguf_path())
+        d = find_conversion(default_gguf_path(), cache_root)
     except Exception:
         return None
-    return str(d) if (d / "config.json").is_file() else None
+    return None if d is None else str(d)
 
 
 def identify(namespaces: set[bytes], block_sizes: set[int], tenants: Iterable[str],
