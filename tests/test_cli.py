@@ -115,6 +115,28 @@ def test_help_lists_every_command_without_importing_torch() -> None:
     assert probe.stdout.strip() == "False"
 
 
+def test_version_and_h_work_everywhere() -> None:
+    import tieredkv
+    r = tkv("--version")
+    assert (r.returncode, r.stdout) == (0, f"tieredkv {tieredkv.__version__}\n"), r.stderr
+    for cmd in ((), ("serve",), ("demo",), ("status",), ("inspect",), ("verify",), ("billing",)):
+        r = tkv(*cmd, "-h")
+        assert r.returncode == 0 and "Usage:" in r.stdout and "--help" in r.stdout, (cmd, r.stderr)
+    serve_help = tkv("serve", "-h").stdout
+    for flag in ("MODEL", "--model", "--served-model-name", "--max-model-len", "--access-log"):
+        assert flag in serve_help, flag
+
+
+def test_serve_options_are_checked_before_the_model_loads(tmp_path: Path) -> None:
+    root = str(tmp_path / "srv")
+    assert_one_line_error(tkv("serve", "model-a", "--model", "model-b", "--cache-dir", root), 2,
+                          "give the model once", "'model-a'", "'model-b'")
+    assert_one_line_error(tkv("serve", "--max-model-len", "1", "--cache-dir", root), 2, "--max-model-len", ">= 2")
+    assert_one_line_error(tkv("serve", "--served-model-name", " ", "--cache-dir", root), 2, "--served-model-name")
+    assert_one_line_error(tkv("serve", "--log-level", "loud", "--cache-dir", root), 2, "--log-level", "'loud'")
+    assert not os.path.exists(root)
+
+
 def test_bad_input_is_one_line_and_a_nonzero_exit(tmp_path: Path) -> None:
     missing = str(tmp_path / "nowhere")
     assert_one_line_error(tkv("verify", "--cache-dir", missing), 2, "nowhere")
@@ -399,6 +421,54 @@ def test_serve_with_a_remote_store_never_shows_its_password(tmp_path: Path, tiny
             assert proc.wait(timeout=60) == 0
             assert password not in "".join(lines.lines)
         store.cleanup()
+
+
+def test_serve_like_vllm_serve_summary_request_lines_and_the_flush_at_exit(tmp_path: Path,
+                                                                          tiny_model_dir: Path) -> None:
+    """Issue 20, item 3: `tieredkv serve MODEL` with vLLM's flags; what it prints at start, per
+    request and at shutdown."""
+    root = tmp_path / "srv"
+    too_long = tkv("serve", str(tiny_model_dir), "--port", "0", "--cache-dir", str(root), "--device-memory", "64KiB",
+                   "--max-model-len", "4096")
+    # 64 KiB holds 8 pages of 16 tokens of the tiny model (8 KiB each): 128 tokens, not 4,096.
+    assert_one_line_error(too_long, 2, "--max-model-len", "do not fit the device pool", "holds 128",
+                          "--device-memory is 64KiB")
+    proc = subprocess.Popen([sys.executable, "-m", "tieredkv.cli", "serve", str(tiny_model_dir), "--model",
+                             str(tiny_model_dir), "--port", "0", "--cache-dir", str(root), "--device-memory", "8MiB",
+                             "--host-memory", "8MiB", "--served-model-name", "tiny", "--max-model-len", "512"],
+                            cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        lines = Lines(proc.stderr)
+        url = lines.wait(r"serving \S+ on (http://127\.0\.0\.1:\d+)", proc, 180)[1]
+        lines.wait(r"Uvicorn running|Application startup complete", proc, 60)
+        summary = "".join(lines.lines)
+        for row in (r"model\s+tiny-4k\w*, served as 'tiny'", r"device\s+cpu, float32, attention gather_sdpa",
+                    r"context\s+512 tokens \(max model len\), set by max_model_len; the model allows 4,096",
+                    r"device pool\s+8\.0MiB: 1,024 pages of 16 tokens \(8\.0KiB each\)", r"host tier\s+8\.0MiB",
+                    rf"disk tier\s+{re.escape(str(root / 'kv'))}, capacity 50\.0GiB", r"remote tier\s+off",
+                    rf"listen\s+{re.escape(url)}"):
+            assert re.search(row, summary), (row, summary)
+        assert httpx.get(f"{url}/v1/models").json()["data"][0] == {**httpx.get(f"{url}/v1/models").json()["data"][0],
+                                                                   "id": "tiny", "max_model_len": 512}
+        r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "Shared caches " * 20,
+                                                      "max_tokens": 2, "user": "carol"}, timeout=60)
+        assert r.status_code == 200 and r.json()["model"] == "tiny", r.text
+        p = r.json()["usage"]["prompt_tokens"]
+        lines.wait(rf"tieredkv.requests: id={r.headers['x-request-id']} tenant=carol POST /v1/completions 200 "
+                   rf"prompt_tokens={p} completion_tokens=2 hit_tokens=device:0,host:0,disk:0,remote:0 ttft_ms=",
+                   proc, 30)
+        assert httpx.post(f"{url}/tokenize", json={"model": "tiny", "prompt": "Shared caches " * 20}).json()["count"] == p
+        bad = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "x", "temperature": "hot"})
+        assert bad.status_code == 400
+        lines.wait(r"POST /v1/completions 400 .*reason=\"temperature: ", proc, 30)
+        assert httpx.get(f"{url}/docs").status_code == 200
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    text = "".join(lines.lines)
+    flushed = int(re.search(r"engine closed: flushed (\d+) blocks", text)[1])
+    assert flushed == tkv_json("inspect", "--cache-dir", str(root))["blocks"] > 0
+    assert '"POST /v1/completions HTTP/1.1"' not in text       # uvicorn's access line: off by default
 
 
 def test_remote_options_are_checked_before_anything_loads(tmp_path: Path) -> None:
