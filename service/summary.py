@@ -50,6 +50,9 @@ def startup_summary(engine: Any, url: str, served_model_name: str | None = None)
                                   f"{state}"))
     rows.append(("remote tier", "off" if config.remote is None else
                  f"{config.remote.redacted} ({config.remote_write})"))
+    rows.append(("restores", f"compute or load: {config.restore_policy} (engine/restore_planner.py); "
+                             f"blocks below the host stored {config.codec}"
+                             + (" (zstd level %d)" % config.zstd_level if config.codec == "zstd" else "")))
     ledger = getattr(engine, "ledger", None)
     rows.append(("billing", "off" if ledger is None else ledger.path))
     rows.append(("listen", f"{url} (OpenAI API under {url}/v1; {url}/docs)"))
