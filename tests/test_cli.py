@@ -669,3 +669,56 @@ def test_demo_says_why_a_hit_is_slower_than_recomputing() -> None:
     assert len(lines) == 1, console.export_text()
     assert ("turn 1, 0.8x: recomputing all 40 tokens takes only 40 ms here, about what reading 16 back from disk "
             "costs") in lines[0]
+
+
+# ---- route ---------------------------------------------------------------------------------
+
+def test_route_is_listed_and_its_options_are_checked_before_it_binds() -> None:
+    assert re.search(r"^\W*route\s", tkv("--help").stdout, re.M)
+    r = tkv("route", "-h")
+    assert r.returncode == 0 and "--backend" in r.stdout and "--load-tokens" in r.stdout
+    assert tkv("route").returncode == 2                      # --backend is required
+    assert_one_line_error(tkv("route", "--backend", "ftp://127.0.0.1:1"), 2, "--backend", "ftp://")
+    assert_one_line_error(tkv("route", "--backend", "http://127.0.0.1:1", "--backend", "http://127.0.0.1:1/"), 2,
+                          "given twice")
+    assert_one_line_error(tkv("route", "--backend", "http://127.0.0.1:1", "--health-interval", "0"), 2,
+                          "health_interval")
+
+
+def test_route_in_front_of_two_served_models_follows_the_prefix_and_exits_cleanly(tmp_path: Path,
+                                                                                  tiny_model_dir: Path) -> None:
+    procs: list[subprocess.Popen] = []
+
+    def start(*args: str) -> tuple[subprocess.Popen, Lines]:
+        p = subprocess.Popen([sys.executable, "-m", "tieredkv.cli", *args], cwd=REPO, env=ENV,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        procs.append(p)
+        return p, Lines(p.stderr)
+    try:
+        urls = []
+        for name in ("a", "b"):
+            p, lines = start("serve", "--model", str(tiny_model_dir), "--port", "0", "--cache-dir", str(tmp_path / name),
+                             "--device-memory", "8MiB", "--host-memory", "8MiB", "--log-level", "warning")
+            urls.append(lines.wait(r"serving \S+ on (http://127\.0\.0\.1:\d+)", p, 180)[1])
+        router, lines = start("route", "--port", "0", "--backend", urls[0], "--backend", urls[1],
+                              "--log-level", "warning")
+        url = lines.wait(r"routing on (http://127\.0\.0\.1:\d+) over 2 backends", router, 60)[1]
+        assert httpx.get(f"{url}/health", timeout=30).json()["backends_up"] == 2
+        prefix = "A long shared system prompt that one server computes and the other never sees. " * 6
+        homes = []
+        for q in ("First?", "Second?", "Third?"):
+            r = httpx.post(f"{url}/v1/completions", json={"model": tiny_model_dir.name, "prompt": prefix + q,
+                                                          "max_tokens": 2, "temperature": 0}, timeout=60)
+            assert r.status_code == 200, r.text
+            homes.append(r.headers["x-tieredkv-backend"])
+        assert homes[0] in urls and homes == [homes[0]] * 3
+        assert r.json()["usage"]["prompt_cache_hit_tokens"] > 0
+        metrics = httpx.get(f"{url}/metrics", timeout=30).text
+        assert f'tieredkv_router_requests_total{{backend="{homes[0]}",status="200"}} 3.0' in metrics
+        router.send_signal(signal.SIGTERM)
+        assert router.wait(timeout=60) == 0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                p.wait(timeout=60)

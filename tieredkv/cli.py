@@ -270,9 +270,7 @@ def route(
     """
     import logging
 
-    import uvicorn
-
-    from service.router.app import create_router_app
+    from service.router.server import serve_router
     from service.router.settings import RouterSettings
     settings = RouterSettings(backends=tuple(backend), host=host, port=port, api_key=api_key_of(api_key),
                               load_tokens=load_tokens, health_interval_s=health_interval,
@@ -282,11 +280,9 @@ def route(
     bound = sock.getsockname()
     shown = f"[{bound[0]}]" if sock.family == socket.AF_INET6 else bound[0]
     logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO), format="%(levelname)s: %(message)s")
-    err.print(f"tieredkv: routing on http://{shown}:{bound[1]} over {len(backend)} backend"
-              f"{'s' if len(backend) != 1 else ''}: {', '.join(backend)}", soft_wrap=True)
-    config = uvicorn.Config(create_router_app(settings), log_level=log_level, lifespan="on",
-                            timeout_graceful_shutdown=30)
-    uvicorn.Server(config).run(sockets=[sock])
+    err.print(f"tieredkv: routing on http://{shown}:{bound[1]} over {len(settings.backends)} backend"
+              f"{'s' if len(settings.backends) != 1 else ''}: {', '.join(settings.backends)}", soft_wrap=True)
+    serve_router(settings, sock, log_level=log_level)
 
 
 # ---- demo --------------------------------------------------------------------------------

@@ -10,7 +10,9 @@ One concept per file:
     policy.py      which backend gets a request: longest weighted prefix against load
     proxy.py       forwarding one request (streams unbuffered; retries before any byte is sent)
     metrics.py     /metrics of the router
+    settings.py    RouterSettings: the knobs, validated
     app.py         the FastAPI app: routes, lifespan
+    server.py      uvicorn with a clean exit on SIGTERM
 
 Knows: HTTP, ZMQ and the events' format; imports nothing of the engine (no torch).
 Doesn't know: how a backend computes block hashes -- it asks one (/v1/cache/block_hashes).

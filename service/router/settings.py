@@ -35,6 +35,10 @@ class RouterSettings:
             parts = urlsplit(url)
             if parts.scheme not in ("http", "https") or not parts.hostname:
                 raise ValueError(f"--backend: expected an http(s)://host:port URL, got {url!r}")
+        # A URL's trailing slash is dropped (the backend set keys by the bare URL).
+        object.__setattr__(self, "backends", tuple(u.rstrip("/") for u in self.backends))
+        if len(set(self.backends)) != len(self.backends):
+            raise ValueError(f"--backend: a URL is given twice: {', '.join(self.backends)}")
         for name in ("health_interval_s", "health_timeout_s", "request_timeout_s", "hash_timeout_s",
                      "replay_timeout_s"):
             if getattr(self, name) <= 0:

@@ -1,0 +1,34 @@
+"""serve_router(settings, sock): run the router's app under uvicorn until SIGTERM/SIGINT, then exit 0.
+
+Knows: uvicorn's graceful stop (open connections and streams get `shutdown_timeout_s` to finish),
+then the app's lifespan stops the health loop and the subscribers. As service/server.py does for
+a backend, the signal is not re-raised after the graceful stop: the process exits with status 0.
+Doesn't know: the app's routes.
+"""
+from __future__ import annotations
+
+import signal
+import socket
+from types import FrameType
+
+import uvicorn
+
+from service.router.app import create_router_app
+from service.router.settings import RouterSettings
+
+
+class _Server(uvicorn.Server):
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # NOTE: not recorded in uvicorn's _captured_signals, so run() returns instead of the
+        # process dying of the re-raised signal. A second SIGINT skips the waiting.
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True
+        else:
+            self.should_exit = True
+
+
+def serve_router(settings: RouterSettings, sock: socket.socket, log_level: str = "info",
+                 shutdown_timeout_s: float = 30.0) -> None:
+    config = uvicorn.Config(create_router_app(settings), log_level=log_level, lifespan="on",
+                            timeout_graceful_shutdown=shutdown_timeout_s)
+    _Server(config).run(sockets=[sock])
