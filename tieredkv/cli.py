@@ -254,8 +254,9 @@ def route(
     api_key: Optional[str] = typer.Option(None, help="An admin key of the backends, to read where their KV "
                                           "events are (/v1/cache/status), where they have keys "
                                           "(default $TIEREDKV_API_KEY)."),
-    load_tokens: float = typer.Option(256.0, help="What one request in flight on a backend costs, in prompt tokens "
-                                      "to prefill: weighed against the prefix it holds. 0: prefix only."),
+    load_tokens: float = typer.Option(64.0, help="What one request in flight on a backend costs (its decode "
+                                      "steps), in prompt tokens to prefill: weighed against the prefix it holds. "
+                                      "The prefill queued there counts too (half, so a hit is preferred)."),
     health_interval: float = typer.Option(2.0, help="Seconds between health checks of each backend."),
     prediction_ttl: float = typer.Option(30.0, help="Seconds a routed prompt's blocks count as on its backend "
                                          "before its events confirm them (without events: the only knowledge)."),

@@ -313,9 +313,10 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 routers = [Router([s.url for s in local]), Router([s.url for s in remote])]
                 model = local[0].model
-                for s in local + remote:     # first-call costs, untimed, a tenant of their own
-                    httpx.post(f"{s.url}/v1/completions", json={"model": model, "prompt": "Hello!", "max_tokens": 2,
-                                                                "user": f"warmup-{run_id}"}, timeout=600)
+                for s in local + remote:     # first-call costs at the workload's sizes, untimed, a tenant of their own
+                    for text in (texts[0], texts[1]):
+                        httpx.post(f"{s.url}/v1/completions", json={"model": model, "prompt": text, "max_tokens": 2,
+                                                                    "user": f"warmup-{run_id}"}, timeout=600)
                 targets = {"round-robin": [s.url for s in local], "router": [routers[0].url],
                            "router+remote": [routers[1].url]}
                 for mode in MODES:

@@ -43,7 +43,7 @@ class Router:
                                    health_timeout_s=settings.health_timeout_s, api_key=settings.api_key,
                                    replay_timeout_s=settings.replay_timeout_s)
         self.metrics = RouterMetrics(self.backends)
-        self.proxy = Proxy(self.backends, self.index, Policy(settings.load_tokens, dict(settings.weights)),
+        self.proxy = Proxy(self.backends, self.index, Policy(settings.load_tokens, settings.queue_weight, dict(settings.weights)),
                            self.metrics, self.client, hash_timeout_s=settings.hash_timeout_s)
 
     async def start(self) -> None:

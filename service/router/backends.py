@@ -35,6 +35,7 @@ class Backend:
     url: str
     healthy: bool = False
     in_flight: int = 0
+    pending_tokens: int = 0               # predicted prefill of its requests not answering yet
     routed: int = 0
     instance: str | None = None
     failures: int = 0                     # consecutive failed health checks
@@ -55,7 +56,8 @@ class Backend:
 
     def view(self, index: PrefixIndex) -> dict[str, Any]:
         sub = self.subscriber
-        return {"url": self.url, "healthy": self.healthy, "in_flight": self.in_flight, "routed": self.routed,
+        return {"url": self.url, "healthy": self.healthy, "in_flight": self.in_flight,
+                "pending_tokens": self.pending_tokens, "routed": self.routed,
                 "instance": self.instance, "last_error": self.last_error,
                 "index_blocks": index.blocks(self.name), "predicted_blocks": index.predicted(self.name),
                 "events": None if sub is None else {"endpoint": sub.endpoint, "last_seq": sub.last_seq,

@@ -2,14 +2,18 @@
 
 Knows: the cost of sending a request to a backend, in prompt tokens' worth of work,
 
-    cost(b) = prompt_tokens - block_size * sum(weight[medium] of each block of b's prefix)
-              + load_tokens * in_flight(b)
+    miss(b) = prompt_tokens - block_size * sum(weight[medium] of each block of b's prefix)
+    cost(b) = miss(b) + queue_weight * pending(b) + load_tokens * in_flight(b)
 
 where a block on the device ("GPU") or in host memory ("CPU") is worth (nearly) a whole block
-and one on disk or in the remote store less (it must still be read and decoded), and every
-request the router has in flight on b costs `load_tokens` (Dynamo's KV router weighs overlap
-against active load the same way). The cheapest backend wins; ties (a miss everywhere is one)
-go to the backend with the fewest in flight, then the fewest routed so far, then list order.
+and one on disk or in the remote store less (it must still be read and decoded); pending(b) is
+the prefill the router has queued there (the misses of its requests on b that have not started
+answering), and every request in flight on b costs `load_tokens` more (its decode steps). Dynamo's
+KV router weighs overlap against active load the same way. queue_weight < 1 leans towards the
+hit: waiting behind a queued prefill and computing the same prefill elsewhere take about as long,
+but only the first leaves one copy of the prefix and the machine's work smaller. The cheapest
+backend wins; ties go to the longer prefix, then the fewest in flight (a miss everywhere: the
+least loaded), then the fewest routed so far, then list order.
 Doesn't know: where the prefixes come from (index.py) or HTTP.
 """
 from __future__ import annotations
@@ -23,12 +27,15 @@ DEFAULT_WEIGHTS = {"GPU": 1.0, "CPU": 0.9, "DISK": 0.5, "REMOTE": 0.3}
 
 @dataclass(frozen=True, slots=True)
 class Policy:
-    load_tokens: float = 256.0
+    load_tokens: float = 64.0
+    queue_weight: float = 0.5
     weights: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_WEIGHTS))
 
     def __post_init__(self) -> None:
         if self.load_tokens < 0:
             raise ValueError(f"load_tokens: expected >= 0, got {self.load_tokens}")
+        if self.queue_weight < 0:
+            raise ValueError(f"queue_weight: expected >= 0, got {self.queue_weight}")
         unknown = set(self.weights) - set(MEDIA)
         if unknown or set(MEDIA) - set(self.weights):
             raise ValueError(f"weights: expected one weight for each of {MEDIA}, got {sorted(self.weights)}")
@@ -41,12 +48,14 @@ class Candidate:
     name: str
     in_flight: int
     routed: int = 0
+    pending_tokens: int = 0      # prefill queued there: misses of requests not answering yet
 
 
 @dataclass(frozen=True, slots=True)
 class Choice:
     backend: str
     hit_tokens: int          # the prefix the chosen backend is predicted to hold, in tokens (unweighted)
+    miss_tokens: int         # what it is predicted to compute (weighted by medium, as the cost counts it)
     cost: float
 
 
@@ -60,9 +69,11 @@ def choose(policy: Policy, candidates: list[Candidate], prefixes: dict[str, list
     best: tuple | None = None
     for order, c in enumerate(candidates):
         ranks = prefixes.get(c.name, [])
-        cost = prompt_tokens - block_size * sum(weight[r] for r in ranks) + policy.load_tokens * c.in_flight
-        key = (cost, c.in_flight, c.routed, order)
+        held = block_size * sum(weight[r] for r in ranks)
+        miss = max(0.0, prompt_tokens - held)
+        cost = miss + policy.queue_weight * c.pending_tokens + policy.load_tokens * c.in_flight
+        key = (cost, -held, c.in_flight, c.routed, order)
         if best is None or key < best[0]:
-            best = (key, Choice(c.name, len(ranks) * block_size, cost))
+            best = (key, Choice(c.name, len(ranks) * block_size, round(miss), cost))
     assert best is not None
     return best[1]

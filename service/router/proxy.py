@@ -32,7 +32,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from service.router.backends import Backend, BackendSet
 from service.router.index import PrefixIndex
 from service.router.metrics import RouterMetrics
-from service.router.policy import Candidate, Policy, choose
+from service.router.policy import Candidate, Choice, Policy, choose
 
 log = logging.getLogger("tieredkv.router")
 HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
@@ -58,13 +58,23 @@ def error(status: int, message: str, code: str) -> JSONResponse:
 
 
 class InFlight:
-    """One request counted in its backend's in-flight count until released (once)."""
+    """One request counted in its backend's in-flight count until released (once), and its
+    predicted prefill in the backend's pending tokens until its answer starts (its first byte
+    means the prefill is done: a stream's first chunk, or a whole body)."""
 
-    def __init__(self, b: Backend) -> None:
-        self.backend = b
+    def __init__(self, b: Backend, prefill_tokens: int) -> None:
+        self.backend: Backend | None = b
+        self.pending = prefill_tokens
         b.in_flight += 1
+        b.pending_tokens += prefill_tokens
+
+    def started(self) -> None:
+        if self.backend is not None:
+            self.backend.pending_tokens -= self.pending
+        self.pending = 0
 
     def __call__(self) -> None:
+        self.started()
         if self.backend is not None:
             self.backend.in_flight -= 1
             self.backend = None
@@ -117,17 +127,17 @@ class Proxy:
         return blocks
 
     # ---- (2)-(4) choose, send, relay -----------------------------------------------------
-    def _choose(self, blocks: PromptBlocks | None, tried: set[str]) -> tuple[Backend, int] | None:
+    def _choose(self, blocks: PromptBlocks | None, tried: set[str]) -> tuple[Backend, Choice] | None:
         up = [b for b in self.backends.healthy() if b.name not in tried]
         if not up:
             return None
-        candidates = [Candidate(b.name, b.in_flight, b.routed) for b in up]
+        candidates = [Candidate(b.name, b.in_flight, b.routed, b.pending_tokens) for b in up]
         if blocks is None:
             choice = choose(self.policy, candidates, {}, 0, 1)
         else:
             prefixes = self.index.prefix(blocks.hashes, [c.name for c in candidates])
             choice = choose(self.policy, candidates, prefixes, blocks.prompt_tokens, blocks.block_size)
-        return self.backends.by_name(choice.backend), choice.hit_tokens
+        return self.backends.by_name(choice.backend), choice
 
     async def forward(self, method: str, path: str, body: bytes, headers: dict[str, str],
                       blocks: PromptBlocks | None = None, sse: bool = False) -> Response:
@@ -141,12 +151,12 @@ class Proxy:
                     return error(502, f"no backend could take the request ({len(tried)} tried)", "backends_failed")
                 self.metrics.failed.labels("no_backend_up").inc()
                 return error(503, "no backend is up", "no_backend")
-            b, hit_tokens = picked
+            b, choice = picked
             tried.add(b.name)
             if blocks is not None:
                 self.index.predict(b.name, blocks.hashes)
             b.routed += 1
-            release = InFlight(b)
+            release = InFlight(b, choice.miss_tokens)
             upstream: httpx.Response | None = None
             try:
                 req = self.client.build_request(method, f"{b.url}{path}", content=body or None, headers=out_headers)
@@ -160,6 +170,7 @@ class Proxy:
                     continue
                 chunks = upstream.aiter_raw()
                 first = await anext(chunks, b"")
+                release.started()
             except RETRYABLE as e:
                 if upstream is not None:
                     await upstream.aclose()
@@ -177,7 +188,7 @@ class Proxy:
             self.metrics.requests.labels(b.url, str(upstream.status_code)).inc()
             if blocks is not None and upstream.status_code == 200:
                 self.metrics.prompt_tokens.labels(b.url).inc(blocks.prompt_tokens)
-                self.metrics.predicted_hit_tokens.labels(b.url).inc(hit_tokens)
+                self.metrics.predicted_hit_tokens.labels(b.url).inc(choice.hit_tokens)
             answer = {k: v for k, v in upstream.headers.items() if k.lower() not in DROP_FROM_ANSWER}
             answer[BACKEND_HEADER] = b.url
             return StreamingResponse(self._relay(b, upstream, first, chunks, release, sse),

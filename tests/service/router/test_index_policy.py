@@ -98,7 +98,7 @@ def test_predictions_count_as_device_blocks_until_they_expire_or_are_removed() -
 
 
 def test_the_policy_weighs_the_prefix_by_medium_against_load_and_sends_misses_to_the_least_loaded() -> None:
-    policy = Policy(load_tokens=100)
+    policy = Policy(load_tokens=100, queue_weight=0.5)
     gpu, disk = [0] * 10, [2] * 10                                        # ranks: 0 GPU, 2 DISK
     idle = [Candidate("a", 0), Candidate("b", 0), Candidate("c", 0)]
     # The longest prefix wins; at equal length the device beats the disk.
@@ -108,13 +108,19 @@ def test_the_policy_weighs_the_prefix_by_medium_against_load_and_sends_misses_to
     # A prefix worth 128 tokens is not worth waiting behind 2 requests (200 tokens of load).
     loaded = [Candidate("a", 2), Candidate("b", 0), Candidate("c", 1)]
     assert choose(policy, loaded, {"a": gpu[:8]}, 200, 16).backend == "b"
-    assert choose(policy, loaded, {"a": gpu[:8]}, 2000, 16).backend == "b"
     assert choose(policy, [Candidate("a", 1), Candidate("b", 0)], {"a": gpu[:8]}, 200, 16).backend == "a"
-    # Misses everywhere, and ties: the fewest in flight, then the fewest routed, then list order.
+    # Queued prefill counts at half: 400 tokens queued on a (200) outweigh its 128-token prefix.
+    queued = [Candidate("a", 0, pending_tokens=400), Candidate("b", 0)]
+    assert choose(policy, queued, {"a": gpu[:8]}, 200, 16).backend == "b"
+    assert choose(policy, queued, {"a": gpu[:8]}, 2000, 16).backend == "b"
+    # A tie between waiting behind a prefill and computing it: the hit wins.
+    tie = [Candidate("a", 0, pending_tokens=256), Candidate("b", 0)]
+    assert choose(policy, tie, {"a": gpu[:8]}, 200, 16).backend == "a"
+    # Misses everywhere: the fewest in flight, then the fewest routed, then list order.
     assert choose(policy, loaded, {}, 200, 16).backend == "b"
     assert choose(policy, [Candidate("a", 0, routed=5), Candidate("b", 0, routed=3)], {}, 0, 1).backend == "b"
     assert choose(policy, idle, {}, 0, 1).backend == "a"
     choice = choose(policy, idle, {"c": gpu[:3]}, 100, 16)
-    assert (choice.backend, choice.hit_tokens) == ("c", 48)
+    assert (choice.backend, choice.hit_tokens, choice.miss_tokens) == ("c", 48, 52)
     with pytest.raises(ValueError):
         Policy(weights={"GPU": 1.0})
