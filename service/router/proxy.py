@@ -9,8 +9,8 @@ tried yet; the prompt's blocks are predicted onto it at once (index.predict), so
 request for the same new prefix follows. (3) The request goes out with the client's headers
 (Authorization included; hop-by-hop ones dropped) and the router waits for the answer's status
 line and first body chunk. A connection that fails before then -- refused, reset, closed
-without an answer -- takes the backend out of rotation and the request goes to the next
-backend, as does a 503 (the backend is shutting down) or a 429 (its queue is full) while
+without an answer -- sends the request to the next backend (a refused one also takes the
+backend out of rotation until a health check finds it up), as does a 503 (the backend is shutting down) or a 429 (its queue is full) while
 another backend is left; nothing has reached the client yet. (4) From then on the body is
 relayed chunk by chunk as it arrives (an SSE stream unbuffered, usage chunks and all); a
 backend lost mid-stream ends an SSE stream with an error event (what a tieredkv server itself
@@ -175,7 +175,10 @@ class Proxy:
                 if upstream is not None:
                     await upstream.aclose()
                 release()
-                self.backends.mark_down(b, f"{type(e).__name__}: {e}")
+                if isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)):
+                    # NOTE: only a connection that cannot be made takes a backend out at once; a
+                    # dropped one may be a keep-alive race with a live backend (health decides).
+                    self.backends.mark_down(b, f"{type(e).__name__}: {e}")
                 self.metrics.retries.labels(b.url, type(e).__name__).inc()
                 log.warning("router: %s %s on %s failed before any byte was sent (%s: %s); trying another backend",
                             method, path, b.url, type(e).__name__, e)
