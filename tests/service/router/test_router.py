@@ -179,9 +179,11 @@ def test_a_prefix_computed_behind_the_routers_back_draws_requests_to_its_backend
     b = backends[1]
     prompt = doc("delta", 10)
     with b.client() as direct:
-        assert complete(direct, prompt + " Warm?").status_code == 200
+        warm = complete(direct, prompt + " Warm?")
+        assert warm.status_code == 200
+    blocks = (warm.json()["usage"]["prompt_tokens"] - 1) // BLOCK_SIZE
     # The index learns it from B's events alone.
-    wait_for(lambda: router.backend_view(b.url)["index_blocks"] >= len(prompt) // 8, what="B's events")
+    wait_for(lambda: router.backend_view(b.url)["index_blocks"] >= blocks, what="B's events")
     with router.client() as c:
         for q in ("One?", "Two?"):
             r = complete(c, prompt + f" {q}")
