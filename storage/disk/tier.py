@@ -198,6 +198,20 @@ class DiskTier:
         self._count(queue_full_drops=1)
         return False
 
+    @property
+    def events(self):
+        """The KV-event hook (storage/kv_events/sink.py): the index says every change (DISK)."""
+        return self._index.events
+
+    @events.setter
+    def events(self, sink) -> None:
+        self._index.events = sink
+
+    def announce(self, keys: Sequence[BlockKey]) -> None:
+        """A KV event (BlockStored DISK) for each of these blocks the tier still holds: the blocks
+        found at open, read back by iter_blocks (storage/tiered_cache.py announces them)."""
+        self._index.announce(keys)
+
     def on_commit(self, callback) -> None:
         """Have the writer thread call `callback([(key, payload, raw_size), ...])` after each
         commit, with the blocks it stored (the remote tier's write-behind). It must not block
@@ -422,8 +436,7 @@ class DiskTier:
         if repair and store:
             with self._begin(write=True) as txn:
                 hashes, fixed = repair_counters(txn, self._dbs)
-            self._index.clear()
-            self._index.add(hashes)
+            self._index.replace(hashes)
             store_done = tuple(fixed) or ("counters rewritten",)
         report = verify_store(self._begin, self._iter_db, lambda: self._dbs, self._executor(), self.codec, self.layout)
         repaired = 0
@@ -497,8 +510,7 @@ class DiskTier:
                 theirs = data_file_id(self.path) not in (None, self._gate.file_id)
                 opened = open_for_writing(self.path, self._map_size, self.capacity_bytes,
                                           reason=None if theirs else reason)
-            self._index.clear()
-            self._index.add(opened.hashes)
+            self._index.replace(opened.hashes)
             got.append(opened)
             return opened.env, opened.dbs
         if not self._gate.replace(generation, reopen, damaged=reason is not None):

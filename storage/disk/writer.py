@@ -322,7 +322,7 @@ class DiskWriter(BackgroundWriter[tuple[list[PendingBlock], dict[bytes, int]]]):
 
     def _commit(self, encoded: list, touches: dict[bytes, int]) -> None:
         written = 0
-        stored: list[bytes] = []
+        stored: list[BlockKey] = []
         new: list = []            # (key, payload, raw size) of blocks this commit stored
         evicted: list[bytes] = []
         with self._begin(write=True) as txn:
@@ -352,7 +352,7 @@ class DiskWriter(BackgroundWriter[tuple[list[PendingBlock], dict[bytes, int]]]):
                 if h in cancelled:
                     continue   # deleted meanwhile
                 if txn.get(h, db=dbs.meta) is not None:
-                    stored.append(h)   # another process stored it first
+                    stored.append(key)   # another process stored it first
                     continue
                 m = BlockMeta(key.parent, key.namespace, key.token_ids, raw_size, len(payload), now, info.next_seq, 0)
                 info.next_seq += 1
@@ -363,7 +363,7 @@ class DiskWriter(BackgroundWriter[tuple[list[PendingBlock], dict[bytes, int]]]):
                 info.raw_bytes += raw_size
                 info.blocks += 1
                 written += len(payload)
-                stored.append(h)
+                stored.append(key)
                 new.append((key, payload, raw_size))
             # NOTE: the capacity invariant (used_bytes <= capacity_bytes) is enforced here, in the
             # same transaction that added the bytes: no committed state exceeds it, whichever
@@ -373,7 +373,7 @@ class DiskWriter(BackgroundWriter[tuple[list[PendingBlock], dict[bytes, int]]]):
         # Committed: now the index says so. In the transaction every put came before every
         # eviction (a batch larger than the capacity evicts its own first blocks), so the same
         # order here: stored, then evicted.
-        self._index.add(stored)
+        self._index.add_keys(stored)    # BlockStored (DISK) for the new ones
         self._index.discard(evicted)
         self._count(bytes_written=written, evictions=len(evicted))
         if new and self.on_commit is not None:

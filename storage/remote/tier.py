@@ -23,6 +23,11 @@ answers every call at once -- a read misses, a write is dropped (`skipped`) -- u
 lets a probe through. A store that refuses a write (out of memory, read-only replica) counts a
 `write_errors` and is not a breaker failure: it answered.
 
+KV events (storage/kv_events/sink.py, medium REMOTE): a block this process wrote is BlockStored once
+the store took it; BlockRemoved when this process deletes it (delete(), a damaged value) or a read
+finds it gone. The store's own evictions (its LRU, a TTL) are not visible to us and say nothing
+until a read misses the block.
+
 Threads: reads run on the loader's threads (never the engine thread), their verification and
 decoding on this tier's decode pool (`tieredkv-remote-decode`), writes on the remote writer's
 thread; the client's connection pool is thread-safe; counters and the small
@@ -45,6 +50,7 @@ from storage.remote.breaker import OPEN, BreakerConfig, CircuitBreaker
 from storage.codec.payload import Codec
 from storage.codec.stored_block import payload_binding, verify_and_decode
 from storage.hashing import BlockKey
+from storage.kv_events.sink import NO_EVENTS, REMOTE, NoEvents
 from storage.layout import BlockLayout
 from storage.priority import background_priority
 from storage.remote.client import is_unavailable, make_client, mget_groups, mget_one, pipeline
@@ -95,6 +101,7 @@ class RemoteTier:
         self.timeout_s = timeout_s
         self.ttl_ms = None if ttl_s is None else max(1, int(ttl_s * 1000))
         self._lock = threading.Lock()
+        self.events: NoEvents = NO_EVENTS        # the KV-event hook, set by the cache
         self._client_obj = None
         self._client_lock = threading.Lock()     # building the client (RedisCluster connects)
         # Keys this process wrote or read, so a block is not sent again (a restored block reaches
@@ -167,9 +174,11 @@ class RemoteTier:
         # A failure part-way (the store died, a node is down) keeps the groups already fetched.
         self._call("get", fetch)
         damaged, nbytes, hits = [], 0, 0
+        gone: list[bytes] = []
         for i, future in fetched:
             tensor, reason, payload, size = future.result()
             if tensor is None:
+                gone.append(keys[i].hash)
                 if reason is None:
                     self._forget(rkeys[i])          # absent: evicted, expired, or never written
                     continue
@@ -183,6 +192,7 @@ class RemoteTier:
             nbytes += size
             self._remember(rkeys[i])
         self._count(hits=hits, misses=len(keys) - hits, corrupt=len(damaged), bytes_read=nbytes)
+        self.events.removed(gone, REMOTE)
         if damaged:
             self._call("delete", lambda c: pipeline(c, [("UNLINK", k) for k in damaged]))
         return results
@@ -242,6 +252,8 @@ class RemoteTier:
         rk = remote_key(key)
         self._forget(rk)
         status, got = self._call("delete", lambda c: c.unlink(rk))
+        if status == "ok" and got:
+            self.events.removed([key.hash], REMOTE)
         return status == "ok" and bool(got)
 
     def flush(self, timeout: float | None = None, since: int | None = None) -> bool:
@@ -289,7 +301,7 @@ class RemoteTier:
                     continue
             value = pack_value(it.key, it.payload, it.raw_size)
             cmds.append(("SET", rk, value) + (("PX", self.ttl_ms) if self.ttl_ms else ()))
-            sent.append((rk, len(value)))
+            sent.append((it.key, rk, len(value)))
         if not cmds:
             return True
         status, got = self._call("set", lambda c: pipeline(c, cmds))
@@ -297,16 +309,17 @@ class RemoteTier:
             # Not sent (breaker open: a drop) or lost with the batch (the call failed).
             self._count(**{"write_drops" if status == "skipped" else "write_errors": len(cmds)})
             return False
-        ok = 0
-        for (rk, n), r in zip(sent, got):
+        landed = []
+        for (key, rk, n), r in zip(sent, got):
             if isinstance(r, Exception):
                 self._count(write_errors=1)
                 self._note_error("set", r)
                 continue
-            ok += 1
+            landed.append(key)
             self._count(writes=1, bytes_written=n)
             self._remember(rk)
-        return ok == len(sent)
+        self.events.stored(landed, REMOTE)
+        return len(landed) == len(sent)
 
     # ---- the client ------------------------------------------------------------------------
     def _call(self, what: str, fn) -> tuple[str, object]:
