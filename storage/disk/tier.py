@@ -54,6 +54,7 @@ from storage.disk.records import (DISK_FORMAT_VERSION, StoreInfo, delete_in_txn,
 from storage.disk.records import recount as recount_info
 from storage.disk.writer import DiskWriter
 from storage.layout import BlockLayout, dtype_name
+from storage.lower_tier import private_copy
 from storage.hashing import BlockKey
 
 __all__ = ["DISK_FORMAT_VERSION", "DamagedBlock", "DamagedEnvironment", "DiskBlockInfo", "DiskStats", "DiskTier",
@@ -194,8 +195,7 @@ class DiskTier:
             copy = None
             raw_size = block.numel() * block.element_size() if block is not None else raw_size
         else:
-            copy, raw_size = torch.empty(block.shape, dtype=block.dtype), 0
-            copy.copy_(block.detach())
+            copy, raw_size = private_copy(block), 0
         if self._writer.submit(key, copy, wait, payload, raw_size, timeout):   # waits while the queue is full, if wait
             return True
         self._count(queue_full_drops=1)

@@ -47,6 +47,7 @@ from storage.codec.payload import Codec
 from storage.codec.stored_block import payload_binding, verify_and_decode
 from storage.hashing import BlockKey
 from storage.layout import BlockLayout
+from storage.lower_tier import private_copy
 from storage.priority import background_priority
 from storage.remote.client import is_unavailable, make_client, mget_groups, mget_one, pipeline
 from storage.remote.url import RemoteURL
@@ -230,9 +231,7 @@ class RemoteTier:
             if block is not None:
                 raw_size = block.numel() * block.element_size()
             return self._writer.submit(WriteItem(key, payload=payload, raw_size=raw_size), wait, timeout)
-        copy = torch.empty(block.shape, dtype=block.dtype)
-        copy.copy_(block.detach())
-        return self._writer.submit(WriteItem(key, block=copy), wait, timeout)
+        return self._writer.submit(WriteItem(key, block=private_copy(block)), wait, timeout)
 
     def contains(self, key: BlockKey) -> bool:
         """Whether this process wrote or read the block and still trusts the store to hold it

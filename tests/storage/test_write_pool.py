@@ -15,6 +15,7 @@ import torch
 
 from storage.disk.tier import DiskTier
 from storage.layout import BlockLayout
+from storage.lower_tier import private_copy
 from tests.storage.conftest import block_data, keys
 from tests.storage.test_remote_tier import tier as remote_tier
 from tests.storage.test_tiered_cache import same_bits
@@ -130,6 +131,18 @@ def test_a_delete_in_the_writers_hands_is_not_undone_by_the_batch_before(tmp_pat
         assert not t.contains(x) and t.get(x) is None
         assert same_bits(t.get(y), block_data(y))
         assert t.stats().blocks == 1 and t.check() == []
+
+
+def test_private_copy_is_bit_identical_and_owns_its_memory() -> None:
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        b = torch.randn(3, 2, 4, 2, 8).to(dtype)
+        for src in (b, b.transpose(0, 2)):     # contiguous (one memcpy) and strided (torch)
+            c = private_copy(src)
+            assert c.is_contiguous() and c.dtype == src.dtype and c.shape == src.shape
+            assert torch.equal(c, src) and c.data_ptr() != src.data_ptr()
+        c = private_copy(b)
+        b.zero_()
+        assert not torch.equal(c, b)
 
 
 def test_remote_blocks_put_from_several_threads_read_back_and_a_bad_one_is_counted(valkey) -> None:
