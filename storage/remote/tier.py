@@ -30,8 +30,9 @@ until a read misses the block.
 
 Threads: reads run on the loader's threads (never the engine thread), their verification and
 decoding on this tier's decode pool (`tieredkv-remote-decode`), writes on the remote writer's
-thread; the client's connection pool is thread-safe; counters and the small
-"known present" set are under `_lock` (held for no I/O).
+thread (raw blocks encoded on its pool, `tieredkv-remote-encode`, a batch ahead of the sends);
+the client's connection pool is thread-safe; counters and the small "known present" set are
+under `_lock` (held for no I/O).
 """
 from __future__ import annotations
 
@@ -52,6 +53,7 @@ from storage.codec.stored_block import payload_binding, verify_and_decode
 from storage.hashing import BlockKey
 from storage.kv_events.sink import NO_EVENTS, REMOTE, NoEvents
 from storage.layout import BlockLayout
+from storage.lower_tier import private_copy
 from storage.priority import background_priority
 from storage.remote.client import is_unavailable, make_client, mget_groups, mget_one, pipeline
 from storage.remote.url import RemoteURL
@@ -94,7 +96,7 @@ class RemoteTier:
     def __init__(self, url: RemoteURL, layout: BlockLayout | None, codec: Codec = Codec(), *,
                  timeout_s: float = 0.5, ttl_s: float | None = None,
                  breaker: BreakerConfig = BreakerConfig(), queue_blocks: int = 256, batch_blocks: int = 32,
-                 decode_threads: int | None = None) -> None:
+                 decode_threads: int | None = None, encode_threads: int | None = None) -> None:
         self.url = url
         self.layout = layout
         self.codec = codec
@@ -116,7 +118,8 @@ class RemoteTier:
         self._last_log = -1e9
         # A store back after being down may have restarted empty: forget what we knew it held.
         self.breaker = CircuitBreaker(breaker, on_close=self._forget_known)
-        self._writer = RemoteWriter(self._write_batch, self._count, queue_blocks, batch_blocks)
+        self._writer = RemoteWriter(self._write_batch, self._count, queue_blocks, batch_blocks,
+                                    encode=self._encode, encode_threads=encode_threads)
         self._writer.start()
         self._decode_threads = decode_threads or os.cpu_count() or 1
         self._decode_pool: ThreadPoolExecutor | None = None     # built at the first read
@@ -226,7 +229,7 @@ class RemoteTier:
     # ---- writes (queued; the remote writer's thread sends them) ----------------------------
     def put(self, key: BlockKey, block: torch.Tensor | None = None, *, wait: bool = False,
             timeout: float | None = None, payload: bytes | None = None, raw_size: int = 0) -> bool:
-        """Queue a block: its bytes (copied now, encoded on the writer thread), or `payload`,
+        """Queue a block: its bytes (copied now, encoded on the writer's pool), or `payload`,
         already encoded with binding hash || namespace (the disk writer's: compressed once for
         both tiers; `raw_size` its decoded bytes). False when it was not queued (queue full;
         counted in write_drops)."""
@@ -238,9 +241,7 @@ class RemoteTier:
             if block is not None:
                 raw_size = block.numel() * block.element_size()
             return self._writer.submit(WriteItem(key, payload=payload, raw_size=raw_size), wait, timeout)
-        copy = torch.empty(block.shape, dtype=block.dtype)
-        copy.copy_(block.detach())
-        return self._writer.submit(WriteItem(key, block=copy), wait, timeout)
+        return self._writer.submit(WriteItem(key, block=private_copy(block)), wait, timeout)
 
     def contains(self, key: BlockKey) -> bool:
         """Whether this process wrote or read the block and still trusts the store to hold it
@@ -282,19 +283,26 @@ class RemoteTier:
             except Exception:
                 pass
 
+    def _encode(self, it: WriteItem) -> None:
+        """A raw block's payload (bound to hash || namespace), on the writer's encode pool before its
+        batch is sent; skipped for a block the store is known to hold. Raises when it cannot encode."""
+        if it.payload is not None or self._is_known(remote_key(it.key)):
+            return
+        block = it.block.contiguous()
+        it.payload = self.codec.encode(block, payload_binding(it.key.hash, it.key.namespace))
+        it.raw_size = block.numel() * block.element_size()
+
     def _write_batch(self, items: list[WriteItem]) -> bool:
-        """The writer thread's batch: encode what is raw, SET every block in one pipeline.
-        True when the store took every block."""
+        """The writer thread's batch (raw blocks encoded by _encode on the pool): SET every block in
+        one pipeline. True when the store took every block."""
         cmds, sent = [], []
         for it in items:
             rk = remote_key(it.key)
             if self._is_known(rk):
                 continue
-            if it.payload is None:
+            if it.payload is None:     # skipped by _encode as known, and no longer trusted since
                 try:
-                    block = it.block.contiguous()
-                    it.payload = self.codec.encode(block, payload_binding(it.key.hash, it.key.namespace))
-                    it.raw_size = block.numel() * block.element_size()
+                    self._encode(it)
                 except Exception:
                     log.exception("remote tier: encoding block %s failed", it.key.hash.hex()[:16])
                     self._count(write_errors=1)
