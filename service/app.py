@@ -1,15 +1,18 @@
 """create_app(engine, settings): the FastAPI app -- routes wired, errors, metrics, lifespan.
 
 Knows: which routers make the app, the unauthenticated operational routes (/health: liveness,
-/ready: readiness with each tier's state, for load balancers; /metrics for Prometheus), the
-per-request count by route and status, and the shutdown order: stop admitting (503), wait for
-in-flight requests (bounded by settings.shutdown_timeout_s), then engine.close() -- which flushes
-cached blocks to disk; the ledger is already committed, request by request.
+/ready: readiness with each tier's state, for load balancers; /metrics for Prometheus;
+/version; the /dashboard page's static files, whose data routes authenticate as always), the
+per-request count by route and status and the per-request log line (service.request_log), and
+the shutdown order: stop admitting (503), wait for in-flight requests (bounded by
+settings.shutdown_timeout_s), then engine.close() -- which flushes cached blocks to disk (how
+many is logged); the ledger is already committed, request by request.
 Doesn't know: how the server process is run (service.server) or how routes work inside.
 """
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import logging
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
@@ -20,17 +23,29 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service import cache_routes, openai_routes
+from service import cache_routes, dashboard, openai_routes, tokenize_routes
 from service.auth import ApiKeys, require_admin
 from service.context import AppContext, ctx
 from service.dispatch import Dispatcher
 from service.errors import APIError, install_error_handlers
 from service.metrics import ServiceMetrics
 from service.openapi import install_openapi
+from service.request_log import RequestLog, scope_record
 from service.schemas import IGNORED_HEADER, ignored_header_value
 from service.settings import ServiceSettings
 
 log = logging.getLogger("tieredkv.service")
+
+
+def _installed_version() -> str:
+    """The installed tieredkv distribution's version (tieredkv/__init__.py, a floor above, says the same)."""
+    try:
+        return importlib.metadata.version("tieredkv")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+__version__ = _installed_version()
 
 
 def create_app(engine: Any, settings: ServiceSettings = ServiceSettings()) -> FastAPI:
@@ -44,14 +59,18 @@ def create_app(engine: Any, settings: ServiceSettings = ServiceSettings()) -> Fa
         yield
         await shutdown(context)
 
-    # The OpenAPI document is served (clients and fuzzers read it); the HTML docs pages are not.
-    app = FastAPI(title="tieredkv", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json")
+    # The OpenAPI document is served (clients and fuzzers read it), and drawn at /docs by
+    # service.openapi (FastAPI's own pages load their scripts from a CDN: blank offline).
+    app = FastAPI(title="tieredkv", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url="/openapi.json")
     app.state.tieredkv = context
     app.state.max_body_bytes = settings.max_body_bytes
     app.state.unknown_fields = settings.unknown_fields
     install_error_handlers(app)
     app.include_router(openai_routes.router)
     app.include_router(cache_routes.router)
+    app.include_router(dashboard.router)
+    app.include_router(tokenize_routes.router)
 
     @app.get("/health")
     async def health(request: Request) -> Any:
@@ -76,6 +95,11 @@ def create_app(engine: Any, settings: ServiceSettings = ServiceSettings()) -> Fa
         body = readiness(status, draining=c.dispatcher.draining or c.engine_closed, alive=engine_alive(c.engine))
         return JSONResponse(body, status_code=200 if body["ready"] else 503)
 
+    @app.get("/version")
+    async def version() -> Any:
+        """The tieredkv version serving (vLLM's /version)."""
+        return {"version": __version__}
+
     @app.get("/metrics")
     async def prometheus(request: Request) -> Response:
         c = ctx(request)
@@ -89,6 +113,7 @@ def create_app(engine: Any, settings: ServiceSettings = ServiceSettings()) -> Fa
     app.add_middleware(IgnoredFieldsHeader)
     app.add_middleware(CatchAll)
     app.add_middleware(CountRequests, metrics=metrics)
+    app.add_middleware(RequestLog)        # outermost: its line has the status the client got
     return app
 
 
@@ -137,9 +162,18 @@ async def shutdown(c: AppContext) -> None:
                     c.dispatcher.in_flight, c.settings.shutdown_timeout_s)
     if c.settings.close_engine_on_shutdown and not c.engine_closed:
         c.engine_closed = True
-        await asyncio.to_thread(c.engine.close)
-        log.info("engine closed: cached blocks flushed")
+        flushed = await asyncio.to_thread(c.engine.close)
+        log.info("%s", closed_line(flushed))
     c.dispatcher.shutdown()
+
+
+def closed_line(flushed: Any) -> str:
+    """What the engine's close flushed (engine.close()'s FlushResult; None from duck-typed engines)."""
+    if flushed is None:
+        return "engine closed"
+    n = flushed.written
+    line = f"engine closed: flushed {n} block{'s' if n != 1 else ''} down to the lowest tier"
+    return line if flushed.complete else line + "; some writes were lost (see the disk's write_errors)"
 
 
 class HTTPMiddleware:
@@ -177,8 +211,9 @@ class CatchAll(HTTPMiddleware):
             log.exception("unhandled error in %s %s", scope.get("method"), scope.get("path"))
             if started:
                 raise      # a response is under way: nothing well-formed can be sent now
-            response = APIError(500, "internal server error", code="internal_error").response()
-            await response(scope, receive, send)
+            err = APIError(500, "internal server error", code="internal_error")
+            scope_record(scope).reason = err.message
+            await err.response()(scope, receive, send)
 
 
 class IgnoredFieldsHeader(HTTPMiddleware):

@@ -1,8 +1,10 @@
-"""Cache routes: /v1/cache/status, /v1/cache/lookup, /v1/cache/billing, /v1/cache/flush.
+"""Cache routes: /v1/cache/status, /v1/cache/tree, /v1/cache/lookup, /v1/cache/billing, /v1/cache/flush.
 
 Knows: who may see what -- status shows the whole cache to an admin (and to everyone on a
-server without keys), and to any other key only that key's own tenant's usage: tier-wide hit
-counts describe other tenants' traffic, so they are not every tenant's to read; lookup answers for the caller's own
+server without keys), with the service's requests in flight and TTFT by source, and to any
+other key only that key's own tenant's usage: tier-wide hit counts describe other tenants'
+traffic, so they are not every tenant's to read; tree shows an admin every tenant's cached
+prefixes and any other key its own tenant's; lookup answers for the caller's own
 tenant (the engine salts hashes by tenant, so a tenant can never probe another's cache);
 billing shows the caller's tenant, and an admin any tenant (?tenant=X) or all of them;
 flush is admin-only. Blocking engine and ledger calls run in Starlette's threadpool.
@@ -36,11 +38,29 @@ async def status(request: Request) -> Any:
     c = ctx(request)
     caller = c.caller(request)
     if caller.admin:
-        return await _engine_call(c.engine.cache_status)
+        status = await _engine_call(c.engine.cache_status)
+        # The service's side of the same moment: requests admitted, and TTFT by where prompts came from.
+        return {**status, "service": {"in_flight": c.dispatcher.in_flight,
+                                      "ttft_by_source": c.metrics.recent_ttft.summary()}}
     ledger = getattr(c.engine, "ledger", None)
     usage = None if ledger is None else (await run_in_threadpool(ledger.tenant, caller.tenant)).to_dict()
     return {"tenant": caller.tenant, "usage": usage,
             "note": "tier-wide cache status is shown to admin keys only"}
+
+
+@router.get("/tree")
+async def tree(request: Request, depth: int = 8, width: int = 8) -> Any:
+    """The cached prefixes with their text, as trees (device pool, host slab and disk; chains of
+    single children folded): an admin sees every tenant's, any other key its own tenant's only."""
+    c = ctx(request)
+    caller = c.caller(request)
+    for name, value in (("depth", depth), ("width", width)):
+        if not 1 <= value <= 64:
+            raise bad_request(f"{name}: expected an int in 1..64, got {value}", param=name)
+    if not hasattr(c.engine, "prefix_tree"):
+        raise APIError(404, "this server's engine cannot list its cached prefixes", code="tree_unavailable")
+    tenants = None if caller.admin else [caller.tenant]
+    return await _engine_call(c.engine.prefix_tree, tenants, depth=depth, width=width)
 
 
 @router.post("/lookup")

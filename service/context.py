@@ -1,8 +1,9 @@
 """What every route of one app shares: the engine, settings, keys, dispatcher and metrics.
 
 Knows: how a route gets at them (`ctx(request)`) and the per-request checks every route
-repeats: who is calling, whether the named model is the one served, and whether a prompt is
-small enough to be worth tokenizing.
+repeats: who is calling, whether the named model is the one served (its served name or its
+own), and whether a prompt is small enough to be worth tokenizing; what a finished generation
+request reports (metrics, its log line).
 Doesn't know: any route's logic.
 """
 from __future__ import annotations
@@ -17,6 +18,7 @@ from service.auth import ApiKeys, Caller, resolve_caller
 from service.dispatch import Dispatcher
 from service.errors import APIError, bad_request
 from service.metrics import ServiceMetrics
+from service.request_log import record
 from service.settings import ServiceSettings
 
 # A token is a few bytes of text (about 4 in English); 32 leaves room for any real prompt that fits.
@@ -35,7 +37,8 @@ class AppContext:
 
     @property
     def model_name(self) -> str:
-        return self.engine.model_name
+        """The name clients see: the served name when one is set, else the engine's."""
+        return self.settings.served_model_name or self.engine.model_name
 
     def authenticate(self, request: Request) -> None:
         """With keys, a request without a valid one stops here (401), before its body is read."""
@@ -43,7 +46,14 @@ class AppContext:
             self.keys.caller(request.headers.get("authorization"))
 
     def caller(self, request: Request, user: object = None) -> Caller:
-        return resolve_caller(self.keys, request.headers.get("authorization"), user)
+        caller = resolve_caller(self.keys, request.headers.get("authorization"), user)
+        record(request).tenant = caller.tenant
+        return caller
+
+    def finished(self, request: Request, request_id: str, usage: Any, metrics: Any) -> None:
+        """A generation request's result: counted in the metrics, written in its log line."""
+        self.metrics.observe_request(usage, metrics)
+        record(request).finished(request_id, usage, metrics)
 
     @property
     def max_prompt_bytes(self) -> int:
@@ -74,7 +84,8 @@ class AppContext:
                                   f"({how}); shorten it", param=field)
 
     def check_model(self, model: str) -> None:
-        if model != self.model_name:
+        """404 unless `model` is the served name or the engine's own model name."""
+        if model not in (self.model_name, self.engine.model_name):
             raise APIError(404, f"model: {model!r} is not served here; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
 

@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.errors import EngineClosedError, QueueFullError
+from service.request_log import record
 
 log = logging.getLogger("tieredkv.service")
 
@@ -96,14 +97,20 @@ def validation_error(errors: list[dict]) -> APIError:
     return bad_request(f"{param or 'request body'}: {msg}", param=param or None)
 
 
+def answer(request: Request, err: APIError) -> JSONResponse:
+    """The error's response, its message noted for the request's log line."""
+    record(request).reason = err.message
+    return err.response()
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
+        return answer(request, exc)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error(list(exc.errors())).response()
+        return answer(request, validation_error(list(exc.errors())))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -113,11 +120,11 @@ def install_error_handlers(app: FastAPI) -> None:
             err = APIError(405, f"method {request.method} not allowed on {request.url.path}", code="method_not_allowed")
         else:
             err = APIError(exc.status_code, str(exc.detail))
-        return err.response()
+        return answer(request, err)
 
     @app.exception_handler(QueueFullError)
     @app.exception_handler(EngineClosedError)
     async def _engine(request: Request, exc: Exception) -> JSONResponse:
-        return from_engine_error(exc).response()
+        return answer(request, from_engine_error(exc))
 
     # Anything else is answered by service.app.CatchAll (a 500 that keeps the connection open).

@@ -10,6 +10,8 @@ Doesn't know: HTTP routes or how a request was served beyond its usage and timin
 from __future__ import annotations
 
 import logging
+import threading
+from collections import deque
 from typing import Any, Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -87,6 +89,11 @@ class CacheCollector:
                                ("pending_writes", "Blocks waiting in the disk writer's queue")):
             if _is_number(disk.get(key)):
                 yield _single(GaugeMetricFamily, f"tieredkv_disk_{key}", help_text, disk[key])
+        for key, help_text in (("corrupt", "Disk blocks that failed verification when read (a miss; deleted)"),
+                               ("read_errors", "Disk reads that failed with an LMDB or OS error (a miss)"),
+                               ("write_errors", "Disk blocks the writer could not commit (lost from the tier)")):
+            if _is_number(disk.get(key)):
+                yield _single(CounterMetricFamily, f"tieredkv_disk_{key}", help_text, disk[key])
         if _is_number(disk.get("moved_aside")):
             yield _single(CounterMetricFamily, "tieredkv_disk_moved_aside", "Damaged disk stores moved aside and "
                           "replaced with a fresh one by this process (at open or while serving)", disk["moved_aside"])
@@ -157,6 +164,13 @@ class ServiceMetrics:
                                 ["route", "status"], registry=r)
         self.ttft = Histogram("tieredkv_ttft_seconds", "Submit to first token, per generation request",
                               buckets=_LATENCY_BUCKETS, registry=r)
+        # NOTE: a second histogram rather than a label on the first, so existing queries and alerts
+        # on tieredkv_ttft_seconds keep their meaning.
+        self.ttft_by_source = Histogram("tieredkv_ttft_by_source_seconds", "Submit to first token, per generation "
+                                        "request, by its source: the slowest tier that served any of its prompt "
+                                        "tokens, or miss when none was cached", ["source"],
+                                        buckets=_LATENCY_BUCKETS, registry=r)
+        self.recent_ttft = RecentTTFT()
         self.restore = Histogram("tieredkv_restore_seconds",
                                  "Time promoting host/disk blocks into device pages, per request that restored any",
                                  buckets=_LATENCY_BUCKETS, registry=r)
@@ -178,6 +192,9 @@ class ServiceMetrics:
             self.completion_tokens.inc(usage.completion_tokens)
         if metrics is not None:
             self.ttft.observe(metrics.ttft_s)
+            source = ttft_source(usage)
+            self.ttft_by_source.labels(source).observe(metrics.ttft_s)
+            self.recent_ttft.add(source, metrics.ttft_s)
             self.latency.observe(metrics.total_s)
             restored = usage is not None and any(usage.hit_tokens_by_tier.get(t, 0) for t in ("host", "disk", "remote"))
             if restored:
@@ -185,3 +202,49 @@ class ServiceMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+TTFT_SOURCES = ("device", "host", "disk", "remote", "miss")
+
+
+def ttft_source(usage: Any) -> str:
+    """Where a request's prompt came from, for TTFT: the slowest tier that served any of its
+    tokens (a single disk block makes a request wait for a disk read), or miss."""
+    hits = getattr(usage, "hit_tokens_by_tier", None) or {}
+    for tier in ("remote", "disk", "host", "device"):
+        if hits.get(tier, 0) > 0:
+            return tier
+    return "miss"
+
+
+class RecentTTFT:
+    """The last `window` TTFTs of each source, for /v1/cache/status's quantiles (the histogram's
+    buckets are too coarse to read a median from, and Prometheus is not always there)."""
+
+    def __init__(self, window: int = 256) -> None:
+        self._lock = threading.Lock()
+        self._recent = {s: deque(maxlen=window) for s in TTFT_SOURCES}
+        self._count = dict.fromkeys(TTFT_SOURCES, 0)
+
+    def add(self, source: str, seconds: float) -> None:
+        with self._lock:
+            self._recent[source].append(seconds)
+            self._count[source] += 1
+
+    def summary(self) -> dict[str, dict[str, Any]]:
+        """Per source: requests since start, and over the recent window: p50, p90, last (seconds)."""
+        with self._lock:
+            snap = {s: (self._count[s], list(self._recent[s])) for s in TTFT_SOURCES}
+        out = {}
+        for s, (count, xs) in snap.items():
+            last = xs[-1] if xs else None
+            xs.sort()
+            out[s] = {"requests": count, "window": len(xs), "p50_s": _quantile(xs, 0.5), "p90_s": _quantile(xs, 0.9),
+                      "last_s": last}
+        return out
+
+
+def _quantile(sorted_xs: list[float], q: float) -> float | None:
+    if not sorted_xs:
+        return None
+    return sorted_xs[min(len(sorted_xs) - 1, int(q * len(sorted_xs)))]

@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from engine.sampling_params import SamplingParams
 from service.context import AppContext, ctx
 from service.errors import APIError, from_engine_error
+from service.request_log import record
 from service.responses import SSE_DONE, ChunkWriter, Logprobs, chat_body, completion_body, sse
 from service.schemas import ChatRequest, CompletionRequest, parse_body
 
@@ -42,7 +43,7 @@ async def completions(request: Request) -> Any:
 
     def prompt_ids() -> list[int]:   # on a worker thread: tokenizing a long prompt is real work
         return _with_room(engine, engine.encode(prompt), req.requested_max_tokens)
-    return await _generate(c, req, prompt_ids, params, tenant, logprobs, chat=False)
+    return await _generate(c, request, req, prompt_ids, params, tenant, logprobs, chat=False)
 
 
 @router.post("/v1/chat/completions")
@@ -62,20 +63,20 @@ async def chat_completions(request: Request) -> Any:
         return _with_room(engine, engine.apply_chat_template(messages), req.requested_max_tokens)
     # Streaming and non-streaming chat both run the template and then generate/stream, so the
     # two see the same prompt ids and give the same greedy text.
-    return await _generate(c, req, prompt_ids, params, tenant, logprobs, chat=True)
+    return await _generate(c, request, req, prompt_ids, params, tenant, logprobs, chat=True)
 
 
-async def _generate(c: AppContext, req: Any, prompt_ids: Callable[[], list[int]], params: SamplingParams,
-                    tenant: str, logprobs: Any, chat: bool) -> Any:
+async def _generate(c: AppContext, request: Request, req: Any, prompt_ids: Callable[[], list[int]],
+                    params: SamplingParams, tenant: str, logprobs: Any, chat: bool) -> Any:
     """The request run: streamed as SSE, or generated off the event loop and answered in one body.
     `prompt_ids` runs on the worker thread (tokenizing a long prompt is real work)."""
     engine = c.engine
     if req.stream:
-        return await _stream(c, lambda: engine.stream(prompt_ids(), params, tenant=tenant), chat=chat,
+        return await _stream(c, request, lambda: engine.stream(prompt_ids(), params, tenant=tenant), chat=chat,
                              include_usage=req.include_usage, logprobs=logprobs)
     out, lp = await c.dispatcher.call(lambda: _with_logprobs(engine.generate(prompt_ids(), params, tenant=tenant),
                                                              logprobs), timeout=c.settings.request_timeout_s)
-    c.metrics.observe_request(out.usage, out.metrics)
+    c.finished(request, out.request_id, out.usage, out.metrics)
     body = chat_body if chat else completion_body
     return JSONResponse(body(out, c.model_name, int(time.time()), lp), headers={"x-request-id": out.request_id})
 
@@ -126,12 +127,13 @@ def _params(req: Any, default_max_tokens: int) -> Any:
         raise from_engine_error(e) from None
 
 
-async def _stream(c: AppContext, make_iter: Any, chat: bool, include_usage: bool,
+async def _stream(c: AppContext, request: Request, make_iter: Any, chat: bool, include_usage: bool,
                   logprobs: Logprobs | None) -> StreamingResponse:
     events = await c.dispatcher.stream(make_iter, timeout=c.settings.request_timeout_s)
     first = await anext(events, None)       # errors before the first chunk raise here: real statuses
     if first is None:
         raise APIError(500, "the engine's stream ended without output", code="internal_error")
+    record(request).request_id = first.request_id
     writer = ChunkWriter(first.request_id, c.model_name, int(time.time()), chat=chat, include_usage=include_usage)
 
     async def body() -> AsyncIterator[bytes]:
@@ -147,7 +149,7 @@ async def _stream(c: AppContext, make_iter: Any, chat: bool, include_usage: bool
                         yield writer.text("", chunk.finish_reason)
                     else:
                         yield writer.text(chunk.text, chunk.finish_reason, lp)
-                    c.metrics.observe_request(chunk.usage, chunk.metrics)
+                    c.finished(request, chunk.request_id, chunk.usage, chunk.metrics)
                     if include_usage and chunk.usage is not None:
                         yield writer.usage(chunk.usage)
                     break
@@ -155,6 +157,7 @@ async def _stream(c: AppContext, make_iter: Any, chat: bool, include_usage: bool
                     yield writer.text(chunk.text, logprobs=lp)
                 chunk = await anext(events, None)
         except APIError as e:
+            record(request).reason = f"after the stream started: {e.message}"
             yield sse(e.body())
             return
         yield SSE_DONE

@@ -1,7 +1,7 @@
 """Request bodies the service accepts, as strict pydantic models, and how a body is parsed.
 
 Knows: OpenAI's request shapes for /v1/completions and /v1/chat/completions (single choice,
-text or token-id prompts), the cache routes' bodies, and OpenAI's defaults (temperature 1,
+text or token-id prompts), the cache routes' bodies, vLLM's /tokenize and /detokenize bodies, and OpenAI's defaults (temperature 1,
 top_p 1, completions max_tokens 16). Types are strict: "5" is not an int and 1 is not a
 string. Nothing is silently ignored (issue 17):
 - Honoured on both generation routes: max_tokens / max_completion_tokens (one name for the
@@ -360,6 +360,28 @@ class LookupRequest(BaseModel):
             raise bad_request("prompt, messages: give exactly one of them", param="prompt")
         if self.messages is not None and not self.messages:
             raise bad_request("messages: expected at least one message", param="messages")
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a text prompt, or a chat's messages (with the chat template applied)."""
+    model_config = _STRICT
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True        # prompt only, as the engine tokenizes a prompt
+
+    def model_post_init(self, _: Any) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise bad_request("prompt, messages: give exactly one of them", param="prompt")
+        if self.messages is not None and not self.messages:
+            raise bad_request("messages: expected at least one message", param="messages")
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's /detokenize: token ids back to text."""
+    model_config = _STRICT
+    model: str | None = None
+    tokens: list[int]
 
 
 class FlushRequest(BaseModel):

@@ -7,6 +7,8 @@ requests (503) at once, uvicorn stops accepting connections and waits for the op
 running in the engine and closes the engine (cached blocks flushed to disk). A second SIGINT
 skips the waiting; the engine is still closed. serve() then returns normally (exit status 0):
 uvicorn's habit of re-raising the signal after a graceful stop is not wanted here.
+Each request is one line of the `tieredkv.requests` logger (service.request_log), so uvicorn's
+access log is off unless asked for; the engine's close logs how many blocks it flushed.
 Doesn't know: how the engine is built (the CLI and the tests do that).
 """
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 
 import uvicorn
 
-from service.app import create_app
+from service.app import closed_line, create_app
 from service.context import AppContext
 from service.settings import ServiceSettings, is_loopback
 
@@ -48,9 +50,11 @@ def check_bind(host: str, settings: ServiceSettings) -> None:
 
 
 def serve(engine: Any, settings: ServiceSettings = ServiceSettings(), host: str | None = None,
-          port: int | None = None, *, sock: socket.socket | None = None, log_level: str = "info") -> None:
+          port: int | None = None, *, sock: socket.socket | None = None, log_level: str = "info",
+          access_log: bool = False) -> None:
     """Serve until SIGTERM/SIGINT. `sock`: an already-bound listening socket (its address wins
-    over host/port; a caller binds port 0 and reads the port back). Returns after the engine is closed."""
+    over host/port; a caller binds port 0 and reads the port back). Returns after the engine is closed.
+    access_log: uvicorn's own line per request too (off: `tieredkv.requests` logs one with more in it)."""
     host = settings.host if host is None else host
     port = settings.port if port is None else port
     if sock is not None:
@@ -58,7 +62,7 @@ def serve(engine: Any, settings: ServiceSettings = ServiceSettings(), host: str 
     check_bind(host, settings)
     app = create_app(engine, settings)
     context: AppContext = app.state.tieredkv
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on", access_log=access_log,
                             timeout_graceful_shutdown=settings.shutdown_timeout_s)
     server = _Server(config, context)
     server.run(sockets=[sock] if sock is not None else None)
@@ -66,5 +70,5 @@ def serve(engine: Any, settings: ServiceSettings = ServiceSettings(), host: str 
         # A forced exit (second SIGINT) skips the lifespan and its waiting; the engine is
         # closed all the same, so cached blocks still reach the disk.
         context.engine_closed = True
-        engine.close()
+        log.info("%s", closed_line(engine.close()))
     context.dispatcher.shutdown()

@@ -50,6 +50,9 @@ class ServiceSettings:
     # Longest prompt text (UTF-8 bytes; chat: the messages' contents together) that is tokenized;
     # longer is a 400 before the tokenizer runs. None: 32 bytes per token of the model's context.
     max_prompt_bytes: int | None = None
+    # The model's name as clients see it (/v1/models lists it, responses echo it); requests may
+    # name it or the engine's own model name. None: the engine's name.
+    served_model_name: str | None = None
 
     def __post_init__(self) -> None:
         if self.api_keys_file is not None and not isinstance(self.api_keys_file, (str, os.PathLike)):
@@ -77,6 +80,10 @@ class ServiceSettings:
         if self.max_prompt_bytes is not None and (isinstance(self.max_prompt_bytes, bool) or
                                                   not isinstance(self.max_prompt_bytes, int) or self.max_prompt_bytes < 1):
             raise ValueError(f"max_prompt_bytes: expected an int >= 1 or None, got {self.max_prompt_bytes!r}")
+        if self.served_model_name is not None and (not isinstance(self.served_model_name, str)
+                                                   or not self.served_model_name.strip()
+                                                   or not self.served_model_name.isprintable()):
+            raise ValueError(f"served_model_name: expected a non-empty printable name, got {self.served_model_name!r}")
         if not isinstance(self.close_engine_on_shutdown, bool):
             raise ValueError(f"close_engine_on_shutdown: expected True or False, got {self.close_engine_on_shutdown!r}")
 

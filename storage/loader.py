@@ -43,7 +43,7 @@ import logging
 import random
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -53,6 +53,7 @@ from storage.hashing import BlockKey
 from storage.pinned import host_buffer
 from storage.priority import background_priority
 from storage.tiers import Tiers
+from storage.transfer import Transfer
 
 log = logging.getLogger("tieredkv.loader")
 
@@ -365,12 +366,7 @@ class Loader:
     @staticmethod
     def _wait_copies(done: object | None) -> None:
         """The CPU waits for these copies only (a stream sync would also wait for later work)."""
-        if done is None:
-            return
-        if isinstance(done, Future):
-            done.result()
-        else:
-            done.synchronize()
+        Transfer.wait(done)
 
     def _copy_many(self, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """dst <- src for each pair, complete when this returns (a fill is done only when its

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Sequence
 
 import torch
@@ -35,6 +35,7 @@ from storage.hashing import BlockKey
 from storage.host_tier import HostTier
 from storage.layout import BlockLayout
 from storage.loader import Fill, Load, Loader, Prefetch, RemoteProbe
+from storage.prefix_tree import CachedBlock
 from storage.remote.breaker import BreakerConfig
 from storage.remote.tier import RemoteTier
 from storage.tiers import TIERS, Tiers, TierStats
@@ -87,15 +88,15 @@ class TieredKVCache:
         self.disk_unavailable: str | None = None   # why the configured disk tier is not running
         if disk is None and config.disk_path is not None:
             try:
-                disk = DiskTier(config.disk_path, config.disk_bytes, Codec(config.zstd_level), layout=layout,
-                                reserve_bytes=config.disk_reserve_bytes)
+                disk = DiskTier(config.disk_path, config.disk_bytes, Codec(config.zstd_level, config.codec),
+                                layout=layout, reserve_bytes=config.disk_reserve_bytes)
             except DiskUnavailable as e:
                 # NOTE: a full filesystem (or a store that cannot be created) is a cache without its
                 # disk tier, never a server that cannot start; status says why.
                 log.error("disk tier unavailable, running without it: %s", e)
                 self.disk_unavailable = str(e)
         if remote is None and config.remote is not None:
-            remote = RemoteTier(config.remote, layout, Codec(config.zstd_level),
+            remote = RemoteTier(config.remote, layout, Codec(config.zstd_level, config.codec),
                                 timeout_s=config.remote_timeout_s, ttl_s=config.remote_ttl_s,
                                 breaker=BreakerConfig(cooldown_s=config.remote_retry_s))
         self.tiers = Tiers(layout=layout,
@@ -369,6 +370,42 @@ class TieredKVCache:
             else:
                 o.extra = {"enabled": False}
             return out
+
+    def cached_blocks(self, namespaces: frozenset[bytes] | None = None,
+                      max_disk_blocks: int = 20_000) -> tuple[list[CachedBlock], bool]:
+        """Every block the device pool, the host slab and the disk hold (in `namespaces`, or all),
+        each once, in the fastest tier that holds it, and whether the disk's walk stopped at
+        `max_disk_blocks` records read (a big disk tier is shown in part). The remote store's
+        contents are the store's (`tieredkv inspect --remote-url`). The disk is read outside the
+        cache lock, in chunks (DiskTier.iter_blocks)."""
+        def wanted(ns: bytes) -> bool:
+            return namespaces is None or ns in namespaces
+        found: dict[bytes, CachedBlock] = {}
+        with self._lock:
+            for page in self.pool.cached_pages():
+                k = self.pool.key_of(page)
+                if k is not None and wanted(k.namespace):
+                    found[k.hash] = CachedBlock(k.hash, k.parent, k.namespace, k.token_ids, "device")
+            for _, k in self.host.blocks():
+                if wanted(k.namespace) and k.hash not in found:
+                    found[k.hash] = CachedBlock(k.hash, k.parent, k.namespace, k.token_ids, "host")
+        truncated = False
+        if self.disk is not None:
+            read = 0
+            try:
+                for b in self.disk.iter_blocks():
+                    read += 1
+                    if read > max_disk_blocks:
+                        truncated = True
+                        break
+                    if wanted(b.namespace):
+                        mem = found.get(b.hash)
+                        found[b.hash] = (CachedBlock(b.hash, b.parent, b.namespace, b.token_ids, "disk", b.hits)
+                                         if mem is None else replace(mem, hits=b.hits))
+            except Exception as e:    # a closed or replaced store: the memory tiers are still shown
+                log.warning("cached_blocks: the disk tier could not be read: %s", e)
+                truncated = True
+        return list(found.values()), truncated
 
     def audit(self) -> None:
         """Every tier's bookkeeping holds (used by tests after each step)."""

@@ -18,7 +18,7 @@ def default_model():
 
     Uses the real user cache (storage.config.default_cache_root()), so the one-time GGUF
     conversion (~25 s on 2 cores) is shared with later sessions, the demo and the server;
-    later sessions load the cached safetensors in about a second.
+    later sessions load the cached safetensors in ~4 s.
     """
     from engine.model import load_model
     return load_model()

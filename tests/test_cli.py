@@ -115,6 +115,28 @@ def test_help_lists_every_command_without_importing_torch() -> None:
     assert probe.stdout.strip() == "False"
 
 
+def test_version_and_h_work_everywhere() -> None:
+    import tieredkv
+    r = tkv("--version")
+    assert (r.returncode, r.stdout) == (0, f"tieredkv {tieredkv.__version__}\n"), r.stderr
+    for cmd in ((), ("serve",), ("demo",), ("status",), ("inspect",), ("verify",), ("billing",)):
+        r = tkv(*cmd, "-h")
+        assert r.returncode == 0 and "Usage:" in r.stdout and "--help" in r.stdout, (cmd, r.stderr)
+    serve_help = tkv("serve", "-h").stdout
+    for flag in ("MODEL", "--model", "--served-model-name", "--max-model-len", "--access-log"):
+        assert flag in serve_help, flag
+
+
+def test_serve_options_are_checked_before_the_model_loads(tmp_path: Path) -> None:
+    root = str(tmp_path / "srv")
+    assert_one_line_error(tkv("serve", "model-a", "--model", "model-b", "--cache-dir", root), 2,
+                          "give the model once", "'model-a'", "'model-b'")
+    assert_one_line_error(tkv("serve", "--max-model-len", "1", "--cache-dir", root), 2, "--max-model-len", ">= 2")
+    assert_one_line_error(tkv("serve", "--served-model-name", " ", "--cache-dir", root), 2, "--served-model-name")
+    assert_one_line_error(tkv("serve", "--log-level", "loud", "--cache-dir", root), 2, "--log-level", "'loud'")
+    assert not os.path.exists(root)
+
+
 def test_bad_input_is_one_line_and_a_nonzero_exit(tmp_path: Path) -> None:
     missing = str(tmp_path / "nowhere")
     assert_one_line_error(tkv("verify", "--cache-dir", missing), 2, "nowhere")
@@ -122,6 +144,7 @@ def test_bad_input_is_one_line_and_a_nonzero_exit(tmp_path: Path) -> None:
     assert_one_line_error(tkv("billing", "--cache-dir", missing), 2, "no billing ledger")
     assert_one_line_error(tkv("billing", "--cache-dir", missing, "--url", "http://127.0.0.1:1"), 2, "not both")
     assert_one_line_error(tkv("serve", "--cache-dir", missing, "--device-memory", "12XB"), 2, "--device-memory", "12XB")
+    assert_one_line_error(tkv("serve", "--cache-dir", missing, "--codec", "lz4"), 2, "--codec", "lz4")
     assert_one_line_error(tkv("status", "--url", "ftp://example"), 2, "--url")
     with socket.socket() as s:              # a port nobody listens on
         s.bind(("127.0.0.1", 0))
@@ -281,7 +304,9 @@ def test_serve_then_status_and_billing_over_http(tmp_path: Path, default_model_c
     assert tkv_json("billing", "--cache-dir", str(root))["tenants"]["carol"]["requests"] == 1
     report = tkv_json("inspect", "--cache-dir", str(root))
     assert report["blocks"] == blocks
-    assert [n["label"] for n in report["namespaces"]] == ["SmolLM2-135M-Instruct (float32), tenant carol"]
+    from engine.model import resolve_dtype        # bfloat16 on a CPU with native bf16, else float32
+    dtype = str(resolve_dtype("auto", "cpu")).removeprefix("torch.")
+    assert [n["label"] for n in report["namespaces"]] == [f"SmolLM2-135M-Instruct ({dtype}), tenant carol"]
 
 
 def test_demo_json_hits_every_tier_and_matches_the_ledger(tmp_path: Path, default_model_converted: None) -> None:
@@ -396,6 +421,54 @@ def test_serve_with_a_remote_store_never_shows_its_password(tmp_path: Path, tiny
             assert proc.wait(timeout=60) == 0
             assert password not in "".join(lines.lines)
         store.cleanup()
+
+
+def test_serve_like_vllm_serve_summary_request_lines_and_the_flush_at_exit(tmp_path: Path,
+                                                                          tiny_model_dir: Path) -> None:
+    """Issue 20, item 3: `tieredkv serve MODEL` with vLLM's flags; what it prints at start, per
+    request and at shutdown."""
+    root = tmp_path / "srv"
+    too_long = tkv("serve", str(tiny_model_dir), "--port", "0", "--cache-dir", str(root), "--device-memory", "64KiB",
+                   "--max-model-len", "4096")
+    # 64 KiB holds 8 pages of 16 tokens of the tiny model (8 KiB each): 128 tokens, not 4,096.
+    assert_one_line_error(too_long, 2, "--max-model-len", "do not fit the device pool", "holds 128",
+                          "--device-memory is 64KiB")
+    proc = subprocess.Popen([sys.executable, "-m", "tieredkv.cli", "serve", str(tiny_model_dir), "--model",
+                             str(tiny_model_dir), "--port", "0", "--cache-dir", str(root), "--device-memory", "8MiB",
+                             "--host-memory", "8MiB", "--served-model-name", "tiny", "--max-model-len", "512"],
+                            cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        lines = Lines(proc.stderr)
+        url = lines.wait(r"serving \S+ on (http://127\.0\.0\.1:\d+)", proc, 180)[1]
+        lines.wait(r"Uvicorn running|Application startup complete", proc, 60)
+        summary = "".join(lines.lines)
+        for row in (r"model\s+tiny-4k\w*, served as 'tiny'", r"device\s+cpu, float32, attention gather_sdpa",
+                    r"context\s+512 tokens \(max model len\), set by max_model_len; the model allows 4,096",
+                    r"device pool\s+8\.0MiB: 1,024 pages of 16 tokens \(8\.0KiB each\)", r"host tier\s+8\.0MiB",
+                    rf"disk tier\s+{re.escape(str(root / 'kv'))}, capacity 50\.0GiB", r"remote tier\s+off",
+                    rf"listen\s+{re.escape(url)}"):
+            assert re.search(row, summary), (row, summary)
+        assert httpx.get(f"{url}/v1/models").json()["data"][0] == {**httpx.get(f"{url}/v1/models").json()["data"][0],
+                                                                   "id": "tiny", "max_model_len": 512}
+        r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "Shared caches " * 20,
+                                                      "max_tokens": 2, "user": "carol"}, timeout=60)
+        assert r.status_code == 200 and r.json()["model"] == "tiny", r.text
+        p = r.json()["usage"]["prompt_tokens"]
+        lines.wait(rf"tieredkv.requests: id={r.headers['x-request-id']} tenant=carol POST /v1/completions 200 "
+                   rf"prompt_tokens={p} completion_tokens=2 hit_tokens=device:0,host:0,disk:0,remote:0 ttft_ms=",
+                   proc, 30)
+        assert httpx.post(f"{url}/tokenize", json={"model": "tiny", "prompt": "Shared caches " * 20}).json()["count"] == p
+        bad = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "x", "temperature": "hot"})
+        assert bad.status_code == 400
+        lines.wait(r"POST /v1/completions 400 .*reason=\"temperature: ", proc, 30)
+        assert httpx.get(f"{url}/docs").status_code == 200
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    text = "".join(lines.lines)
+    flushed = int(re.search(r"engine closed: flushed (\d+) blocks", text)[1])
+    assert flushed == tkv_json("inspect", "--cache-dir", str(root))["blocks"] > 0
+    assert '"POST /v1/completions HTTP/1.1"' not in text       # uvicorn's access line: off by default
 
 
 def test_remote_options_are_checked_before_anything_loads(tmp_path: Path) -> None:
@@ -554,3 +627,45 @@ def test_small_mistakes_get_an_error_that_names_what_the_user_typed(cache: dict)
     assert_one_line_error(tkv("billing", "--cache-dir", str(root), "--tenant", "nope"), 1,
                           "no such tenant 'nope'", "alice", "bob")
     assert tkv_json("billing", "--cache-dir", str(root), "--tenant", "alice")["requests"] == 2
+
+
+# ---- the first hour (issue 20, items 1-2): an empty disk tier and a slow hit explained ----------
+
+def test_inspect_says_why_the_disk_tier_is_empty_and_how_to_fill_it(tmp_path: Path, cache: dict) -> None:
+    from storage.disk.tier import DiskTier
+    DiskTier(str(tmp_path / "kv"), 64 << 20).close()           # as a server leaves it before any flush
+    r = tkv("inspect", "--cache-dir", str(tmp_path), "--tree", TIEREDKV_URL="http://127.0.0.1:8123")
+    assert r.returncode == 0, r.stderr
+    text = " ".join(r.stdout.split())
+    assert "0 blocks" in text
+    for words in ("written back", "evict", "on a flush", "when the server shuts down", "tieredkv status",
+                  "curl -s -X POST http://127.0.0.1:8123/v1/cache/flush -H 'content-type: application/json' -d '{}'",
+                  "Ctrl-C flushes"):
+        assert words in text, words
+    assert "Cached prefixes" not in text                        # no empty tree under it
+    full = tkv("inspect", "--cache-dir", str(cache["root"]))
+    assert full.returncode == 0 and "written back" not in full.stdout
+
+
+def test_demo_says_why_a_hit_is_slower_than_recomputing() -> None:
+    from rich.console import Console
+
+    from engine.model import DEFAULT_MODEL_NAME
+    from tieredkv.demo import DEFAULT_MODEL, Phase, Row, phase_view, slow_hit_note
+    assert DEFAULT_MODEL == DEFAULT_MODEL_NAME
+
+    def row(label: str, hits: dict[str, int], ttft: float, recompute: float) -> Row:
+        hit = sum(hits.values())
+        return Row("chat", label, "q?", "a.", 40, {"device": 0, "host": 0, "disk": 0, "remote": 0, **hits}, hit, 40 - hit,
+                   4, ttft, 1.0, recompute, round(recompute / ttft, 2), 1, 2)
+    slow = row("turn 1", {"disk": 16}, ttft=50.0, recompute=40.0)          # 0.8x
+    rows = [slow, row("turn 2", {"device": 32}, ttft=10.0, recompute=40.0),   # 4.0x
+            row("turn 3", {}, ttft=38.0, recompute=40.0),                     # a miss: nothing to explain
+            row("turn 4", {"host": 16}, ttft=41.0, recompute=40.0)]           # 0.98x: shown as 1.0x
+    assert [slow_hit_note(r) is not None for r in rows] == [True, False, False, False]
+    console = Console(record=True, width=400)
+    console.print(phase_view(Phase("chat", "A chat", rows)))
+    lines = [ln for ln in console.export_text().splitlines() if "0.8x:" in ln]
+    assert len(lines) == 1, console.export_text()
+    assert ("turn 1, 0.8x: recomputing all 40 tokens takes only 40 ms here, about what reading 16 back from disk "
+            "costs") in lines[0]

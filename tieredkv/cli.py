@@ -21,6 +21,7 @@ from rich.table import Table
 
 from tieredkv.cli_common import (CLIError, api_key_of, cache_root, err, existing_dir, friendly, get_json, micro, out,
                                  print_json, remote_options, server_url, spinner)
+from tieredkv.cli_common import FIRST_LOAD
 from storage.config import format_size, parse_size
 
 TIERS = ("device", "host", "disk", "remote")
@@ -29,7 +30,7 @@ app = typer.Typer(help="tieredkv: a tiered KV-cache store for LLM inference (dev
                   "Exit status: 0 ok, 1 failure (server unreachable, HTTP error, damage found), "
                   "2 bad input (bad size, missing cache dir).",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
-                  rich_markup_mode="markdown")
+                  rich_markup_mode="markdown", context_settings={"help_option_names": ["-h", "--help"]})
 URL_HELP = "Server URL (default $TIEREDKV_URL or http://127.0.0.1:8000)."
 KEY_HELP = "API key, if the server has keys (default $TIEREDKV_API_KEY)."
 JSON_HELP = "Print one JSON object instead of tables."
@@ -37,6 +38,22 @@ CACHE_HELP = "Cache root holding kv/ and billing/ (default $TIEREDKV_HOME or ~/.
 REMOTE_HELP = ("A Valkey/Redis store shared by every server, below disk: valkey://host:6379, "
                "rediss://:PASSWORD@host:6380 (TLS), valkey://h1:7000,h2:7001,h3:7002 or ?cluster=1 (a cluster) "
                "(default $TIEREDKV_REMOTE_URL; none: no remote tier).")
+
+
+def show_version(value: bool) -> None:
+    if value:
+        from tieredkv import __version__
+        out.print(f"tieredkv {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main_options(
+    version: bool = typer.Option(False, "--version", help="Print the version and exit.", is_eager=True,
+                                 callback=show_version),
+) -> None:
+    # The options of `tieredkv` itself (the app's help text is Typer(help=...) above).
+    return None
 
 
 def narrow_table(**kw: Any) -> Table:
@@ -64,11 +81,34 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+def log_to_stderr(level: str) -> None:
+    """The service's loggers (tieredkv.*: the per-request line, startup and shutdown) on stderr,
+    formatted as uvicorn's own lines are, at --log-level."""
+    import logging
+
+    from uvicorn.logging import DefaultFormatter
+    handler = logging.StreamHandler()
+    handler.setFormatter(DefaultFormatter("%(levelprefix)s %(name)s: %(message)s"))
+    logger = logging.getLogger("tieredkv")
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG if level in ("debug", "trace") else getattr(logging, level.upper()))
+
+
 @app.command()
 @friendly
 def serve(
+    model_arg: Optional[str] = typer.Argument(None, metavar="MODEL", show_default=False,
+                                              help="Model, as `vllm serve MODEL` takes it (the same as --model)."),
     model: Optional[str] = typer.Option(None, help="Model: a .gguf file, a transformers directory, or a hub id in the "
                                         "local HF cache (default SmolLM2-135M-Instruct)."),
+    served_model_name: Optional[str] = typer.Option(None, help="The model's name in the API: /v1/models lists it "
+                                                    "and responses echo it; requests may name it or the real model."),
+    max_model_len: Optional[int] = typer.Option(None, help="Context length: prompt + output tokens of one request "
+                                                "(default: the model's, cut to what the device pool holds; an "
+                                                "error if the pool cannot hold this many)."),
     host: str = typer.Option("127.0.0.1", help="Address to bind; other than loopback needs --api-keys."),
     port: int = typer.Option(8000, help="Port (0: any free port; the chosen one is printed)."),
     cache_dir: Optional[str] = typer.Option(None, help=CACHE_HELP),
@@ -77,6 +117,10 @@ def serve(
     disk_capacity: str = typer.Option("50GiB", help="Disk tier capacity (compressed bytes)."),
     disk_reserve: str = typer.Option("256MiB", help="Free space the disk tier always leaves on its filesystem "
                                      "(it shrinks, LRU first, rather than fill the disk)."),
+    codec: str = typer.Option("zstd", help="How the disk and remote tiers store blocks: zstd (compressed, "
+                              "1.15-1.45x fewer bytes) or raw (the bytes as they are, checked the same way, "
+                              "several times faster to decode: better where the drive or network is faster "
+                              "than decoding). Either reads what the other wrote."),
     on_billing_failure: str = typer.Option("serve", help="When the billing ledger cannot be written (a full "
                                            "disk): serve (answer; keep bills in memory, written when space "
                                            "returns; /ready says 503) or refuse (the request fails)."),
@@ -85,7 +129,10 @@ def serve(
     prices: Optional[str] = typer.Option(None, help="Prices file (JSON or .toml), micro-dollars per 1M tokens."),
     device: str = typer.Option("auto", help="auto, cpu, cuda, cuda:N."),
     dtype: str = typer.Option("auto", help="auto, float32, bfloat16, float16."),
-    log_level: str = typer.Option("info", help="uvicorn log level."),
+    log_level: str = typer.Option("info", help="Log level: " + ", ".join(LOG_LEVELS) + " (uvicorn's and "
+                                  "tieredkv's lines; each request is one INFO line of tieredkv.requests)."),
+    access_log: bool = typer.Option(False, "--access-log", help="Also uvicorn's access line per request (off: "
+                                    "the tieredkv.requests line has the same and tokens, hits and TTFT)."),
     max_body: str = typer.Option("8MiB", help="Largest request body accepted (413 past it)."),
     protect_metrics: bool = typer.Option(False, "--protect-metrics",
                                          help="/metrics needs an admin key (with --api-keys)."),
@@ -108,16 +155,38 @@ def serve(
                                        "a hit) or recompute (never load: a fast GPU with a slow drive). Hits "
                                        "are billed from the tier that held them either way."),
 ) -> None:
-    """Run the OpenAI-compatible HTTP service on a model with the tiered KV cache."""
+    """Run the OpenAI-compatible HTTP service on a model with the tiered KV cache.
+
+    Prints a summary once the model is loaded (model, device, context length, each tier),
+    then logs one line per request (tieredkv.requests) and, at shutdown, the blocks flushed.
+    Routes: /v1/completions, /v1/chat/completions, /v1/models, /v1/cache/*, /tokenize,
+    /detokenize, /health, /ready, /metrics, /version, /docs.
+    """
     from engine.billing import Prices
     from storage.config import CacheConfig
+    if model_arg is not None and model is not None and model_arg != model:
+        raise CLIError(f"give the model once: MODEL is {model_arg!r} and --model is {model!r}", code=2)
+    model = model or model_arg
+    if max_model_len is not None and max_model_len < 2:
+        raise CLIError(f"--max-model-len: expected an int >= 2, got {max_model_len}", code=2)
+    if served_model_name is not None and (not served_model_name.strip() or not served_model_name.isprintable()):
+        raise CLIError(f"--served-model-name: expected a non-empty printable name, got {served_model_name!r}", code=2)
+    if log_level not in LOG_LEVELS:
+        raise CLIError(f"--log-level: expected one of {', '.join(LOG_LEVELS)}, got {log_level!r}", code=2)
     for flag, value in (("--device-memory", device_memory), ("--host-memory", host_memory),
                         ("--disk-capacity", disk_capacity), ("--disk-reserve", disk_reserve)):
         parse_size(value, flag)             # a bad size names the flag the user typed
+    from storage.config import CODECS, RESTORE_POLICIES
+    if codec not in CODECS:
+        raise CLIError(f"--codec: expected one of {', '.join(CODECS)}, got {codec!r}", code=2)
+    if restore_policy not in RESTORE_POLICIES:
+        raise CLIError(f"--restore-policy: expected one of {', '.join(RESTORE_POLICIES)}, got {restore_policy!r}",
+                       code=2)
     root = cache_root(cache_dir)
     cache = CacheConfig(block_size=block_size, device_memory=device_memory, host_memory=host_memory,
                         disk_dir=str(root / "kv"), disk_capacity=disk_capacity, disk_reserve=disk_reserve,
                         restore_policy=restore_policy,
+                        codec=codec,
                         **remote_options(remote_url, remote_timeout, remote_ttl, remote_write))
     from engine.billing_writer import ON_FAILURE
     if on_billing_failure not in ON_FAILURE:
@@ -131,21 +200,32 @@ def serve(
     from service.server import check_bind
     from service.settings import ServiceSettings
     settings = ServiceSettings(api_keys_file=api_keys, host=host, port=port, max_body_bytes=parse_size(max_body, "--max-body"),
-                               protect_metrics=protect_metrics, unknown_fields="ignore" if lenient_fields else "reject")
+                               protect_metrics=protect_metrics, unknown_fields="ignore" if lenient_fields else "reject",
+                               served_model_name=served_model_name)
     check_bind(host, settings)
     if api_keys:
         ApiKeys.from_file(api_keys)            # a bad keys file fails now, not after the model loads
     sock = bind_socket(host, port)
     try:
-        with spinner(f"Loading {model or 'SmolLM2-135M-Instruct'} (the first run converts the default model "
-                     "once, ~30 s)"):
+        with spinner(f"Loading {model}" if model else f"Loading SmolLM2-135M-Instruct ({FIRST_LOAD})"):
             from engine import Engine
-            engine = Engine.from_pretrained(model, cache, device=device, dtype=dtype, ledger_dir=str(root / "billing"),
-                                            prices=price_table, billing_failure=on_billing_failure)
+            try:
+                engine = Engine.from_pretrained(model, cache, device=device, dtype=dtype,
+                                                ledger_dir=str(root / "billing"), prices=price_table,
+                                                billing_failure=on_billing_failure, max_model_len=max_model_len)
+            except ValueError as e:
+                if not str(e).startswith("max_model_len:"):
+                    raise
+                why = str(e).removeprefix("max_model_len:")
+                pool = f" (--device-memory is {device_memory})" if "device pool" in why else ""
+                raise CLIError(f"--max-model-len:{why}{pool}", code=2) from None
         bound = sock.getsockname()
         sock.listen(2048)
         shown = f"[{bound[0]}]" if sock.family == socket.AF_INET6 else bound[0]
-        err.print(f"tieredkv: serving {engine.model_name} on http://{shown}:{bound[1]} (cache {root})", soft_wrap=True)
+        url = f"http://{shown}:{bound[1]}"
+        err.print(f"tieredkv: serving {engine.model_name} on {url} (cache {root})", soft_wrap=True)
+        from service.summary import format_summary, startup_summary
+        err.print(escape(format_summary(startup_summary(engine, url, served_model_name))), soft_wrap=True)
         if engine.cache.remote is not None:
             # NOTE: only the redacted URL is ever printed or logged (the password stays in the config).
             problem = engine.cache.remote.ping()
@@ -157,7 +237,8 @@ def serve(
         sock.close()
         raise
     from service.server import serve as run_server
-    run_server(engine, settings, sock=sock, log_level=log_level)
+    log_to_stderr(log_level)
+    run_server(engine, settings, sock=sock, log_level=log_level, access_log=access_log)
 
 
 # ---- demo --------------------------------------------------------------------------------
@@ -335,8 +416,8 @@ def inspect(
         tier.close()
     if json_out:
         return print_json({**s.report, **({"tree": tree_to_dict(s, depth, width)} if tree else {})})
-    out.print(overview(s.report))
-    if tree:
+    out.print(overview(s.report, server_url(None)))
+    if tree and s.report["blocks"]:
         out.print(forest_tree(s, depth, width))
 
 

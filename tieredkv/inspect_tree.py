@@ -1,44 +1,21 @@
 """What a disk tier holds, for `tieredkv inspect`: blocks per namespace and the prefix tree.
 
-Knows: how to survey an open DiskTier (`survey`: totals and blocks per namespace); how stored
-block metadata (storage.disk.tier.DiskBlockInfo: hash, parent, namespace, token ids, hits)
-becomes a forest -- one tree per namespace, rooted at the blocks whose parent is the
-namespace's root hash, with chains of single children folded into one node (a radix tree, so
-a 90-block document is one line); how to name a namespace when it belongs to the default
-model and a tenant the billing ledger knows (the disk tier stores no model names); how to
-preview a node's tokens as text.
-`overview` and `forest_tree` draw the result (rich renderables).
+Knows: how to survey an open DiskTier (`survey`: totals and blocks per namespace, its blocks'
+metadata made a forest by storage/prefix_tree.py, which the live server's tree shares); how to
+name a namespace when it belongs to the default model and a tenant the billing ledger knows (the
+disk tier stores no model names).
+`overview` and `forest_tree` draw the result (rich renderables); an empty store's overview says
+why it is empty (write-back) and how to flush a running server (`empty_disk_note`).
 Doesn't know: LMDB or payloads -- it reads only what DiskTier.iter_blocks yields.
 """
 from __future__ import annotations
 
 import os
-from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
-from storage.hashing import namespace_digest, root_hash, tenant_salt
-
-PREVIEW_CHARS = 72
-
-
-@dataclass(slots=True)
-class PrefixNode:
-    """A run of blocks where each block is the only stored child of the one before."""
-    depth: int | None            # block index of the run's first block in its prompt; None: unknown
-    orphan: bool = False         # the first block's parent is not stored (evicted or deleted)
-    hashes: list[bytes] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    hits: list[int] = field(default_factory=list)
-    children: list["PrefixNode"] = field(default_factory=list)
-
-    @property
-    def total_blocks(self) -> int:
-        return len(self.hashes) + sum(c.total_blocks for c in self.children)
-
-    @property
-    def total_hits(self) -> int:
-        return sum(self.hits) + sum(c.total_hits for c in self.children)
+from storage.hashing import namespace_digest, tenant_salt
+from storage.prefix_tree import PrefixNode, build_forest, limited, node_to_dict, preview
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,59 +27,6 @@ class NamespaceLabel:
     def __str__(self) -> str:
         who = "all tenants (shared)" if self.tenant is None else f"tenant {self.tenant}"
         return f"{self.model} ({self.dtype}), {who}"
-
-
-def build_forest(blocks: Iterable[Any]) -> dict[bytes, list[PrefixNode]]:
-    """namespace -> its trees. A block whose parent is neither stored nor the namespace root
-    (evicted or deleted) starts a tree of its own: depth None, orphan True."""
-    by_hash = {b.hash: b for b in blocks}
-    children: dict[bytes, list[Any]] = defaultdict(list)
-    starts: dict[bytes, list[tuple[Any, int | None]]] = defaultdict(list)
-    for b in by_hash.values():
-        if b.parent in by_hash and b.parent != b.hash:
-            children[b.parent].append(b)
-        else:
-            starts[b.namespace].append((b, 0 if b.parent == root_hash(b.namespace) else None))
-    seen: set[bytes] = set()
-
-    def grow(first: Any, depth: int | None, orphan: bool = False) -> PrefixNode:
-        node = PrefixNode(depth, orphan)
-        cur = first
-        while True:
-            # NOTE: `seen` guards against a cycle in a damaged store (a chain of sha256 hashes
-            # cannot loop, but a rewritten parent field could): no block is visited twice.
-            seen.add(cur.hash)
-            node.hashes.append(cur.hash)
-            node.token_ids.extend(cur.token_ids)
-            node.hits.append(cur.hits)
-            kids = [k for k in children.get(cur.hash, ()) if k.hash not in seen]
-            if len(kids) != 1:
-                break
-            cur = kids[0]
-        nxt = None if depth is None else depth + len(node.hashes)
-        node.children = _ordered([grow(k, nxt) for k in kids if k.hash not in seen])
-        return node
-
-    return {ns: _ordered([grow(b, d, d is None) for b, d in sorted(items, key=lambda x: x[0].hash)])
-            for ns, items in sorted(starts.items())}
-
-
-def _ordered(nodes: list[PrefixNode]) -> list[PrefixNode]:
-    """Whole prefixes before orphans, then the most-hit, then the biggest; the first hash breaks
-    ties (stable output)."""
-    return sorted(nodes, key=lambda n: (n.orphan, -n.total_hits, -n.total_blocks, n.hashes[0] if n.hashes else b""))
-
-
-def preview(token_ids: list[int], decode: Callable[[list[int]], str] | None, limit: int = PREVIEW_CHARS) -> str:
-    """A one-line preview: decoded text (newlines shown as ⏎) or the token ids, middle elided."""
-    if decode is not None:
-        text = decode(token_ids).replace("\r", "").replace("\n", "⏎")
-    else:
-        text = "ids " + " ".join(map(str, token_ids))
-    if len(text) <= limit:
-        return text
-    head = limit * 5 // 9
-    return text[:head] + " … " + text[-(limit - head - 3):]
 
 
 @dataclass(slots=True)
@@ -130,7 +54,7 @@ def survey(tier: Any, billing_dir: str, decode: bool) -> Survey:
         d["stored_bytes"] += b.stored_size
         d["raw_bytes"] += b.raw_size
         d["hits"] += b.hits
-    model_dir = default_model_dir()
+    model_dir = default_model_dir(os.path.dirname(os.path.abspath(billing_dir)) if billing_dir else None)   # the cache root
     labels = identify(set(per_ns), {len(b.token_ids) for b in blocks}, ledger_tenants(billing_dir), model_dir)
     namespaces = []
     for ns, d in sorted(per_ns.items(), key=lambda kv: (-kv[1]["blocks"], kv[0])):
@@ -148,22 +72,6 @@ def tree_to_dict(s: Survey, max_depth: int, max_width: int) -> dict[str, list[di
             for ns, nodes in s.forest.items()}
 
 
-def node_to_dict(node: PrefixNode, decode: Callable[[list[int]], str] | None, max_depth: int,
-                 max_width: int) -> dict[str, Any]:
-    """JSON form of a node, with the same depth and width limits as the drawn tree."""
-    d: dict[str, Any] = {"first_block": node.depth, "orphan": node.orphan, "blocks": len(node.hashes), "tokens": len(node.token_ids),
-                         "first_hash": node.hashes[0].hex(), "hits": node.hits,
-                         "preview": preview(node.token_ids, decode), "subtree_blocks": node.total_blocks}
-    shown, more = limited(node.children, max_width) if max_depth > 1 else ([], node.children)
-    d["children"] = [node_to_dict(c, decode, max_depth - 1, max_width) for c in shown]
-    d["more_children"] = len(more)
-    return d
-
-
-def limited(nodes: list[PrefixNode], max_width: int) -> tuple[list[PrefixNode], list[PrefixNode]]:
-    return nodes[:max_width], nodes[max_width:]
-
-
 # ---- naming namespaces -----------------------------------------------------------------
 
 def ledger_tenants(billing_dir: str) -> list[str]:
@@ -176,15 +84,16 @@ def ledger_tenants(billing_dir: str) -> list[str]:
         return []
 
 
-def default_model_dir() -> str | None:
-    """The converted default model's directory (config + tokenizer), if it exists; never converts."""
+def default_model_dir(cache_root: str | None = None) -> str | None:
+    """The converted default model's directory (config + tokenizer) under `cache_root` or the
+    default root, in any dtype, if one exists; never converts."""
     try:
-        from engine.gguf_cache import converted_dir
+        from engine.gguf_cache import find_conversion
         from engine.model import default_gguf_path
-        d = converted_dir(default_gguf_path())
+        d = find_conversion(default_gguf_path(), cache_root)
     except Exception:
         return None
-    return str(d) if (d / "config.json").is_file() else None
+    return None if d is None else str(d)
 
 
 def identify(namespaces: set[bytes], block_sizes: set[int], tenants: Iterable[str],
@@ -227,8 +136,9 @@ def load_decoder(model_dir: str | None) -> Callable[[list[int]], str] | None:
 
 # ---- drawing -----------------------------------------------------------------------------
 
-def overview(report: dict[str, Any]) -> Any:
-    """The store's totals and a table of its namespaces."""
+def overview(report: dict[str, Any], url: str = "http://127.0.0.1:8000") -> Any:
+    """The store's totals and a table of its namespaces; for an empty store, why and how to fill
+    it (`url`: the server a flush would go to)."""
     from rich.console import Group
     from rich.markup import escape
 
@@ -237,7 +147,19 @@ def overview(report: dict[str, Any]) -> Any:
     head = (f"Disk tier {escape(report['path'])}\n"
             f"  {n:,} block{'s' if n != 1 else ''}, {format_size(report['stored_bytes'])} stored, "
             f"{format_size(report['raw_bytes'])} raw, compression {report['compression_ratio']:.2f}x")
+    if n == 0:
+        return Group(head, escape(empty_disk_note(url)))
     return Group(head, namespace_table(report["namespaces"], hits=True))
+
+
+def empty_disk_note(url: str) -> str:
+    """Why a disk tier holds nothing yet (write-back: blocks reach disk late), and how to fill it."""
+    return ("  Nothing on disk yet: blocks are written back, so they reach disk when the device and host\n"
+            "  tiers evict them, on a flush, or when the server shuts down; until then a running server\n"
+            "  holds them above disk (`tieredkv status` shows them). To write them to disk now, flush it:\n"
+            f"    curl -s -X POST {url}/v1/cache/flush -H 'content-type: application/json' -d '{{}}'\n"
+            "  (with -H 'authorization: Bearer <admin key>' if the server has keys), or stop the server\n"
+            "  (Ctrl-C flushes), then run inspect again.")
 
 
 def namespace_table(namespaces: list[dict[str, Any]], hits: bool) -> Any:

@@ -529,8 +529,10 @@ def main(argv: list[str] | None = None) -> int:
     disk_dir = os.path.join(args.cache_dir or tmp, "kv")
     # 1 GiB each: room for the longest prompt (and a recompute of it) several times over in the
     # device pool and in the host tier, so no measurement triggers an eviction.
+    # restore_policy="load": each row measures its tier's restore path against that path's limit
+    # (the compute-or-load planner's own choice is tools/bench_compute_or_load.py's subject).
     cfg = CacheConfig(device_memory="1GiB", host_memory="1GiB", disk_dir=disk_dir, isolate_tenants=True,
-                      remote_url=remote_url)
+                      remote_url=remote_url, restore_policy="load")
     bench = None
     try:
         engine = Engine.from_pretrained(args.model, cache=cfg)

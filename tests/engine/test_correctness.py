@@ -187,3 +187,31 @@ def test_engine_model_outside_the_engine_matches_sdpa_with_a_dynamic_cache(tmp_p
             model(ids[:, :12], past_key_values=cache, use_cache=True)
             tail = model(ids[:, 12:], past_key_values=cache, use_cache=True).logits
     assert torch.allclose(tail, full[:, 12:], atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_greedy_through_every_tier_is_exact_in_half_precision(tmp_path, dtype):
+    """The CPU runs bf16 by default where it is native (engine/model.py): a hit from the device,
+    the host or the disk gives exactly the tokens the same engine computes without a cache."""
+    from engine.model import model_from_config
+    from tieredkv import CacheConfig, Engine
+    loaded = model_from_config(tiny_llama_config(), seed=0, dtype=dtype)
+    cfg = CacheConfig(block_size=4, device_memory="256KiB", host_memory="256KiB", disk_dir=str(tmp_path / "kv"),
+                      disk_capacity="64MiB", restore_policy="load")
+    with Engine(loaded, cfg) as eng:
+        assert eng.layout.dtype == dtype
+        for seed in range(6):
+            ids = random_prompt(29 + 3 * seed, seed=200 + seed)
+            computed = eng.generate(ids, GREEDY)
+            assert computed.usage.prompt_cache_hit_tokens == 0
+            device = eng.generate(ids, GREEDY)
+            eng.cache.demote("device")
+            host = eng.generate(ids, GREEDY)
+            eng.cache.demote("device")
+            eng.cache.demote("host")
+            assert eng.cache.disk.flush()
+            disk = eng.generate(ids, GREEDY)
+            full = (len(ids) - 1) // 4 * 4
+            assert device.usage.hit_tokens_by_tier["device"] == host.usage.hit_tokens_by_tier["host"] == full
+            assert disk.usage.hit_tokens_by_tier["disk"] == full
+            assert computed.token_ids == device.token_ids == host.token_ids == disk.token_ids

@@ -14,7 +14,9 @@ from gguf.quants import dequantize, quantize
 from transformers import AttentionInterface, GPT2Config, LlamaConfig, Qwen3Config
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from engine.gguf_cache import converted_dir
+from safetensors import safe_open
+
+from engine.gguf_cache import _is_complete, converted_dir
 from engine.model import (DEFAULT_GGUF_FILE, DEFAULT_MODEL_NAME, SUPPORTED_MODEL_TYPES, default_gguf_path, kv_layout,
                           load_model, model_from_config, resolve_device, resolve_dtype)
 from storage.layout import BlockLayout
@@ -40,10 +42,11 @@ def test_auto_device_and_dtype():
         assert resolve_dtype("auto", "cuda") in (torch.bfloat16, torch.float16)
     else:
         assert resolve_device("auto") == torch.device("cpu")
-        assert resolve_dtype("auto") is torch.float32
     assert resolve_device("cpu") == torch.device("cpu")
     assert resolve_device(torch.device("cpu")) == torch.device("cpu")
-    assert resolve_dtype("auto", "cpu") is torch.float32
+    # A CPU: bfloat16 where this machine computes it natively (AVX512-BF16 / AMX), else float32.
+    native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    assert resolve_dtype("auto", "cpu") is (torch.bfloat16 if native else torch.float32)
 
 
 @pytest.mark.parametrize("text,dtype", [("float32", torch.float32), ("fp32", torch.float32), ("FP16", torch.float16),
@@ -158,13 +161,13 @@ def test_custom_attention_implementation_is_used(tmp_path):
     directory = tmp_path / "tiny-llama"
     save_tiny_checkpoint(directory)
     ids = torch.tensor([[5, 6, 7]])
-    for m in (load_model(str(directory), device="cpu", attn_implementation="tieredkv_test_probe"),
+    for m in (load_model(str(directory), device="cpu", dtype="float32", attn_implementation="tieredkv_test_probe"),
               model_from_config(tiny_llama_config(), seed=3, attn_implementation="tieredkv_test_probe")):
         calls.clear()
         with torch.inference_mode():
             logits = m.model(ids).logits
         assert calls == [0, 1]
-        reference = load_model(str(directory), device="cpu", attn_implementation="sdpa")
+        reference = load_model(str(directory), device="cpu", dtype="float32", attn_implementation="sdpa")
         with torch.inference_mode():
             torch.testing.assert_close(logits, reference.model(ids).logits)
 
@@ -253,7 +256,7 @@ def test_gguf_is_converted_once_and_cached(tmp_path):
     stale.mkdir(parents=True)
     os.utime(stale, (time.time() - 7200, time.time() - 7200))
 
-    first = load_model(str(path), device="cpu", cache_dir=str(cache))
+    first = load_model(str(path), device="cpu", dtype="float32", cache_dir=str(cache))
     weights = target / "model.safetensors"
     assert weights.is_file() and not stale.exists()
     assert sorted(p.name for p in target.parent.iterdir()) == [target.name]  # no temp dir left
@@ -269,13 +272,45 @@ def test_gguf_is_converted_once_and_cached(tmp_path):
 
     stamp = weights.stat().st_mtime_ns
     second = load_model(str(path), device="cpu", dtype="bf16", cache_dir=str(cache))
-    assert weights.stat().st_mtime_ns == stamp  # read from the cache, not converted again
+    assert weights.stat().st_mtime_ns == stamp  # the float32 conversion is read, not made again
     assert second.identity.config_digest == first.identity.config_digest and second.identity.dtype == "bfloat16"
     assert torch.equal(second.model.lm_head.weight, first.model.lm_head.weight.to(torch.bfloat16))
+    # A bfloat16 model's conversion is stored in bfloat16 (cast from the float32 one): half the bytes.
+    bf16 = converted_dir(path, cache, torch.bfloat16)
+    assert bf16 == target.with_name(target.name + "-bf16")
+    with safe_open(bf16 / "model.safetensors", "pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+    assert (bf16 / "model.safetensors").stat().st_size < 0.6 * weights.stat().st_size
 
     weights.unlink()  # a cache someone damaged by hand is converted again
-    third = load_model(str(path), device="cpu", cache_dir=str(cache))
+    third = load_model(str(path), device="cpu", dtype="float32", cache_dir=str(cache))
     assert weights.is_file() and weights_equal(third.model, first.model) and third.identity == first.identity
+
+
+def test_a_truncated_gguf_names_the_file_and_says_damaged(tmp_path):
+    whole, cut, cache = tmp_path / "whole.gguf", tmp_path / "cut.gguf", tmp_path / "cache"
+    write_tiny_gguf(whole)
+    data = whole.read_bytes()
+    cut.write_bytes(data[: len(data) * 2 // 3])      # a download that stopped two thirds in
+    with pytest.raises(ValueError, match="damaged or incomplete") as e:
+        load_model(str(cut), device="cpu", cache_dir=str(cache))
+    assert str(cut) in str(e.value)
+    assert list((cache / "models").iterdir()) == []
+
+
+def test_a_conversion_goes_under_the_chosen_cache_dir_unless_the_default_root_has_one(tmp_path, monkeypatch):
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path)
+    monkeypatch.setenv("TIEREDKV_HOME", str(tmp_path / "home"))      # the default root, empty
+    chosen = tmp_path / "chosen"
+    load_model(str(path), device="cpu", dtype="bf16", cache_dir=str(chosen))
+    assert _is_complete(converted_dir(path, chosen, torch.bfloat16))
+    assert not (tmp_path / "home").exists()                        # nothing written elsewhere
+    # Once the default root holds a conversion, another cache dir reads it rather than copy it.
+    load_model(str(path), device="cpu", dtype="bf16")
+    other = tmp_path / "other"
+    load_model(str(path), device="cpu", dtype="bf16", cache_dir=str(other))
+    assert not other.exists()
 
 
 def test_failed_conversion_leaves_nothing(tmp_path):
@@ -290,7 +325,7 @@ def test_failed_conversion_leaves_nothing(tmp_path):
 
 def test_default_model(default_model):
     m = default_model
-    target = converted_dir(default_gguf_path())  # the real user cache, shared with the demo and server
+    target = converted_dir(default_gguf_path(), None, m.dtype)  # the real user cache, shared with the demo and server
     assert (target / "model.safetensors").is_file()
     assert m.identity.name == DEFAULT_MODEL_NAME and m.max_context == 8192
     assert kv_layout(m, 16) == BlockLayout(num_layers=30, block_size=16, num_kv_heads=3, head_dim=64,

@@ -30,6 +30,9 @@ def test_join_undoes_split_bit_for_bit(dtype: torch.dtype, shape: tuple[int, ...
     for swapped in (False, True) if byte_planes.can_swap(shape) else (False,):
         planes = byte_planes.split(x, swapped)
         assert planes.shape == (x.element_size(), x.numel()) and planes.dtype == np.uint8
+        listed = raw_bytes(x.transpose(0, 1).contiguous() if swapped else x)
+        for b in range(x.element_size()):                 # plane b is byte b, by a strided slice
+            assert planes[b].tobytes() == listed[b::x.element_size()].tobytes()
         out = torch.full_like(x, 7)
         byte_planes.join(list(planes), out, swapped)
         assert torch.equal(out.view(_INT[dtype]), x.view(_INT[dtype]))

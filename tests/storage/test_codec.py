@@ -1,4 +1,5 @@
-"""Codec: bit-identical round trips, and every kind of damage raises CodecError.
+"""Codec: bit-identical round trips, and every kind of damage raises CodecError -- for both kinds
+of codec ("zstd" and "raw"), and a payload of either kind read by a codec of the other.
 
 Payloads are real bytes from the real encoder; damage is done to them byte by byte. Where a
 test needs a header that lies with a valid crc (a forger, not damage), it rebuilds the header
@@ -24,6 +25,8 @@ _INT = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: 
 SHAPES = [(2, 2, 16, 3, 8), (1,), (7, 5), (3, 5, 7), (3, 2, 4, 1, 16), (1, 2, 3), (2, 1, 3), (), (0,), (2, 3, 0, 4)]
 B = bytes(range(64))          # a binding, as the disk tier's (block hash || namespace)
 SMALL = (2, 2, 4, 2, 8)       # a KV block's layout, 256 elements
+KINDS = ["zstd", "raw"]
+OTHER = {"zstd": "raw", "raw": "zstd"}
 
 
 def every_bit_pattern(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
@@ -75,15 +78,20 @@ def itemsize_of(payload: bytes) -> int:
     return {1: 4, 2: 2, 3: 2}[payload[6]]
 
 
+def table_entries_of(payload: bytes) -> int:
+    """One per plane, or one when flags bit 2 says the frame holds the whole tensor (raw codec)."""
+    return 1 if payload[5] & 0x04 else itemsize_of(payload)
+
+
 def header_size_of(payload: bytes) -> int:
-    """Fields, plane table (5 bytes a plane), coded crc32, header crc32."""
-    return plane_table_at(payload) + 5 * itemsize_of(payload) + 4 + 4
+    """Fields, plane table (5 bytes an entry), coded crc32, header crc32."""
+    return plane_table_at(payload) + 5 * table_entries_of(payload) + 4 + 4
 
 
 def split_payload(payload: bytes) -> tuple[bytes, list[tuple[int, int]], list[bytes]]:
     """(header fields before the plane table, [(mode, length)], [frame]) of a v4 payload."""
     table = plane_table_at(payload)
-    entries = [struct.unpack_from("<BI", payload, table + 5 * b) for b in range(itemsize_of(payload))]
+    entries = [struct.unpack_from("<BI", payload, table + 5 * b) for b in range(table_entries_of(payload))]
     at = header_size_of(payload)
     frames = []
     for _, length in entries:
@@ -110,10 +118,11 @@ def with_crc(payload: bytes) -> bytes:
 
 # ---- round trips ------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
-def test_round_trip_is_bit_identical(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
-    codec = Codec(level=3)
+def test_round_trip_is_bit_identical(kind: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    codec = Codec(level=3, kind=kind)
     for x in (every_bit_pattern(shape, dtype), kv_like(shape, dtype)):
         payload = codec.encode(x, B)
         assert_same_bits(codec.decode(payload, B), x)
@@ -121,13 +130,46 @@ def test_round_trip_is_bit_identical(dtype: torch.dtype, shape: tuple[int, ...])
         assert_same_bits(codec.decode(bytearray(payload), B), x)
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("level", [-7, 1, 3, 19])
-def test_special_values_round_trip_at_any_level(dtype: torch.dtype, level: int) -> None:
+def test_special_values_round_trip_at_any_level(kind: str, dtype: torch.dtype, level: int) -> None:
     x = special_values(dtype)
     flat = x.reshape(-1).float()
     assert flat[:4].isnan().all() and flat[4:6].isinf().all() and 0 < flat[8] < torch.finfo(dtype).tiny
-    assert_same_bits(Codec(level=level).decode(Codec(level=level).encode(x, B), B), x)
+    codec = Codec(level=level, kind=kind)
+    assert_same_bits(codec.decode(codec.encode(x, B), B), x)
+
+
+@pytest.mark.parametrize("writer", KINDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(2, 2, 16, 3, 8), (7, 5), (), (0,)])
+def test_either_kind_reads_what_the_other_wrote(writer: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    # A store written with one codec and reopened with the other serves every block bit for bit:
+    # decode reads the header, never its own kind.
+    x = every_bit_pattern(shape, dtype, seed=5)
+    payload = Codec(kind=writer).encode(x, B)
+    assert_same_bits(Codec(kind=OTHER[writer]).decode(payload, B), x)
+    out = torch.empty(x.numel(), dtype=dtype)
+    assert Codec(kind=OTHER[writer]).decode(payload, B, out=out).data_ptr() == out.data_ptr()
+    assert_same_bits(out.view(shape), x)
+    with pytest.raises(CodecError, match="bound to another block"):
+        Codec(kind=OTHER[writer]).decode(payload, B[:-1])
+
+
+def test_a_raw_payload_holds_the_tensor_bytes_as_they_are() -> None:
+    x = kv_like((4, 2, 16, 2, 32), torch.bfloat16)
+    payload = Codec(level=5, kind="raw").encode(x, B)
+    h = Codec().check_header(payload)
+    assert (h.version, h.dtype, h.shape, h.raw_size, h.shuffled, h.level, h.binding, h.dim1_major) == (
+        4, "bfloat16", (4, 2, 16, 2, 32), x.numel() * 2, False, 0, B, False)
+    assert payload[5] == 0x04 and [(p.coded, p.length) for p in h.planes] == [(False, len(payload) - h.header_size)]
+    _, entries, frames = split_payload(payload)
+    raw = x.reshape(-1).view(torch.uint8).numpy().tobytes()
+    assert raw in frames[0]                         # element order, verbatim (zstd raw blocks)
+    assert len(frames[0]) < len(raw) + 64            # a frame header, block headers, its checksum
+    assert zstandard.get_frame_parameters(frames[0]).has_checksum
+    assert [(bytes(f), n) for f, n in Codec().frames(payload)] == [(frames[0], len(raw))]
 
 
 def test_header_describes_the_block() -> None:
@@ -161,11 +203,12 @@ def test_frames_lists_each_plane_frame_with_its_size() -> None:
     assert [zstandard.ZstdDecompressor().decompress(f) for f, _ in frames] == [p.tobytes() for p in planes]
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_decode_into_out(dtype: torch.dtype) -> None:
+def test_decode_into_out(kind: str, dtype: torch.dtype) -> None:
     x = every_bit_pattern((2, 2, 16, 3, 8), dtype, seed=3)
     out = torch.empty(x.numel(), dtype=dtype)   # flat buffer: the result takes the header's shape
-    got = Codec().decode(Codec().encode(x, B), B, out=out)
+    got = Codec().decode(Codec(kind=kind).encode(x, B), B, out=out)
     assert got.data_ptr() == out.data_ptr() and got.shape == x.shape
     assert_same_bits(got, x)
 
@@ -187,6 +230,8 @@ def test_encode_rejects_what_it_cannot_store() -> None:
         Codec().encode(torch.zeros(4, 4).t(), B)
     with pytest.raises(ValueError, match="level"):
         Codec(level=23)
+    with pytest.raises(ValueError, match="kind"):
+        Codec(kind="lz4")
     with pytest.raises(ValueError, match="binding"):
         Codec().encode(kv_like((4, 8), torch.float16), b"x" * 256)
 
@@ -198,7 +243,7 @@ def test_kv_like_data_compresses() -> None:
 
 def test_parallel_decodes_in_threads_are_correct() -> None:
     blocks = [every_bit_pattern((4, 2, 16, 2, 16), DTYPES[i % 3], seed=i) for i in range(24)]
-    payloads = [Codec(level=1 + i % 3).encode(b, B) for i, b in enumerate(blocks)]
+    payloads = [Codec(level=1 + i % 3, kind=KINDS[i % 2]).encode(b, B) for i, b in enumerate(blocks)]
     results: dict[int, torch.Tensor] = {}
 
     def work(k: int) -> None:
@@ -216,16 +261,20 @@ def test_parallel_decodes_in_threads_are_correct() -> None:
 
 # ---- damage: every byte, every length ---------------------------------------------------------
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_every_single_byte_corruption_raises(dtype: torch.dtype) -> None:
-    # A small real payload: header, each stored plane's frame, the coded plane's frame. Every
-    # byte of it, changed three ways, must fail -- in the header (crc), in a frame's header,
-    # blocks or checksum (zstd) -- and never decode to other bytes.
+def test_every_single_byte_corruption_raises(kind: str, dtype: torch.dtype) -> None:
+    # A small real payload: header, each stored plane's frame, the coded plane's frame (raw: the
+    # one frame of the whole tensor). Every byte of it, changed three ways, must fail -- in the
+    # header (crc), in a frame's header, blocks or checksum (zstd) -- and never decode to other bytes.
     x = special_values(dtype)
-    payload = Codec().encode(x, B)
+    payload = Codec(kind=kind).encode(x, B)
     fields, entries, frames = split_payload(payload)
     header_size = header_size_of(payload)
-    assert [m for m, _ in entries][-1] == 1 and all(m == 0 for m, _ in entries[:-1])
+    if kind == "raw":
+        assert entries == [(0, len(payload) - header_size)]
+    else:
+        assert [m for m, _ in entries][-1] == 1 and all(m == 0 for m, _ in entries[:-1])
     assert len(payload) == header_size + sum(len(f) for f in frames)
     survived = []
     for offset in range(len(payload)):
@@ -240,17 +289,20 @@ def test_every_single_byte_corruption_raises(dtype: torch.dtype) -> None:
     assert survived == []
 
 
-def test_sampled_corruption_of_real_kv_sized_payloads_raises() -> None:
-    # Full-size blocks (zstd raw blocks over 128 KiB split in two): a sample of positions in
-    # each region -- header, every frame's start, middle and end.
+@pytest.mark.parametrize("kind", KINDS)
+def test_sampled_corruption_of_real_kv_sized_payloads_raises(kind: str) -> None:
+    # Full-size blocks (zstd raw blocks over 128 KiB split in two or more): a sample of positions
+    # in each region -- header, every frame's start, middle, each raw block's header, and end.
     for dtype in DTYPES:
         x = kv_like((30, 2, 16, 3, 64), dtype)
-        payload = Codec().encode(x, B)
+        payload = Codec(kind=kind).encode(x, B)
         fields, entries, frames = split_payload(payload)
         at = header_size_of(payload)
         offsets = list(range(0, at))
         for f in frames:
             offsets += [at, at + 3, at + 6, at + 9, at + len(f) // 2, at + len(f) - 5, at + len(f) - 1]
+            first_block = zstandard.frame_header_size(f)
+            offsets += [at + first_block + k * (3 + (128 << 10)) + j for k in range(len(f) >> 17) for j in (0, 1, 2)]
             at += len(f)
         for offset in offsets:
             damaged = bytearray(payload)
@@ -259,8 +311,9 @@ def test_sampled_corruption_of_real_kv_sized_payloads_raises() -> None:
                 Codec().decode(bytes(damaged), B)
 
 
-def test_truncated_or_extended_payload_raises() -> None:
-    payload = Codec().encode(special_values(torch.bfloat16), B)
+@pytest.mark.parametrize("kind", KINDS)
+def test_truncated_or_extended_payload_raises(kind: str) -> None:
+    payload = Codec(kind=kind).encode(special_values(torch.bfloat16), B)
     for n in range(len(payload)):
         with pytest.raises(CodecError):
             Codec().decode(payload[:n], B)
@@ -269,9 +322,9 @@ def test_truncated_or_extended_payload_raises() -> None:
             Codec().decode(payload + junk, B)
 
 
-@pytest.fixture(scope="module")
-def payload() -> bytes:
-    return Codec().encode(kv_like(SMALL, torch.float16), B)
+@pytest.fixture(scope="module", params=KINDS)
+def payload(request: pytest.FixtureRequest) -> bytes:
+    return Codec(kind=request.param).encode(kv_like(SMALL, torch.float16), B)
 
 
 def test_an_intact_payload_under_another_binding_is_refused(payload: bytes) -> None:
@@ -305,16 +358,34 @@ def test_header_lies_with_a_valid_crc_raise(payload: bytes) -> None:
         with pytest.raises(CodecError, match=match):
             Codec().decode(build_payload(bad, entries, frames), B)
     with pytest.raises(CodecError, match="unknown mode"):
-        Codec().decode(build_payload(fields, [(2, entries[0][1]), entries[1]], frames), B)
+        Codec().decode(build_payload(fields, [(2, entries[0][1]), *entries[1:]], frames), B)
     with pytest.raises(CodecError, match="plane table"):     # lengths that do not add up
-        Codec().decode(build_payload(fields, [(entries[0][0], entries[0][1] + 1), entries[1]], frames), B)
-    with pytest.raises(CodecError):                          # a boundary moved: both frames broken
-        Codec().decode(build_payload(fields, [(entries[0][0], entries[0][1] + 1),
-                                              (entries[1][0], entries[1][1] - 1)], frames), B)
+        Codec().decode(build_payload(fields, [(entries[0][0], entries[0][1] + 1), *entries[1:]], frames), B)
+    if len(entries) > 1:
+        with pytest.raises(CodecError):                      # a boundary moved: both frames broken
+            Codec().decode(build_payload(fields, [(entries[0][0], entries[0][1] + 1),
+                                                  (entries[1][0], entries[1][1] - 1)], frames), B)
     stale = bytearray(payload)                               # the coded crc of other frames
     stale[header_size_of(payload) - 8] ^= 1
     with pytest.raises(CodecError, match="coded planes' crc32"):
         Codec().decode(with_crc(bytes(stale)), B)
+
+
+def test_the_whole_flag_with_planes_or_a_coded_frame_raises() -> None:
+    # Forged with valid crcs: bit 2 (whole) together with bit 1 (dim-1-major), or a whole-tensor
+    # frame marked coded; and a flag flipped either way, which changes how the table is read.
+    raw = Codec(kind="raw").encode(kv_like(SMALL, torch.bfloat16), B)
+    fields, entries, frames = split_payload(raw)
+    with pytest.raises(CodecError, match="whole-tensor frame has no planes"):
+        Codec().decode(build_payload(fields[:5] + bytes([0x06]) + fields[6:], entries, frames), B)
+    with pytest.raises(CodecError, match="unknown mode 1 for plane 0 of a whole-tensor frame"):
+        Codec().decode(build_payload(fields, [(1, entries[0][1])], frames), B)
+    with pytest.raises(CodecError):                          # raw read as planes
+        Codec().decode(with_crc(raw[:5] + bytes([0x00]) + raw[6:]), B)
+    planes = Codec().encode(kv_like(SMALL, torch.bfloat16), B)
+    for flags in (0x04, 0x06):                               # planes read as one whole frame
+        with pytest.raises(CodecError):
+            Codec().decode(with_crc(planes[:5] + bytes([flags]) + planes[6:]), B)
 
 
 def test_dim1_major_flag_on_a_shape_without_those_dims_raises() -> None:
@@ -332,7 +403,7 @@ def test_a_frame_without_its_content_checksum_is_refused(payload: bytes) -> None
     bare = zstandard.ZstdCompressor(level=-5, write_checksum=False, write_content_size=True).compress(plane)
     assert not zstandard.get_frame_parameters(bare).has_checksum
     with pytest.raises(CodecError, match="checksum"):
-        Codec().decode(build_payload(fields, [(0, len(bare)), entries[1]], [bare, frames[1]]), B)
+        Codec().decode(build_payload(fields, [(0, len(bare)), *entries[1:]], [bare, *frames[1:]]), B)
 
 
 def test_a_frame_of_another_size_or_with_bytes_after_it_is_refused(payload: bytes) -> None:
@@ -342,7 +413,7 @@ def test_a_frame_of_another_size_or_with_bytes_after_it_is_refused(payload: byte
     for other, match in ((c.compress(plane[:-1]), "content size"), (c.compress(plane + b"\0"), "content size"),
                          (frames[0] + b"\0", "unused data|extra"), (frames[0] + frames[0], "unused data|extra")):
         with pytest.raises(CodecError, match=match):
-            Codec().decode(build_payload(fields, [(0, len(other)), entries[1]], [other, frames[1]]), B)
+            Codec().decode(build_payload(fields, [(0, len(other)), *entries[1:]], [other, *frames[1:]]), B)
 
 
 # ---- payloads already on disk stay readable ---------------------------------------------------

@@ -1,4 +1,5 @@
-"""Codec v4's compression ratio on real KV: the default model's own keys and values.
+"""Codec v4's compression ratio on real KV, the default model's own keys and values (and the raw
+codec storing them as they are).
 
 The one storage test that reaches up to the engine: random bytes do not compress and synthetic
 values carry whatever exponent distribution the test writer guessed, so the ratio is measured
@@ -57,3 +58,16 @@ def test_v4_ratio_on_real_kv_meets_the_target_and_beats_v3(real_blocks: torch.Te
     plane = blocks[0].numel()
     assert [p.coded for p in header.planes] == [False] * (blocks.element_size() - 1) + [True]
     assert all(p.length <= plane + 64 for p in header.planes if not p.coded)
+
+
+@pytest.mark.parametrize("dtype", list(TARGET))
+def test_the_raw_codec_stores_real_kv_as_it_is(real_blocks: torch.Tensor, dtype: torch.dtype) -> None:
+    # The raw codec's one frame holds zstd raw blocks on real KV: the bytes, a frame header, a
+    # 3-byte header per 128 KiB block and the checksum -- nothing compressed, nothing to decode.
+    blocks = real_blocks.to(dtype)
+    for b in blocks:
+        payload = Codec(kind="raw").encode(b, B)
+        header = Codec().check_header(payload)
+        assert not header.shuffled and len(header.planes) == 1
+        assert header.raw_size <= len(payload) - header.header_size <= header.raw_size + 32
+        assert torch.equal(Codec().decode(payload, B).view(torch.uint8), b.view(torch.uint8))

@@ -1,12 +1,13 @@
 import pytest
 
-from storage.config import CacheConfig, parse_size
+from storage.config import CODECS, CacheConfig, parse_size
 
 
 def test_defaults_parse():
     c = CacheConfig()
     assert (c.block_size, c.device_bytes, c.host_bytes, c.disk_bytes) == (16, 2**30, 4 * 2**30, 50 * 2**30)
     assert c.zstd_level == 3 and c.write_policy == "write_back" and c.isolate_tenants is True
+    assert c.codec == "zstd" and CacheConfig(codec="raw").codec == "raw"
     assert c.disk_path.endswith("/.cache/tieredkv/kv")
 
 
@@ -31,6 +32,8 @@ def test_disabling_tiers():
     ({"disk_capacity": "1XB"}, "disk_capacity"),
     ({"disk_capacity": 0}, "disk_capacity"),
     ({"zstd_level": 99}, "zstd_level"),
+    ({"codec": "lz4"}, "codec"),
+    ({"codec": None}, "codec"),
     ({"write_policy": "write_around"}, "write_policy"),
     ({"isolate_tenants": "yes"}, "isolate_tenants"),
     ({"disk_dir": ""}, "disk_dir"),
@@ -38,6 +41,11 @@ def test_disabling_tiers():
 def test_bad_values_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         CacheConfig(**kwargs)
+
+
+def test_the_codecs_offered_are_the_ones_the_codec_knows():
+    from storage.codec.payload import KINDS
+    assert CODECS == KINDS
 
 
 def test_frozen():

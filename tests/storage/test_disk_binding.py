@@ -3,7 +3,8 @@
 Each attack edits a real data.mdb behind a closed tier (the way a damaged page pointer, a
 misplaced record or a hostile writer would), then opens the tier and asks for the block: the
 answer must be a counted miss that deletes the record, never another block's KV, and
-`verify()` must report exactly the damaged blocks.
+`verify()` must report exactly the damaged blocks. The attacks on payloads run for both codecs
+(written with one, read by a tier configured with the other).
 """
 from __future__ import annotations
 
@@ -13,11 +14,14 @@ from pathlib import Path
 import lmdb
 import pytest
 
+from storage.codec.payload import Codec
 from storage.codec.stored_block import BlockMeta
 from storage.disk.tier import DiskTier
 from tests.storage.disk_tier_child import make_block, make_key, same_bits
 
 CAP = 64 << 20
+KINDS = ["zstd", "raw"]
+OTHER = {"zstd": Codec(kind="raw"), "raw": Codec(kind="zstd")}
 
 
 def edit(path: Path, fn) -> None:
@@ -31,14 +35,15 @@ def edit(path: Path, fn) -> None:
         env.close()
 
 
-def stored(n: int, path: Path) -> None:
-    with DiskTier(str(path), CAP) as t:
+def stored(n: int, path: Path, kind: str = "zstd") -> None:
+    with DiskTier(str(path), CAP, Codec(kind=kind)) as t:
         for i in range(n):
             t.put(make_key(i), make_block(i))
 
 
-def test_another_blocks_intact_payload_under_a_key_is_refused(tmp_path: Path) -> None:
-    stored(4, tmp_path)
+@pytest.mark.parametrize("kind", KINDS)
+def test_another_blocks_intact_payload_under_a_key_is_refused(tmp_path: Path, kind: str) -> None:
+    stored(4, tmp_path, kind)
     a, b = make_key(1), make_key(2)
 
     def swap(txn, dbs):   # b's payload (intact, checksummed) now stands under a's key,
@@ -48,7 +53,7 @@ def test_another_blocks_intact_payload_under_a_key_is_refused(tmp_path: Path) ->
         txn.put(a.hash, p, db=dbs["payload"])
         txn.put(a.hash, m.pack(), db=dbs["meta"])
     edit(tmp_path, swap)
-    with DiskTier(str(tmp_path), CAP) as t:
+    with DiskTier(str(tmp_path), CAP, OTHER[kind]) as t:
         report = t.verify()
         assert [(d.hash, "bound to another block" in d.reason) for d in report.damaged] == [(a.hash, True)]
         for _ in range(3):            # asked again and again: never b's bytes
@@ -58,10 +63,11 @@ def test_another_blocks_intact_payload_under_a_key_is_refused(tmp_path: Path) ->
         assert same_bits(t.get(b), make_block(2))
 
 
-def test_payloads_rotated_among_keys_are_all_refused(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", KINDS)
+def test_payloads_rotated_among_keys_are_all_refused(tmp_path: Path, kind: str) -> None:
     # What a bit flip in LMDB's overflow page numbers does: each key's value points at a
     # neighbour's pages. Every one is refused, none served.
-    stored(5, tmp_path)
+    stored(5, tmp_path, kind)
     ks = [make_key(i) for i in range(5)]
 
     def rotate(txn, dbs):   # with metadata sizes that agree, as between same-size neighbours
@@ -72,7 +78,7 @@ def test_payloads_rotated_among_keys_are_all_refused(tmp_path: Path) -> None:
             txn.put(k.hash, v, db=dbs["payload"])
             txn.put(k.hash, m.pack(), db=dbs["meta"])
     edit(tmp_path, rotate)
-    with DiskTier(str(tmp_path), CAP) as t:
+    with DiskTier(str(tmp_path), CAP, OTHER[kind]) as t:
         assert len(t.verify().damaged) == 5
         assert t.get_many(ks) == [None] * 5
         assert t.stats().corrupt == 5 and t.stats().blocks == 0
@@ -95,8 +101,9 @@ def test_a_damaged_namespace_is_caught_by_verify_and_never_served(tmp_path: Path
         assert same_bits(t.get(make_key(0)), make_block(0)) and same_bits(t.get(make_key(2)), make_block(2))
 
 
-def test_trailing_bytes_after_a_stored_frame_are_refused(tmp_path: Path) -> None:
-    stored(2, tmp_path)
+@pytest.mark.parametrize("kind", KINDS)
+def test_trailing_bytes_after_a_stored_frame_are_refused(tmp_path: Path, kind: str) -> None:
+    stored(2, tmp_path, kind)
     k = make_key(0)
 
     def append_junk(txn, dbs):
@@ -106,7 +113,7 @@ def test_trailing_bytes_after_a_stored_frame_are_refused(tmp_path: Path) -> None
         txn.put(k.hash, p, db=dbs["payload"])
         txn.put(k.hash, m.pack(), db=dbs["meta"])
     edit(tmp_path, append_junk)
-    with DiskTier(str(tmp_path), CAP) as t:
+    with DiskTier(str(tmp_path), CAP, OTHER[kind]) as t:
         assert [d.hash for d in t.verify().damaged] == [k.hash]
         assert t.get(k) is None and t.stats().corrupt == 1
 

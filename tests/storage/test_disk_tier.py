@@ -57,9 +57,10 @@ def flip_middle_byte(v: bytes) -> bytes:
     return bytes(b)
 
 
+@pytest.mark.parametrize("kind", ["zstd", "raw"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_put_flush_get_is_bit_identical(tmp_path: Path, dtype: torch.dtype) -> None:
-    with DiskTier(str(tmp_path), CAP) as t:
+def test_put_flush_get_is_bit_identical(tmp_path: Path, dtype: torch.dtype, kind: str) -> None:
+    with DiskTier(str(tmp_path), CAP, Codec(kind=kind)) as t:
         for i in range(5):
             t.put(make_key(i), make_block(i, dtype))
         assert t.flush(timeout=30)
@@ -156,10 +157,11 @@ def test_key_mismatch_is_corrupt_and_deleted(tmp_path: Path, field: str) -> None
         assert t.check() == []
 
 
+@pytest.mark.parametrize("kind", ["zstd", "raw"])
 @pytest.mark.parametrize("db,damage", [("payload", flip_middle_byte), ("payload", lambda v: v[:-9]),
                                        ("meta", lambda v: v[:-3])])
-def test_damaged_stored_block_is_a_miss_and_deleted(tmp_path: Path, db: str, damage) -> None:
-    with DiskTier(str(tmp_path), CAP) as t:
+def test_damaged_stored_block_is_a_miss_and_deleted(tmp_path: Path, db: str, damage, kind: str) -> None:
+    with DiskTier(str(tmp_path), CAP, Codec(kind=kind)) as t:
         for i in range(3):
             t.put(make_key(i), make_block(i))
     rewrite(tmp_path, db, make_key(1).hash, damage)

@@ -12,6 +12,7 @@ import pytest
 import redis
 import torch
 
+from storage.codec.payload import Codec
 from storage.remote.breaker import BreakerConfig
 from storage.remote.tier import RemoteTier
 from storage.remote.value import remote_key
@@ -61,10 +62,11 @@ def test_round_trip_is_bit_identical_and_a_batched_get_serves_what_is_there(serv
         rt.close()
 
 
-def test_a_damaged_value_is_a_miss_deleted_and_counted(server) -> None:
+@pytest.mark.parametrize("kind", ["zstd", "raw"])
+def test_a_damaged_value_is_a_miss_deleted_and_counted(server, kind: str) -> None:
     ns = os.urandom(32)
     ks = keys(3, ns=ns)
-    rt = tier(server.url)
+    rt = tier(server.url, codec=Codec(kind=kind))
     raw = raw_client(server.url)
     try:
         for k in ks:
@@ -83,6 +85,25 @@ def test_a_damaged_value_is_a_miss_deleted_and_counted(server) -> None:
     finally:
         raw.close()
         rt.close()
+
+
+@pytest.mark.parametrize("writer,reader", [("raw", "zstd"), ("zstd", "raw")])
+def test_a_store_written_with_one_codec_is_served_by_a_tier_with_the_other(valkey, writer: str, reader: str) -> None:
+    ks = keys(4, ns=os.urandom(32))
+    w = tier(valkey.url, codec=Codec(kind=writer))
+    try:
+        for k in ks:
+            assert w.put(k, block_data(k))
+        assert w.flush(10)
+    finally:
+        w.close()
+    r = tier(valkey.url, codec=Codec(kind=reader))
+    try:
+        got = r.get_many(ks)
+        assert all(g is not None and same_bits(g, block_data(k)) for g, k in zip(got, ks))
+        assert r.stats().corrupt == 0
+    finally:
+        r.close()
 
 
 def test_tenants_are_isolated_even_when_bytes_land_under_another_tenants_key(valkey) -> None:

@@ -25,10 +25,10 @@ DISK = 64 << 20
 
 
 def make_cache(path: Path, pages: int, host_slots: int, disk_bytes: int = DISK, layout: BlockLayout = TINY,
-               write_policy: str = "write_back") -> TieredKVCache:
+               write_policy: str = "write_back", codec: str = "zstd") -> TieredKVCache:
     config = CacheConfig(block_size=layout.block_size, device_memory=pages * layout.nbytes,
                          host_memory=host_slots * layout.nbytes, disk_dir=str(path),
-                         disk_capacity=disk_bytes, write_policy=write_policy)
+                         disk_capacity=disk_bytes, write_policy=write_policy, codec=codec)
     return TieredKVCache(layout, config, num_pages=pages)
 
 
@@ -225,6 +225,33 @@ def test_write_through_without_host_writes_disk(caches) -> None:
     assert same_bits(cache.disk.get(ks[0]), block_data(ks[0]))
     assert counts(cache, "disk")[2] == 1
     check(cache)
+
+
+@pytest.mark.parametrize("writer,reader", [("raw", "zstd"), ("zstd", "raw")])
+def test_the_configured_codec_writes_the_disk_and_either_reads_it(tmp_path: Path, writer: str, reader: str) -> None:
+    ks = keys(3)
+    path = tmp_path / "disk"
+    cache = make_cache(path, pages=4, host_slots=2, codec=writer)
+    assert cache.disk.codec.kind == writer
+    cache.release(fill(cache, ks))
+    assert cache.flush().written == 3
+    cache.close()
+    env = lmdb.open(str(path), max_dbs=4, readonly=True)
+    try:
+        with env.begin() as txn:
+            headers = [Codec().check_header(txn.get(k.hash, db=env.open_db(b"payload", txn=txn))) for k in ks]
+    finally:
+        env.close()
+    assert [h.shuffled for h in headers] == [writer == "zstd"] * 3     # raw: one frame, no planes
+    cache = make_cache(path, pages=4, host_slots=2, codec=reader)
+    try:
+        got = cache.load_now(cache.match(ks))
+        assert got.tiers == ("disk",) * 3 and len(got.pages) == 3
+        for page, k in zip(got.pages, ks):
+            assert same_bits(cache.pool.kv[page], block_data(k))
+        assert cache.disk.stats().corrupt == 0
+    finally:
+        cache.close()
 
 
 @pytest.mark.parametrize("failure", ["damaged payload", "token mismatch"])

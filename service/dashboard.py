@@ -1,0 +1,51 @@
+"""/dashboard: a live page of the cache, served as static files shipped in the package.
+
+Knows: where the page's files are (service/static/, package data), and how they are served: the
+HTML, script and stylesheet hold no secret and no data, so they are served to anyone, under a
+Content-Security-Policy that allows this origin only (no CDN, no inline script, no other host),
+which also keeps any prompt text the page shows from running as script. The data comes from the
+JSON routes (/v1/cache/status, /tree, /billing, /health), each authenticated as it always is: on
+a server with keys the page asks for a key, keeps it in the tab's sessionStorage and sends it as
+`Authorization: Bearer` on its fetches (a navigation cannot carry that header).
+Doesn't know: what the page draws (service/static/dashboard.js does).
+"""
+from __future__ import annotations
+
+from importlib import resources
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from service.context import ctx
+
+router = APIRouter()
+
+_FILES = {"dashboard.js": "text/javascript; charset=utf-8", "dashboard.css": "text/css; charset=utf-8"}
+_HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
+                               "img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-cache",
+}
+
+
+def _read(name: str) -> bytes:
+    return resources.files("service").joinpath("static", name).read_bytes()
+
+
+@router.get("/dashboard", include_in_schema=False)
+async def dashboard(request: Request) -> Response:
+    # The page is told whether to ask for a key before its first fetch (a fetch refused 401 is
+    # an error in the browser's console); which keys exist is not said.
+    auth = "none" if ctx(request).keys is None else "keys"
+    html = _read("dashboard.html").replace(b"{{AUTH}}", auth.encode())
+    return Response(html, media_type="text/html; charset=utf-8", headers=_HEADERS)
+
+
+@router.get("/dashboard/{name}", include_in_schema=False)
+async def asset(name: str) -> Response:
+    media = _FILES.get(name)
+    if media is None:
+        return Response("not found\n", status_code=404, media_type="text/plain")
+    return Response(_read(name), media_type=media, headers=_HEADERS)
