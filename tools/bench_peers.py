@@ -172,7 +172,11 @@ class PeerProcess:
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
                                      text=True, env=env, cwd=workdir)
-        self.hello = self._read()
+        try:
+            self.hello = self._read()
+        except Exception:
+            self.close()
+            raise
 
     def _read(self) -> dict:
         for line in self.proc.stdout:
