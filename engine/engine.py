@@ -285,6 +285,9 @@ class Engine:
         return {"model": self.model_name, "block_size": self.block_size, "dtype": str(self.layout.dtype).removeprefix("torch."),
                 "block_bytes": self.layout.nbytes, "write_policy": self.config.write_policy,
                 "tiers": tiers,
+                # Where this server's KV events are published (a router subscribes there): the
+                # bound endpoints, the last batch's sequence number, events dropped.
+                "kv_events": self.cache.events_status(),
                 "billing": self.billing.status() if self.billing is not None else {"state": "off"},
                 # What compute-or-load decides from (issue 18): each tier's measured restore rate
                 # and this engine's fitted prefill time.

@@ -127,6 +127,13 @@ class CacheCollector:
         remote = tiers.get("remote", {})
         if remote.get("enabled"):
             yield from _remote_metrics(remote)
+        events = status.get("kv_events", {})
+        if events.get("enabled"):
+            yield _single(CounterMetricFamily, "tieredkv_kv_events_published", "KV events (BlockStored, "
+                          "BlockRemoved, AllBlocksCleared) sent on the events endpoint", events.get("published", 0))
+            yield _single(CounterMetricFamily, "tieredkv_kv_events_dropped", "KV events dropped before "
+                          "publishing (the publisher's queue full): subscribers' indexes miss them",
+                          events.get("dropped", 0))
 
 
 def _remote_metrics(remote: dict[str, Any]) -> Iterable[Metric]:

@@ -53,6 +53,9 @@ def startup_summary(engine: Any, url: str, served_model_name: str | None = None)
     rows.append(("restores", f"compute or load: {config.restore_policy} (engine/restore_planner.py); "
                              f"blocks below the host stored {config.codec}"
                              + (" (zstd level %d)" % config.zstd_level if config.codec == "zstd" else "")))
+    events = getattr(engine.cache, "events_publisher", None)
+    rows.append(("kv events", "off" if events is None else
+                 f"{events.endpoint} (replay {events.replay_endpoint}; vLLM's KV events format)"))
     ledger = getattr(engine, "ledger", None)
     rows.append(("billing", "off" if ledger is None else ledger.path))
     rows.append(("listen", f"{url} (OpenAI API under {url}/v1; {url}/docs)"))

@@ -6,9 +6,16 @@ then record the outcome under the condition and wake every waiter --, and waits 
 (a flush, room in the queue).
 Doesn't know: what the work is. A subclass says what is queued and how a batch is taken
 (`_has_work`, `_take`, under the condition), writes it (`_write`, no lock held; its answer goes to
-`_after`), and may prepare its thread (`_on_start`). The disk writer (storage/disk/writer.py),
-the remote writer (storage/remote/writer.py) and the billing writer (engine/billing_writer.py)
-are its three.
+`_after`), and may prepare its thread (`_on_start`) and clean up after it (`_on_exit`). The disk
+writer (storage/disk/writer.py), the remote writer (storage/remote/writer.py) and the billing
+writer (engine/billing_writer.py) are its three.
+
+Look-ahead (a subclass with `_look_ahead = True`: the disk and remote writers): a batch has work
+that needs neither the store nor a lock -- encoding -- which `_prepare` starts on a pool and
+`_ready` waits for. Once batch k is ready, batch k+1 is taken and prepared, and only then is k
+written: k+1 encodes while k commits (or is sent). At most one batch is ever taken ahead, so
+memory stays bounded by the queue plus two batches; batches are still written one at a time, in
+the order they were taken, each `_after` before the next `_write`.
 
 Threads: the subclass's queueing methods run on any thread and hold `_cond` only to edit the
 queue; `_write` runs on the writer's own thread with no lock held (NOTE: never hold `_cond`
@@ -30,7 +37,7 @@ class BackgroundWriter(Generic[Batch]):
     def __init__(self, thread_name: str) -> None:
         self._cond = threading.Condition()      # re-entrant: a test may hold it to line up a batch
         self._stopping = False                  # under _cond
-        self._busy = False                      # under _cond: a batch is being written now
+        self._busy = False                      # under _cond: a batch is in hand (being written, or taken ahead)
         self._thread_name = thread_name
         self._thread: threading.Thread | None = None
 
@@ -53,6 +60,20 @@ class BackgroundWriter(Generic[Batch]):
 
     def _on_start(self) -> None:
         """On the writer thread, before its first batch."""
+
+    def _on_exit(self) -> None:
+        """On the writer thread, after its last batch (stopping, everything queued written)."""
+
+    # Look-ahead writers take the next batch once the current one is ready, and prepare it while
+    # the current one is written (see the module docstring).
+    _look_ahead = False
+
+    def _prepare(self, batch: Batch) -> None:
+        """On the writer thread, no lock held, as the batch is taken: start the work that needs
+        neither the store nor a lock (on a pool; return without waiting for it). Never raises."""
+
+    def _ready(self, batch: Batch) -> None:
+        """On the writer thread, no lock held, before `_write`: wait for what `_prepare` started."""
 
     def _idle_timeout(self) -> float | None:
         """Under _cond, with nothing to do: how long to sleep before asking _has_work again (a
@@ -81,24 +102,42 @@ class BackgroundWriter(Generic[Batch]):
 
     def _loop(self) -> None:
         self._on_start()
+        ahead: Batch | None = None   # look-ahead: the next batch, taken and being prepared
+        has_ahead = False
         while True:
             with self._cond:
-                while not self._has_work() and not self._stopping:
-                    self._cond.wait(self._idle_timeout())
-                if not self._has_work():
-                    return          # stopping, and everything queued was written
-                batch = self._take()
-                self._busy = True
+                if has_ahead:
+                    batch, fresh = ahead, False
+                else:
+                    while not self._has_work() and not self._stopping:
+                        self._cond.wait(self._idle_timeout())
+                    if not self._has_work():
+                        break       # stopping, and everything queued was written
+                    batch, fresh = self._take(), True
+                    self._busy = True
+                ahead, has_ahead = None, False
             ok = False
             try:
+                if fresh:
+                    self._prepare(batch)
+                self._ready(batch)
+                if self._look_ahead:
+                    # NOTE: taken only once this batch is ready (its encodes done), so the next
+                    # batch gathers what was queued meanwhile; _busy stays set while it is held.
+                    with self._cond:
+                        if self._has_work():
+                            ahead, has_ahead = self._take(), True
+                    if has_ahead:
+                        self._prepare(ahead)
                 ok = self._write(batch)
             except Exception:       # never let the writer die: the process goes on without this write
                 log.exception("%s: writing a batch failed", self._thread_name)
             finally:
                 with self._cond:
-                    self._busy = False
+                    self._busy = has_ahead
                     self._after(batch, ok)
                     self._cond.notify_all()
+        self._on_exit()
 
     # ---- waits -------------------------------------------------------------------------------
     def _wait_for(self, done: Callable[[], bool], timeout: float | None, needs_thread: bool = False) -> bool:

@@ -9,6 +9,11 @@ and the operator's moves: `flush` (every block to the lowest tier, waiting for t
 Doesn't know: matching, planning, fills (storage/tiered_cache.py, storage/loader.py), or how a
 tier stores bytes (storage/lower_tier.py's verbs).
 
+KV events (storage/kv_events/sink.py): a block leaving the device pool (evicted, dropped) is
+BlockRemoved GPU, one copied into a host slot BlockStored CPU, one leaving the host slot
+BlockRemoved CPU -- said after the block reached its next tier's queue or slot, so a router never
+sees a block held nowhere that is still held. The tiers below say their own.
+
 Threads: the pressure edges run on the engine thread under the tiers' lock (the pool and the
 host slab call them while evicting); the operator's moves run on the caller's thread.
 NOTE invariant: the lock is never held while waiting on a writer. Under pressure a block is
@@ -26,6 +31,7 @@ from typing import Callable, Iterator
 import torch
 
 from storage.hashing import BlockKey
+from storage.kv_events.sink import CPU, GPU
 from storage.tiers import TIERS, Tiers
 
 _FLUSH_BATCH = 32     # blocks copied out per hold of the lock by flush/demote
@@ -57,8 +63,8 @@ class Cascade:
         # under the lock): queued once their copy is done, never waited for on a step.
         self._through: deque[tuple[BlockKey, int]] = deque()
         # The pool and the host slab hand their victims here, while the bytes are intact.
-        tiers.pool.on_evict = self.device_to_host
-        tiers.host.on_evict = self.host_to_lower
+        tiers.pool.on_evict = self.device_evicted
+        tiers.host.on_evict = self.host_evicted
         if tiers.disk is not None and tiers.remote is not None:
             tiers.disk.on_commit(self.disk_to_remote)
 
@@ -67,6 +73,16 @@ class Cascade:
         """A block was just computed into `page`: under write-through it goes down now."""
         if self.write_through or self.remote_through:
             self.device_to_host([(key, page)], through=True)
+
+    def device_evicted(self, blocks: list[tuple[BlockKey, int]]) -> None:
+        """The pool evicts these (key, page): down to the host tier, and gone from the device."""
+        self.device_to_host(blocks)
+        self.t.events.removed([key.hash for key, _ in blocks], GPU)
+
+    def host_evicted(self, key: BlockKey, slot: int) -> None:
+        """The host tier evicts this slot's block: down to the next tier, and gone from the host."""
+        self.host_to_lower(key, slot)
+        self.t.events.removed([key.hash], CPU)
 
     def device_to_host(self, blocks: list[tuple[BlockKey, int]], through: bool = False) -> None:
         """Device blocks (key, page) into host unless already there (and, `through`, on down).
@@ -102,15 +118,18 @@ class Cascade:
                     if t.host.slot_of(key) is None:
                         self.to_lower(key, t.pool.kv[page])
                 break
-            batch = []
+            batch, keys = [], []
             for key, page in blocks[start:start + step]:
                 if t.host.slot_of(key) is not None:
                     continue
                 slot = t.host.reserve(key)      # never None within `step` (see above)
                 batch.append((slot, t.pool.kv[page]))
                 copied.append((key, slot))
+                keys.append(key)
                 t.count_write("host")
             t.transfer.copy_to_host(t.host.slab, batch)
+            # Said per batch: the next batch's reserves may evict these (BlockRemoved after).
+            t.events.stored(keys, CPU)
             start += step
         return copied
 
@@ -264,13 +283,16 @@ class Cascade:
         with t.lock:
             if tier == "device":
                 pages = t.pool.evictable_pages()
+                hashes = [t.pool.key_of(page).hash for page in pages]
                 for page in pages:
                     t.pool.drop(page)
+                t.events.removed(hashes, GPU)
                 return len(pages)
             if tier == "host":
                 hashes = t.host.hashes()
                 for h in hashes:
                     t.host.remove(h)
+                t.events.removed(hashes, CPU)
                 return len(hashes)
         if t.disk is None:
             return 0

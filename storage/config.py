@@ -11,6 +11,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
+from storage.kv_events.endpoints import check_endpoint, default_replay
 from storage.remote.url import RemoteURL, parse_remote_url
 
 _UNITS = {
@@ -110,6 +111,16 @@ class CacheConfig:
     # and prefill time predict the earliest finish; "load" always loads; "recompute" never does.
     # Either way a block the cache held is billed as a hit from the tier that held it.
     restore_policy: str = "auto"
+    # KV events (storage/kv_events/): every block that becomes or stops being findable in a tier,
+    # published in vLLM's wire format for routers (llm-d, Dynamo, `tieredkv route`). None: off.
+    # An endpoint like tcp://127.0.0.1:5557 (the default of `serve --kv-events`; loopback unless
+    # the operator writes another host or *; port 0 or * binds a free port), ipc:// or inproc://.
+    kv_events: str | None = None
+    # The replay socket (a subscriber that sees a gap asks for the batches it missed); None: the
+    # events' host at port + 1.
+    kv_events_replay: str | None = None
+    kv_events_tokens: bool = True        # False: BlockStored's token_ids are left empty
+    kv_events_topic: str = ""            # the first frame of every batch (ZMQ subscription filter)
     # Parsed sizes in bytes; filled in by __post_init__.
     device_bytes: int = field(init=False, repr=False, compare=False)
     host_bytes: int = field(init=False, repr=False, compare=False)
@@ -150,6 +161,27 @@ class CacheConfig:
             raise ValueError(f"restore_policy: expected one of {RESTORE_POLICIES}, got {self.restore_policy!r}")
         if self.remote_write not in REMOTE_WRITES:
             raise ValueError(f"remote_write: expected one of {REMOTE_WRITES}, got {self.remote_write!r}")
+        if self.kv_events is not None:
+            check_endpoint(self.kv_events, "kv_events")
+            if self.kv_events_replay is None:
+                default_replay(self.kv_events)         # port 65535 has no port + 1: say so now
+        if self.kv_events_replay is not None:
+            if self.kv_events is None:
+                raise ValueError("kv_events_replay: needs kv_events (the events' endpoint)")
+            check_endpoint(self.kv_events_replay, "kv_events_replay")
+            if self.kv_events_replay == self.kv_events and not self.kv_events.endswith((":0", ":*")):
+                raise ValueError(f"kv_events_replay: must differ from kv_events ({self.kv_events})")
+        if not isinstance(self.kv_events_tokens, bool):
+            raise ValueError(f"kv_events_tokens: expected True or False, got {self.kv_events_tokens!r}")
+        if not isinstance(self.kv_events_topic, str):
+            raise ValueError(f"kv_events_topic: expected a string, got {self.kv_events_topic!r}")
+
+    @property
+    def kv_events_replay_endpoint(self) -> str | None:
+        """Where the replay socket binds: kv_events_replay, else beside kv_events (None: events off)."""
+        if self.kv_events is None:
+            return None
+        return self.kv_events_replay or default_replay(self.kv_events)
 
     @property
     def disk_path(self) -> str | None:

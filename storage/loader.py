@@ -31,6 +31,9 @@ Threads (NOTE: who owns what):
   and claims the blocks of chunks not started; prefetches never wait on fills (separate pools,
   so a full pool of waiting fills cannot starve the prefetches they wait for).
 
+KV events (storage/kv_events/sink.py): a filled page registered is BlockStored GPU, a block a
+prefetch put in a host slot BlockStored CPU (one at a time: the next reserve may evict it).
+
 NOTE invariant: a page being filled holds a reference of its own (the fill's) from its
 allocation until the fill ends, and is registered only once its bytes are complete: it is never
 evicted, reused or found by another lookup mid-fill, even when every request waiting for it has
@@ -50,6 +53,7 @@ from typing import Sequence
 import torch
 
 from storage.hashing import BlockKey
+from storage.kv_events.sink import CPU, GPU
 from storage.pinned import host_buffer
 from storage.priority import background_priority
 from storage.tiers import Tiers
@@ -376,12 +380,14 @@ class Loader:
     def _finish_fills(self, fills: list[Fill], ok: dict[int, bool]) -> None:
         c = self.t
         with c.lock:
+            registered = []
             for f in fills:
                 f.ok = ok.get(id(f), False)
                 if f.ok:
                     # Registered before the fill's own reference goes: if every request waiting
                     # for it is gone, the page becomes a cached block, not a free page.
-                    c.pool.register(f.page, f.key)
+                    if c.pool.register(f.page, f.key):
+                        registered.append(f.key)
                     c.count_promotion(f.tier)     # counted once, by the tier it is billed from
                 else:
                     self.failed_fills += 1
@@ -389,6 +395,7 @@ class Loader:
                     del self.inflight[f.key.hash]
                 c.pool.release(f.page)
                 f.done.set()
+            c.events.stored(registered, GPU)
 
     def _keep_on_disk(self, kept: list[tuple[BlockKey, torch.Tensor, bytes]]) -> None:
         """Blocks just read from the remote (key, their bytes on the CPU, the payload the store
@@ -447,6 +454,8 @@ class Loader:
                     c.transfer.wait_host(slot)     # a dropped block's late copy must not land on ours
                     c.host.slab[slot].copy_(block.view(c.layout.shape))
                     into.moved.add(key.hash)
+                    # One at a time: the next reserve may evict this one (BlockRemoved after).
+                    c.events.stored([key], CPU)
                     self.prefetched_blocks += 1
         except Exception:
             log.exception("prefetching %d disk blocks failed: their requests read them later", len(keys))

@@ -1,8 +1,9 @@
 """What every tier below the host answers: the disk tier (storage/disk/tier.py) and the remote
 tier (storage/remote/tier.py), walked by the cache as one list, fastest first.
 
-Knows: the verbs and what each promises. Doesn't know: any tier's storage, or when a block
-moves (storage/cascade.py writes down, storage/loader.py reads up).
+Knows: the verbs and what each promises, and the private copy a put takes (private_copy).
+Doesn't know: any tier's storage, or when a block moves (storage/cascade.py writes down,
+storage/loader.py reads up).
 
 NOTE invariants every implementation keeps:
 - reads never raise for the store's failures: a block that cannot be read, or fails
@@ -22,6 +23,23 @@ from typing import Protocol, Sequence, runtime_checkable
 import torch
 
 from storage.hashing import BlockKey
+
+
+def private_copy(block: torch.Tensor) -> torch.Tensor:
+    """put()'s copy of a block: contiguous, on the CPU, made by the calling thread alone.
+
+    A contiguous CPU block is copied as one memcpy (numpy, GIL released), not with torch's copy_,
+    which splits even one block across torch's intra-op threads: with the writers' encode pools
+    busy on every core those workers wait for one, and on this loaded 2-core CPU a 360 KiB block
+    took ~8 ms to copy instead of ~0.03 ms (tools/bench_write_pool.py). Any other block (on an
+    accelerator, or strided) is copied by torch."""
+    src = block.detach()
+    out = torch.empty(src.shape, dtype=src.dtype)
+    if src.device.type == "cpu" and src.is_contiguous() and not src.is_conj() and not src.is_neg():
+        out.reshape(-1).view(torch.uint8).numpy()[:] = src.reshape(-1).view(torch.uint8).numpy()
+    else:
+        out.copy_(src)
+    return out
 
 
 @runtime_checkable

@@ -7,6 +7,8 @@ release), a new request's disk prefetch and remote probe (prefetch), and the per
 Movement lives beside it: storage/cascade.py moves blocks down (eviction, write-through, and
 the operator's flush/demote/drop, which this class only hands on), storage/loader.py moves them
 up; both are given the narrow handle storage/tiers.py, never this object.
+With `kv_events` configured it starts the KV-event publisher (storage/kv_events/) and hands its
+sink to every tier: each block that becomes or stops being findable anywhere is published.
 Doesn't know: models, sequences or requests -- the engine hands in BlockKeys and page ids and
 gets typed results back.
 
@@ -20,6 +22,7 @@ holds a prompt's blocks is asked by a probe the loader runs when the request is 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import asdict, dataclass, replace
 from typing import Sequence
@@ -33,6 +36,7 @@ from storage.device_pool import DevicePool
 from storage.disk.tier import DiskTier, DiskUnavailable
 from storage.hashing import BlockKey
 from storage.host_tier import HostTier
+from storage.kv_events.sink import GPU, EventSink
 from storage.layout import BlockLayout
 from storage.loader import Fill, Load, Loader, Prefetch, RemoteProbe
 from storage.prefix_tree import CachedBlock
@@ -99,6 +103,9 @@ class TieredKVCache:
             remote = RemoteTier(config.remote, layout, Codec(config.zstd_level, config.codec),
                                 timeout_s=config.remote_timeout_s, ttl_s=config.remote_ttl_s,
                                 breaker=BreakerConfig(cooldown_s=config.remote_retry_s))
+        self.events_publisher = None
+        self._announcer: threading.Thread | None = None
+        self._closing = threading.Event()
         self.tiers = Tiers(layout=layout,
                            pool=DevicePool(layout, num_pages, self.device),
                            host=HostTier(layout, config.host_bytes, pin=self.device.type == "cuda"),
@@ -113,6 +120,54 @@ class TieredKVCache:
         self.loader = Loader(self.tiers)
         # A planner needs a figure before the first fill: a few ms of host copies and one decode.
         self.tiers.rates.calibrate(layout, disk.codec if disk is not None else None, self.device)
+        if config.kv_events is not None:
+            try:
+                self._publish_events()
+            except BaseException:
+                self.close()       # a taken port: the tiers' threads and files go with the error
+                raise
+
+    def _publish_events(self) -> None:
+        """Start the KV-event publisher (storage/kv_events/) and give every tier its sink. Its
+        first batch is AllBlocksCleared; then the blocks the disk already held are announced
+        (BlockStored DISK) by a thread reading them: a router learns what a restarted server
+        can serve."""
+        from storage.kv_events.publisher import KVEventPublisher   # zmq, msgspec: only when on
+        c = self.config
+        sink = EventSink()
+        self.events_publisher = KVEventPublisher(sink, c.kv_events, c.kv_events_replay_endpoint,
+                                                 block_size=self.layout.block_size, topic=c.kv_events_topic,
+                                                 tokens=c.kv_events_tokens)
+        with self._lock:
+            self.tiers.events = sink
+            for below in self.tiers.lower:
+                below.events = sink
+        log.info("kv events: publishing on %s (replay %s)", self.events_publisher.endpoint,
+                 self.events_publisher.replay_endpoint)
+        if self.disk is not None:
+            self._announcer = threading.Thread(target=self._announce_disk, args=(sink,),
+                                               name="tieredkv-kv-events-announce", daemon=True)
+            self._announcer.start()
+
+    def _announce_disk(self, sink: EventSink) -> None:
+        """The disk's blocks at start as BlockStored DISK, a chunk at a time, never more than a
+        quarter of the sink's queue ahead of the publisher (live events keep their room).
+        NOTE: the index announces only what it still holds, under the lock its removals are said
+        under, so an eviction racing the scan never leaves a router believing in a gone block."""
+        try:
+            chunk: list[BlockKey] = []
+            for b in self.disk.iter_blocks():
+                if self._closing.is_set():
+                    return
+                chunk.append(BlockKey(b.hash, b.parent, tuple(b.token_ids), b.namespace))
+                if len(chunk) == 256:
+                    while sink.busy() and not self._closing.wait(0.01):
+                        pass
+                    self.disk.announce(chunk)
+                    chunk = []
+            self.disk.announce(chunk)
+        except Exception:
+            log.exception("kv events: announcing the disk's blocks failed; routers learn them as they move")
 
     # ---- where blocks are ----------------------------------------------------------------
     def _tier_of(self, key: BlockKey, probed: frozenset[bytes] | None = None) -> str | None:
@@ -294,7 +349,10 @@ class TieredKVCache:
         now, and queued down once that copy is done (storage/cascade.py). False if another page
         already has it."""
         with self._lock:
+            new = self.pool.key_of(page) is None
             ok = self.pool.register(page, key)
+            if ok and new:
+                self.tiers.events.stored([key], GPU)
             if ok:
                 self.cascade.registered(key, page)
             self.cascade.drain_through()
@@ -319,6 +377,9 @@ class TieredKVCache:
         return self.cascade.drop(tier)
 
     def close(self) -> None:
+        self._closing.set()
+        if self._announcer is not None:
+            self._announcer.join()     # it reads the disk
         with self._lock:
             self.cascade.drain_through(wait=True)   # write-through blocks reach the writers' queues
         self.loader.close()        # fills and prefetches read the disk: they end first
@@ -328,6 +389,16 @@ class TieredKVCache:
             self.disk.close()      # its last commits are forwarded to the remote writer...
         if self.remote is not None:
             self.remote.close()    # ...which sends them (bounded) before it stops
+        if self.events_publisher is not None:
+            # Last: the final commits' events go out. Then nothing here is findable any more.
+            self.tiers.events.cleared()
+            self.events_publisher.close()
+
+    def events_status(self) -> dict:
+        """The KV-event stream, for cache status: where it is bound (a router subscribes there),
+        its last sequence number and the events dropped for a full queue; {"enabled": False} off."""
+        p = self.events_publisher
+        return {"enabled": False} if p is None else p.status()
 
     # ---- reporting -----------------------------------------------------------------------
     def stats(self) -> dict[str, TierStats]:

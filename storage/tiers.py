@@ -4,6 +4,10 @@ them down) are given, instead of the whole cache.
 Knows: the tiers themselves -- the device pool, the host slab with the copies into it
 (Transfer), and the tiers below the host as one list, fastest first (storage/lower_tier.py:
 the disk, then the remote store) --, the one lock that guards them, and the per-tier counters.
+`events` is the KV-event hook (storage/kv_events/sink.py; a no-op when events are off): whoever
+makes a block findable in the device pool or the host tier, or makes it stop being findable
+there, says so -- `events.stored(keys, GPU)`, `events.removed(hashes, CPU)` -- under the lock it
+already holds (a put on a queue, never I/O). The disk and remote tiers say so themselves.
 Doesn't know: matching, planning or moving blocks (storage/tiered_cache.py places them,
 storage/cascade.py moves them down, storage/loader.py moves them up).
 
@@ -19,6 +23,7 @@ from dataclasses import dataclass, field
 
 from storage.device_pool import DevicePool
 from storage.host_tier import HostTier
+from storage.kv_events.sink import NO_EVENTS, NoEvents
 from storage.layout import BlockLayout
 from storage.restore_rates import RestoreRates
 from storage.lower_tier import LowerTier
@@ -58,6 +63,8 @@ class Tiers:
     counters: dict[str, TierStats] = field(default_factory=lambda: {t: TierStats() for t in TIERS})
     # Each tier's measured restore rate (storage/restore_rates.py): fed by the loader's fills.
     rates: RestoreRates = field(default_factory=RestoreRates)
+    # The KV-event hook (storage/kv_events/sink.py): NO_EVENTS unless the cache publishes events.
+    events: NoEvents = NO_EVENTS
 
     def below(self, name: str) -> LowerTier | None:
         """The lower tier called `name` ("disk", "remote"), or None when it is not configured."""

@@ -429,13 +429,15 @@ def test_serve_like_vllm_serve_summary_request_lines_and_the_flush_at_exit(tmp_p
     request and at shutdown."""
     root = tmp_path / "srv"
     too_long = tkv("serve", str(tiny_model_dir), "--port", "0", "--cache-dir", str(root), "--device-memory", "64KiB",
-                   "--max-model-len", "4096")
+                   "--max-model-len", "4096", "--dtype", "float32")
+    # float32 (auto would be bf16 on a CPU with native bf16, halving every page's bytes):
     # 64 KiB holds 8 pages of 16 tokens of the tiny model (8 KiB each): 128 tokens, not 4,096.
     assert_one_line_error(too_long, 2, "--max-model-len", "do not fit the device pool", "holds 128",
                           "--device-memory is 64KiB")
     proc = subprocess.Popen([sys.executable, "-m", "tieredkv.cli", "serve", str(tiny_model_dir), "--model",
                              str(tiny_model_dir), "--port", "0", "--cache-dir", str(root), "--device-memory", "8MiB",
-                             "--host-memory", "8MiB", "--served-model-name", "tiny", "--max-model-len", "512"],
+                             "--host-memory", "8MiB", "--served-model-name", "tiny", "--max-model-len", "512",
+                             "--dtype", "float32"],
                             cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         lines = Lines(proc.stderr)

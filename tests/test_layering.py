@@ -49,7 +49,8 @@ def test_no_import_points_up(package: str) -> None:
 
 
 ROOMS = {"codec": set(), "disk": {"codec"}, "remote": {"codec"}}
-SHARED = {"hashing", "layout", "priority", "pinned", "background_writer", "lower_tier"}
+# kv_events: the event sink every tier calls (storage/kv_events/sink.py; no zmq behind it).
+SHARED = {"hashing", "layout", "priority", "pinned", "background_writer", "lower_tier", "kv_events"}
 
 
 def _storage_imports(path: Path) -> set[str]:

@@ -154,6 +154,15 @@ def serve(
                                        "and prefill time predict the earliest first token), load (always load "
                                        "a hit) or recompute (never load: a fast GPU with a slow drive). Hits "
                                        "are billed from the tier that held them either way."),
+    kv_events: Optional[str] = typer.Option(None, "--kv-events",
+                                            help="Publish KV events (vLLM's format: ZMQ PUB, msgpack) on this "
+                                            "endpoint; alone: tcp://127.0.0.1:5557. Loopback unless you write "
+                                            "another host (tcp://*:5557: every interface); port 0: a free one. "
+                                            "GET /v1/cache/status names the bound endpoints."),
+    kv_events_replay: Optional[str] = typer.Option(None, help="The events' replay endpoint (default: the same "
+                                                   "host, port + 1)."),
+    kv_events_no_tokens: bool = typer.Option(False, "--kv-events-no-tokens",
+                                             help="Leave token ids out of BlockStored events."),
 ) -> None:
     """Run the OpenAI-compatible HTTP service on a model with the tiered KV cache.
 
@@ -185,8 +194,8 @@ def serve(
     root = cache_root(cache_dir)
     cache = CacheConfig(block_size=block_size, device_memory=device_memory, host_memory=host_memory,
                         disk_dir=str(root / "kv"), disk_capacity=disk_capacity, disk_reserve=disk_reserve,
-                        restore_policy=restore_policy,
-                        codec=codec,
+                        restore_policy=restore_policy, codec=codec, kv_events=kv_events,
+                        kv_events_replay=kv_events_replay, kv_events_tokens=not kv_events_no_tokens,
                         **remote_options(remote_url, remote_timeout, remote_ttl, remote_write))
     from engine.billing_writer import ON_FAILURE
     if on_billing_failure not in ON_FAILURE:
@@ -586,8 +595,20 @@ def billing(
     out.print(f"total ${total['cost_pico'] / 1e12:.6f} for {n:,} request{'s' if n != 1 else ''}")
 
 
+def bare_kv_events(argv: list[str]) -> list[str]:
+    """`serve --kv-events` with no endpoint after it means the default one (typer has no option
+    whose value may be left out, so the command line is completed here)."""
+    from storage.kv_events.endpoints import DEFAULT_ENDPOINT
+    out = list(argv)
+    for i in range(len(out) - 1, -1, -1):
+        if out[i] == "--kv-events" and (i + 1 == len(out) or out[i + 1].startswith("-")):
+            out.insert(i + 1, DEFAULT_ENDPOINT)
+    return out
+
+
 def main() -> None:
-    app()
+    import sys
+    app(args=bare_kv_events(sys.argv[1:]))
 
 
 if __name__ == "__main__":

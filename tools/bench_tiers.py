@@ -9,10 +9,11 @@ real code path and through the bare operation that bounds it:
     device_to_host  TieredKVCache.demote("device"): every       torch copy_ page -> host slab slot,
                     page evicted into the host slab             one block at a time
     host_to_disk    TieredKVCache.demote("host") + disk.flush(): the format's own work in one thread
-                    DiskTier.put copies, the writer thread      like the writer: Codec.encode of each
-                    encodes and commits 32-block transactions   block (byte planes, zstd per plane,
-                                                                crcs), then LMDB puts of the
+                    DiskTier.put copies, the writer's pool      like the writer did: Codec.encode of each
+                    encodes a batch ahead, its thread commits   block (byte planes, zstd per plane,
+                    32-block transactions                       crcs), then LMDB puts of the
                                                                 payloads, 32 per write transaction
+                                                                (tools/bench_write_pool.py splits it)
     disk_to_host    DiskTier.get_many(keys, outs): one read     LMDB get of the payloads in one read
                     txn (payloads read in place), verify (meta, txn + zstd decompression of each
                     header and coded crc32s) and decode (zstd   payload's frames (one per byte plane)
@@ -496,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
            "profile_us_per_block": codec_profile(blocks[:few], args.level, args.repeat),
            "config": {"model": "SmolLM2-135M-Instruct", "blocks": args.blocks, "dtype": dtype_name(dtype),
                       "block_bytes": layout.nbytes, "level": args.level,
-                      "repeat": args.repeat, "decode_threads": threads, "writer_threads": 1,
+                      "repeat": args.repeat, "decode_threads": threads, "encode_threads": threads,
                       "target_ratio": TARGET},
            "machine": machine_note()}
     emit(res, args.json, print_table)

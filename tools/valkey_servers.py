@@ -46,7 +46,9 @@ def free_port(cluster: bool = False) -> int:
             return s.getsockname()[1]
     rng = random.Random()
     for _ in range(200):
-        port = rng.randrange(20000, 45000)
+        # Both ports below Linux's ephemeral range (32768+): a port picked there can be taken by
+        # any outgoing connection between this check and the server's bind.
+        port = rng.randrange(20000, 22768)
         if _is_free(port) and _is_free(port + 10000):
             return port
     raise RuntimeError("no free port pair for a cluster node")
@@ -65,6 +67,7 @@ class ValkeyServer:
     """One valkey-server process. `url` is its valkey:// URL."""
 
     def __init__(self, *extra: str, port: int | None = None, maxmemory: str = "256mb") -> None:
+        self._pick_port = port is None       # ours to pick again if another process takes it first
         self.port = port or free_port(cluster="--cluster-enabled" in extra)
         self.dir = tempfile.mkdtemp(prefix=f"tkv-valkey-{self.port}-")
         self.extra = extra
@@ -76,6 +79,17 @@ class ValkeyServer:
         return f"valkey://127.0.0.1:{self.port}"
 
     def start(self) -> "ValkeyServer":
+        for attempt in range(5):
+            try:
+                return self._start()
+            except RuntimeError as e:
+                # A port we picked was free when checked and taken before the bind: pick again.
+                if not (self._pick_port and "Address already in use" in str(e)) or attempt == 4:
+                    raise
+                self.port = free_port(cluster="--cluster-enabled" in self.extra)
+        raise AssertionError("unreachable")
+
+    def _start(self) -> "ValkeyServer":
         server, _ = _binaries()
         args = [server, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.dir, "--save", "",
                 "--appendonly", "no", "--maxmemory", self.maxmemory, "--maxmemory-policy", "allkeys-lru",

@@ -5,7 +5,7 @@ put (handed to the background writer), verified reads served from the store or f
 still pending, deletes, flush/close, stats, iteration, verify/repair and the check() audit --
 and this process's counters. Its parts live beside it in storage/disk/: environment.py (opening,
 the transaction gate), records.py (the databases and their formats), writer.py and pending.py
-(the queue and the thread that compresses, commits and evicts), integrity.py (what a servable
+(the queue, the pool that compresses, and the thread that commits and evicts), integrity.py (what a servable
 block and a consistent store are), index.py (the stored hashes in memory), stats.py.
 Doesn't know: the other tiers, models, or when a block should be demoted (storage/cascade.py).
 
@@ -54,6 +54,7 @@ from storage.disk.records import (DISK_FORMAT_VERSION, StoreInfo, delete_in_txn,
 from storage.disk.records import recount as recount_info
 from storage.disk.writer import DiskWriter
 from storage.layout import BlockLayout, dtype_name
+from storage.lower_tier import private_copy
 from storage.hashing import BlockKey
 
 __all__ = ["DISK_FORMAT_VERSION", "DamagedBlock", "DamagedEnvironment", "DiskBlockInfo", "DiskStats", "DiskTier",
@@ -78,14 +79,17 @@ class DiskTier:
     readonly=True opens for inspection next to a running writer (no writer thread; get()
     neither records accesses nor deletes damaged blocks). reserve_bytes: the free space the
     store leaves on its filesystem, whatever its capacity (None: only the capacity bounds it).
+    decode_threads / encode_threads: the read path's decode pool and the writer's encode pool
+    (default: os.cpu_count() each; zstd releases the GIL).
     """
 
     def __init__(self, path: str, capacity_bytes: int, codec: Codec = Codec(), *, layout: BlockLayout | None = None,
                  map_size: int | None = None, queue_blocks: int = 256, batch_blocks: int = 32,
-                 readonly: bool = False, decode_threads: int | None = None,
+                 readonly: bool = False, decode_threads: int | None = None, encode_threads: int | None = None,
                  reserve_bytes: int | None = DEFAULT_RESERVE_BYTES) -> None:
         for name, v in (("capacity_bytes", capacity_bytes), ("queue_blocks", queue_blocks),
-                        ("batch_blocks", batch_blocks), ("map_size", map_size), ("decode_threads", decode_threads)):
+                        ("batch_blocks", batch_blocks), ("map_size", map_size), ("decode_threads", decode_threads),
+                        ("encode_threads", encode_threads)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"{name}: expected a positive int, got {v!r}")
         if reserve_bytes is not None and (isinstance(reserve_bytes, bool) or not isinstance(reserve_bytes, int)
@@ -124,7 +128,7 @@ class DiskTier:
         self._index = DiskIndex(hashes if hashes is not None else (h for h, _ in self._iter_db("meta", values=False)))
         # Built readonly too (nothing pending, ever), but its thread runs only for a writer.
         self._writer = DiskWriter(self._gate, codec, capacity_bytes, queue_blocks, batch_blocks, self._count,
-                                  self._index, reserve_bytes, self._map_size)
+                                  self._index, reserve_bytes, self._map_size, encode_threads)
         self._replace_lock = threading.Lock()    # one replacement of a damaged store at a time
         if not readonly:
             self._gate.on_damage = self._replace_damaged
@@ -191,12 +195,25 @@ class DiskTier:
             copy = None
             raw_size = block.numel() * block.element_size() if block is not None else raw_size
         else:
-            copy, raw_size = torch.empty(block.shape, dtype=block.dtype), 0
-            copy.copy_(block.detach())
+            copy, raw_size = private_copy(block), 0
         if self._writer.submit(key, copy, wait, payload, raw_size, timeout):   # waits while the queue is full, if wait
             return True
         self._count(queue_full_drops=1)
         return False
+
+    @property
+    def events(self):
+        """The KV-event hook (storage/kv_events/sink.py): the index says every change (DISK)."""
+        return self._index.events
+
+    @events.setter
+    def events(self, sink) -> None:
+        self._index.events = sink
+
+    def announce(self, keys: Sequence[BlockKey]) -> None:
+        """A KV event (BlockStored DISK) for each of these blocks the tier still holds: the blocks
+        found at open, read back by iter_blocks (storage/tiered_cache.py announces them)."""
+        self._index.announce(keys)
 
     def on_commit(self, callback) -> None:
         """Have the writer thread call `callback([(key, payload, raw_size), ...])` after each
@@ -422,8 +439,7 @@ class DiskTier:
         if repair and store:
             with self._begin(write=True) as txn:
                 hashes, fixed = repair_counters(txn, self._dbs)
-            self._index.clear()
-            self._index.add(hashes)
+            self._index.replace(hashes)
             store_done = tuple(fixed) or ("counters rewritten",)
         report = verify_store(self._begin, self._iter_db, lambda: self._dbs, self._executor(), self.codec, self.layout)
         repaired = 0
@@ -497,8 +513,7 @@ class DiskTier:
                 theirs = data_file_id(self.path) not in (None, self._gate.file_id)
                 opened = open_for_writing(self.path, self._map_size, self.capacity_bytes,
                                           reason=None if theirs else reason)
-            self._index.clear()
-            self._index.add(opened.hashes)
+            self._index.replace(opened.hashes)
             got.append(opened)
             return opened.env, opened.dbs
         if not self._gate.replace(generation, reopen, damaged=reason is not None):

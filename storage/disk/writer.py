@@ -5,6 +5,14 @@ PendingBlock.copy_for), the accesses reads record for it, deletes that race a co
 (cancelled), batching many blocks into one write transaction with compression done outside it,
 LRU eviction that enforces the capacity bound in the same transaction, and what to do when LMDB
 runs out of map or disk (MapFull/ENOSPC: evict, retry smaller, drop what still does not fit).
+
+Compression runs on a pool (`tieredkv-disk-encode`, os.cpu_count() threads by default: zstd and
+the byte-plane split release the GIL) and is pipelined with the commits (the look-ahead of
+storage/background_writer.py): while batch k commits -- LMDB's copy into the map and its fsync,
+one thread --, the pool encodes batch k+1; no more than that one batch is ever encoded ahead, and
+batches commit one at a time in the order they were taken. On this 2-core CPU the gain is the
+fsync and commit hidden behind encoding; on the 16-core GPU machines users run, the encodes of a
+batch also run 16 at a time (tools/bench_write_pool.py measures both).
 Doesn't know: the read path or verification (storage/disk/tier.py, storage/disk/integrity.py),
 or the byte layout of the records beyond storage/disk/records.py's functions.
 
@@ -22,6 +30,8 @@ import logging
 import os
 import time
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 import lmdb
@@ -45,16 +55,29 @@ _SPACE_CHECK_S = 0.5    # how often the writer reads the filesystem's free space
 _MAP_STEP = 16 << 20    # the map grows back toward its full size in steps of at least this
 
 
-class DiskWriter(BackgroundWriter[tuple[list[PendingBlock], dict[bytes, int]]]):
-    """Pending puts and recorded accesses, committed in batches by one thread. Thread-safe.
+@dataclass(slots=True)
+class _Batch:
+    """What the writer took at once: puts and accesses, and the puts' encodings as they come."""
+    items: list[PendingBlock]
+    touches: dict[bytes, int]
+    encoding: list[Future | bytes | None] = field(default_factory=list)   # per item, once prepared
+    encoded: list[tuple[PendingBlock, bytes]] = field(default_factory=list)   # once ready: what encoded
+
+
+class DiskWriter(BackgroundWriter[_Batch]):
+    """Pending puts and recorded accesses, committed in batches by one thread, encoded on a pool
+    one batch ahead of the commits. Thread-safe.
 
     `count(**deltas)` receives the writer's share of the tier's counters (bytes_written,
     evictions, write_errors). Nothing runs until start().
     """
 
+    _look_ahead = True   # batch k+1 encodes while batch k commits
+
     def __init__(self, gate: EnvGate, codec: Codec, capacity_bytes: int,
                  queue_blocks: int, batch_blocks: int, count: Callable[..., None], index: DiskIndex,
-                 reserve_bytes: int | None = None, map_size: int | None = None) -> None:
+                 reserve_bytes: int | None = None, map_size: int | None = None,
+                 encode_threads: int | None = None) -> None:
         super().__init__("tieredkv-disk-writer")
         # The tier's environment and every transaction on it: counted for close(), map resizes
         # adopted, a damaged store replaced. NOTE: read self._gate.dbs inside a transaction only.
@@ -69,7 +92,11 @@ class DiskWriter(BackgroundWriter[tuple[list[PendingBlock], dict[bytes, int]]]):
         self._pending: dict[bytes, PendingBlock] = {}   # every put not yet committed (queued or in flight)
         self._queue: deque[bytes] = deque()             # pending hashes the writer has not taken yet
         self._touches: dict[bytes, int] = {}            # hash -> hits to record, in access order
-        self._cancelled: set[bytes] = set()             # deleted while in the writer's hands
+        # NOTE: a put in the writer's hands (taken, encoding or committing) was cancelled when
+        # _pending no longer maps its hash to that very PendingBlock (a delete popped it, maybe a
+        # new put of the same hash replaced it): checked inside the commit's transaction.
+        self._encode_threads = encode_threads or os.cpu_count() or 1
+        self._encoder: ThreadPoolExecutor | None = None  # writer thread only; built at the first encode
         self._dropped = 0                               # blocks ever dropped (never committed)
         self._last_reader_check = 0.0                   # writer thread only
         # Called on the writer thread after each commit with (key, payload, raw size) of every
@@ -137,20 +164,15 @@ class DiskWriter(BackgroundWriter[tuple[list[PendingBlock], dict[bytes, int]]]):
     def cancel(self, h: bytes) -> bool:
         """Forget a pending put of `h`. True when there was one."""
         with self._cond:
-            p = self._pending.pop(h, None)
+            p = self._pending.pop(h, None)   # one the writer has: its commit sees it is no longer pending
             if p is not None:
                 if h in self._queue:
                     self._queue.remove(h)
-                else:
-                    self._cancelled.add(h)   # the writer has it: it checks this inside its txn
                 self._cond.notify_all()
         return p is not None
 
     def cancel_all(self) -> None:
         with self._cond:
-            for h in self._pending:
-                if h not in self._queue:
-                    self._cancelled.add(h)
             self._pending.clear()
             self._queue.clear()
             self._cond.notify_all()
@@ -204,17 +226,52 @@ class DiskWriter(BackgroundWriter[tuple[list[PendingBlock], dict[bytes, int]]]):
         return n
 
     def _on_start(self) -> None:
-        background_priority()   # compression yields the CPU to forward passes
+        background_priority()   # commits yield the CPU to forward passes (the encode pool's threads too)
         self.clear_stale_readers(force=True)
+
+    def _on_exit(self) -> None:
+        if self._encoder is not None:
+            self._encoder.shutdown()
+            self._encoder = None
 
     def _has_work(self) -> bool:
         return bool(self._queue or self._touches)
 
-    def _take(self) -> tuple[list[PendingBlock], dict[bytes, int]]:
+    def _take(self) -> _Batch:
         n = min(self._batch_blocks, len(self._queue))
         items = [self._pending[self._queue.popleft()] for _ in range(n)]
         touches, self._touches = self._touches, {}
-        return items, touches
+        return _Batch(items, touches)
+
+    # -- encoding: on the pool, a batch ahead of the commits (outside any transaction: the write
+    # lock is held only to commit) ---------------------------------------------------------------
+
+    def _prepare(self, batch: _Batch) -> None:
+        for it in batch.items:
+            if it.payload is not None:
+                batch.encoding.append(it.payload)    # already encoded (a remote read's): stored as it is
+                continue
+            try:
+                if self._encoder is None:
+                    self._encoder = ThreadPoolExecutor(self._encode_threads, thread_name_prefix="tieredkv-disk-encode",
+                                                       initializer=background_priority)
+                batch.encoding.append(self._encoder.submit(self._encode, it))
+            except RuntimeError:                     # no new threads (the interpreter is exiting)
+                batch.encoding.append(None)          # _ready encodes it on the writer thread
+
+    def _encode(self, it: PendingBlock) -> bytes:
+        return self._codec.encode(it.block, payload_binding(it.key.hash, it.key.namespace))
+
+    def _ready(self, batch: _Batch) -> None:
+        """Collect the batch's encodings; a block that fails to encode is dropped (counted)."""
+        for it, enc in zip(batch.items, batch.encoding):
+            try:
+                payload = enc.result() if isinstance(enc, Future) else self._encode(it) if enc is None else enc
+            except Exception:
+                log.exception("disk tier: encoding block %s failed", it.key.hash.hex()[:16])
+                self.lost(1)
+                continue
+            batch.encoded.append((it, payload))
 
     def fit_to_space(self, force: bool = False) -> None:
         """Bound the data file by the filesystem's free space minus the reserve: the map size is the
@@ -253,13 +310,13 @@ class DiskWriter(BackgroundWriter[tuple[list[PendingBlock], dict[bytes, int]]]):
         self._growth_left = None if current >= self._full_map else max(0, current - used)
         self.space = (free, None if current >= self._full_map else current)
 
-    def _write(self, batch: tuple[list[PendingBlock], dict[bytes, int]]) -> bool:
-        items, touches = batch
+    def _write(self, batch: _Batch) -> bool:
+        encoded, touches = batch.encoded, batch.touches
         for attempt in range(2):
             try:
                 self.clear_stale_readers()
                 self.fit_to_space()
-                self._write_batch(items, touches)
+                self._write_batch(encoded, touches)
                 return True
             except Exception as e:   # never let the writer die: the engine keeps running without disk writes
                 if attempt == 0 and is_damage(e):
@@ -268,27 +325,18 @@ class DiskWriter(BackgroundWriter[tuple[list[PendingBlock], dict[bytes, int]]]):
                     log.warning("disk tier: the store was damaged (%s); writing the batch to the fresh store", e)
                     touches = {}
                     continue
-                log.exception("disk tier: writing a batch of %d blocks failed; dropping it", len(items))
-                self.lost(len(items))
+                log.exception("disk tier: writing a batch of %d blocks failed; dropping it", len(encoded))
+                self.lost(len(encoded))
                 return False
         return False
 
-    def _after(self, batch: tuple[list[PendingBlock], dict[bytes, int]], ok: bool) -> None:
-        for it in batch[0]:
+    def _after(self, batch: _Batch, ok: bool) -> None:
+        for it in batch.items:
             if self._pending.get(it.key.hash) is it:
                 del self._pending[it.key.hash]
-            self._cancelled.discard(it.key.hash)
 
-    def _write_batch(self, items: list[PendingBlock], touches: dict[bytes, int]) -> None:
-        encoded = []
-        for it in items:   # compress outside any transaction: the write lock is held only to commit
-            try:
-                payload = it.payload if it.payload is not None else \
-                    self._codec.encode(it.block, payload_binding(it.key.hash, it.key.namespace))
-                encoded.append((it.key, payload, it.nbytes))
-            except Exception:
-                log.exception("disk tier: encoding block %s failed", it.key.hash.hex()[:16])
-                self.lost(1)
+    def _write_batch(self, encoded: list[tuple[PendingBlock, bytes]], touches: dict[bytes, int]) -> None:
+        """Commit the batch's encoded blocks and its accesses (encoded by _prepare/_ready)."""
         if self._try_commit(encoded, touches):
             return
         if len(encoded) > 1:   # the batch does not fit as a whole: try each block alone
@@ -300,7 +348,7 @@ class DiskWriter(BackgroundWriter[tuple[list[PendingBlock], dict[bytes, int]]]):
 
     def _try_commit(self, encoded: list, touches: dict[bytes, int]) -> bool:
         """Commit, making room on MapFull/ENOSPC; False when it still does not fit."""
-        need = sum(len(p) for _, p, _ in encoded)
+        need = sum(len(p) for _, p in encoded)
         for attempt in range(4):
             try:
                 self._commit(encoded, touches)
@@ -322,7 +370,7 @@ class DiskWriter(BackgroundWriter[tuple[list[PendingBlock], dict[bytes, int]]]):
 
     def _commit(self, encoded: list, touches: dict[bytes, int]) -> None:
         written = 0
-        stored: list[bytes] = []
+        stored: list[BlockKey] = []
         new: list = []            # (key, payload, raw size) of blocks this commit stored
         evicted: list[bytes] = []
         with self._begin(write=True) as txn:
@@ -334,9 +382,10 @@ class DiskWriter(BackgroundWriter[tuple[list[PendingBlock], dict[bytes, int]]]):
                 # (page rounding and copy-on-write pages need the rest); MapFull catches the rest.
                 capacity = min(capacity, info.used_bytes + self._growth_left * 3 // 4)
             with self._cond:
-                # NOTE: read inside the write txn, so a delete() either lands in this set or
-                # starts its own write txn after this one commits (and then sees the block).
-                cancelled = set(self._cancelled)
+                # NOTE: read inside the write txn, so a delete() either cancelled the put before
+                # this (the block is skipped) or starts its own write txn after this one commits
+                # (and then sees the block). A put is live while _pending maps its hash to it.
+                live = [(it, p) for it, p in encoded if self._pending.get(it.key.hash) is it]
             for h, n in touches.items():   # accesses first: they happened before this batch's puts
                 _, m = read_meta(txn, dbs, h)
                 if m is None:
@@ -347,12 +396,11 @@ class DiskWriter(BackgroundWriter[tuple[list[PendingBlock], dict[bytes, int]]]):
                 txn.put(h, m.pack(), db=dbs.meta)
                 txn.put(lru_key(m.last_access, h), b"", db=dbs.lru)
             now = time.time()
-            for key, payload, raw_size in encoded:
+            for it, payload in live:   # (the others were deleted meanwhile)
+                key, raw_size = it.key, it.nbytes
                 h = key.hash
-                if h in cancelled:
-                    continue   # deleted meanwhile
                 if txn.get(h, db=dbs.meta) is not None:
-                    stored.append(h)   # another process stored it first
+                    stored.append(key)   # another process stored it first
                     continue
                 m = BlockMeta(key.parent, key.namespace, key.token_ids, raw_size, len(payload), now, info.next_seq, 0)
                 info.next_seq += 1
@@ -363,7 +411,7 @@ class DiskWriter(BackgroundWriter[tuple[list[PendingBlock], dict[bytes, int]]]):
                 info.raw_bytes += raw_size
                 info.blocks += 1
                 written += len(payload)
-                stored.append(h)
+                stored.append(key)
                 new.append((key, payload, raw_size))
             # NOTE: the capacity invariant (used_bytes <= capacity_bytes) is enforced here, in the
             # same transaction that added the bytes: no committed state exceeds it, whichever
@@ -373,7 +421,7 @@ class DiskWriter(BackgroundWriter[tuple[list[PendingBlock], dict[bytes, int]]]):
         # Committed: now the index says so. In the transaction every put came before every
         # eviction (a batch larger than the capacity evicts its own first blocks), so the same
         # order here: stored, then evicted.
-        self._index.add(stored)
+        self._index.add_keys(stored)    # BlockStored (DISK) for the new ones
         self._index.discard(evicted)
         self._count(bytes_written=written, evictions=len(evicted))
         if new and self.on_commit is not None:

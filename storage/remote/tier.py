@@ -23,10 +23,16 @@ answers every call at once -- a read misses, a write is dropped (`skipped`) -- u
 lets a probe through. A store that refuses a write (out of memory, read-only replica) counts a
 `write_errors` and is not a breaker failure: it answered.
 
+KV events (storage/kv_events/sink.py, medium REMOTE): a block this process wrote is BlockStored once
+the store took it; BlockRemoved when this process deletes it (delete(), a damaged value) or a read
+finds it gone. The store's own evictions (its LRU, a TTL) are not visible to us and say nothing
+until a read misses the block.
+
 Threads: reads run on the loader's threads (never the engine thread), their verification and
 decoding on this tier's decode pool (`tieredkv-remote-decode`), writes on the remote writer's
-thread; the client's connection pool is thread-safe; counters and the small
-"known present" set are under `_lock` (held for no I/O).
+thread (raw blocks encoded on its pool, `tieredkv-remote-encode`, a batch ahead of the sends);
+the client's connection pool is thread-safe; counters and the small "known present" set are
+under `_lock` (held for no I/O).
 """
 from __future__ import annotations
 
@@ -45,7 +51,9 @@ from storage.remote.breaker import OPEN, BreakerConfig, CircuitBreaker
 from storage.codec.payload import Codec
 from storage.codec.stored_block import payload_binding, verify_and_decode
 from storage.hashing import BlockKey
+from storage.kv_events.sink import NO_EVENTS, REMOTE, NoEvents
 from storage.layout import BlockLayout
+from storage.lower_tier import private_copy
 from storage.priority import background_priority
 from storage.remote.client import is_unavailable, make_client, mget_groups, mget_one, pipeline
 from storage.remote.url import RemoteURL
@@ -88,13 +96,14 @@ class RemoteTier:
     def __init__(self, url: RemoteURL, layout: BlockLayout | None, codec: Codec = Codec(), *,
                  timeout_s: float = 0.5, ttl_s: float | None = None,
                  breaker: BreakerConfig = BreakerConfig(), queue_blocks: int = 256, batch_blocks: int = 32,
-                 decode_threads: int | None = None) -> None:
+                 decode_threads: int | None = None, encode_threads: int | None = None) -> None:
         self.url = url
         self.layout = layout
         self.codec = codec
         self.timeout_s = timeout_s
         self.ttl_ms = None if ttl_s is None else max(1, int(ttl_s * 1000))
         self._lock = threading.Lock()
+        self.events: NoEvents = NO_EVENTS        # the KV-event hook, set by the cache
         self._client_obj = None
         self._client_lock = threading.Lock()     # building the client (RedisCluster connects)
         # Keys this process wrote or read, so a block is not sent again (a restored block reaches
@@ -109,7 +118,8 @@ class RemoteTier:
         self._last_log = -1e9
         # A store back after being down may have restarted empty: forget what we knew it held.
         self.breaker = CircuitBreaker(breaker, on_close=self._forget_known)
-        self._writer = RemoteWriter(self._write_batch, self._count, queue_blocks, batch_blocks)
+        self._writer = RemoteWriter(self._write_batch, self._count, queue_blocks, batch_blocks,
+                                    encode=self._encode, encode_threads=encode_threads)
         self._writer.start()
         self._decode_threads = decode_threads or os.cpu_count() or 1
         self._decode_pool: ThreadPoolExecutor | None = None     # built at the first read
@@ -167,9 +177,11 @@ class RemoteTier:
         # A failure part-way (the store died, a node is down) keeps the groups already fetched.
         self._call("get", fetch)
         damaged, nbytes, hits = [], 0, 0
+        gone: list[bytes] = []
         for i, future in fetched:
             tensor, reason, payload, size = future.result()
             if tensor is None:
+                gone.append(keys[i].hash)
                 if reason is None:
                     self._forget(rkeys[i])          # absent: evicted, expired, or never written
                     continue
@@ -183,6 +195,7 @@ class RemoteTier:
             nbytes += size
             self._remember(rkeys[i])
         self._count(hits=hits, misses=len(keys) - hits, corrupt=len(damaged), bytes_read=nbytes)
+        self.events.removed(gone, REMOTE)
         if damaged:
             self._call("delete", lambda c: pipeline(c, [("UNLINK", k) for k in damaged]))
         return results
@@ -216,7 +229,7 @@ class RemoteTier:
     # ---- writes (queued; the remote writer's thread sends them) ----------------------------
     def put(self, key: BlockKey, block: torch.Tensor | None = None, *, wait: bool = False,
             timeout: float | None = None, payload: bytes | None = None, raw_size: int = 0) -> bool:
-        """Queue a block: its bytes (copied now, encoded on the writer thread), or `payload`,
+        """Queue a block: its bytes (copied now, encoded on the writer's pool), or `payload`,
         already encoded with binding hash || namespace (the disk writer's: compressed once for
         both tiers; `raw_size` its decoded bytes). False when it was not queued (queue full;
         counted in write_drops)."""
@@ -228,9 +241,7 @@ class RemoteTier:
             if block is not None:
                 raw_size = block.numel() * block.element_size()
             return self._writer.submit(WriteItem(key, payload=payload, raw_size=raw_size), wait, timeout)
-        copy = torch.empty(block.shape, dtype=block.dtype)
-        copy.copy_(block.detach())
-        return self._writer.submit(WriteItem(key, block=copy), wait, timeout)
+        return self._writer.submit(WriteItem(key, block=private_copy(block)), wait, timeout)
 
     def contains(self, key: BlockKey) -> bool:
         """Whether this process wrote or read the block and still trusts the store to hold it
@@ -242,6 +253,8 @@ class RemoteTier:
         rk = remote_key(key)
         self._forget(rk)
         status, got = self._call("delete", lambda c: c.unlink(rk))
+        if status == "ok" and got:
+            self.events.removed([key.hash], REMOTE)
         return status == "ok" and bool(got)
 
     def flush(self, timeout: float | None = None, since: int | None = None) -> bool:
@@ -270,26 +283,33 @@ class RemoteTier:
             except Exception:
                 pass
 
+    def _encode(self, it: WriteItem) -> None:
+        """A raw block's payload (bound to hash || namespace), on the writer's encode pool before its
+        batch is sent; skipped for a block the store is known to hold. Raises when it cannot encode."""
+        if it.payload is not None or self._is_known(remote_key(it.key)):
+            return
+        block = it.block.contiguous()
+        it.payload = self.codec.encode(block, payload_binding(it.key.hash, it.key.namespace))
+        it.raw_size = block.numel() * block.element_size()
+
     def _write_batch(self, items: list[WriteItem]) -> bool:
-        """The writer thread's batch: encode what is raw, SET every block in one pipeline.
-        True when the store took every block."""
+        """The writer thread's batch (raw blocks encoded by _encode on the pool): SET every block in
+        one pipeline. True when the store took every block."""
         cmds, sent = [], []
         for it in items:
             rk = remote_key(it.key)
             if self._is_known(rk):
                 continue
-            if it.payload is None:
+            if it.payload is None:     # skipped by _encode as known, and no longer trusted since
                 try:
-                    block = it.block.contiguous()
-                    it.payload = self.codec.encode(block, payload_binding(it.key.hash, it.key.namespace))
-                    it.raw_size = block.numel() * block.element_size()
+                    self._encode(it)
                 except Exception:
                     log.exception("remote tier: encoding block %s failed", it.key.hash.hex()[:16])
                     self._count(write_errors=1)
                     continue
             value = pack_value(it.key, it.payload, it.raw_size)
             cmds.append(("SET", rk, value) + (("PX", self.ttl_ms) if self.ttl_ms else ()))
-            sent.append((rk, len(value)))
+            sent.append((it.key, rk, len(value)))
         if not cmds:
             return True
         status, got = self._call("set", lambda c: pipeline(c, cmds))
@@ -297,16 +317,17 @@ class RemoteTier:
             # Not sent (breaker open: a drop) or lost with the batch (the call failed).
             self._count(**{"write_drops" if status == "skipped" else "write_errors": len(cmds)})
             return False
-        ok = 0
-        for (rk, n), r in zip(sent, got):
+        landed = []
+        for (key, rk, n), r in zip(sent, got):
             if isinstance(r, Exception):
                 self._count(write_errors=1)
                 self._note_error("set", r)
                 continue
-            ok += 1
+            landed.append(key)
             self._count(writes=1, bytes_written=n)
             self._remember(rk)
-        return ok == len(sent)
+        self.events.stored(landed, REMOTE)
+        return len(landed) == len(sent)
 
     # ---- the client ------------------------------------------------------------------------
     def _call(self, what: str, fn) -> tuple[str, object]:

@@ -4,19 +4,26 @@ Knows: the queue (blocks waiting to be sent, raw or already encoded), batching t
 flush waits for, and what is lost (a full queue drops; a failed batch is not retried -- a block
 the store never got is a later miss, and whoever misses it computes and writes it again).
 Doesn't know: the store, keys or the value format: it hands each batch to `send(items) -> bool`
-(storage/remote/tier.py's _write_batch), which counts its own results.
+(storage/remote/tier.py's _write_batch), which counts its own results, and each raw block to
+`encode(item)` (the tier's: fills in the item's payload), which runs on the writer's encode pool
+(`tieredkv-remote-encode`, os.cpu_count() threads by default; zstd releases the GIL) one batch
+ahead of the sends (storage/background_writer.py's look-ahead): batch k+1 encodes while batch k
+is on the wire. A block that fails to encode is counted (write_errors) and not sent, as before.
 
 Threads: `submit`, `flush`, `pending_count` from any thread (the disk writer's, the cache's
 flush, the loader's); the `tieredkv-remote-writer` thread sends (the loop of
-storage/background_writer.py). State is under `_cond`, which is never held while sending.
+storage/background_writer.py), its pool encodes. State is under `_cond`, which is never held
+while encoding or sending.
 NOTE: nothing here ever waits on the network while a caller waits on it without a bound,
 except flush(None) -- and the store's calls are bounded by their timeout.
 """
 from __future__ import annotations
 
 import logging
+import os
 from collections import deque
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -37,19 +44,32 @@ class WriteItem:
     block: torch.Tensor | None = None
 
 
-class RemoteWriter(BackgroundWriter[list[WriteItem]]):
+@dataclass(slots=True)
+class _Batch:
+    items: list[WriteItem]     # what is sent (less any block that failed to encode)
+    taken: int                 # how many were taken off the queue
+    encoding: list[tuple[WriteItem, Future | None]] = field(default_factory=list)   # raw items, once prepared
+
+
+class RemoteWriter(BackgroundWriter[_Batch]):
+    _look_ahead = True   # batch k+1 encodes while batch k is sent
+
     def __init__(self, send: Callable[[list[WriteItem]], bool], count: Callable[..., None],
-                 queue_blocks: int = 256, batch_blocks: int = 32) -> None:
+                 queue_blocks: int = 256, batch_blocks: int = 32,
+                 encode: Callable[[WriteItem], None] | None = None, encode_threads: int | None = None) -> None:
         if queue_blocks < 1 or batch_blocks < 1:
             raise ValueError("queue_blocks and batch_blocks must be >= 1")
         super().__init__("tieredkv-remote-writer")
         self._send = send
+        self._encode = encode
+        self._encode_threads = encode_threads or os.cpu_count() or 1
+        self._encoder: ThreadPoolExecutor | None = None    # writer thread only; built at the first raw block
         self._count = count
         self._queue_blocks = queue_blocks
         self._batch_blocks = batch_blocks
         self._queue: deque[WriteItem] = deque()
         self._queued: set[bytes] = set()     # hashes in the queue (a block queued twice is sent once)
-        self._sending = 0                    # items being sent now
+        self._sending = 0                    # items in the writer's hands (encoding or being sent)
         self._failed = 0                     # batches that did not fully land (flush's answer)
 
     def submit(self, item: WriteItem, wait: bool = False, timeout: float | None = None) -> bool:
@@ -90,19 +110,54 @@ class RemoteWriter(BackgroundWriter[list[WriteItem]]):
 
     # ---- the writer thread ---------------------------------------------------------------------
     def _on_start(self) -> None:
-        background_priority()     # encoding yields the CPU to forward passes
+        background_priority()     # sending yields the CPU to forward passes (the encode pool's threads too)
+
+    def _on_exit(self) -> None:
+        if self._encoder is not None:
+            self._encoder.shutdown()
+            self._encoder = None
 
     def _has_work(self) -> bool:
         return bool(self._queue)
 
-    def _take(self) -> list[WriteItem]:
+    def _take(self) -> _Batch:
         items = [self._queue.popleft() for _ in range(min(self._batch_blocks, len(self._queue)))]
         for it in items:
             self._queued.discard(it.key.hash)
-        self._sending = len(items)
-        return items
+        self._sending += len(items)
+        return _Batch(items, len(items))
 
-    def _write(self, items: list[WriteItem]) -> bool:
+    def _prepare(self, batch: _Batch) -> None:
+        if self._encode is None:
+            return
+        for it in batch.items:
+            if it.payload is not None or it.block is None:
+                continue
+            try:
+                if self._encoder is None:
+                    self._encoder = ThreadPoolExecutor(self._encode_threads, thread_name_prefix="tieredkv-remote-encode",
+                                                       initializer=background_priority)
+                batch.encoding.append((it, self._encoder.submit(self._encode, it)))
+            except RuntimeError:                     # no new threads (the interpreter is exiting)
+                batch.encoding.append((it, None))    # _ready encodes it on the writer thread
+
+    def _ready(self, batch: _Batch) -> None:
+        """Wait for the batch's encodes; a block that failed to encode is counted and not sent."""
+        failed: set[int] = set()
+        for it, future in batch.encoding:
+            try:
+                future.result() if future is not None else self._encode(it)
+            except Exception:
+                log.exception("remote tier: encoding block %s failed", it.key.hash.hex()[:16])
+                self._count(write_errors=1)
+                failed.add(id(it))
+        if failed:
+            batch.items = [it for it in batch.items if id(it) not in failed]
+
+    def _write(self, batch: _Batch) -> bool:
+        items = batch.items
+        if not items:
+            return True
         try:
             return self._send(items)
         except Exception:      # never let the writer die: the cache goes on without remote writes
@@ -110,7 +165,7 @@ class RemoteWriter(BackgroundWriter[list[WriteItem]]):
             self._count(write_errors=len(items))
             return False
 
-    def _after(self, items: list[WriteItem], ok: bool) -> None:
-        self._sending = 0
+    def _after(self, batch: _Batch, ok: bool) -> None:
+        self._sending -= batch.taken
         if not ok:
             self._failed += 1

@@ -42,11 +42,13 @@ def test_paris_chat_hits_and_restart_from_disk(tmp_path, default_model):
 
     # A new process on the same cache directory: the device pool and host slab start empty,
     # so the prefix comes from disk, and the greedy tokens are the same.
+    # The same dtype as the session's model ("auto": bfloat16 on a CPU with native bf16).
+    dtype = str(default_model.dtype).removeprefix("torch.")
     code = textwrap.dedent(f"""
         import json
         from tieredkv import CacheConfig, Engine, SamplingParams
         eng = Engine.from_pretrained(None, CacheConfig(disk_dir={str(tmp_path / 'kv')!r}, device_memory="256MiB",
-                                     host_memory="64MiB", disk_capacity="1GiB"), device="cpu", dtype="float32")
+                                     host_memory="64MiB", disk_capacity="1GiB"), device="cpu", dtype={dtype!r})
         out = eng.generate({PROMPT!r}, SamplingParams(max_tokens=8))
         bill = eng.ledger.tenant("default")
         eng.close()

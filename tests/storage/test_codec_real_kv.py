@@ -26,8 +26,17 @@ TARGET = {torch.bfloat16: 1.40, torch.float16: 1.15, torch.float32: 1.15}
 
 @pytest.fixture(scope="module")
 def real_blocks(default_model) -> torch.Tensor:
-    """float32 KV of 512 tokens of the demo document: 32 blocks of [30, 2, 16, 3, 64]."""
-    engine = Engine.from_loaded(default_model, CacheConfig(device_memory="64MiB", host_memory=0, disk_dir=None))
+    """float32 KV of 512 tokens of the demo document: 32 blocks of [30, 2, 16, 3, 64], computed
+    in float32 (the session's model runs in bfloat16 on a CPU with native bf16, whose KV has only
+    bf16's 8 mantissa bits: every other dtype's ratio would be measured on rounded values)."""
+    import copy
+    import dataclasses
+
+    from engine.model import model_identity
+    model = copy.deepcopy(default_model.model).to(torch.float32)
+    fp32 = dataclasses.replace(default_model, model=model, dtype=torch.float32,
+                               identity=model_identity(default_model.identity.name, model.config, torch.float32))
+    engine = Engine.from_loaded(fp32, CacheConfig(device_memory="64MiB", host_memory=0, disk_dir=None))
     try:
         ids = engine.tokenizer((ROOT / "tieredkv" / "demo_document.txt").read_text())["input_ids"][:512]
         assert len(ids) == 512

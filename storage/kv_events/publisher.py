@@ -1,0 +1,202 @@
+"""The KV-event publisher: one thread that turns the sink's queue into numbered batches on a ZMQ
+PUB socket, and answers replay requests on a ZMQ ROUTER socket, as vLLM's ZmqEventPublisher does.
+
+Knows: the sockets (bound at construction; the endpoints actually bound, a free port resolved,
+are `endpoint` and `replay_endpoint`), batching (the events queued within `batch_s` of the first
+one, until `max_batch_events` blocks, become one KVEventBatch), turning queued items into wire
+events (a run of blocks that chain -- each the child of the one before -- in one medium is one
+BlockStored, as vLLM sends a request's new blocks; the root block's parent is None, not our
+namespace digest), the sequence number (0 for the first batch, +1 per batch), and the ring of the
+last `buffer_batches` payloads replay serves from.
+
+On the wire (vLLM's): a batch is the multipart [topic, seq (8 bytes big-endian), payload]. A
+replay request on the ROUTER socket is [client_id, b"", start_seq (8 bytes big-endian)]; the
+answer is [client_id, b"", seq, payload] for every buffered batch with seq >= start_seq, then
+[client_id, b"", -1 (8 bytes, signed), b""].
+Doesn't know: the tiers (they call storage/kv_events/sink.py, whose queue this drains).
+
+Threads (NOTE): the sockets are this thread's alone (ZMQ sockets are not thread-safe); other
+threads read `seq`, `published` and the endpoints (plain ints and strings). Nothing here waits on
+a subscriber: PUB drops at its high-water mark, ROUTER drops for a peer that does not read.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+
+import msgspec
+import zmq
+
+from storage.hashing import BlockKey, root_hash
+from storage.kv_events.sink import EventSink
+from storage.kv_events.wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+
+log = logging.getLogger("tieredkv.kv_events")
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+_POLL_S = 0.05          # the longest a replay request waits while no event comes
+_ROOTS_MAX = 4096       # namespaces whose root hash is remembered
+
+
+class KVEventPublisher:
+    def __init__(self, sink: EventSink, endpoint: str, replay_endpoint: str, *, block_size: int,
+                 topic: str = "", tokens: bool = True, buffer_batches: int = 10_000, batch_s: float = 0.005,
+                 max_batch_events: int = 4096, hwm: int = 100_000, context: zmq.Context | None = None) -> None:
+        self.sink = sink
+        self.topic = topic
+        self.tokens = tokens
+        self.block_size = block_size
+        self._topic = topic.encode()
+        self._batch_s = batch_s
+        self._max_events = max_batch_events
+        self._ctx = context or zmq.Context.instance()   # inproc:// endpoints need one context
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._replay = self._ctx.socket(zmq.ROUTER)
+        self._pub.setsockopt(zmq.LINGER, 1000)    # the last batches still go out after close
+        self._replay.setsockopt(zmq.LINGER, 0)
+        # A replay of the whole ring is one message per batch: room for it (ROUTER drops past its
+        # high-water mark, and the end marker must not be what is dropped).
+        self._replay.setsockopt(zmq.SNDHWM, 2 * buffer_batches + 2)
+        self._pub.setsockopt(zmq.SNDHWM, hwm)
+        try:
+            self.endpoint = self._bind(self._pub, endpoint, "kv_events")
+            self.replay_endpoint = self._bind(self._replay, replay_endpoint, "kv_events_replay")
+        except BaseException:
+            self._pub.close()
+            self._replay.close()
+            raise
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_batches)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._roots: dict[bytes, bytes] = {}
+        self.seq = -1            # the last batch's sequence number (-1: none sent yet)
+        self.published = 0       # events sent
+        self._stop = threading.Event()
+        # A subscriber that restarts with us learns that what it knew of us is void.
+        sink.cleared()
+        self._thread = threading.Thread(target=self._run, name="tieredkv-kv-events", daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _bind(sock: zmq.Socket, endpoint: str, field_name: str) -> str:
+        try:
+            sock.bind(endpoint)
+        except zmq.ZMQError as e:
+            raise OSError(f"{field_name}: cannot bind {endpoint}: {e}") from None
+        return sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+
+    def status(self) -> dict:
+        return {"enabled": True, "endpoint": self.endpoint, "replay_endpoint": self.replay_endpoint,
+                "topic": self.topic, "seq": self.seq, "published": self.published, "dropped": self.sink.dropped,
+                "tokens": self.tokens}
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Send what is queued, then close the sockets. Idempotent."""
+        self._stop.set()
+        self._thread.join(timeout)
+
+    # ---- the publisher thread ----------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                self._serve_replays()
+                items = self._take()
+                if items:
+                    self._send(items)
+                elif self._stop.is_set():
+                    return     # the queue is drained
+        except Exception:
+            log.exception("kv events: the publisher stopped; no more events are sent")
+        finally:
+            self._pub.close()
+            self._replay.close()
+
+    def _take(self) -> list[tuple]:
+        """The items queued within batch_s of the first (waiting up to _POLL_S for it)."""
+        q = self.sink.queue
+        try:
+            items = [q.get_nowait() if self._stop.is_set() else q.get(timeout=_POLL_S)]
+        except queue.Empty:
+            return []
+        deadline = time.monotonic() + self._batch_s
+        n = _blocks(items[0])
+        while n < self._max_events:
+            left = deadline - time.monotonic()
+            try:
+                items.append(q.get(timeout=left) if left > 0 else q.get_nowait())
+            except queue.Empty:
+                break
+            n += _blocks(items[-1])
+        return items
+
+    def _send(self, items: list[tuple]) -> None:
+        events = self._to_wire(items)
+        if not events:
+            return
+        payload = self._encoder.encode(KVEventBatch(ts=time.time(), events=events))
+        seq = self.seq + 1
+        try:
+            self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            pass       # no subscriber keeps up: it replays from the buffer
+        self._buffer.append((seq, payload))
+        self.seq = seq
+        self.published += len(events)
+
+    def _serve_replays(self) -> None:
+        while self._replay.poll(0):
+            frames = self._replay.recv_multipart()
+            if len(frames) != 3 or len(frames[2]) != 8:
+                log.warning("kv events: ignoring a malformed replay request (%d frames)", len(frames))
+                continue
+            client, _, start = frames
+            start_seq = int.from_bytes(start, "big")
+            for seq, payload in list(self._buffer):
+                if seq >= start_seq:
+                    self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
+            self._replay.send_multipart((client, b"", END_SEQ, b""))
+
+    def _to_wire(self, items: list[tuple]) -> list:
+        events: list = []
+        for item in items:
+            kind = item[0]
+            if kind == "cleared":
+                events.append(AllBlocksCleared())
+            elif kind == "removed":
+                _, medium, hashes = item
+                last = events[-1] if events else None
+                if isinstance(last, BlockRemoved) and last.medium == medium:
+                    last.block_hashes.extend(hashes)
+                else:
+                    events.append(BlockRemoved(block_hashes=list(hashes), medium=medium))
+            else:
+                _, medium, keys = item
+                for key in keys:
+                    self._add_stored(events, key, medium)
+        return events
+
+    def _add_stored(self, events: list, key: BlockKey, medium: str) -> None:
+        last = events[-1] if events else None
+        tokens = list(key.token_ids) if self.tokens else []
+        if isinstance(last, BlockStored) and last.medium == medium and last.block_hashes[-1] == key.parent:
+            last.block_hashes.append(key.hash)      # the chain goes on: one event, as vLLM sends it
+            last.token_ids.extend(tokens)
+            return
+        parent = None if key.parent == self._root(key.namespace) else key.parent
+        events.append(BlockStored(block_hashes=[key.hash], parent_block_hash=parent, token_ids=tokens,
+                                  block_size=self.block_size, lora_id=None, medium=medium))
+
+    def _root(self, namespace: bytes) -> bytes:
+        root = self._roots.get(namespace)
+        if root is None:
+            if len(self._roots) >= _ROOTS_MAX:
+                self._roots.clear()
+            root = self._roots[namespace] = root_hash(namespace)
+        return root
+
+
+def _blocks(item: tuple) -> int:
+    """How many blocks a queued item names (a clear: one)."""
+    return len(item[2]) if len(item) > 2 else 1

@@ -1,0 +1,188 @@
+"""The peer's side of tools/bench_peers.py: LMCache's storage layer timed on the bytes it is given.
+
+Runs in LMCache's own virtual environment (bench_peers.py installs it there and starts this script
+as a child), never in tieredkv's: it imports nothing of tieredkv. Knows: how to build LMCache
+0.5.6's local-disk backend (`LocalDiskBackend`) and its Valkey backend (`RemoteBackend` over the
+`valkey://` connector, naive serde) on the CPU, and how to time a put and a get of N KV blocks
+through each. Doesn't know: tieredkv, limits, targets or tables (bench_peers.py has them).
+
+The blocks come in a file of raw bytes, `[N, layers, 2, tokens, kv_heads, head_dim]` in the given
+dtype (tieredkv's block layout); each is stored as LMCache stores a chunk, `KV_2LTD`
+(`[2, layers, tokens, kv_heads * head_dim]`), the same bytes in its own order.
+
+Protocol: one JSON command per line on stdin, one `RESULT <json>` line per command on stdout
+(anything else on stdout is LMCache's own logging, ignored by the parent):
+
+    {"op": "disk", "round": r, "fsync": false}   put every block, wait until every file is written
+                                                  (with "fsync": true each file is fsynced before
+                                                  its put counts as done: LMCache never fsyncs, so
+                                                  this is the durable variant, patched in here);
+                                                  then one batched get. A fresh directory per call.
+    {"op": "remote", "round": r}                  the same through the Valkey backend (the parent
+                                                  empties the store between calls)
+    {"op": "quit"}
+
+Each result: {"put_s", "get_s", "bytes", "verified"}: seconds of the put (submit to the last
+completion callback) and of the get (`batched_get_blocking`), raw bytes moved, and whether every
+block read back bit-identical (checked after the timed get, every call).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import sys
+import threading
+import time
+
+
+def _fsync_write_file(self, buffer, path):
+    """LocalDiskBackend.write_file as shipped (buffered open + write), plus an fsync of the file."""
+    with open(path, "wb") as f:
+        f.write(buffer)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+class Peer:
+    def __init__(self, blocks_file: str, shape: tuple[int, ...], dtype_name: str, workdir: str,
+                 url: str | None) -> None:
+        import torch
+        from lmcache.v1.config import LMCacheEngineConfig
+        from lmcache.v1.metadata import LMCacheMetadata
+        from lmcache.v1.memory_management import MemoryFormat
+        from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
+
+        self.torch = torch
+        self.dtype = getattr(torch, dtype_name)
+        layers, two, tokens, heads, head_dim = shape
+        raw = bytearray(open(blocks_file, "rb").read())
+        src = torch.frombuffer(raw, dtype=self.dtype).view(-1, *shape)
+        self.n = src.shape[0]
+        self.block_bytes = src[0].numel() * src[0].element_size()
+        self.workdir = workdir
+        self.meta = LMCacheMetadata(model_name="tieredkv-bench", world_size=1, local_world_size=1, worker_id=0,
+                                    local_worker_id=0, kv_dtype=self.dtype, kv_shape=tuple(shape), use_mla=False,
+                                    chunk_size=tokens)
+        # Room for the source chunks, one get's results and slack for the allocator.
+        cpu_gib = (3 * self.n * self.block_bytes + (64 << 20)) / 2**30
+        self.config = LMCacheEngineConfig.from_defaults(
+            chunk_size=tokens, local_cpu=False, max_local_cpu_size=cpu_gib, remote_url=url, remote_serde="naive",
+            local_disk=os.path.join(workdir, "unused"), max_local_disk_size=4 * self.n * self.block_bytes / 2**30 + 1)
+        self.cpu = LocalCPUBackend(self.config, self.meta)
+        self.chunk_shape = torch.Size([2, layers, tokens, heads * head_dim])
+        self.objs = []
+        for b in src:
+            m = self.cpu.allocate(self.chunk_shape, self.dtype, MemoryFormat.KV_2LTD)
+            if m is None:
+                raise RuntimeError("LMCache's CPU allocator refused a chunk")
+            m.tensor.copy_(b.permute(1, 0, 2, 3, 4).reshape(self.chunk_shape))
+            self.objs.append(m)
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True, name="lmcache-loop").start()
+        self.remote = None
+        if url:
+            from lmcache.v1.storage_backend.remote_backend import RemoteBackend
+            self.remote = RemoteBackend(self.config, self.meta, self.loop, self.cpu, "cpu")
+            if self.remote.connection is None:
+                raise RuntimeError(f"LMCache's remote backend did not connect to {url}")
+
+    def keys(self, base: int) -> list:
+        from lmcache.utils import CacheEngineKey
+        return [CacheEngineKey("tieredkv-bench", 1, 0, base + i, self.dtype) for i in range(self.n)]
+
+    def _put(self, backend, keys) -> float:
+        done = threading.Semaphore(0)
+        t0 = time.perf_counter()
+        backend.batched_submit_put_task(keys, self.objs, on_complete_callback=lambda _k: done.release())
+        for _ in keys:
+            if not done.acquire(timeout=300):
+                raise RuntimeError("a put never completed")
+        return time.perf_counter() - t0
+
+    def _get(self, backend, keys) -> tuple[float, bool]:
+        t0 = time.perf_counter()
+        got = backend.batched_get_blocking(keys)
+        elapsed = time.perf_counter() - t0
+        ok = all(g is not None and self.torch.equal(g.tensor, o.tensor) for g, o in zip(got, self.objs))
+        for g in got:
+            if g is not None:
+                g.ref_count_down()
+        return elapsed, ok
+
+    def disk(self, rnd: int, fsync: bool) -> dict:
+        from lmcache.v1.storage_backend.local_disk_backend import LocalDiskBackend
+        path = os.path.join(self.workdir, f"disk-{rnd}-{int(fsync)}")
+        os.makedirs(path)
+        config = self.config
+        config.local_disk = path
+        backend = LocalDiskBackend(config, self.loop, self.cpu, "cpu", None, self.meta)
+        if fsync:
+            backend.write_file = _fsync_write_file.__get__(backend)
+        try:
+            keys = self.keys((rnd * 4 + 2 * int(fsync)) << 20)
+            put_s = self._put(backend, keys)
+            get_s, ok = self._get(backend, keys)
+        finally:
+            backend.close()
+            shutil.rmtree(path, ignore_errors=True)
+        return {"put_s": put_s, "get_s": get_s, "bytes": self.n * self.block_bytes, "verified": ok}
+
+    def remote_round(self, rnd: int) -> dict:
+        if self.remote is None:
+            raise RuntimeError("no remote URL was given")
+        keys = self.keys((rnd * 4 + 1) << 20)
+        put_s = self._put(self.remote, keys)
+        get_s, ok = self._get(self.remote, keys)
+        return {"put_s": put_s, "get_s": get_s, "bytes": self.n * self.block_bytes, "verified": ok}
+
+
+def _connector_name(remote) -> str | None:
+    conn = getattr(remote, "connection", None)
+    conn = getattr(conn, "_connector", conn)       # InstrumentedRemoteConnector wraps the real one
+    return None if conn is None else type(conn).__name__
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--blocks-file", required=True)
+    ap.add_argument("--shape", required=True, help="layers,2,tokens,kv_heads,head_dim")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--workdir", required=True)
+    ap.add_argument("--url", default=None, help="valkey://host:port of the store (none: disk only)")
+    args = ap.parse_args()
+    out = sys.stdout
+
+    def reply(obj: dict) -> None:
+        out.write("RESULT " + json.dumps(obj) + "\n")
+        out.flush()
+
+    try:
+        import lmcache
+        peer = Peer(args.blocks_file, tuple(int(x) for x in args.shape.split(",")), args.dtype, args.workdir, args.url)
+    except Exception as e:   # noqa: BLE001 -- reported to the parent, which skips the peer
+        reply({"error": f"{type(e).__name__}: {e}"})
+        return 1
+    from importlib.metadata import version
+    reply({"ready": True, "lmcache": version("lmcache"), "blocks": peer.n, "block_bytes": peer.block_bytes,
+           "connector": _connector_name(peer.remote), "module": lmcache.__file__})
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        try:
+            if cmd["op"] == "quit":
+                break
+            if cmd["op"] == "disk":
+                reply(peer.disk(cmd["round"], cmd["fsync"]))
+            elif cmd["op"] == "remote":
+                reply(peer.remote_round(cmd["round"]))
+            else:
+                reply({"error": f"unknown op {cmd['op']!r}"})
+        except Exception as e:   # noqa: BLE001
+            reply({"error": f"{type(e).__name__}: {e}"})
+    os._exit(0)   # LMCache's threads (event loop, worker pools) need not be joined
+
+
+if __name__ == "__main__":
+    sys.exit(main())
