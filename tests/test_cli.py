@@ -700,12 +700,15 @@ def test_route_in_front_of_two_served_models_follows_the_prefix_and_exits_cleanl
         urls = []
         for name in ("a", "b"):
             p, lines = start("serve", "--model", str(tiny_model_dir), "--port", "0", "--cache-dir", str(tmp_path / name),
-                             "--device-memory", "8MiB", "--host-memory", "8MiB", "--log-level", "warning")
+                             "--device-memory", "8MiB", "--host-memory", "8MiB", "--log-level", "warning",
+                             "--kv-events", "tcp://127.0.0.1:0")
             urls.append(lines.wait(r"serving \S+ on (http://127\.0\.0\.1:\d+)", p, 180)[1])
         router, lines = start("route", "--port", "0", "--backend", urls[0], "--backend", urls[1],
                               "--log-level", "warning")
         url = lines.wait(r"routing on (http://127\.0\.0\.1:\d+) over 2 backends", router, 60)[1]
-        assert httpx.get(f"{url}/health", timeout=30).json()["backends_up"] == 2
+        health = httpx.get(f"{url}/health", timeout=30).json()
+        assert health["backends_up"] == 2
+        assert all(b["events"] is not None and b["events"]["replays"] >= 1 for b in health["backends"]), health
         prefix = "A long shared system prompt that one server computes and the other never sees. " * 6
         homes = []
         for q in ("First?", "Second?", "Third?"):
@@ -715,6 +718,13 @@ def test_route_in_front_of_two_served_models_follows_the_prefix_and_exits_cleanl
             homes.append(r.headers["x-tieredkv-backend"])
         assert homes[0] in urls and homes == [homes[0]] * 3
         assert r.json()["usage"]["prompt_cache_hit_tokens"] > 0
+        deadline = time.monotonic() + 20
+        while True:                      # the index learns the prefix from the server's own events
+            home = next(b for b in httpx.get(f"{url}/health", timeout=30).json()["backends"] if b["url"] == homes[0])
+            if home["index_blocks"] > 0 and home["events"]["batches"] > 0:
+                break
+            assert time.monotonic() < deadline, home
+            time.sleep(0.1)
         metrics = httpx.get(f"{url}/metrics", timeout=30).text
         assert f'tieredkv_router_requests_total{{backend="{homes[0]}",status="200"}} 3.0' in metrics
         router.send_signal(signal.SIGTERM)

@@ -1,7 +1,8 @@
 """Scale-out: 1, 2 and 4 `tieredkv serve` processes behind round-robin, behind `tieredkv route`, and
 behind the router with a shared remote tier; then, with 2+ servers, a backend SIGKILLed mid-run.
 
-Knows: how to start real servers (`tieredkv serve --port 0`, each with its own empty cache dir;
+Knows: how to start real servers (`tieredkv serve --port 0 --kv-events tcp://127.0.0.1:0`, each
+with its own empty cache dir;
 with the remote tier also `--remote-url U --remote-write write_through`, so a block reaches the
 store as soon as it is computed), a valkey-server (tools/valkey_servers.py) and a router
 (`tieredkv route --port 0 --backend ...`) in front of each group; the workload; what to report.
@@ -27,7 +28,8 @@ server 0 is SIGKILLed with requests in flight; every request must still succeed 
 retries what had not started answering, and stops routing to the dead server).
 
     python tools/bench_scaleout.py [--servers 1,2,4] [--requests 24] [--documents 4] [--concurrency 4]
-                                   [--max-tokens 4] [--doc-tokens 512] [--repeat 2] [--model M] [--json]
+                                   [--max-tokens 4] [--doc-tokens 512] [--repeat 2] [--no-kv-events]
+                                   [--model M] [--json]
 """
 from __future__ import annotations
 
@@ -102,9 +104,11 @@ class Process:
 
 
 class Server(Process):
-    def __init__(self, cache_dir: Path, model: str | None, remote_url: str | None) -> None:
+    def __init__(self, cache_dir: Path, model: str | None, remote_url: str | None, kv_events: bool = True) -> None:
         args = ["serve", "--port", "0", "--cache-dir", str(cache_dir), "--device-memory", "256MiB",
                 "--host-memory", "256MiB", "--log-level", "warning"]
+        if kv_events:
+            args += ["--kv-events", "tcp://127.0.0.1:0"]      # a free port each; the router reads it from status
         if model:
             args += ["--model", model]
         if remote_url:
@@ -295,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=2, help="runs per (servers, mode), the modes' order rotated "
                     "each round; the run with the median req/s is shown")
     ap.add_argument("--no-kill", action="store_true", help="skip the kill runs")
+    ap.add_argument("--no-kv-events", action="store_true", help="servers publish no KV events: the router routes "
+                    "on its own predictions only")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = ap.parse_args(argv)
@@ -318,8 +324,9 @@ def main(argv: list[str] | None = None) -> int:
         for n in counts:
             print(f"{n} server(s): starting {2 * n} servers (n local, n sharing the store) and two routers",
                   file=sys.stderr)
-            local = [Server(tmp / f"n{n}-local-{i}", args.model, None) for i in range(n)]
-            remote = [Server(tmp / f"n{n}-remote-{i}", args.model, url) for i in range(n)]
+            events = not args.no_kv_events
+            local = [Server(tmp / f"n{n}-local-{i}", args.model, None, events) for i in range(n)]
+            remote = [Server(tmp / f"n{n}-remote-{i}", args.model, url, events) for i in range(n)]
             routers: list[Router] = []
             try:
                 routers = [Router([s.url for s in local]), Router([s.url for s in remote])]
