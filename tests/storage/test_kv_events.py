@@ -7,6 +7,7 @@ endpoints' defaults and validation. No timing asserts: polling with generous dea
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Callable, Union
@@ -167,6 +168,11 @@ def settle(cache: TieredKVCache, sub: Subscriber) -> list[KVEventBatch]:
         if now != seq[0]:          # something went out since the last look: look again
             seq[0] = now
             return False
+        if sink.queue.empty() and 0 <= max(sub.batches, default=-1) < now or not sub.batches and now >= 0:
+            # A SUB that joined after the last batches went out (ZMQ's slow joiner: nothing more is
+            # published after them) gets them from the replay socket, as a router would.
+            for s, payload in sub.replay(max(sub.batches, default=-1) + 1):
+                sub.batches.setdefault(s, payload)
         return sink.queue.empty() and max(sub.batches, default=-1) >= now
     wait_for(caught_up, "the subscriber to catch up", sub)
     return sub.all_batches(cache.events_status()["seq"])
@@ -368,7 +374,16 @@ def test_a_full_queue_drops_and_counts_and_never_blocks() -> None:
 def test_a_publisher_behind_a_full_queue_reports_its_drops(made) -> None:
     cache, sub = start(made, None, 4, 0)
     sink, pub = cache.tiers.events, cache.events_publisher
-    pub._take = lambda: []                        # the publisher stops taking (a stalled thread)
+    stalled = threading.Event()
+
+    def take_nothing() -> list:
+        stalled.set()
+        time.sleep(0.001)
+        return []
+    pub._take = take_nothing                      # the publisher stops taking (a stalled thread)...
+    # ...once its current take (which may be waiting on the queue, and would take what we put
+    # next) has returned: only then is the queue ours to fill.
+    assert stalled.wait(DEADLINE_S)
     for _ in range(sink.queue.maxsize - sink.queue.qsize()):
         sink.removed([b"x" * 32], "GPU")
     pages = cache.allocate(2)                     # the engine's path: never waits on the queue
