@@ -9,15 +9,16 @@ itself is storage/codec/byte_planes.py.
 
 Two codecs write it (Codec.kind, CacheConfig.codec); decode() reads either, whatever the
 reader's own kind: "zstd" splits the tensor into byte planes and compresses the top one (below);
-"raw" stores the tensor's bytes as they are, in element order (bit 2 of the flags, below).
+"raw" stores the tensor's bytes as they are, in element order, under an xxh3_64 checksum, with
+no zstd at all (bit 2 of the flags, "whole", below).
 
 Payload format, version 4 (written; all integers little-endian):
 
     magic  b"TKVB"      4 bytes
     version             u8   (4)
     flags               u8   (bit 1: planes in dim-1-major order; bit 2: whole, the raw codec's
-                              one frame of the tensor's bytes in element order; at most one of
-                              them; other bits must be 0)
+                              layout: the tensor's bytes in element order, no zstd; at most one
+                              of them; other bits must be 0)
     dtype code          u8   (_DTYPE_CODES; never renumber)
     level               i8   (zstd level of the coded planes, 0 with none; informational)
     ndim                u8
@@ -26,13 +27,14 @@ Payload format, version 4 (written; all integers little-endian):
     binding length      u8
     binding             bytes (what the payload belongs to; the disk tier: block hash || namespace)
     plane table         itemsize x (mode u8: 0 stored, 1 coded; frame length u32), plane 0 first;
-                        whole: ONE entry (mode 0 stored, its frame's length)
-    coded crc32         u32  over the coded planes' frames, as stored, in plane order (0: none)
+                        whole: ONE entry (mode 0 stored, length = raw size)
+    coded crc32         u32  over the coded planes' frames, as stored, in plane order (0: none);
+      whole, instead:   data xxh3   u64  xxh3_64 (seed 0) of the tensor's bytes
     header crc32        u32  over everything above
     plane frames        one zstd frame per plane, plane 0 (least significant byte) first, back
                         to back, of exactly the lengths in the table and nothing after them;
-                        each has its content size (numel) and zstd's content checksum; whole:
-                        one frame of the tensor's bytes in element order (content size = raw size)
+                        each has its content size (numel) and zstd's content checksum;
+      whole, instead:   data        the tensor's bytes in element order, exactly raw size of them
 
 A tensor is split into byte planes (plane b = byte b of every element). The top plane holds
 the sign and the exponent's high bits, which take few values: it is "coded", i.e. compressed
@@ -49,30 +51,34 @@ layer, then V) and the coded plane gets a zstd block per half of each dim-1 slic
 exponents are distributed differently, and each block carries its own Huffman table (+0.4-1.1%
 ratio, the decoder sees ordinary frames).
 
-The raw codec splits nothing and compresses nothing: its one frame comes from zstd's fastest
-level, which on KV bytes emits raw blocks (the bytes verbatim, a 3-byte block header per 128 KiB)
-and collapses only runs (an all-zero block). zstd is kept as the container for its content
-checksum (xxh64), the fastest checksum this build has: measured on a 720 KiB block, a copy plus
-xxh64 (a raw frame's decode) takes ~68 us and zlib.crc32 alone ~172 us (the zlib here, 1.2.13,
-has no carry-less-multiply crc; no xxhash or crc32c module is installed), so raw planes under a
-crc32 would decode slower than zstd's stored planes do. Planes only help a compressor, so the
-raw codec pays no split or join: its decode is that frame's decode and one copy into the
-caller's tensor, ~4-7x faster than the zstd codec's per core. Its payloads are 1.15-1.45x
-larger on KV: it wins where the drive or network moves bytes faster than zstd decodes them.
+The raw codec splits nothing, compresses nothing and has no zstd frame: its payload is the header
+and the tensor's bytes as they are, and the header (under its crc32) holds an xxh3_64 of those
+bytes. xxh3 runs at tens of GB/s (64 GB/s on a cached 360 KiB block here, above memcpy's ~43),
+where zlib.crc32 (1.2.13 here, without the carry-less-multiply fast path) does ~2-4 GB/s and a
+zstd raw-block frame costs a decompression into a fresh buffer (xxh64 plus a copy) before the copy
+into the caller's tensor. Its decode hashes the data where it lies (an LMDB value read in place)
+and copies it into the caller's tensor with one np.copyto: nothing is allocated, and the tensor
+is untouched when the checksum fails. Planes only help a compressor, so the raw codec pays no
+split or join. Its payloads are 1.15-1.45x larger on KV than the zstd codec's: it wins where the
+drive or network moves bytes faster than zstd decodes them. (The raw codec's first layout, one
+zstd frame at the fastest level, was never released; this build refuses it: its table entry is
+not the raw size.)
 
 Four checks, each over what it is cheapest to check: the header crc32 vouches for the header
-(so a damaged shape, size or plane table never drives an allocation, a reshape or a frame
-boundary); the binding inside that header must equal the one the reader asks for, so an intact
-payload found under the wrong key (a damaged LMDB page pointer, a misplaced record) is refused,
-not served; each frame's content checksum (xxh64) vouches for its plane's bytes -- the stored
-planes' and the raw codec's whole frame too, since they are zstd frames -- so damage in a frame
-fails decompression or that checksum; and the coded crc32 covers the compressed bytes of the
-coded frames, where some bits are don't-cares to zstd (a Huffman table description's padding,
-say): a flip there decodes to the right bytes, and without this crc would go unnoticed. It costs
-a crc over 11-42% of the payload (fp32-fp16), not all of it (none with the raw codec, whose frame
-has nothing coded). A frame without a content checksum, of the wrong content size, with its
-header's unused bit set (zstd ignores that bit), or with bytes after it, is refused: zstd would
-decode each without complaint. So any damage raises, and no damage decodes to other bytes.
+(so a damaged shape, size, plane table or data checksum never drives an allocation, a reshape or
+a frame boundary); the binding inside that header must equal the one the reader asks for, so an
+intact payload found under the wrong key (a damaged LMDB page pointer, a misplaced record) is
+refused, not served; each frame's content checksum (xxh64) vouches for its plane's bytes -- the
+stored planes' too, since they are zstd frames -- so damage in a frame fails decompression or that
+checksum; and the coded crc32 covers the compressed bytes of the coded frames, where some bits
+are don't-cares to zstd (a Huffman table description's padding, say): a flip there decodes to the
+right bytes, and without this crc would go unnoticed. It costs a crc over 11-42% of the payload
+(fp32-fp16), not all of it. A frame without a content checksum, of the wrong content size, with
+its header's unused bit set (zstd ignores that bit), or with bytes after it, is refused: zstd
+would decode each without complaint. The raw codec has no frame: its third and fourth checks are
+one, the xxh3_64 over all of its data, whose length must be exactly the raw size (a truncated or
+extended payload is refused before hashing). So any damage raises, and no damage decodes to
+other bytes.
 
 Version 3 (still read, no longer written): the same header up to the binding, no plane table,
 flags bit 0 = byte-shuffled, then the crc32 and ONE zstd frame of the whole tensor (shuffled
@@ -91,6 +97,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import xxhash
 import zstandard
 
 from storage.codec import byte_planes
@@ -101,7 +108,7 @@ FORMAT_VERSION = 4                 # what encode() writes
 READABLE_VERSIONS = (3, 4)         # what decode() reads
 _FLAG_SHUFFLE = 0x01               # v3: the one frame holds byte planes
 _FLAG_DIM1_MAJOR = 0x02            # v4: planes list elements with dims 0 and 1 swapped
-_FLAG_WHOLE = 0x04                 # v4: one stored frame of the tensor's bytes in element order (raw)
+_FLAG_WHOLE = 0x04                 # v4: the tensor's bytes as they are, under an xxh3_64 (raw codec)
 _FLAGS_BY_VERSION = {3: _FLAG_SHUFFLE, 4: _FLAG_DIM1_MAJOR | _FLAG_WHOLE}
 # What Codec.kind may be (storage/config.py's CODECS says the same to users).
 KINDS = ("zstd", "raw")
@@ -112,6 +119,7 @@ _FIXED = struct.Struct("<4sBBBbB")   # magic, version, flags, dtype code, level,
 _RAW_SIZE = struct.Struct("<Q")
 _PLANE = struct.Struct("<BI")        # mode, frame length
 _CRC = struct.Struct("<I")
+_XXH = struct.Struct("<Q")           # whole: xxh3_64 of the tensor's bytes
 _MAX_NDIM = 8
 MAX_BINDING = 255
 
@@ -124,9 +132,6 @@ CODED_PLANES: dict[int, frozenset[int]] = {2: frozenset({1}), 4: frozenset({3})}
 # match search cheap (~4 GB/s on noise), so incompressible planes come out as raw blocks, while
 # runs (an all-zero plane) still collapse to a few dozen bytes.
 _STORE_LEVEL = -5
-# The raw codec's frame: zstd's fastest level (ZSTD_minCLevel), ~12% faster to write than
-# _STORE_LEVEL on a KV block, whose bytes it leaves in raw blocks all the same.
-_RAW_LEVEL = -(1 << 17)
 _ZSTD_FHD_UNUSED_BIT = 0x10          # RFC 8878 3.1.1.1.1: Frame_Header_Descriptor bit 4
 
 
@@ -150,10 +155,16 @@ class CodecHeader:
     shuffled: bool                     # the bytes are in planes (v4 unless whole; v3 when flagged)
     level: int
     binding: bytes
-    header_size: int                   # bytes before the first zstd frame
+    header_size: int                   # bytes before the first zstd frame (whole: before the data)
     dim1_major: bool = False           # v4: planes in dim-1-major order
-    planes: tuple[PlaneFrame, ...] = ()   # v4: one per plane, or one (whole); v3: empty (one frame)
-    coded_crc: int | None = None       # v4: crc32 of the coded planes' frames
+    planes: tuple[PlaneFrame, ...] = ()   # v4: one per plane, or one (whole: the data, stored); v3: empty
+    coded_crc: int | None = None       # v4 planes: crc32 of the coded planes' frames
+    data_xxh3: int | None = None       # v4 whole: xxh3_64 of the tensor's bytes
+
+    @property
+    def whole(self) -> bool:
+        """The raw codec's layout: the tensor's bytes as they are, no zstd frame."""
+        return self.data_xxh3 is not None
 
     @property
     def numel(self) -> int:
@@ -188,13 +199,6 @@ def _store_compressor() -> zstandard.ZstdCompressor:
     c = getattr(_tls, "store", None)
     if c is None:
         c = _tls.store = zstandard.ZstdCompressor(level=_STORE_LEVEL, write_checksum=True, write_content_size=True)
-    return c
-
-
-def _raw_compressor() -> zstandard.ZstdCompressor:
-    c = getattr(_tls, "raw", None)
-    if c is None:
-        c = _tls.raw = zstandard.ZstdCompressor(level=_RAW_LEVEL, write_checksum=True, write_content_size=True)
     return c
 
 
@@ -289,8 +293,13 @@ class Codec:
             raise ValueError(f"block: shape {tuple(block.shape)} does not fit the header (ndim <= {_MAX_NDIM}, dims < 2**32)")
         shape = tuple(block.shape)
         if self.kind == "raw":
-            flags, level, coded = _FLAG_WHOLE, 0, frozenset()
-            frames = [_raw_compressor().compress(_bytes_view(block))]
+            data = _bytes_view(block)
+            header = b"".join((
+                _FIXED.pack(MAGIC, FORMAT_VERSION, _FLAG_WHOLE, _DTYPE_CODES[name], 0, block.dim()),
+                struct.pack(f"<{block.dim()}I", *shape), _RAW_SIZE.pack(data.size),
+                bytes((len(binding),)), binding, _PLANE.pack(PLANE_STORED, data.size),
+                _XXH.pack(xxhash.xxh3_64_intdigest(data))))
+            return b"".join((header, _CRC.pack(zlib.crc32(header)), data))
         else:
             dim1_major = byte_planes.can_swap(shape)
             flags, level = _FLAG_DIM1_MAJOR if dim1_major else 0, self.level
@@ -327,9 +336,12 @@ class Codec:
 
     def frames(self, payload: bytes | memoryview) -> list[tuple[memoryview, int]]:
         """The payload's zstd frames, each with the size it decompresses to (the header checked,
-        the frames not): what a benchmark's bare-zstd limit decompresses."""
+        the frames not): what a benchmark's bare-zstd limit decompresses. None for a whole
+        (raw codec) payload, which has no frame."""
         mv = memoryview(payload).cast("B")
         header = self.check_header(mv)
+        if header.whole:
+            return []
         if header.version == 3:
             return [(mv[header.header_size:], header.raw_size)]
         spans, at = [], header.header_size
@@ -370,6 +382,16 @@ class Codec:
                 np.copyto(_bytes_view(out), np.frombuffer(data, dtype=np.uint8))
             return out
         at = header.header_size
+        if header.whole:                        # the raw codec: the tensor's bytes, in element order
+            if len(mv) - at != header.raw_size:
+                raise CodecError(f"payload is {len(mv)} bytes, its plane table says {at + header.raw_size}")
+            data = mv[at:]
+            # Hashed where they lie (an LMDB value is read in place) and then copied once: the
+            # checksum is ~10x faster than the copy, and `out` is untouched when it fails.
+            if xxhash.xxh3_64_intdigest(data) != header.data_xxh3:
+                raise CodecError("data xxh3 mismatch: payload damaged")
+            np.copyto(_bytes_view(out), np.frombuffer(data, dtype=np.uint8))
+            return out
         if len(mv) - at != sum(p.length for p in header.planes):
             raise CodecError(f"payload is {len(mv)} bytes, its plane table says "
                              f"{at + sum(p.length for p in header.planes)}")
@@ -381,9 +403,6 @@ class Codec:
             at += p.length
         if crc != header.coded_crc:
             raise CodecError("coded planes' crc32 mismatch: payload damaged")
-        if not header.shuffled:                 # the raw codec's one frame, in element order
-            np.copyto(_bytes_view(out), np.frombuffer(_decompress_frame(frames[0], header.raw_size), dtype=np.uint8))
-            return out
         byte_planes.join([_decompress_frame(f, header.numel) for f in frames], out, header.dim1_major)
         return out
 
@@ -414,7 +433,7 @@ def _parse_header(mv: memoryview) -> CodecHeader:
     itemsize = dtype_from_name(dtype).itemsize
     n_planes = (1 if whole else itemsize) if version == 4 else 0
     table_end = binding_end + _PLANE.size * n_planes
-    size = table_end + (_CRC.size if version == 4 else 0) + _CRC.size
+    size = table_end + ((_XXH.size if whole else _CRC.size) if version == 4 else 0) + _CRC.size
     if len(mv) < size:
         raise CodecError(f"truncated payload: {len(mv)} bytes")
     binding = bytes(mv[binding_at + 1:binding_end])
@@ -428,11 +447,15 @@ def _parse_header(mv: memoryview) -> CodecHeader:
         if mode not in (PLANE_STORED, PLANE_CODED) or (whole and mode != PLANE_STORED):
             raise CodecError(f"unknown mode {mode} for plane {b}" + (" of a whole-tensor frame" if whole else ""))
         planes.append(PlaneFrame(coded=mode == PLANE_CODED, length=length))
-    coded_crc = _CRC.unpack_from(mv, table_end)[0] if version == 4 else None
+    if whole and planes[0].length != raw_size:
+        raise CodecError(f"plane table: a whole tensor's entry of {planes[0].length} bytes, raw size {raw_size}")
+    coded_crc = _CRC.unpack_from(mv, table_end)[0] if version == 4 and not whole else None
+    data_xxh3 = _XXH.unpack_from(mv, table_end)[0] if whole else None
     dim1_major = bool(flags & _FLAG_DIM1_MAJOR)
     if dim1_major and not byte_planes.can_swap(shape):
         raise CodecError(f"dim-1-major planes flagged for shape {shape}, which has no dims 0 and 1 to swap")
     return CodecHeader(version=version, dtype=dtype, shape=shape, raw_size=raw_size,
                        shuffled=(version == 4 and not whole) or (version == 3 and bool(flags & _FLAG_SHUFFLE)),
                        level=level, binding=binding,
-                       header_size=size, dim1_major=dim1_major, planes=tuple(planes), coded_crc=coded_crc)
+                       header_size=size, dim1_major=dim1_major, planes=tuple(planes), coded_crc=coded_crc,
+                       data_xxh3=data_xxh3)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import xxhash
 import zstandard
 
 from storage.codec import byte_planes
@@ -78,18 +79,24 @@ def itemsize_of(payload: bytes) -> int:
     return {1: 4, 2: 2, 3: 2}[payload[6]]
 
 
+def is_whole(payload: bytes) -> bool:
+    """Flags bit 2: the raw codec's layout, the tensor's bytes as they are under an xxh3_64."""
+    return bool(payload[5] & 0x04)
+
+
 def table_entries_of(payload: bytes) -> int:
-    """One per plane, or one when flags bit 2 says the frame holds the whole tensor (raw codec)."""
-    return 1 if payload[5] & 0x04 else itemsize_of(payload)
+    """One per plane, or one when flags bit 2 says the payload holds the whole tensor (raw codec)."""
+    return 1 if is_whole(payload) else itemsize_of(payload)
 
 
 def header_size_of(payload: bytes) -> int:
-    """Fields, plane table (5 bytes an entry), coded crc32, header crc32."""
-    return plane_table_at(payload) + 5 * table_entries_of(payload) + 4 + 4
+    """Fields, plane table (5 bytes an entry), coded crc32 (whole: data xxh3_64, 8 bytes), header crc32."""
+    return plane_table_at(payload) + 5 * table_entries_of(payload) + (8 if is_whole(payload) else 4) + 4
 
 
 def split_payload(payload: bytes) -> tuple[bytes, list[tuple[int, int]], list[bytes]]:
-    """(header fields before the plane table, [(mode, length)], [frame]) of a v4 payload."""
+    """(header fields before the plane table, [(mode, length)], [frame]) of a v4 payload; whole:
+    the one "frame" is the tensor's bytes."""
     table = plane_table_at(payload)
     entries = [struct.unpack_from("<BI", payload, table + 5 * b) for b in range(table_entries_of(payload))]
     at = header_size_of(payload)
@@ -101,12 +108,16 @@ def split_payload(payload: bytes) -> tuple[bytes, list[tuple[int, int]], list[by
 
 
 def build_payload(fields: bytes, entries: list[tuple[int, int]], frames: list[bytes]) -> bytes:
-    """A v4 payload whose crcs (coded frames, header) are valid, whatever it says."""
-    coded_crc = 0
-    for (mode, _), frame in zip(entries, frames):
-        if mode == 1:
-            coded_crc = zlib.crc32(frame, coded_crc)
-    header = fields + b"".join(struct.pack("<BI", m, n) for m, n in entries) + struct.pack("<I", coded_crc)
+    """A v4 payload whose checks (coded crc or whole data xxh3, header crc) are valid, whatever it says."""
+    if is_whole(fields):
+        check = struct.pack("<Q", xxhash.xxh3_64_intdigest(b"".join(frames)))
+    else:
+        coded_crc = 0
+        for (mode, _), frame in zip(entries, frames):
+            if mode == 1:
+                coded_crc = zlib.crc32(frame, coded_crc)
+        check = struct.pack("<I", coded_crc)
+    header = fields + b"".join(struct.pack("<BI", m, n) for m, n in entries) + check
     return header + struct.pack("<I", zlib.crc32(header)) + b"".join(frames)
 
 
@@ -163,13 +174,13 @@ def test_a_raw_payload_holds_the_tensor_bytes_as_they_are() -> None:
     h = Codec().check_header(payload)
     assert (h.version, h.dtype, h.shape, h.raw_size, h.shuffled, h.level, h.binding, h.dim1_major) == (
         4, "bfloat16", (4, 2, 16, 2, 32), x.numel() * 2, False, 0, B, False)
-    assert payload[5] == 0x04 and [(p.coded, p.length) for p in h.planes] == [(False, len(payload) - h.header_size)]
-    _, entries, frames = split_payload(payload)
     raw = x.reshape(-1).view(torch.uint8).numpy().tobytes()
-    assert raw in frames[0]                         # element order, verbatim (zstd raw blocks)
-    assert len(frames[0]) < len(raw) + 64            # a frame header, block headers, its checksum
-    assert zstandard.get_frame_parameters(frames[0]).has_checksum
-    assert [(bytes(f), n) for f, n in Codec().frames(payload)] == [(frames[0], len(raw))]
+    assert payload[5] == 0x04 and [(p.coded, p.length) for p in h.planes] == [(False, len(raw))]
+    assert payload[h.header_size:] == raw            # element order, verbatim, nothing after them
+    assert h.header_size == header_size_of(payload)
+    assert payload[h.header_size - 12:h.header_size - 4] == struct.pack("<Q", xxhash.xxh3_64_intdigest(raw))
+    assert h.data_xxh3 == xxhash.xxh3_64_intdigest(raw) and h.coded_crc is None
+    assert Codec().frames(payload) == []             # no zstd frame to decompress
 
 
 def test_header_describes_the_block() -> None:
@@ -265,8 +276,9 @@ def test_parallel_decodes_in_threads_are_correct() -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_every_single_byte_corruption_raises(kind: str, dtype: torch.dtype) -> None:
     # A small real payload: header, each stored plane's frame, the coded plane's frame (raw: the
-    # one frame of the whole tensor). Every byte of it, changed three ways, must fail -- in the
-    # header (crc), in a frame's header, blocks or checksum (zstd) -- and never decode to other bytes.
+    # tensor's bytes). Every byte of it, changed three ways, must fail -- in the header (crc), in a
+    # frame's header, blocks or checksum (zstd), in the data (raw: its xxh3) -- and never decode
+    # to other bytes.
     x = special_values(dtype)
     payload = Codec(kind=kind).encode(x, B)
     fields, entries, frames = split_payload(payload)
@@ -292,7 +304,8 @@ def test_every_single_byte_corruption_raises(kind: str, dtype: torch.dtype) -> N
 @pytest.mark.parametrize("kind", KINDS)
 def test_sampled_corruption_of_real_kv_sized_payloads_raises(kind: str) -> None:
     # Full-size blocks (zstd raw blocks over 128 KiB split in two or more): a sample of positions
-    # in each region -- header, every frame's start, middle, each raw block's header, and end.
+    # in each region -- header, every frame's start, middle, each raw block's header, and end
+    # (raw: the data's start, middle, end and every 128 KiB).
     for dtype in DTYPES:
         x = kv_like((30, 2, 16, 3, 64), dtype)
         payload = Codec(kind=kind).encode(x, B)
@@ -301,8 +314,11 @@ def test_sampled_corruption_of_real_kv_sized_payloads_raises(kind: str) -> None:
         offsets = list(range(0, at))
         for f in frames:
             offsets += [at, at + 3, at + 6, at + 9, at + len(f) // 2, at + len(f) - 5, at + len(f) - 1]
-            first_block = zstandard.frame_header_size(f)
-            offsets += [at + first_block + k * (3 + (128 << 10)) + j for k in range(len(f) >> 17) for j in (0, 1, 2)]
+            if kind == "raw":
+                offsets += [at + k * (128 << 10) + j for k in range(1, len(f) >> 17) for j in (-1, 0)]
+            else:
+                first_block = zstandard.frame_header_size(f)
+                offsets += [at + first_block + k * (3 + (128 << 10)) + j for k in range(len(f) >> 17) for j in (0, 1, 2)]
             at += len(f)
         for offset in offsets:
             damaged = bytearray(payload)
@@ -365,9 +381,9 @@ def test_header_lies_with_a_valid_crc_raise(payload: bytes) -> None:
         with pytest.raises(CodecError):                      # a boundary moved: both frames broken
             Codec().decode(build_payload(fields, [(entries[0][0], entries[0][1] + 1),
                                                   (entries[1][0], entries[1][1] - 1)], frames), B)
-    stale = bytearray(payload)                               # the coded crc of other frames
+    stale = bytearray(payload)                               # the coded crc (raw: xxh3) of other bytes
     stale[header_size_of(payload) - 8] ^= 1
-    with pytest.raises(CodecError, match="coded planes' crc32"):
+    with pytest.raises(CodecError, match="xxh3" if is_whole(payload) else "coded planes' crc32"):
         Codec().decode(with_crc(bytes(stale)), B)
 
 
@@ -395,10 +411,15 @@ def test_dim1_major_flag_on_a_shape_without_those_dims_raises() -> None:
         Codec().decode(with_crc(p[:5] + bytes([0x02]) + p[6:]), B)
 
 
-def test_a_frame_without_its_content_checksum_is_refused(payload: bytes) -> None:
+@pytest.fixture(scope="module")
+def zstd_payload() -> bytes:
+    return Codec(kind="zstd").encode(kv_like(SMALL, torch.float16), B)
+
+
+def test_a_frame_without_its_content_checksum_is_refused(zstd_payload: bytes) -> None:
     # zstd decodes a frame without a checksum without complaint, and a changed byte in a raw
     # block would then be served as KV: the frame must carry its checksum, header crc or not.
-    fields, entries, frames = split_payload(payload)
+    fields, entries, frames = split_payload(zstd_payload)
     plane = zstandard.ZstdDecompressor().decompress(frames[0])
     bare = zstandard.ZstdCompressor(level=-5, write_checksum=False, write_content_size=True).compress(plane)
     assert not zstandard.get_frame_parameters(bare).has_checksum
@@ -406,14 +427,69 @@ def test_a_frame_without_its_content_checksum_is_refused(payload: bytes) -> None
         Codec().decode(build_payload(fields, [(0, len(bare)), *entries[1:]], [bare, *frames[1:]]), B)
 
 
-def test_a_frame_of_another_size_or_with_bytes_after_it_is_refused(payload: bytes) -> None:
-    fields, entries, frames = split_payload(payload)
+def test_a_frame_of_another_size_or_with_bytes_after_it_is_refused(zstd_payload: bytes) -> None:
+    fields, entries, frames = split_payload(zstd_payload)
     plane = zstandard.ZstdDecompressor().decompress(frames[0])
     c = zstandard.ZstdCompressor(level=-5, write_checksum=True, write_content_size=True)
     for other, match in ((c.compress(plane[:-1]), "content size"), (c.compress(plane + b"\0"), "content size"),
                          (frames[0] + b"\0", "unused data|extra"), (frames[0] + frames[0], "unused data|extra")):
         with pytest.raises(CodecError, match=match):
             Codec().decode(build_payload(fields, [(0, len(other)), *entries[1:]], [other, *frames[1:]]), B)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_damaged_raw_payloads_raise_and_leave_out_untouched(dtype: torch.dtype) -> None:
+    # The raw layout has no zstd frame: its xxh3_64 (inside the crc-checked header) and the
+    # table's length (= raw size) are all that stand between damage and the caller's tensor.
+    x = every_bit_pattern(SMALL, dtype, seed=11)
+    payload = Codec(kind="raw").encode(x, B)
+    fields, entries, (data,) = split_payload(payload)
+    at = header_size_of(payload)
+    out = torch.zeros(x.numel(), dtype=dtype)
+
+    def refused(bad: bytes, match: str) -> None:
+        with pytest.raises(CodecError, match=match):
+            Codec().decode(bad, B, out=out)
+        assert not out.view(_INT[dtype]).any()             # nothing copied before the check
+
+    for offset in (at, at + len(data) // 2, len(payload) - 1):     # a flipped data byte
+        for mask in (0x01, 0x80):
+            damaged = bytearray(payload)
+            damaged[offset] ^= mask
+            refused(bytes(damaged), "xxh3")
+    for k in range(8):                                          # a flipped checksum byte, crc fixed
+        damaged = bytearray(payload)
+        damaged[at - 12 + k] ^= 0x10
+        refused(with_crc(bytes(damaged)), "xxh3")
+        refused(bytes(damaged), "header crc32")                 # and as damage: the header crc
+    for n in (at, at + 1, len(payload) - 1):                    # truncated
+        refused(payload[:n], "plane table")
+    for junk in (b"\0", data[:16], data):                       # trailing bytes
+        refused(payload + junk, "plane table")
+    # Wrong size, forged with every check valid: a table entry or data that is not the raw size,
+    # a raw size (with the shape) that is not the data's.
+    refused(build_payload(fields, [(0, len(data) - 2)], [data[:-2]]), "plane table")
+    refused(build_payload(fields, [(0, len(data) + 2)], [data + b"xx"]), "plane table")
+    refused(build_payload(fields, [(0, len(data))], [data[:-2]]), "plane table")
+    refused(build_payload(fields, [(0, len(data))], [data + b"xx"]), "plane table")
+    raw_size_at = len(fields) - 1 - len(B) - 8
+    refused(build_payload(fields[:raw_size_at] + struct.pack("<Q", len(data) - 2) + fields[raw_size_at + 8:],
+                          [(0, len(data) - 2)], [data[:-2]]), "raw size")
+    # The intact payload still decodes into the same tensor.
+    assert_same_bits(Codec().decode(payload, B, out=out), x)
+
+
+def test_the_raw_codecs_first_layout_is_refused() -> None:
+    # The raw kind's first layout (never released): one zstd frame of the bytes under a coded crc
+    # of 0. Its table entry is the frame's length, not the raw size, so it cannot be read as data.
+    x = kv_like(SMALL, torch.bfloat16)
+    raw = x.reshape(-1).view(torch.uint8).numpy().tobytes()
+    frame = zstandard.ZstdCompressor(level=-(1 << 17), write_checksum=True, write_content_size=True).compress(raw)
+    fields, _, _ = split_payload(Codec(kind="raw").encode(x, B))
+    header = fields + struct.pack("<BI", 0, len(frame)) + struct.pack("<I", 0)
+    old = header + struct.pack("<I", zlib.crc32(header)) + frame
+    with pytest.raises(CodecError):
+        Codec().decode(old, B)
 
 
 # ---- payloads already on disk stay readable ---------------------------------------------------

@@ -242,7 +242,7 @@ def test_the_configured_codec_writes_the_disk_and_either_reads_it(tmp_path: Path
             headers = [Codec().check_header(txn.get(k.hash, db=env.open_db(b"payload", txn=txn))) for k in ks]
     finally:
         env.close()
-    assert [h.shuffled for h in headers] == [writer == "zstd"] * 3     # raw: one frame, no planes
+    assert [h.shuffled for h in headers] == [writer == "zstd"] * 3     # raw: the bytes as they are, no planes
     cache = make_cache(path, pages=4, host_slots=2, codec=reader)
     try:
         got = cache.load_now(cache.match(ks))
