@@ -89,10 +89,10 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
 
 
 def cpu_has_native_bf16() -> bool:
-    """Whether this CPU computes bfloat16 natively (AVX512-BF16 or AMX): there bf16 halves a
-    step's time (measured on SmolLM2-135M, 2 cores with avx512_bf16: decode step 28 vs 58 ms,
-    512-token prefill 367 vs 825 ms; docs/BENCHMARKS.md); without it torch emulates bf16 and
-    float32 is faster. A property of the machine, not a timing: the dtype is part of the
+    """Whether this CPU computes bfloat16 natively (AVX512-BF16 or AMX): there bf16 is faster
+    (measured on SmolLM2-135M, 2 cores with avx512_bf16, tools/bench_dtype.py: a 512-token
+    prefill 1.55-1.96x, a 2048+16 device hit 1.30x, a decode step 1.06-1.20x; docs/BENCHMARKS.md,
+    "bf16 on the CPU"); without it torch emulates bf16 and float32 is faster. A property of the machine, not a timing: the dtype is part of the
     model's KV identity, so a restart must pick the same one (or miss its whole cache)."""
     cpu = getattr(torch, "cpu", None)
     checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
