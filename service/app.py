@@ -28,6 +28,7 @@ from service.auth import ApiKeys, require_admin
 from service.context import AppContext, ctx
 from service.dispatch import Dispatcher
 from service.errors import APIError, install_error_handlers
+from service.http_middleware import HTTPMiddleware
 from service.metrics import ServiceMetrics
 from service.openapi import install_openapi
 from service.request_log import RequestLog, scope_record
@@ -174,22 +175,6 @@ def closed_line(flushed: Any) -> str:
     n = flushed.written
     line = f"engine closed: flushed {n} block{'s' if n != 1 else ''} down to the lowest tier"
     return line if flushed.complete else line + "; some writes were lost (see the disk's write_errors)"
-
-
-class HTTPMiddleware:
-    """An ASGI middleware that acts on HTTP requests (`http`); anything else passes through."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        await self.http(scope, receive, send)
-
-    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
-        raise NotImplementedError
 
 
 class CatchAll(HTTPMiddleware):

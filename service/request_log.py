@@ -20,9 +20,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from engine.outputs import TIERS
+from service.http_middleware import HTTPMiddleware
 
 log = logging.getLogger("tieredkv.requests")
 
@@ -98,16 +99,10 @@ def format_line(fields: dict[str, Any]) -> str:
     return " ".join(parts)
 
 
-class RequestLog:
+class RequestLog(HTTPMiddleware):
     """ASGI middleware: the line for every HTTP request, written once its response has been sent."""
 
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = time.perf_counter()
         status = 500
 

@@ -41,6 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from engine.sampling_params import SamplingParams
 from service.errors import APIError, bad_request, param_of, validation_error
+from service.request_body import read_limited
 
 log = logging.getLogger("tieredkv.service")
 
@@ -356,10 +357,15 @@ class LookupRequest(BaseModel):
         return None if v is None else check_prompt(v)
 
     def model_post_init(self, _: Any) -> None:
-        if (self.prompt is None) == (self.messages is None):
-            raise bad_request("prompt, messages: give exactly one of them", param="prompt")
-        if self.messages is not None and not self.messages:
-            raise bad_request("messages: expected at least one message", param="messages")
+        _one_of_prompt_or_messages(self.prompt, self.messages)
+
+
+def _one_of_prompt_or_messages(prompt: Any, messages: list | None) -> None:
+    """A body that takes a prompt or a chat's messages has exactly one of them."""
+    if (prompt is None) == (messages is None):
+        raise bad_request("prompt, messages: give exactly one of them", param="prompt")
+    if messages is not None and not messages:
+        raise bad_request("messages: expected at least one message", param="messages")
 
 
 class TokenizeRequest(BaseModel):
@@ -371,10 +377,7 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: bool = True        # prompt only, as the engine tokenizes a prompt
 
     def model_post_init(self, _: Any) -> None:
-        if (self.prompt is None) == (self.messages is None):
-            raise bad_request("prompt, messages: give exactly one of them", param="prompt")
-        if self.messages is not None and not self.messages:
-            raise bad_request("messages: expected at least one message", param="messages")
+        _one_of_prompt_or_messages(self.prompt, self.messages)
 
 
 class DetokenizeRequest(BaseModel):
@@ -393,18 +396,11 @@ async def read_body(request: Request) -> bytes:
     """The body, refused with 413 once it passes the limit: checked against Content-Length
     first, then counted as it streams in, so a 200 MB body is never buffered."""
     limit = getattr(request.app.state, "max_body_bytes", DEFAULT_MAX_BODY_BYTES)
-    too_big = APIError(413, f"request body: larger than the server's limit of {limit} bytes",
+    body = await read_limited(request, limit)
+    if body is None:
+        raise APIError(413, f"request body: larger than the server's limit of {limit} bytes",
                        code="request_too_large")
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise too_big
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_big
-        chunks.append(chunk)
-    return b"".join(chunks)
+    return body
 
 
 def _encodable(s: str) -> bool:

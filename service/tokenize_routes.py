@@ -14,7 +14,7 @@ Doesn't know: generation or the cache.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
@@ -24,6 +24,7 @@ from service.errors import bad_request, from_engine_error
 from service.schemas import DetokenizeRequest, TokenizeRequest, parse_body
 
 router = APIRouter()
+T = TypeVar("T", TokenizeRequest, DetokenizeRequest)
 
 
 def _tokenizer(engine: Any) -> Any:
@@ -32,14 +33,20 @@ def _tokenizer(engine: Any) -> Any:
     return engine.tokenizer
 
 
-@router.post("/tokenize")
-async def tokenize(request: Request) -> Any:
+async def _parsed(request: Request, model: type[T]) -> tuple[Any, T]:
+    """The app's context and the body, once the caller is authenticated and the model checked."""
     c = ctx(request)
     c.authenticate(request)
-    req = await parse_body(request, TokenizeRequest)
+    req = await parse_body(request, model)
     c.caller(request)
     if req.model is not None:
         c.check_model(req.model)
+    return c, req
+
+
+@router.post("/tokenize")
+async def tokenize(request: Request) -> Any:
+    c, req = await _parsed(request, TokenizeRequest)
     c.check_prompt_size(prompt=req.prompt, messages=req.messages)
     engine = c.engine
     tokenizer = _tokenizer(engine)
@@ -57,12 +64,7 @@ async def tokenize(request: Request) -> Any:
 
 @router.post("/detokenize")
 async def detokenize(request: Request) -> Any:
-    c = ctx(request)
-    c.authenticate(request)
-    req = await parse_body(request, DetokenizeRequest)
-    c.caller(request)
-    if req.model is not None:
-        c.check_model(req.model)
+    c, req = await _parsed(request, DetokenizeRequest)
     engine = c.engine
     tokenizer = _tokenizer(engine)
     for i, t in enumerate(req.tokens):

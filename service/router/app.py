@@ -20,6 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from service.request_body import read_limited
 from service.router.backends import BackendSet
 from service.router.index import PrefixIndex
 from service.router.metrics import RouterMetrics
@@ -67,7 +68,7 @@ def create_router_app(settings: RouterSettings) -> FastAPI:
     app.state.router = router
 
     async def generation(request: Request, chat: bool) -> Response:
-        body = await _read_body(request, settings.max_body_bytes)
+        body = await read_limited(request, settings.max_body_bytes)
         if body is None:
             return error(413, f"request body: larger than the router's limit of {settings.max_body_bytes} bytes",
                          "request_too_large")
@@ -108,17 +109,3 @@ def create_router_app(settings: RouterSettings) -> FastAPI:
         return Response(router.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app
-
-
-async def _read_body(request: Request, limit: int) -> bytes | None:
-    """The body, or None once it passes `limit` (checked as it streams in: never buffered past it)."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        return None
-    parts, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            return None
-        parts.append(chunk)
-    return b"".join(parts)

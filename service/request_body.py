@@ -1,0 +1,23 @@
+"""A request's body read under a size limit, for the service and the router alike.
+
+Knows: the two checks -- the declared Content-Length first, then the bytes counted as they
+stream in -- so a body past the limit is never buffered. Doesn't know: what a refusal looks
+like (the service raises its 413 error, the router answers its own).
+"""
+from __future__ import annotations
+
+from starlette.requests import Request
+
+
+async def read_limited(request: Request, limit: int) -> bytes | None:
+    """The body, or None once it passes `limit` bytes."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        return None
+    parts, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            return None
+        parts.append(chunk)
+    return b"".join(parts)
