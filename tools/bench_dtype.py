@@ -69,7 +69,7 @@ import uuid
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_report import emit, machine_note  # noqa: E402  (sibling scripts)
+from bench_report import emit, machine_note, stop_peer  # noqa: E402  (sibling scripts)
 from bench_ttft import prose_ids  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.model import default_gguf_path, resolve_dtype  # noqa: E402
@@ -187,14 +187,7 @@ class Peer:
         return r["ttft_s"]
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
-                self.proc.stdin.flush()
-                self.proc.wait(timeout=30)
-            except (OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait()
+        stop_peer(self.proc)
 
 
 def peer_python(args) -> tuple[str | None, str]:

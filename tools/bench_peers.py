@@ -69,8 +69,8 @@ import lmdb
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_report import emit, machine_note  # noqa: E402  (sibling scripts)
-from bench_tiers import _decompress_into, real_kv_blocks  # noqa: E402
+from bench_report import emit, machine_note, stop_peer  # noqa: E402  (sibling scripts)
+from bench_tiers import _decompress_into, gbps, real_kv_blocks, same_bits, timed  # noqa: E402
 from storage.codec import byte_planes  # noqa: E402
 from storage.codec.payload import CODED_PLANES, Codec, _coded_compressor  # noqa: E402
 from storage.disk.tier import DiskTier, default_map_size  # noqa: E402
@@ -105,22 +105,6 @@ def codec_kinds() -> tuple[str, ...]:
     return ("zstd", "raw") if "kind" in {f.name for f in dataclasses.fields(Codec)} else ("zstd",)
 
 
-def make_codec(kind: str, level: int) -> Codec:
-    return Codec(level=level, kind=kind) if kind != "zstd" else Codec(level=level)
-
-
-def gbps(nbytes: int, seconds: float) -> float:
-    return nbytes / seconds / 1e9
-
-
-def timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
 
 # ---- the peer: LMCache in its own virtual environment --------------------------------------
@@ -200,14 +184,7 @@ class PeerProcess:
             return ""
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
-                self.proc.stdin.flush()
-                self.proc.wait(timeout=30)
-            except (OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait()
+        stop_peer(self.proc)
         self._log.close()
 
 
@@ -221,7 +198,7 @@ class Ours:
         self.kind, self.layout, self.blocks, self.tokens = kind, layout, blocks, tokens
         self.n = blocks.shape[0]
         self.nbytes = self.n * layout.nbytes
-        self.codec = make_codec(kind, level)
+        self.codec = Codec(level=level, kind=kind)
         self.level = level
         cap = 4 * self.nbytes
         self.disk = DiskTier(os.path.join(tmp, f"disk-{kind}"), cap, self.codec, layout=layout)

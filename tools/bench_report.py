@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import subprocess
 from typing import Callable
 
 
@@ -25,6 +26,20 @@ def machine_note(extra: str = "") -> str:
             f"(libzstd {'.'.join(map(str, zstandard.ZSTD_VERSION))}), lmdb {lmdb.__version__}, "
             f"python {platform.python_version()}")
     return f"{note}; {extra}" if extra else note
+
+
+def stop_peer(proc: subprocess.Popen) -> None:
+    """End a peer driver that reads JSON commands on its stdin (tools/lmcache_peer.py,
+    tools/llamacpp_peer.py): ask it to quit, and kill it if it does not within 30 s."""
+    if proc.poll() is not None:
+        return
+    try:
+        proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+        proc.stdin.flush()
+        proc.wait(timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        proc.kill()
+        proc.wait()
 
 
 def emit(result: dict, as_json: bool, print_table: Callable[[dict], None]) -> None:
