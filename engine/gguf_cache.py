@@ -63,19 +63,30 @@ def converted_dir(gguf_path: str | os.PathLike, cache_dir: str | os.PathLike | N
                   dtype: torch.dtype = torch.float32) -> Path:
     """Where the conversion of `gguf_path` is (or will be) cached: models/<stem>-<digest>, with
     a -bf16 suffix for the bfloat16 one."""
+    return _dir(_conversion_name(gguf_path), cache_dir, dtype)
+
+
+def _conversion_name(gguf_path: str | os.PathLike) -> str:
+    """<stem>-<digest>: the part of a conversion's directory name that costs a read of the whole
+    file (sha256, ~0.15 s for the default GGUF), computed once per lookup."""
     path = Path(gguf_path)
-    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_root()
     digest = hashlib.sha256(f"v{CONVERSION_VERSION}:{_file_digest(path)}".encode()).hexdigest()[:16]
+    return f"{path.stem}-{digest}"
+
+
+def _dir(name: str, cache_dir: str | os.PathLike | None, dtype: torch.dtype) -> Path:
+    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_root()
     suffix = "-bf16" if stored_dtype(dtype) == torch.bfloat16 else ""
-    return root / "models" / f"{path.stem}-{digest}{suffix}"
+    return root / "models" / f"{name}{suffix}"
 
 
 def find_conversion(gguf_path: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> Path | None:
     """An existing complete conversion of `gguf_path` in any dtype (under `cache_dir`, then the
     default root), for readers of its config and tokenizer; never converts."""
+    name = _conversion_name(gguf_path)
     for root in dict.fromkeys((cache_dir, None)):
         for dtype in (torch.float32, torch.bfloat16):
-            d = converted_dir(gguf_path, root, dtype)
+            d = _dir(name, root, dtype)
             if _is_complete(d):
                 return d
     return None
@@ -90,18 +101,19 @@ def gguf_checkpoint(gguf_path: Path, cache_dir: str | os.PathLike | None, check_
 
     `check_config` raises for a model that must not be converted (before the weights load).
     """
-    target = converted_dir(gguf_path, cache_dir, dtype)
+    name = _conversion_name(gguf_path)
+    target = _dir(name, cache_dir, dtype)
     if target.exists() and not _is_complete(target):
         log.warning("cached conversion %s is missing files; converting again", target)
         shutil.rmtree(target)
     if target.exists():
         return target
-    shared = converted_dir(gguf_path, None, dtype)
+    shared = _dir(name, None, dtype)
     if cache_dir is not None and shared != target and _is_complete(shared):
         return shared
     log.info("converting %s to a %s transformers checkpoint (once; later loads use %s)", gguf_path,
              str(stored_dtype(dtype)).removeprefix("torch."), target)
-    source = next((d for d in (converted_dir(gguf_path, cache_dir), converted_dir(gguf_path, None))
+    source = next((d for d in (_dir(name, cache_dir, torch.float32), _dir(name, None, torch.float32))
                    if d != target and _is_complete(d)), None)
     _convert_gguf(gguf_path, target, check_config, stored_dtype(dtype), from_checkpoint=source)
     return target
