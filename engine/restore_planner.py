@@ -90,13 +90,17 @@ class RestorePlanner:
                 hi = mid
             else:
                 lo = mid + 1
-        best = min((s for s in (lo - 1, lo) if d <= s <= n),
-                   key=lambda s: (max(self.compute_seconds(d, s), self._load_seconds(costs, s, n)), s))
-        predicted = max(self.compute_seconds(d, best), self._load_seconds(costs, best, n))
-        if best == d or predicted > load_all * (1 - MIN_GAIN):
+        # (finish, s, compute, load) of the two splits beside the crossing: the earlier finish,
+        # a tie to the smaller s (less engine time).
+        candidates = []
+        for s in (lo - 1, lo):
+            if d <= s <= n:
+                c, ld = self.compute_seconds(d, s), self._load_seconds(costs, s, n)
+                candidates.append((max(c, ld), s, c, ld))
+        finish, best, compute, load = min(candidates)
+        if best == d or finish > load_all * (1 - MIN_GAIN):
             return self._decided(Split(d, d, n, 0.0, load_all, "predicted"))
-        return self._decided(Split(d, best, n, self.compute_seconds(d, best),
-                                   self._load_seconds(costs, best, n), "predicted"))
+        return self._decided(Split(d, best, n, compute, load, "predicted"))
 
     def compute_seconds(self, start: int, end: int) -> float | None:
         """Predicted time to prefill blocks [start, end) in the scheduler's chunks."""
