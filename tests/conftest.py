@@ -24,6 +24,34 @@ def default_model():
     return load_model()
 
 
+@pytest.fixture(scope="session")
+def default_model_converted(request) -> None:
+    """The default model's one-time conversion exists (done here, once, if it does not)."""
+    from engine.gguf_cache import converted_dir
+    from engine.model import default_gguf_path
+    if not (converted_dir(default_gguf_path()) / "config.json").is_file():
+        request.getfixturevalue("default_model")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, default_model_converted: None):
+    """A random-weight Llama saved as a transformers directory with the real tokenizer and a 4k
+    context (the demo's document fits): `serve --model`, `demo --model` and the benchmarks'
+    `--model` load it in seconds."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from tests.service.tiny_engine import default_tokenizer_dir, load_tokenizer, tiny_config
+    tokenizer = load_tokenizer(default_tokenizer_dir())
+    config = tiny_config(len(tokenizer))
+    config.max_position_embeddings = 4096
+    path = tmp_path_factory.mktemp("tiny-4k")
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
 # Real Valkey servers (tools/valkey_servers.py), shared by the storage and engine tests of the
 # remote tier. Session-scoped: starting a cluster takes ~2 s. Tests share them safely because each
 # uses its own namespace (keys are namespaced: storage/remote/tier.py). A test that stops or

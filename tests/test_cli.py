@@ -229,15 +229,6 @@ def test_verify_finds_damage_exits_1_and_repair_deletes_it(cache: dict, tmp_path
 
 # ---- the real default model: serve + status/billing over HTTP, and the demo ------------------
 
-@pytest.fixture(scope="module")
-def default_model_converted(request) -> None:
-    """The default model's one-time conversion exists (done here, once, if it does not)."""
-    from engine.gguf_cache import converted_dir
-    from engine.model import default_gguf_path
-    if not (converted_dir(default_gguf_path()) / "config.json").is_file():
-        request.getfixturevalue("default_model")
-
-
 class Lines:
     """Reads a pipe on a thread (so the child never blocks on a full pipe); wait() for a pattern."""
 
@@ -369,23 +360,6 @@ def test_demo_on_a_short_context_model_says_what_it_needs(tmp_path: Path, defaul
 
 
 # ---- the remote tier: serve --remote-url, status, inspect --remote-url -----------------------
-
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory, default_model_converted: None) -> Path:
-    """A random-weight Llama saved as a transformers directory with the real tokenizer and a 4k
-    context (the demo's document fits): `serve --model` and `demo --model` load it in seconds."""
-    from tests.service.tiny_engine import default_tokenizer_dir, load_tokenizer, tiny_config
-    from transformers import LlamaForCausalLM
-    tokenizer = load_tokenizer(default_tokenizer_dir())
-    config = tiny_config(len(tokenizer))
-    config.max_position_embeddings = 4096
-    path = tmp_path_factory.mktemp("tiny-4k")
-    import torch
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
 
 def test_serve_with_a_remote_store_never_shows_its_password(tmp_path: Path, tiny_model_dir: Path) -> None:
     from tools.valkey_servers import ValkeyServer

