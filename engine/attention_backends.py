@@ -3,7 +3,9 @@
 Knows: two ways to compute attention for a group (S sequences, Q queries padded, C keys):
 - `gather_sdpa` (the default everywhere, and the CPU path): gather each sequence's context from
   its pages into [S, C] contiguous K/V per layer and run SDPA with a causal mask. Simple, exact,
-  but it copies the whole context per layer per step.
+  but it copies the whole context per layer per step. On CUDA it calls SDPA in a form a fused
+  kernel accepts (`fused`): torch 2.13 runs a boolean mask with enable_gqa only in its math
+  kernel (flash takes no mask, memory-efficient no GQA), which materializes fp32 scores.
 - `flex_paged` (`torch.nn.attention.flex_attention`): reads the pool in place. The pool
   [page, layer, k/v, slot, head, dim] is viewed as one long sequence of slots; for layer l, K is
   the view starting at that layer's first K slot and V the one a block further, so the rows of
@@ -19,11 +21,12 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from engine.paged_batch import Group, PagedBatch
 
@@ -48,6 +51,7 @@ class _Gather:
     kv_pages: torch.Tensor     # [S, C] page of each context position (padded with 0)
     kv_slots: torch.Tensor     # [S, C] slot of each context position
     mask: torch.Tensor         # [S, 1, Q, C] True = attend
+    folded: dict = field(default_factory=dict)   # fused form: (G, dtype) -> additive mask, built by layer 0
 
 
 def _query_rows(g: Group) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,8 +60,30 @@ def _query_rows(g: Group) -> tuple[torch.Tensor, torch.Tensor]:
     return g.q_first[:, None] + j[None, :], j[None, :] < g.q_len[:, None]
 
 
+def _flash_accepts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether torch's flash kernel takes this GQA call with no mask (CUDA, fp16/bf16, head dim
+    <= 256, sm80+): torch's own predicate, no device work. is_causal False, as CausalBias asks
+    before it calls the flash op with lower-right causality (nn/attention/bias.py)."""
+    if q.device.type != "cuda":
+        return False
+    from torch.backends.cuda import SDPAParams, can_use_flash_attention
+    return can_use_flash_attention(SDPAParams(q, k, v, None, 0.0, False, True))
+
+
 class GatherSDPA:
+    """`fused`: call SDPA in a form CUDA's fused kernels take (None: on CUDA only). torch 2.13's
+    dispatch (aten/.../cuda/sdp_utils.cpp) gives flash no mask and memory-efficient no GQA, so a
+    boolean mask with enable_gqa runs the math kernel: fp32 scores [S, heads, Q, C] per layer.
+    The fused form: a one-sequence group is a lower-right causal square or band with no padding,
+    so it goes to flash with GQA and no mask at all; any other group folds each KV head's G query
+    heads onto the query axis ([S, kv_heads, G * Q, D]), so K/V stay at kv_heads (no expansion, no
+    enable_gqa) and the mask becomes an additive one in q's dtype with 16-aligned rows, built once
+    per pass (G-fold, by the first layer) -- what memory-efficient takes with no copy per layer.
+    The CPU path keeps the plain call (measured; the fused form is only checked there in tests)."""
     name = "gather_sdpa"
+
+    def __init__(self, fused: bool | None = None) -> None:
+        self.fused = fused
 
     def prepare(self, batch: PagedBatch, g: Group) -> _Gather:
         S, C, B = g.size, g.max_context, batch.block_size
@@ -75,11 +101,50 @@ class GatherSDPA:
         k = kv[prepared.kv_pages, layer, 0, prepared.kv_slots]      # [S, C, kv_heads, D]
         v = kv[prepared.kv_pages, layer, 1, prepared.kv_slots]
         q = q_all[g.q_index]                                       # [S, Q, heads, D]
+        fused = self.fused if self.fused is not None else q.device.type == "cuda"
+        if fused:
+            return self._attend_fused(q, k.to(q.dtype), v.to(q.dtype), g, prepared, scaling)
         o = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
             attn_mask=prepared.mask, scale=scaling, enable_gqa=True)   # [S, heads, Q, D]
         S, H, Q, D = o.shape
         return o.transpose(1, 2).reshape(S * Q, H, D)
+
+    def _attend_fused(self, q, k, v, g: Group, prepared: _Gather, scaling) -> torch.Tensor:
+        S, Q, H, D = q.shape
+        H_kv = k.shape[2]
+        G = H // H_kv
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if S == 1 and self._flash_ok(q, k, v):
+            # One sequence: Q = its new tokens, C = its context, q_first = C - Q; the mask is
+            # exactly causal aligned to the lower right (no padded rows or keys).
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(Q, g.max_context),
+                                               scale=scaling, enable_gqa=True)   # [1, heads, Q, D]
+            return o.transpose(1, 2).reshape(Q, H, D)
+        # Query head h reads KV head h // G (torch's and transformers' GQA order).
+        qf = q.reshape(S, H_kv, G, Q, D).reshape(S, H_kv, G * Q, D)
+        o = F.scaled_dot_product_attention(qf, k, v, attn_mask=self._folded_mask(prepared, G, q.dtype),
+                                           scale=scaling)          # [S, kv_heads, G * Q, D]
+        return o.view(S, H_kv, G, Q, D).permute(0, 3, 1, 2, 4).reshape(S * Q, H, D)
+
+    @staticmethod
+    def _flash_ok(q, k, v) -> bool:
+        return _flash_accepts(q, k, v)
+
+    @staticmethod
+    def _folded_mask(prepared: _Gather, G: int, dtype: torch.dtype) -> torch.Tensor:
+        """[S, 1, G * Q, C] additive (0 / -inf) in q's dtype: row g * Q + j is query j's mask.
+        Rows padded to 16 elements so SDPA's memory-efficient path neither converts nor pads it
+        per layer (attention.cpp preprocess_mask: strides must be multiples of 8)."""
+        m = prepared.folded.get((G, dtype))
+        if m is None:
+            S, _, Q, C = prepared.mask.shape
+            Cp = -(-C // 16) * 16
+            buf = torch.full((S, G, Q, Cp), float("-inf"), dtype=dtype, device=prepared.mask.device)
+            buf[..., :C].masked_fill_(prepared.mask, 0.0)          # broadcast over the G query heads
+            m = buf.view(S, 1, G * Q, Cp)[..., :C]
+            prepared.folded[(G, dtype)] = m
+        return m
 
 
 @dataclass(frozen=True)
@@ -114,31 +179,42 @@ class FlexPaged:
         dev = kv.device
         blocks = torch.arange(nb, device=dev)
         used = blocks[None, :] < (g.context_len[:, None] + B - 1) // B          # [S, nb]
-        # physical page -> logical block of each sequence (-1: not its page); column P takes
-        # the padding entries of the table.
-        p2l = torch.full((S, P + 1), -1, dtype=torch.long, device=dev)
-        p2l.scatter_(1, torch.where(used, g.block_table, P), torch.where(used, blocks[None, :], -1))
-        p2l = p2l[:, :P]
+        # physical page -> its logical block, one row for the group: NOTE invariant: a page holds
+        # K/V with RoPE applied at one block's positions, so every sequence that maps it maps it
+        # at the same logical index (shared prefix pages included). -1: no sequence's page;
+        # column P takes the padding entries of the table. The mask_mod checks the page is the
+        # row's own (its table at that index holds it); padding pages fail `k_pos < ctx`.
+        p2l = torch.full((P + 1,), -1, dtype=torch.int32, device=dev)
+        p2l.scatter_(0, torch.where(used, g.block_table, P).view(-1),
+                     torch.where(used, blocks[None, :], -1).to(torch.int32).view(-1))
         # One mask block per page: the block index of page p's rows is p * 2L (rows / B). The
-        # index has a column per block of the whole view (flex checks the mask covers it);
-        # only the first kv_num of each row are read.
+        # kernels read only the first kv_num entries of a row (flex_attention.py.jinja: the loop
+        # stops at kv_num; utilities.py.jinja get_offset_for_next_block masks the next load by
+        # kv_num; flex_decode.py.jinja indexes modulo the width), and the eager path reads only
+        # mask_mod: so the width is the group's blocks, not the view's (M // B + 1 columns: 5.6
+        # MB a row for an 8 GiB SmolLM2-135M pool). Rounded up to a power of two >= 2: few
+        # distinct widths, never the size 1 that dynamic shapes specialize on, and the same width
+        # for the table the mask_mod captures (one symbol under torch.compile(dynamic=True)).
+        width = max(2, 1 << (nb - 1).bit_length())
+        table = torch.zeros((S, width), dtype=torch.int32, device=dev)      # padded with page 0
+        table[:, :nb] = g.block_table
         n_q_blocks = -(-g.max_q // self._q_block(g.max_q))
-        kv_indices = torch.zeros((S, 1, n_q_blocks, M // B + 1), dtype=torch.int32, device=dev)
-        kv_indices[:, :, :, :nb] = (g.block_table * (stride // B)).to(torch.int32)[:, None, None, :]
+        kv_indices = (table * (stride // B))[:, None, None, :].expand(S, 1, n_q_blocks, width).contiguous()
         kv_num = ((g.context_len + B - 1) // B).to(torch.int32).view(S, 1, 1).expand(S, 1, n_q_blocks).contiguous()
         q_first, ctx, q_len = g.q_first, g.context_len, g.q_len
 
         def mask_mod(b, h, q_idx, kv_idx):
             page, row = kv_idx // stride, kv_idx % stride
-            logical = p2l[b, page]
+            logical = p2l[page]
+            mine = (logical >= 0) & (table[b, logical.clamp(min=0)] == page)
             k_pos = logical * B + row
             # row < B: this layer's K (V) slots of the page, not another layer's (the block mask
             # already says so; the mask says it again for partial and unfused evaluation).
-            return (row < B) & (logical >= 0) & (k_pos <= q_first[b] + q_idx) & (k_pos < ctx[b]) & (q_idx < q_len[b])
+            return (row < B) & mine & (k_pos <= q_first[b] + q_idx) & (k_pos < ctx[b]) & (q_idx < q_len[b])
 
         block_mask = BlockMask.from_kv_blocks(
             kv_num, kv_indices, BLOCK_SIZE=(self._q_block(g.max_q), B), mask_mod=mask_mod, seq_lengths=(g.max_q, M),
-            compute_q_blocks=False)     # forward only: no transposed (backward) index
+            compute_q_blocks=False)     # forward only: no transposed (backward) index, no full_kv_*
         return _Flex(block_mask)
 
     @staticmethod

@@ -134,3 +134,35 @@ def test_a_fill_waits_for_the_compute_streams_writes_into_its_page_even_without_
         seen = page.clone()                 # what a fill's stream would overwrite (or read)
     fill.synchronize()
     assert bool((seen == 7.0).all())
+
+
+# Issue 18 item 6, at the backend: the pass of tests/engine/test_attention_backends.py with block
+# size 16 (flex's kernel block): GQA, decodes padded to one context, prefill chunks padded to one
+# Q and starting mid-context, shared prefix pages; then two one-sequence groups.
+MIXED16 = [(1, 33, (0, 1, 2)), (1, 50, (0, 1, 5, 6)), (1, 5, (3,)),
+           (20, 40, (0, 8, 9)), (7, 7, (10,)), (3, 30, (11, 12))]
+SINGLES16 = [(1, 20, (4, 5)), (24, 40, (6, 7, 8))]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gather_sdpa_runs_a_fused_kernel_and_flex_paged_agrees(dtype) -> None:
+    """gather_sdpa's CUDA form runs with SDPA's math kernel disabled -- so flash (one-sequence
+    groups, bf16) or memory-efficient (the folded form) ran, not fp32 scores -- and gives the
+    plain call's outputs (math kernel); compiled flex_paged, whose block index is only the
+    group's blocks wide, gives them too."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from engine.attention_backends import GatherSDPA, make_backend
+    from tests.engine.test_attention_backends import _outputs, _pass
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    for specs in (MIXED16, SINGLES16):
+        plain, kv, q_all = _pass(specs, GatherSDPA(fused=False), block=16, device="cuda", dtype=dtype)
+        want = _outputs(plain, kv, q_all)
+        fused, _, _ = _pass(specs, GatherSDPA(), block=16, device="cuda", dtype=dtype)
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+            got = _outputs(fused, kv, q_all)
+        for a, b in zip(want, got):
+            torch.testing.assert_close(b, a, **tol)
+        flex, _, _ = _pass(specs, make_backend("flex_paged", torch.device("cuda"), 16), block=16,
+                           device="cuda", dtype=dtype)
+        for a, b in zip(want, _outputs(flex, kv, q_all)):
+            torch.testing.assert_close(b, a, **tol)
