@@ -25,8 +25,10 @@ own chunk layout (KV_2LTD: the same bytes, reordered). GB/s counts raw block byt
                           (32-key MGETs, C at once, verified,    (valkey-glide, 8 worker clients)
                           decoded)
 
-C is the tier's `connections` (--connections, the tier's default unless given): that many
-connections in flight, a thread each; redis-py with hiredis parses the replies when installed.
+C is the tier's `connections` (--connections; unless given the tier's DEFAULT_CONNECTIONS, one
+per two cores: 1 on a 2-core machine): that many connections in flight, a thread each. Our client
+is redis-py with hiredis parsing the replies and redis-py's Python packer sending the values
+uncopied (storage/remote/client.py); LMCache's is valkey-glide (Rust).
 
 Each edge of ours beside its limit, measured in the same round on the same payloads (the sum of
 bare steps, each timed alone; the codec's steps on as many threads as the path uses):
@@ -37,8 +39,8 @@ bare steps, each timed alone; the codec's steps on as many threads as the path u
     disk get    LMDB get of those payloads in one read txn + zstd decompression of each coded plane
                 frame into a warm buffer + one memcpy of each block into a warm tensor
     remote put  memcpy + zstd as for disk + our tier's values SET as the tier sends them: a client
-                built as the tier's (storage/remote/client.make_client: same parser, read size,
-                timeouts), each 32 cut into C pipelines sent at once on C threads (client.split,
+                built as the tier's (storage/remote/client.make_client: same parser, packer, read
+                size, timeouts), each 32 cut into C pipelines sent at once on C threads (client.split,
                 client.run_parallel), no bookkeeping
     remote get  MGETs of 32 of those values on that client, C in flight on C threads, no checks +
                 zstd decompression + memcpy as for disk
