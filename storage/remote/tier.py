@@ -324,13 +324,16 @@ class RemoteTier:
                 pass
 
     def _encode(self, it: WriteItem) -> None:
-        """A raw block's payload (bound to hash || namespace), on the writer's encode pool before its
-        batch is sent; skipped for a block the store is known to hold. Raises when it cannot encode."""
-        if it.payload is not None or self._is_known(remote_key(it.key)):
+        """A raw block's payload (bound to hash || namespace) and the value stored (its frame: a copy
+        of the payload), on the writer's encode pool a batch ahead of the send, not in the send's
+        path; skipped for a block the store is known to hold. Raises when it cannot encode."""
+        if self._is_known(remote_key(it.key)):
             return
-        block = it.block.contiguous()
-        it.payload = self.codec.encode(block, payload_binding(it.key.hash, it.key.namespace))
-        it.raw_size = block.numel() * block.element_size()
+        if it.payload is None:
+            block = it.block.contiguous()
+            it.payload = self.codec.encode(block, payload_binding(it.key.hash, it.key.namespace))
+            it.raw_size = block.numel() * block.element_size()
+        it.value = pack_value(it.key, it.payload, it.raw_size)
 
     def _write_batch(self, items: list[WriteItem]) -> bool:
         """The writer thread's batch (raw blocks encoded by _encode on the pool): SET every block,
@@ -348,7 +351,7 @@ class RemoteTier:
                     log.exception("remote tier: encoding block %s failed", it.key.hash.hex()[:16])
                     self._count(write_errors=1)
                     continue
-            value = pack_value(it.key, it.payload, it.raw_size)
+            value = it.value if it.value is not None else pack_value(it.key, it.payload, it.raw_size)
             cmds.append(("SET", rk, value) + (("PX", self.ttl_ms) if self.ttl_ms else ()))
             sent.append((it.key, rk, len(value)))
         if not cmds:
