@@ -542,8 +542,9 @@ def summarize(args, layout: BlockLayout, nbytes: int, rounds: list[dict], stored
                 targets.append({"name": f"raw {e} >= {t}x LMCache {pe}", "value": v, "target": t,
                                 "met": None if v is None else v >= t})
     if "raw" not in args.codecs:
+        why = "not asked for (--codec)" if "raw" in codec_kinds() else "the raw codec is not on this build (Codec has no kind)"
         targets.append({"name": "raw codec targets", "value": None, "target": None, "met": None,
-                        "note": "the raw codec is not on this build (Codec has no kind): not measured"})
+                        "note": f"{why}: not measured"})
     return {"edges": ours, "peer": {**peer_info, "gbps": peer}, "targets": targets,
             "config": {"model": "synthetic (random values)" if args.synthetic else "SmolLM2-135M-Instruct",
                        "blocks": args.blocks, "dtype": dtype_name(layout.dtype),
