@@ -19,9 +19,16 @@ own chunk layout (KV_2LTD: the same bytes, reordered). GB/s counts raw block byt
     disk get              DiskTier.get_many into warm tensors    LocalDiskBackend.batched_get_blocking
                           (verified, decoded on all cores)       (4 read threads, no checks)
     remote put            RemoteTier.put of every block + flush() RemoteBackend(valkey://, naive serde)
-                          (writer encodes, 32-SET pipelines)     .batched_submit_put_task, until done
+                          (writer encodes; a batch of 32 SETs    .batched_submit_put_task, until done
+                          as C pipelines at once)
     remote get            RemoteTier.get_many into warm tensors  RemoteBackend.batched_get_blocking
-                          (32-key MGETs, verified, decoded)      (valkey-glide, 8 worker clients)
+                          (32-key MGETs, C at once, verified,    (valkey-glide, 8 worker clients)
+                          decoded)
+
+C is the tier's `connections` (--connections; unless given the tier's DEFAULT_CONNECTIONS, one
+per two cores: 1 on a 2-core machine): that many connections in flight, a thread each. Our client
+is redis-py with hiredis parsing the replies and redis-py's Python packer sending the values
+uncopied (storage/remote/client.py); LMCache's is valkey-glide (Rust).
 
 Each edge of ours beside its limit, measured in the same round on the same payloads (the sum of
 bare steps, each timed alone; the codec's steps on as many threads as the path uses):
@@ -31,8 +38,12 @@ bare steps, each timed alone; the codec's steps on as many threads as the path u
                 our tier stored (same sizes), 32 per fsync'd write transaction
     disk get    LMDB get of those payloads in one read txn + zstd decompression of each coded plane
                 frame into a warm buffer + one memcpy of each block into a warm tensor
-    remote put  memcpy + zstd as for disk + redis-py pipelines of 32 SETs of our tier's values
-    remote get  redis-py MGETs of 32 of those values + zstd decompression + memcpy as for disk
+    remote put  memcpy + zstd as for disk + our tier's values SET as the tier sends them: a client
+                built as the tier's (storage/remote/client.make_client: same parser, packer, read
+                size, timeouts), each 32 cut into C pipelines sent at once on C threads (client.split,
+                client.run_parallel), no bookkeeping
+    remote get  MGETs of 32 of those values on that client, C in flight on C threads, no checks +
+                zstd decompression + memcpy as for disk
 
 A round runs every path and limit once, ours and the peer's back to back (which goes first
 alternates), so load from elsewhere hits both alike; each GB/s figure is the best of --rounds
@@ -48,6 +59,7 @@ backend; with zstd, every edge >= 0.8 of its own limit.
 
     python tools/bench_peers.py [--blocks 256] [--rounds 5] [--codec zstd,raw] [--json]
                                 [--peer-venv DIR] [--no-peer] [--synthetic] [--torch-threads N]
+                                [--edges disk,remote]
 """
 from __future__ import annotations
 
@@ -77,7 +89,7 @@ from storage.disk.tier import DiskTier, default_map_size  # noqa: E402
 from storage.codec.stored_block import payload_binding  # noqa: E402
 from storage.hashing import BlockKey, block_keys  # noqa: E402
 from storage.layout import BlockLayout, dtype_name  # noqa: E402
-from storage.remote.client import MGET_CHUNK, make_client, mget_one, pipeline  # noqa: E402
+from storage.remote.client import MGET_CHUNK, make_client, mget_one, pipeline, run_parallel, split  # noqa: E402
 from storage.remote.tier import RemoteTier  # noqa: E402
 from storage.remote.url import parse_remote_url  # noqa: E402
 from storage.remote.value import pack_value  # noqa: E402
@@ -194,7 +206,7 @@ class Ours:
     """Our disk tier (and remote tier, given a URL) with one codec kind, and the limits' pieces."""
 
     def __init__(self, kind: str, level: int, layout: BlockLayout, blocks: torch.Tensor, tokens: list[int],
-                 tmp: str, url: str | None) -> None:
+                 tmp: str, url: str | None, connections: int | None = None) -> None:
         self.kind, self.layout, self.blocks, self.tokens = kind, layout, blocks, tokens
         self.n = blocks.shape[0]
         self.nbytes = self.n * layout.nbytes
@@ -209,8 +221,12 @@ class Ours:
         self.limit_outs = torch.zeros_like(self.outs)
         self._tls = threading.local()     # a warm decompression buffer per decode thread
         self.url = parse_remote_url(url) if url else None
-        self.remote = RemoteTier(self.url, layout, self.codec, timeout_s=5.0) if url else None
+        extra = {} if connections is None else {"connections": connections}
+        self.remote = RemoteTier(self.url, layout, self.codec, timeout_s=5.0, **extra) if url else None
         self.client = make_client(self.url, 5.0) if url else None
+        # The limit's sends run as the tier's do: as many at once, each on a thread of its own.
+        self.connections = self.remote.connections if url else 1
+        self.io_pool = ThreadPoolExecutor(self.connections) if self.connections > 1 else None
         # The coded byte planes, split once (untimed): the put limit times only their zstd.
         itemsize = layout.dtype.itemsize
         swapped = byte_planes.can_swap(layout.shape)
@@ -238,6 +254,8 @@ class Ours:
 
     def close(self) -> None:
         self.pool.shutdown()
+        if self.io_pool is not None:
+            self.io_pool.shutdown()
         self.disk.close()
         self.raw_env.close()
         if self.remote is not None:
@@ -337,27 +355,33 @@ class Ours:
 
         def put() -> None:
             for start in range(0, self.n, WRITER_BATCH):
-                pipeline(self.client, [("SET", k, v) for k, v in zip(keys[start:start + WRITER_BATCH],
-                                                                     self.values[start:start + WRITER_BATCH])])
+                cmds = [("SET", k, v) for k, v in zip(keys[start:start + WRITER_BATCH],
+                                                      self.values[start:start + WRITER_BATCH])]
+                run_parallel(self.io_pool, [lambda part=part: pipeline(self.client, part)
+                                            for part in split(cmds, self.connections)])
         return timed(put)
 
     def mget_s(self) -> float:
         keys = [b"bench-peers:limit:%d" % i for i in range(self.n)]
 
+        def mget(start: int) -> None:
+            got = mget_one(self.client, keys[start:start + MGET_CHUNK])
+            assert all(v is not None for v in got)
+
         def get() -> None:
-            for start in range(0, self.n, MGET_CHUNK):
-                got = mget_one(self.client, keys[start:start + MGET_CHUNK])
-                assert all(v is not None for v in got)
+            run_parallel(self.io_pool, [lambda start=start: mget(start) for start in range(0, self.n, MGET_CHUNK)])
         s = timed(get)
         self.client.flushall()
         return s
 
-    def limits_round(self) -> dict[str, dict[str, float]]:
-        """Every limit's parts, each timed alone (seconds)."""
+    def limits_round(self, edges: tuple[str, ...] = ("disk", "remote")) -> dict[str, dict[str, float]]:
+        """Every limit's parts, each timed alone (seconds), for the edges asked."""
         memcpy, comp, decomp = self.memcpy_s(), self.compress_s(), self.decompress_s()
-        out = {"disk_put": {"memcpy": memcpy, "zstd": comp, "lmdb_put": self.lmdb_put_s()},
-               "disk_get": {"lmdb_get": self.lmdb_get_s(), "zstd": decomp, "memcpy": memcpy}}
-        if self.remote is not None:
+        out = {}
+        if "disk" in edges:
+            out["disk_put"] = {"memcpy": memcpy, "zstd": comp, "lmdb_put": self.lmdb_put_s()}
+            out["disk_get"] = {"lmdb_get": self.lmdb_get_s(), "zstd": decomp, "memcpy": memcpy}
+        if self.remote is not None and "remote" in edges:
             out["remote_put"] = {"memcpy": memcpy, "zstd": comp, "set": self.set_s()}
             out["remote_get"] = {"mget": self.mget_s(), "zstd": decomp, "memcpy": memcpy}
         return out
@@ -414,26 +438,28 @@ def run(args) -> dict:
                     print(f"LMCache peer skipped: {peer_info['reason']}", file=sys.stderr)
                     peer = None
         for kind in args.codecs:
-            ours[kind] = Ours(kind, args.level, layout, blocks, tokens, tmp, url)
+            ours[kind] = Ours(kind, args.level, layout, blocks, tokens, tmp, url, args.connections)
         for r in range(args.rounds):
             rec = {"ours": {}, "limits": {}, "peer": {}}
 
             def run_ours() -> None:
                 for kind, o in ours.items():
-                    times = o.disk_round(r)
-                    if o.remote is not None:
+                    times = o.disk_round(r) if "disk" in args.edges else {}
+                    if o.remote is not None and "remote" in args.edges:
                         times.update(o.remote_round(r))
                     rec["ours"][kind] = times
-                    rec["limits"][kind] = o.limits_round()
+                    rec["limits"][kind] = o.limits_round(args.edges)
 
             def run_peer() -> None:
                 if peer is None:
                     return
-                plain, durable = peer.call(op="disk", round=r, fsync=False), peer.call(op="disk", round=r, fsync=True)
-                p = {"disk_put": plain["put_s"], "disk_put_fsync": durable["put_s"],
-                     "disk_get": min(plain["get_s"], durable["get_s"])}
-                ok = plain["verified"] and durable["verified"]
-                if url:
+                p, ok = {}, True
+                if "disk" in args.edges:
+                    plain, durable = peer.call(op="disk", round=r, fsync=False), peer.call(op="disk", round=r, fsync=True)
+                    p = {"disk_put": plain["put_s"], "disk_put_fsync": durable["put_s"],
+                         "disk_get": min(plain["get_s"], durable["get_s"])}
+                    ok = plain["verified"] and durable["verified"]
+                if url and "remote" in args.edges:
                     rem = peer.call(op="remote", round=r)
                     server_flush(url)
                     p.update(remote_put=rem["put_s"], remote_get=rem["get_s"])
@@ -448,6 +474,7 @@ def run(args) -> dict:
                 print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
         stored = {kind: o.stored_bytes for kind, o in ours.items()}
         threads = next(iter(ours.values())).threads if ours else 0
+        connections = next(iter(ours.values())).connections if ours else 1
     finally:
         for o in ours.values():
             o.close()
@@ -457,7 +484,7 @@ def run(args) -> dict:
             server.cleanup()
         shutil.rmtree(tmp, ignore_errors=True)
     load = f"load average {load0[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at the end"
-    return summarize(args, layout, nbytes, rounds, stored, peer_info, remote_skip, threads, load)
+    return summarize(args, layout, nbytes, rounds, stored, peer_info, remote_skip, threads, load, connections)
 
 
 def server_flush(url: str) -> None:
@@ -469,11 +496,12 @@ def server_flush(url: str) -> None:
 
 
 def summarize(args, layout: BlockLayout, nbytes: int, rounds: list[dict], stored: dict, peer_info: dict,
-              remote_skip: str | None, threads: int, load: str = "") -> dict:
+              remote_skip: str | None, threads: int, load: str = "", connections: int = 1) -> dict:
     """Best of the rounds per figure (GB/s of raw block bytes). A ratio is the median of the
     rounds' paired ratios (the two sides of a pair ran seconds apart, under the same load): that
     is what a target judges; the ratio of the bests and the paired [min, median, max] are beside it."""
-    edges = [e for e in EDGES if remote_skip is None or not e.startswith("remote")]
+    edges = [e for e in EDGES if e.split("_")[0] in getattr(args, "edges", ("disk", "remote"))
+             and (remote_skip is None or not e.startswith("remote"))]
 
     def best(vals: list[float]) -> float | None:
         return round(gbps(nbytes, min(vals)), 3) if vals else None
@@ -514,13 +542,15 @@ def summarize(args, layout: BlockLayout, nbytes: int, rounds: list[dict], stored
                 targets.append({"name": f"raw {e} >= {t}x LMCache {pe}", "value": v, "target": t,
                                 "met": None if v is None else v >= t})
     if "raw" not in args.codecs:
+        why = "not asked for (--codec)" if "raw" in codec_kinds() else "the raw codec is not on this build (Codec has no kind)"
         targets.append({"name": "raw codec targets", "value": None, "target": None, "met": None,
-                        "note": "the raw codec is not on this build (Codec has no kind): not measured"})
+                        "note": f"{why}: not measured"})
     return {"edges": ours, "peer": {**peer_info, "gbps": peer}, "targets": targets,
             "config": {"model": "synthetic (random values)" if args.synthetic else "SmolLM2-135M-Instruct",
                        "blocks": args.blocks, "dtype": dtype_name(layout.dtype),
                        "block_bytes": layout.nbytes, "block_shape": list(layout.shape), "level": args.level,
                        "codecs": list(args.codecs), "rounds": args.rounds, "decode_threads": threads,
+                       "remote_connections": connections,
                        "ratio": {k: round(nbytes / v, 3) for k, v in stored.items()},
                        "remote": "valkey-server on loopback" if remote_skip is None else remote_skip,
                        "own_limit_target": OWN_LIMIT_TARGET},
@@ -537,6 +567,7 @@ def print_table(res: dict) -> None:
     cfg, peer = res["config"], res["peer"]
     print(f"Peer tiers: {cfg['blocks']} KV blocks of {cfg['model']} ({cfg['dtype']}, "
           f"{cfg['block_bytes'] / 2**10:.0f} KiB each), best of {cfg['rounds']} paired rounds; "
+          f"remote tier on {cfg.get('remote_connections', 1)} connections; "
           f"stored ratio {', '.join(f'{k} {v}' for k, v in cfg['ratio'].items())}")
     pg = peer["gbps"]
     if peer["available"]:
@@ -575,11 +606,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-peer", action="store_true", help="skip LMCache (nothing is installed)")
     ap.add_argument("--synthetic", action="store_true", help="random blocks instead of the model's KV (quick mode)")
     ap.add_argument("--torch-threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    ap.add_argument("--connections", type=int, default=None,
+                    help="our remote tier's connections in flight (default: the tier's own default)")
+    ap.add_argument("--edges", default="disk,remote", help="which tiers' edges to run: disk, remote or both")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = ap.parse_args(argv)
     if args.blocks < 1 or args.rounds < 1:
         ap.error("--blocks and --rounds: expected >= 1")
     args.codecs = tuple(c for c in args.codec.split(",") if c)
+    args.edges = tuple(e for e in args.edges.split(",") if e)
+    if not args.edges or not set(args.edges) <= {"disk", "remote"}:
+        ap.error(f"--edges: expected disk, remote or disk,remote, got {args.edges!r}")
     unknown = [c for c in args.codecs if c not in codec_kinds()]
     if unknown or not args.codecs:
         ap.error(f"--codec: this build has {codec_kinds()}, got {args.codec!r}")

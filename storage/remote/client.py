@@ -3,12 +3,26 @@
 Knows: how a redis-py client is built for a RemoteURL (standalone or cluster) so that every call
 is bounded by a timeout with at most one immediate retry on a dropped connection, which answers
 mean "the store cannot serve now" (an outage, for the breaker) rather than "this command was
-refused", pipelines, and how keys group into MGETs (one hash slot per MGET in a cluster).
+refused", pipelines, how keys group into MGETs (one hash slot per MGET in a cluster), and how
+several such calls run at once, each on a connection of its own (`run_parallel`).
 Doesn't know: keys, values, counters or the breaker (storage/remote/tier.py).
+
+Replies are parsed by hiredis (C) when it is installed -- a dependency: redis-py's pure-Python
+parser held a restore to about a third of hiredis's speed -- else by redis-py's own parser.
+Commands are always packed by redis-py's Python packer, which hands a large value to sendall()
+as it is; hiredis's packer (redis-py's default once hiredis is installed) copies each command into
+a new buffer, and SET pipelines of our values ran at half the speed with it (360 KiB values,
+paired).
 """
 from __future__ import annotations
 
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, Sequence, TypeVar
+
 from storage.remote.url import RemoteURL
+
+T = TypeVar("T")
 
 MGET_CHUNK = 32               # keys per MGET: bounds one reply (~32 blocks) without a round trip each
 _READ_SIZE = 1 << 20          # bytes per recv() of a reply (see make_client)
@@ -20,9 +34,11 @@ def make_client(url: RemoteURL, timeout_s: float):
     import redis
     from redis.backoff import NoBackoff
     from redis.retry import Retry
-    # socket_read_size: redis-py's pure-Python reader takes a reply in recv()s of this size, each
-    # copied into its buffer; a block's value is ~0.1-1 MB, so 1 MiB reads (not the default 64 KiB)
-    # cut the Python work of a 90 MB restore by about a quarter (tools/bench_ttft.py, remote).
+    # socket_read_size: a reply is taken in recv()s of this size -- hiredis's parser recv_into()s a
+    # buffer this big (one per connection) and feeds it to the C reader, the pure-Python parser
+    # copies each into its own buffer. A block's value is ~0.1-1 MB, an MGET's reply ~10 MB: 1 MiB
+    # reads (not the default 64 KiB) cost ~11 trips through Python per reply, not ~180 (with the
+    # pure-Python parser they cut the work of a 90 MB restore by about a quarter, tools/bench_ttft.py).
     common = dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s, socket_read_size=_READ_SIZE,
                   **url.connection_kwargs())
     if url.cluster:
@@ -30,13 +46,29 @@ def make_client(url: RemoteURL, timeout_s: float):
         # RedisCluster reads the slot map from a seed node here: it connects (bounded by the
         # timeout) and raises if none answers -- RemoteTier._call counts that as a failure and
         # retries the build on its next call.
-        return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in url.nodes],
-                            retry=Retry(NoBackoff(), 1), require_full_coverage=False, **common)
+        client = RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in url.nodes],
+                              retry=Retry(NoBackoff(), 1), require_full_coverage=False, **common)
+        # Every node's connections from now on (a node found later, after a failover, packs with
+        # redis-py's default: slower, as correct); reset() drops the one the slot map was read on.
+        for node in client.get_nodes():
+            if node.redis_connection is not None:
+                node.redis_connection.connection_pool.connection_kwargs["command_packer"] = _python_packer()
+                node.redis_connection.connection_pool.reset()
+        return client
     host, port = url.nodes[0]
     # One immediate retry on a dropped connection (a restarted server leaves dead sockets in
     # the pool); none on a timeout, so a slow store costs at most one timeout per call.
-    return redis.Redis(host=host, port=port, retry=Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)),
-                       **common)
+    client = redis.Redis(host=host, port=port, retry=Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)),
+                         **common)
+    client.connection_pool.connection_kwargs["command_packer"] = _python_packer()   # none connected yet
+    return client
+
+
+def _python_packer():
+    """redis-py's Python command packer, as a Connection builds it without hiredis (its default
+    cutoff and encoder): an argument over 6000 bytes is sent as its own buffer, uncopied."""
+    from redis.connection import Encoder, PythonRespSerializer
+    return PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode)
 
 
 def is_unavailable(e: Exception) -> bool:
@@ -68,3 +100,50 @@ def mget_groups(rkeys: list[bytes], cluster: bool) -> list[list[int]]:
 def mget_one(client, rkeys: list[bytes]) -> list:
     """One MGET (a cluster client routes it by the keys' one slot)."""
     return client.execute_command("MGET", *rkeys)
+
+
+def split(items: Sequence[T], parts: int) -> list[Sequence[T]]:
+    """`items` cut into at most `parts` contiguous runs of near-equal length (none empty)."""
+    parts = max(1, min(parts, len(items)))
+    size, extra = divmod(len(items), parts)
+    out, at = [], 0
+    for j in range(parts):
+        n = size + (j < extra)
+        out.append(items[at:at + n])
+        at += n
+    return out
+
+
+def run_parallel(pool: ThreadPoolExecutor | None, calls: Sequence[Callable[[], None]]) -> None:
+    """Each call (one store call: redis-py takes a connection of its own from the client's pool
+    for it and gives it back) on `pool`'s threads, as many at once as it has; returns once all
+    ended. None, or a single call: one after another on the caller's thread.
+
+    NOTE: the first failure is raised once every call already started has ended (each is bounded
+    by the client's timeout); no call starts after a failure, so a dead store costs one timeout
+    per thread at most, not one per call. What the calls that succeeded did stands (they record
+    it in slots of their own, which the caller reads after this returns)."""
+    if pool is None or len(calls) <= 1:
+        for call in calls:
+            call()
+        return
+    failed = threading.Event()
+
+    def guarded(call: Callable[[], None]) -> None:
+        if failed.is_set():
+            return                      # a call before it failed: the store is not answering
+        try:
+            call()
+        except BaseException:
+            failed.set()
+            raise
+    futures: list[Future] = [pool.submit(guarded, call) for call in calls]
+    error: Exception | None = None
+    for f in futures:
+        try:
+            f.result()
+        except Exception as e:          # noqa: BLE001 -- re-raised below, once the others ended
+            if error is None:
+                error = e
+    if error is not None:
+        raise error

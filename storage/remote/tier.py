@@ -1,8 +1,9 @@
 """The remote tier: KV blocks in a shared Valkey/Redis (standalone or cluster), below disk.
 
-Knows: the LowerTier verbs (storage/lower_tier.py) over a store: batched reads (an MGET of up to
-32 keys at a time -- in cluster mode of one hash slot --, each group decoded while the next is
-fetched), queued writes, the probe for a chain's blocks, verification of what it reads, the
+Knows: the LowerTier verbs (storage/lower_tier.py) over a store: batched reads (MGETs of up to
+32 keys -- in cluster mode of one hash slot --, `connections` of them in flight at once, each
+group verified and decoded as it arrives), queued writes (a batch sent as `connections`
+pipelines at once), the probe for a chain's blocks, verification of what it reads, the
 circuit breaker in front of every call, and this process's counters.
 Doesn't know: the other tiers, the engine, or when a block should be written (storage/
 cascade.py decides; storage/remote/writer.py is the thread that writes). Keys and the value frame
@@ -28,11 +29,22 @@ the store took it; BlockRemoved when this process deletes it (delete(), a damage
 finds it gone. The store's own evictions (its LRU, a TTL) are not visible to us and say nothing
 until a read misses the block.
 
-Threads: reads run on the loader's threads (never the engine thread), their verification and
-decoding on this tier's decode pool (`tieredkv-remote-decode`), writes on the remote writer's
-thread (raw blocks encoded on its pool, `tieredkv-remote-encode`, a batch ahead of the sends);
-the client's connection pool is thread-safe; counters and the small "known present" set are
-under `_lock` (held for no I/O).
+Threads: reads run on the loader's threads (never the engine thread), their MGETs on this tier's
+fetch pool (`tieredkv-remote-fetch`, `connections` threads: a thread per MGET in flight, each on
+a connection of its own from the client's pool; a socket's recv releases the GIL), their
+verification and decoding on the decode pool (`tieredkv-remote-decode`); writes on the remote
+writer's thread (blocks encoded on its pool, `tieredkv-remote-encode`, a batch ahead of the sends;
+with the raw codec, whose encode is a copy, by put on its caller's thread), a batch's pipelines on
+the send pool (`tieredkv-remote-send`, used by the writer's thread only). A fetch or send thread
+writes only its own slot of the call's results, which the calling thread reads once every one of
+them ended (client.run_parallel). The client's connection pool is thread-safe; counters and the
+small "known present" set are under `_lock` (held for no I/O).
+
+Parallel connections (`connections`, DEFAULT_CONNECTIONS unless given): one connection holds a
+restore to one reply at a time -- the store idles while the client parses, the client while the
+store answers --; with several, the store answers the next MGET while this one is parsed. Every
+call is still bounded by the timeout, and a get_many or a write batch is one call for the breaker
+(a failed one counts once, however many connections it used).
 """
 from __future__ import annotations
 
@@ -55,13 +67,18 @@ from storage.kv_events.sink import NO_EVENTS, REMOTE, NoEvents
 from storage.layout import BlockLayout
 from storage.lower_tier import private_copy
 from storage.priority import background_priority
-from storage.remote.client import is_unavailable, make_client, mget_groups, mget_one, pipeline
+from storage.remote.client import is_unavailable, make_client, mget_groups, mget_one, pipeline, run_parallel, split
 from storage.remote.url import RemoteURL
 from storage.remote.value import pack_value, remote_key, unpack_value
 from storage.remote.writer import RemoteWriter, WriteItem
 
 log = logging.getLogger(__name__)
 
+# Connections in flight for one get_many or write batch: one per two cores, at most 4. More than
+# one pays only with cores to spare beside the store and the decoders: on a 2-core machine that
+# also runs the valkey-server, 2 or 4 connections were 0.8-0.99x of one (paired, raw and zstd),
+# so there it is one. Measured only there: a larger default elsewhere is a reasoned guess.
+DEFAULT_CONNECTIONS = max(1, min(4, (os.cpu_count() or 1) // 2))
 _KNOWN_MAX = 1 << 16          # hashes remembered as present in the store (skip re-writing them)
 _LOG_EVERY_S = 10.0
 
@@ -96,7 +113,10 @@ class RemoteTier:
     def __init__(self, url: RemoteURL, layout: BlockLayout | None, codec: Codec = Codec(), *,
                  timeout_s: float = 0.5, ttl_s: float | None = None,
                  breaker: BreakerConfig = BreakerConfig(), queue_blocks: int = 256, batch_blocks: int = 32,
-                 decode_threads: int | None = None, encode_threads: int | None = None) -> None:
+                 decode_threads: int | None = None, encode_threads: int | None = None,
+                 connections: int = DEFAULT_CONNECTIONS) -> None:
+        if isinstance(connections, bool) or not isinstance(connections, int) or connections < 1:
+            raise ValueError(f"connections: expected an int >= 1, got {connections!r}")
         self.url = url
         self.layout = layout
         self.codec = codec
@@ -123,6 +143,9 @@ class RemoteTier:
         self._writer.start()
         self._decode_threads = decode_threads or os.cpu_count() or 1
         self._decode_pool: ThreadPoolExecutor | None = None     # built at the first read
+        self.connections = connections
+        self._fetch_pool: ThreadPoolExecutor | None = None      # built at the first read of several groups
+        self._send_pool: ThreadPoolExecutor | None = None       # the writer thread's; at its first batch of several
 
     # ---- reads (loader threads) ------------------------------------------------------------
     def available(self) -> bool:
@@ -156,9 +179,10 @@ class RemoteTier:
         `payloads`, when given (a list as long as `keys`), receives each hit's codec payload
         (verified, bound to hash || namespace): the local disk stores it without encoding again.
 
-        The keys are fetched a group (one MGET) at a time, and each group's values are verified
-        and decoded on the decode pool while the next group is on the wire: the network read
-        and the decompression overlap instead of adding up."""
+        The keys are fetched a group (one MGET) at a time on each of `connections` connections at
+        once, and each group's values are verified and decoded on the decode pool as the group
+        arrives, while the next groups are on the wire: the network reads and the decompression
+        overlap instead of adding up."""
         keys = list(keys)
         outs = [None] * len(keys) if outs is None else list(outs)
         if len(outs) != len(keys) or (payloads is not None and len(payloads) != len(keys)):
@@ -167,15 +191,19 @@ class RemoteTier:
         if not keys:
             return results
         rkeys = [remote_key(k) for k in keys]
-        fetched: list[tuple[int, Future]] = []          # (index, its check), in fetch order
+        groups = mget_groups(rkeys, self.url.cluster)
+        # Slot j: (index, its check) of group j's keys, written only by the thread fetching group j
+        # and read here once every fetch ended; a group never fetched keeps [] (its keys miss).
+        checks: list[list[tuple[int, Future]]] = [[] for _ in groups]
 
-        def fetch(client) -> None:
-            for group in mget_groups(rkeys, self.url.cluster):
-                values = mget_one(client, [rkeys[i] for i in group])
-                decoder = self._decoder()
-                fetched.extend((i, decoder.submit(self._check, keys[i], outs[i], v)) for i, v in zip(group, values))
+        def fetch(client, j: int) -> None:
+            values = mget_one(client, [rkeys[i] for i in groups[j]])
+            decoder = self._decoder()
+            checks[j] = [(i, decoder.submit(self._check, keys[i], outs[i], v)) for i, v in zip(groups[j], values)]
         # A failure part-way (the store died, a node is down) keeps the groups already fetched.
-        self._call("get", fetch)
+        self._call("get", lambda c: run_parallel(self._fetcher(len(groups)),
+                                                 [lambda j=j: fetch(c, j) for j in range(len(groups))]))
+        fetched = [x for group_checks in checks for x in group_checks]
         damaged, nbytes, hits = [], 0, 0
         gone: list[bytes] = []
         for i, future in fetched:
@@ -229,14 +257,24 @@ class RemoteTier:
     # ---- writes (queued; the remote writer's thread sends them) ----------------------------
     def put(self, key: BlockKey, block: torch.Tensor | None = None, *, wait: bool = False,
             timeout: float | None = None, payload: bytes | None = None, raw_size: int = 0) -> bool:
-        """Queue a block: its bytes (copied now, encoded on the writer's pool), or `payload`,
-        already encoded with binding hash || namespace (the disk writer's: compressed once for
-        both tiers; `raw_size` its decoded bytes). False when it was not queued (queue full;
-        counted in write_drops)."""
+        """Queue a block: its bytes (copied now, encoded on the writer's pool; with the raw codec
+        encoded now instead), or `payload`, already encoded with binding hash || namespace (the
+        disk writer's: compressed once for both tiers; `raw_size` its decoded bytes). False when
+        it was not queued (queue full; counted in write_drops)."""
         if block is None and payload is None:
             raise ValueError("put: give the block, or its encoded payload")
         if self._is_known(remote_key(key)):
             return True
+        if payload is None and self.codec.kind == "raw" and block.device.type == "cpu" and block.is_contiguous() \
+                and not block.is_conj() and not block.is_neg():
+            # The raw codec's encode is one copy of the bytes (and an xxh3, ~10x faster than the
+            # copy): made here it IS put's private copy, one copy of the block fewer than copying
+            # now and encoding that copy on the pool (tools/bench_peers.py, remote put). A block
+            # it refuses goes the usual way, to fail on the pool and be counted there.
+            try:
+                payload = self.codec.encode(block.detach(), payload_binding(key.hash, key.namespace))
+            except Exception:   # noqa: BLE001 -- counted by the writer's encode, as for any block
+                payload = None
         if payload is not None:
             if block is not None:
                 raw_size = block.numel() * block.element_size()
@@ -272,9 +310,11 @@ class RemoteTier:
         self._writer.flush(timeout)
         self._writer.stop()
         with self._lock:
-            pool, self._decode_pool = self._decode_pool, None
-        if pool is not None:
-            pool.shutdown(wait=True)
+            pools = (self._decode_pool, self._fetch_pool, self._send_pool)
+            self._decode_pool = self._fetch_pool = self._send_pool = None
+        for pool in pools:
+            if pool is not None:
+                pool.shutdown(wait=True)
         with self._client_lock:
             client, self._client_obj = self._client_obj, None
         if client is not None:
@@ -284,17 +324,21 @@ class RemoteTier:
                 pass
 
     def _encode(self, it: WriteItem) -> None:
-        """A raw block's payload (bound to hash || namespace), on the writer's encode pool before its
-        batch is sent; skipped for a block the store is known to hold. Raises when it cannot encode."""
-        if it.payload is not None or self._is_known(remote_key(it.key)):
+        """A raw block's payload (bound to hash || namespace) and the value stored (its frame: a copy
+        of the payload), on the writer's encode pool a batch ahead of the send, not in the send's
+        path; skipped for a block the store is known to hold. Raises when it cannot encode."""
+        if self._is_known(remote_key(it.key)):
             return
-        block = it.block.contiguous()
-        it.payload = self.codec.encode(block, payload_binding(it.key.hash, it.key.namespace))
-        it.raw_size = block.numel() * block.element_size()
+        if it.payload is None:
+            block = it.block.contiguous()
+            it.payload = self.codec.encode(block, payload_binding(it.key.hash, it.key.namespace))
+            it.raw_size = block.numel() * block.element_size()
+        it.value = pack_value(it.key, it.payload, it.raw_size)
 
     def _write_batch(self, items: list[WriteItem]) -> bool:
-        """The writer thread's batch (raw blocks encoded by _encode on the pool): SET every block in
-        one pipeline. True when the store took every block."""
+        """The writer thread's batch (raw blocks encoded by _encode on the pool): SET every block,
+        the batch cut into `connections` pipelines sent at once. True when the store took every
+        block."""
         cmds, sent = [], []
         for it in items:
             rk = remote_key(it.key)
@@ -307,25 +351,38 @@ class RemoteTier:
                     log.exception("remote tier: encoding block %s failed", it.key.hash.hex()[:16])
                     self._count(write_errors=1)
                     continue
-            value = pack_value(it.key, it.payload, it.raw_size)
+            value = it.value if it.value is not None else pack_value(it.key, it.payload, it.raw_size)
             cmds.append(("SET", rk, value) + (("PX", self.ttl_ms) if self.ttl_ms else ()))
             sent.append((it.key, rk, len(value)))
         if not cmds:
             return True
-        status, got = self._call("set", lambda c: pipeline(c, cmds))
-        if status != "ok":
-            # Not sent (breaker open: a drop) or lost with the batch (the call failed).
-            self._count(**{"write_drops" if status == "skipped" else "write_errors": len(cmds)})
+        parts = split(range(len(cmds)), self.connections)
+        # Slot j: the replies to part j's SETs, written only by the thread sending part j; None
+        # while not sent (or when its pipeline failed: those blocks are lost with it).
+        replies: list[list | None] = [None] * len(parts)
+
+        def send(client, j: int) -> None:
+            replies[j] = pipeline(client, [cmds[i] for i in parts[j]])
+        status, _ = self._call("set", lambda c: run_parallel(self._sender(len(parts)),
+                                                             [lambda j=j: send(c, j) for j in range(len(parts))]))
+        if status == "skipped":       # not sent (breaker open): a drop
+            self._count(write_drops=len(cmds))
             return False
-        landed = []
-        for (key, rk, n), r in zip(sent, got):
-            if isinstance(r, Exception):
-                self._count(write_errors=1)
-                self._note_error("set", r)
+        landed, lost = [], 0
+        for part, got in zip(parts, replies):
+            if got is None:           # its pipeline failed (the call failed): lost with it
+                lost += len(part)
                 continue
-            landed.append(key)
-            self._count(writes=1, bytes_written=n)
-            self._remember(rk)
+            for i, r in zip(part, got):
+                key, rk, n = sent[i]
+                if isinstance(r, Exception):
+                    self._count(write_errors=1)
+                    self._note_error("set", r)
+                    continue
+                landed.append(key)
+                self._count(writes=1, bytes_written=n)
+                self._remember(rk)
+        self._count(write_errors=lost)
         self.events.stored(landed, REMOTE)
         return len(landed) == len(sent)
 
@@ -359,6 +416,28 @@ class RemoteTier:
     def _build_client(self):
         return make_client(self.url, self.timeout_s)
 
+
+    def _fetcher(self, groups: int) -> ThreadPoolExecutor | None:
+        """The pool whose threads each run one MGET at a time (on a connection of their own);
+        None when there is one group or one connection: the caller's thread fetches."""
+        if groups <= 1 or self.connections <= 1:
+            return None
+        with self._lock:
+            if self._fetch_pool is None:
+                self._fetch_pool = ThreadPoolExecutor(self.connections, thread_name_prefix="tieredkv-remote-fetch",
+                                                      initializer=background_priority)
+            return self._fetch_pool
+
+    def _sender(self, parts: int) -> ThreadPoolExecutor | None:
+        """The writer thread's pool for a batch's pipelines (one per thread at a time); None for
+        a batch of one part: the writer's thread sends it."""
+        if parts <= 1:
+            return None
+        with self._lock:
+            if self._send_pool is None:
+                self._send_pool = ThreadPoolExecutor(self.connections, thread_name_prefix="tieredkv-remote-send",
+                                                     initializer=background_priority)
+            return self._send_pool
 
     def _decoder(self) -> ThreadPoolExecutor:
         """The pool that verifies and decodes values (zstd and the copies release the GIL)."""

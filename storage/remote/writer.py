@@ -4,11 +4,11 @@ Knows: the queue (blocks waiting to be sent, raw or already encoded), batching t
 flush waits for, and what is lost (a full queue drops; a failed batch is not retried -- a block
 the store never got is a later miss, and whoever misses it computes and writes it again).
 Doesn't know: the store, keys or the value format: it hands each batch to `send(items) -> bool`
-(storage/remote/tier.py's _write_batch), which counts its own results, and each raw block to
-`encode(item)` (the tier's: fills in the item's payload), which runs on the writer's encode pool
-(`tieredkv-remote-encode`, os.cpu_count() threads by default; zstd releases the GIL) one batch
-ahead of the sends (storage/background_writer.py's look-ahead): batch k+1 encodes while batch k
-is on the wire. A block that fails to encode is counted (write_errors) and not sent, as before.
+(storage/remote/tier.py's _write_batch), which counts its own results, and each block to
+`encode(item)` (the tier's: fills in a raw block's payload, and the value it stores), which runs
+on the writer's encode pool (`tieredkv-remote-encode`, os.cpu_count() threads by default; zstd
+releases the GIL) one batch ahead of the sends (storage/background_writer.py's look-ahead): batch
+k+1 encodes while batch k is on the wire. A block that fails to encode is counted (write_errors) and not sent, as before.
 
 Threads: `submit`, `flush`, `pending_count` from any thread (the disk writer's, the cache's
 flush, the loader's); the `tieredkv-remote-writer` thread sends (the loop of
@@ -42,6 +42,7 @@ class WriteItem:
     payload: bytes | None = None
     raw_size: int = 0
     block: torch.Tensor | None = None
+    value: bytes | None = None     # what the store gets, once encode() made it (opaque here)
 
 
 @dataclass(slots=True)
@@ -131,8 +132,6 @@ class RemoteWriter(BackgroundWriter[_Batch]):
         if self._encode is None:
             return
         for it in batch.items:
-            if it.payload is not None or it.block is None:
-                continue
             try:
                 if self._encoder is None:
                     self._encoder = ThreadPoolExecutor(self._encode_threads, thread_name_prefix="tieredkv-remote-encode",

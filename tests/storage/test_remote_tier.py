@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import time
 
 import pytest
@@ -82,6 +83,38 @@ def test_a_damaged_value_is_a_miss_deleted_and_counted(server, kind: str) -> Non
         assert (s.corrupt, s.hits, s.misses) == (2, 1, 2)
         assert raw.exists(remote_key(ks[0])) == 0 and raw.exists(remote_key(ks[1])) == 0   # deleted
         assert raw.exists(remote_key(ks[2])) == 1
+    finally:
+        raw.close()
+        rt.close()
+
+
+@pytest.mark.parametrize("kind", ["zstd", "raw"])
+def test_a_get_over_parallel_connections_is_bit_identical_and_a_damaged_value_is_a_miss_deleted(
+        server, kind: str) -> None:
+    ns = os.urandom(32)
+    ks = keys(140, ns=ns)                  # 5 MGETs standalone, one per hash slot in the cluster
+    rt = tier(server.url, codec=Codec(kind=kind), connections=4, timeout_s=5)
+    raw = raw_client(server.url)
+    try:
+        for k in ks[:130]:                 # batches of 32, each sent as 4 pipelines at once
+            assert rt.put(k, block_data(k))
+        assert rt.flush(30) and rt.stats().writes == 130 and rt.stats().write_errors == 0
+        value = bytearray(raw.get(remote_key(ks[5])))
+        value[-20] ^= 0x40                                   # a bit flip: damaged
+        raw.set(remote_key(ks[5]), bytes(value))
+        raw.set(remote_key(ks[100]), b"not a block at all")  # garbage, in another MGET
+        outs = [torch.zeros(TINY.shape, dtype=TINY.dtype) for _ in ks]
+        got = rt.get_many(ks, outs)
+        assert any(t.name.startswith("tieredkv-remote-fetch") for t in threading.enumerate())
+        for i, (g, out, k) in enumerate(zip(got, outs, ks)):
+            if i in (5, 100) or i >= 130:
+                assert g is None, i
+            else:
+                assert same_bits(g, block_data(k)) and same_bits(out, block_data(k)), i
+        s = rt.stats()
+        assert (s.hits, s.misses, s.corrupt, s.errors) == (128, 12, 2, 0)
+        assert raw.exists(remote_key(ks[5])) == 0 and raw.exists(remote_key(ks[100])) == 0   # deleted
+        assert raw.exists(remote_key(ks[6])) == 1
     finally:
         raw.close()
         rt.close()
@@ -224,6 +257,35 @@ def test_a_server_down_opens_the_breaker_without_an_exception_and_a_restart_clos
             rt.close()
     finally:
         server.cleanup()
+
+
+def test_a_store_that_never_answers_costs_one_timeout_per_connection_and_one_breaker_failure() -> None:
+    import socket
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)               # accepts connections, never answers: a hung store
+    try:
+        ks = keys(320, ns=os.urandom(32))          # 10 MGETs, 4 connections
+        rt = tier(f"valkey://127.0.0.1:{listener.getsockname()[1]}", timeout_s=0.2, connections=4,
+                  breaker=BreakerConfig(failures_to_open=2, cooldown_s=60))
+        try:
+            assert rt.get_many(ks) == [None] * len(ks)
+            # The MGETs in flight when the first timed out were the only ones sent (none started
+            # after it, none retried): at most one connection per thread, not one per MGET.
+            listener.settimeout(0)
+            accepted = []
+            with contextlib.suppress(BlockingIOError):
+                while True:
+                    accepted.append(listener.accept()[0])
+            for conn in accepted:
+                conn.close()
+            assert 1 <= len(accepted) <= 4
+            s = rt.stats()
+            assert (s.errors, s.misses, s.breaker) == (1, len(ks), "closed")   # one call, one failure
+        finally:
+            rt.close(timeout=1)
+    finally:
+        listener.close()
 
 
 def test_a_store_that_never_answers_costs_at_most_its_timeout(tmp_path) -> None:
