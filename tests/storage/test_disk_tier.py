@@ -208,8 +208,8 @@ def test_one_pooled_get_many_misses_and_deletes_every_damaged_block_and_serves_t
     its binding (the crc too), the coded frame (the coded crc32), the stored frame (zstd's xxh64)
     -- in one get_many on the decode pool: each damaged block is a miss and deleted, the others
     are served bit for bit, into their outs."""
-    header_size = Codec().check_header(Codec().encode(make_block(0), payload_binding(make_key(0).hash,
-                                                                                      make_key(0).namespace))).header_size
+    binding = payload_binding(make_key(0).hash, make_key(0).namespace)
+    header_size = Codec().check_header(Codec().encode(make_block(0), binding)).header_size
     damages = {1: _flip_at(lambda v: 9),                       # a dim of the shape
                3: _flip_at(lambda v: header_size - 20),         # the binding's last bytes
                4: _flip_at(lambda v: len(v) - 100),             # the last (coded) frame
