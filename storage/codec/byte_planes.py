@@ -69,14 +69,21 @@ def _elements(t: torch.Tensor) -> np.ndarray:
     return t.reshape(-1).view(_TORCH_INTS[size]).numpy().view(_UINTS[size])
 
 
-def split(t: torch.Tensor, swapped: bool = False) -> np.ndarray:
-    """The byte planes of a contiguous CPU tensor: a new `[itemsize, numel]` uint8 array, row b
-    = byte b of every element, in dim-1-major order when `swapped` (requires can_swap(shape))."""
+def split(t: torch.Tensor, swapped: bool = False, out: np.ndarray | None = None) -> np.ndarray:
+    """The byte planes of a contiguous CPU tensor: a `[itemsize, numel]` uint8 array, row b
+    = byte b of every element, in dim-1-major order when `swapped` (requires can_swap(shape)).
+    `out`: a contiguous uint8 array of at least itemsize * numel bytes to write them into (its
+    front, returned as that shape: a warm buffer reused block after block), else a new one."""
     if t.device.type != "cpu" or not t.is_contiguous():
         raise ValueError("byte planes: expected a contiguous CPU tensor")
     x = _elements(t)
     size = t.element_size()
-    out = np.empty((size, x.size), dtype=np.uint8)
+    if out is None:
+        out = np.empty((size, x.size), dtype=np.uint8)
+    else:
+        if out.dtype != np.uint8 or not out.flags.c_contiguous or out.size < size * x.size:
+            raise ValueError(f"byte planes: out must be a contiguous uint8 array of >= {size * x.size} bytes")
+        out = out.reshape(-1)[:size * x.size].reshape(size, x.size)
     if swapped:
         if not can_swap(t.shape):
             raise ValueError(f"byte planes: shape {tuple(t.shape)} has no dims 0 and 1 to swap")

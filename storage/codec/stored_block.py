@@ -91,13 +91,16 @@ def verify_and_decode(codec: Codec, layout: BlockLayout | None, key: BlockKey, o
     if m.stored_size != len(payload):
         return None, f"payload is {len(payload)} bytes, metadata says {m.stored_size}"
     try:
-        header = codec.peek_header(payload)
+        # NOTE invariant: the header's crc32 is verified here, once, before any of its fields is
+        # compared or used; decode() then checks the binding, the coded crc32 and each frame's
+        # checksum (or the raw codec's xxh3) before `out` is returned.
+        header = codec.check_header(payload)
         if header.raw_size != m.raw_size:
             return None, f"header raw size {header.raw_size} != metadata's {m.raw_size}"
         if layout is not None and (header.dtype != dtype_name(layout.dtype) or header.shape != layout.shape):
             return None, f"block is {header.shape} {header.dtype}, layout wants {layout.shape}"
         if out is not None and (dtype_name(out.dtype) != header.dtype or out.numel() != header.numel):
             return None, f"block is {header.shape} {header.dtype}, does not fit out"
-        return codec.decode(payload, payload_binding(key.hash, key.namespace), out), None
+        return codec.decode(payload, payload_binding(key.hash, key.namespace), out, header=header), None
     except CodecError as e:
         return None, f"codec: {e}"

@@ -86,3 +86,13 @@ def test_what_cannot_be_split_or_joined_is_a_value_error() -> None:
         byte_planes.join([bytes(8)] * 3, x)
     with pytest.raises(ValueError, match="8 bytes per plane"):
         byte_planes.join([bytes(8), bytes(7)], x)
+
+
+def test_split_into_a_warm_buffer_is_the_same_split_and_checks_the_buffer() -> None:
+    t = torch.randn(4, 2, 16, 3, 8).to(torch.bfloat16)
+    buf = np.full(t.numel() * 2 + 10, 0xAB, dtype=np.uint8)
+    planes = byte_planes.split(t, True, out=buf)
+    assert np.shares_memory(planes, buf) and np.array_equal(planes, byte_planes.split(t, True))
+    assert (buf[t.numel() * 2:] == 0xAB).all()          # only its front is written
+    with pytest.raises(ValueError, match="out"):
+        byte_planes.split(t, True, out=np.empty(t.numel() * 2 - 1, dtype=np.uint8))

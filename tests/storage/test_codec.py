@@ -540,3 +540,34 @@ def test_damaged_v3_payloads_never_decode_to_other_bytes(stem: str) -> None:
         Codec().decode(payload + b"\0", B)
     with pytest.raises(CodecError):
         Codec().decode(payload[:-1], B)
+
+
+def test_decode_takes_check_headers_answer_and_refuses_an_unchecked_header() -> None:
+    x = kv_like((4, 2, 16, 3, 8), torch.bfloat16)
+    payload = Codec().encode(x, B)
+    header = Codec().check_header(payload)
+    assert header.crc_checked
+    assert_same_bits(Codec().decode(payload, B, header=header), x)
+    with pytest.raises(ValueError, match="check_header"):
+        Codec().decode(payload, B, header=Codec().peek_header(payload))   # its crc never checked
+    with pytest.raises(ValueError, match="check_header"):
+        Codec().decode(payload[:header.header_size - 1], B, header=header)   # not this payload's
+
+
+def test_the_header_crc_is_checked_before_any_field_is_trusted() -> None:
+    payload = bytearray(Codec().encode(kv_like((4, 2, 16, 3, 8), torch.bfloat16), B))
+    payload[9] ^= 0x01                   # a dim of the shape: the raw size no longer matches it
+    with pytest.raises(CodecError, match="header crc32"):
+        Codec().check_header(bytes(payload))
+    with pytest.raises(CodecError, match="does not match shape"):
+        Codec().peek_header(bytes(payload))   # parsed without the crc: the fields' own checks
+
+
+def test_the_crc32_is_zlibs() -> None:
+    """payload._crc32 (ISA-L's when installed) is zlib's CRC-32, chained from any start value:
+    payloads written by either read with the other."""
+    from storage.codec.payload import _crc32
+    data = memoryview(bytes(range(256)) * 300 + b"tail")
+    for start, seed in ((0, 0), (3, 0), (0, 0x12345678), (1000, 77)):
+        assert _crc32(data[start:], seed) == zlib.crc32(data[start:], seed)
+    assert _crc32(data) == zlib.crc32(data)

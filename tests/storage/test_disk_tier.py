@@ -194,6 +194,44 @@ def test_get_many_decodes_in_parallel_and_sorts_out_misses_and_damage(tmp_path: 
         assert t.check() == []
 
 
+def _flip_at(offset_of) -> object:
+    """A damage: flip one bit at offset_of(payload) of a stored payload."""
+    def damage(v: bytes) -> bytes:
+        b = bytearray(v)
+        b[offset_of(v)] ^= 0x04
+        return bytes(b)
+    return damage
+
+
+def test_one_pooled_get_many_misses_and_deletes_every_damaged_block_and_serves_the_rest(tmp_path: Path) -> None:
+    """Damage in each checked part of a zstd payload -- the header (its shape: the header crc32),
+    its binding (the crc too), the coded frame (the coded crc32), the stored frame (zstd's xxh64)
+    -- in one get_many on the decode pool: each damaged block is a miss and deleted, the others
+    are served bit for bit, into their outs."""
+    binding = payload_binding(make_key(0).hash, make_key(0).namespace)
+    header_size = Codec().check_header(Codec().encode(make_block(0), binding)).header_size
+    damages = {1: _flip_at(lambda v: 9),                       # a dim of the shape
+               3: _flip_at(lambda v: header_size - 20),         # the binding's last bytes
+               4: _flip_at(lambda v: len(v) - 100),             # the last (coded) frame
+               6: _flip_at(lambda v: header_size + 100)}        # the first (stored) frame's data
+    with DiskTier(str(tmp_path), CAP) as t:
+        for i in range(8):
+            t.put(make_key(i), make_block(i))
+    for i, damage in damages.items():
+        rewrite(tmp_path, "payload", make_key(i).hash, damage)
+    with DiskTier(str(tmp_path), CAP, decode_threads=3) as t:
+        outs = [torch.zeros(make_block(i).numel(), dtype=make_block(i).dtype) for i in range(8)]
+        got = t.get_many([make_key(i) for i in range(8)], outs)
+        assert [i for i, g in enumerate(got) if g is None] == sorted(damages)
+        for i, g in enumerate(got):
+            if g is not None:
+                assert same_bits(g, make_block(i)) and g.data_ptr() == outs[i].data_ptr()
+        s = t.stats()
+        assert (s.hits, s.misses, s.corrupt, s.blocks) == (4, 0, 4, 4)
+        assert not any(t.contains(make_key(i)) for i in damages)
+        assert t.verify().damaged == () and t.check() == []
+
+
 def test_layout_mismatch_is_corrupt(tmp_path: Path) -> None:
     layout = BlockLayout(num_layers=2, block_size=16, num_kv_heads=3, head_dim=8, dtype=torch.float16)
     with DiskTier(str(tmp_path), CAP) as t:

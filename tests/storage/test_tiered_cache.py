@@ -430,7 +430,7 @@ def test_close_waits_for_a_disk_promotion_in_progress(tmp_path: Path) -> None:
     result: dict = {}
     decoding = threading.Event()                          # set by the first decode, inside the read
     verify_and_decode = disk._verify_and_decode
-    disk._verify_and_decode = lambda item: (decoding.set(), verify_and_decode(item))[1]
+    disk._verify_and_decode = lambda *block: (decoding.set(), verify_and_decode(*block))[1]
     promotion = threading.Thread(target=lambda: result.update(got=cache.load_now(m)))
     promotion.start()
     assert decoding.wait(30)                              # the read holds views into the map now

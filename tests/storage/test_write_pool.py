@@ -72,6 +72,23 @@ def test_one_encode_thread_still_writes_everything(tmp_path: Path) -> None:
         assert all(same_bits(t.get(k), block_data(k)) for k in ks)
 
 
+def test_with_no_encode_pool_to_be_had_the_writer_encodes_on_its_own_thread(tmp_path: Path) -> None:
+    # What an exiting interpreter does to the pool (its submit raises RuntimeError), done by hand:
+    # every block, and one that cannot encode among them, is handled on the writer thread.
+    ks = keys(9)
+    with DiskTier(str(tmp_path), CAP, batch_blocks=4) as t:
+        t.put(ks[0], block_data(ks[0]))
+        assert t.flush(timeout=60)
+        t._writer._encoder.shutdown()                        # built by the first batch
+        mark = t.write_failures()
+        for k in ks[1:]:
+            t.put(k, bad_block() if k is ks[5] else block_data(k))
+        assert t.flush(timeout=60, since=mark) is False       # the bad block, lost and counted
+        assert (t.stats().blocks, t.write_failures()) == (8, mark + 1)
+        assert all(same_bits(t.get(k), block_data(k)) for k in ks if k is not ks[5])
+        assert t.get(ks[5]) is None and t.check() == []
+
+
 def test_a_block_that_fails_to_encode_is_counted_and_drops_nothing_else(tmp_path: Path) -> None:
     ks = keys(21)
     bad = ks[10]
