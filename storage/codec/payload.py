@@ -302,6 +302,13 @@ class Codec:
         """Encode a contiguous CPU float32/float16/bfloat16 tensor into a version-4 payload of this
         codec's kind bound to `binding` (at most 255 bytes; decode() refuses the payload for any
         other binding)."""
+        return b"".join(self.encode_parts(block, binding))
+
+    def encode_parts(self, block: torch.Tensor, binding: bytes) -> tuple[bytes | memoryview, ...]:
+        """encode()'s payload as the parts it is the concatenation of, not yet joined: a caller
+        that frames the payload (the remote tier's value) joins once instead of twice. NOTE: with
+        the raw codec the last part is a view of `block`'s own bytes, valid only while the block is
+        alive and unchanged -- join the parts before the block can change."""
         if not isinstance(binding, bytes) or len(binding) > MAX_BINDING:
             raise ValueError(f"binding: expected at most {MAX_BINDING} bytes, got {binding!r:.40}")
         if block.device.type != "cpu" or not block.is_contiguous():
@@ -318,7 +325,7 @@ class Codec:
                 struct.pack(f"<{block.dim()}I", *shape), _RAW_SIZE.pack(data.size),
                 bytes((len(binding),)), binding, _PLANE.pack(PLANE_STORED, data.size),
                 _XXH.pack(xxhash.xxh3_64_intdigest(data))))
-            return b"".join((header, _CRC.pack(_crc32(header)), data))
+            return header, _CRC.pack(_crc32(header)), data
         else:
             dim1_major = byte_planes.can_swap(shape)
             flags, level = _FLAG_DIM1_MAJOR if dim1_major else 0, self.level
@@ -337,7 +344,7 @@ class Codec:
             bytes((len(binding),)), binding,
             *(_PLANE.pack(PLANE_CODED if b in coded else PLANE_STORED, len(f)) for b, f in enumerate(frames)),
             _CRC.pack(coded_crc)))
-        return b"".join((header, _CRC.pack(_crc32(header)), *frames))
+        return (header, _CRC.pack(_crc32(header)), *frames)
 
     def peek_header(self, payload: bytes | memoryview) -> CodecHeader:
         """Parse and sanity-check the header without checking the crc or decompressing."""

@@ -268,13 +268,18 @@ class RemoteTier:
         if payload is None and self.codec.kind == "raw" and block.device.type == "cpu" and block.is_contiguous() \
                 and not block.is_conj() and not block.is_neg():
             # The raw codec's encode is one copy of the bytes (and an xxh3, ~10x faster than the
-            # copy): made here it IS put's private copy, one copy of the block fewer than copying
-            # now and encoding that copy on the pool (tools/bench_peers.py, remote put). A block
-            # it refuses goes the usual way, to fail on the pool and be counted there.
+            # copy): the stored value, framed here from the codec's parts, IS put's private copy --
+            # the block's one copy, where copying now, encoding that copy on the pool and framing
+            # it made three (tools/bench_peers.py, remote put). A block it refuses goes the usual
+            # way, to fail on the pool and be counted there.
+            raw_size, value = block.numel() * block.element_size(), None
             try:
-                payload = self.codec.encode(block.detach(), payload_binding(key.hash, key.namespace))
+                value = pack_value(key, self.codec.encode_parts(block.detach(), payload_binding(key.hash, key.namespace)),
+                                   raw_size)
             except Exception:   # noqa: BLE001 -- counted by the writer's encode, as for any block
-                payload = None
+                pass
+            if value is not None:
+                return self._writer.submit(WriteItem(key, raw_size=raw_size, value=value), wait, timeout)
         if payload is not None:
             if block is not None:
                 raw_size = block.numel() * block.element_size()
@@ -324,16 +329,21 @@ class RemoteTier:
                 pass
 
     def _encode(self, it: WriteItem) -> None:
-        """A raw block's payload (bound to hash || namespace) and the value stored (its frame: a copy
-        of the payload), on the writer's encode pool a batch ahead of the send, not in the send's
-        path; skipped for a block the store is known to hold. Raises when it cannot encode."""
-        if self._is_known(remote_key(it.key)):
+        """The value stored for an item: a raw block's payload (bound to hash || namespace) framed
+        from the codec's parts in one join, or a given payload framed; on the writer's encode pool a
+        batch ahead of the send, not in the send's path; skipped for a block the store is known to
+        hold or one framed at put(). Raises when it cannot encode."""
+        if it.value is not None or self._is_known(remote_key(it.key)):
             return
         if it.payload is None:
             block = it.block.contiguous()
-            it.payload = self.codec.encode(block, payload_binding(it.key.hash, it.key.namespace))
             it.raw_size = block.numel() * block.element_size()
-        it.value = pack_value(it.key, it.payload, it.raw_size)
+            # The payload's parts framed in one join (not joined into a payload, then copied again).
+            it.value = pack_value(it.key, self.codec.encode_parts(block, payload_binding(it.key.hash, it.key.namespace)),
+                                  it.raw_size)
+            it.block = None          # the private copy is no longer needed
+        else:
+            it.value = pack_value(it.key, it.payload, it.raw_size)
 
     def _write_batch(self, items: list[WriteItem]) -> bool:
         """The writer thread's batch (raw blocks encoded by _encode on the pool): SET every block,
@@ -344,14 +354,14 @@ class RemoteTier:
             rk = remote_key(it.key)
             if self._is_known(rk):
                 continue
-            if it.payload is None:     # skipped by _encode as known, and no longer trusted since
+            if it.value is None:       # skipped by _encode as known, and no longer trusted since
                 try:
                     self._encode(it)
                 except Exception:
                     log.exception("remote tier: encoding block %s failed", it.key.hash.hex()[:16])
                     self._count(write_errors=1)
                     continue
-            value = it.value if it.value is not None else pack_value(it.key, it.payload, it.raw_size)
+            value = it.value
             cmds.append(("SET", rk, value) + (("PX", self.ttl_ms) if self.ttl_ms else ()))
             sent.append((it.key, rk, len(value)))
         if not cmds:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import struct
 import time
+from collections.abc import Sequence
 
 from storage.codec.stored_block import BlockMeta
 from storage.hashing import BlockKey
@@ -24,10 +25,13 @@ def remote_key(key: BlockKey) -> bytes:
     return KEY_PREFIX + key.namespace.hex().encode() + b":" + key.hash.hex().encode()
 
 
-def pack_value(key: BlockKey, payload: bytes, raw_size: int) -> bytes:
-    """The stored value: metadata (checked on every read) then the codec payload."""
-    meta = BlockMeta(key.parent, key.namespace, key.token_ids, raw_size, len(payload), time.time(), 0, 0).pack()
-    return b"".join((VALUE_MAGIC, _META_LEN.pack(len(meta)), meta, payload))
+def pack_value(key: BlockKey, payload: bytes | Sequence[bytes | memoryview], raw_size: int) -> bytes:
+    """The stored value: metadata (checked on every read) then the codec payload -- given whole,
+    or as Codec.encode_parts' parts, joined here in the value's one copy."""
+    parts = (payload,) if isinstance(payload, (bytes, bytearray, memoryview)) else tuple(payload)
+    size = sum(memoryview(p).nbytes for p in parts)
+    meta = BlockMeta(key.parent, key.namespace, key.token_ids, raw_size, size, time.time(), 0, 0).pack()
+    return b"".join((VALUE_MAGIC, _META_LEN.pack(len(meta)), meta, *parts))
 
 
 def unpack_value(value: bytes) -> tuple[memoryview | None, memoryview | None]:
