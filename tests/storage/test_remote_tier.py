@@ -259,6 +259,18 @@ def test_a_server_down_opens_the_breaker_without_an_exception_and_a_restart_clos
         server.cleanup()
 
 
+def accept_all(listener) -> int:
+    """How many connections a hung store's listener holds (each accepted, then closed)."""
+    listener.settimeout(0)
+    accepted = []
+    with contextlib.suppress(BlockingIOError):
+        while True:
+            accepted.append(listener.accept()[0])
+    for conn in accepted:
+        conn.close()
+    return len(accepted)
+
+
 def test_a_store_that_never_answers_costs_one_timeout_per_connection_and_one_breaker_failure() -> None:
     import socket
     listener = socket.socket()
@@ -272,14 +284,8 @@ def test_a_store_that_never_answers_costs_one_timeout_per_connection_and_one_bre
             assert rt.get_many(ks) == [None] * len(ks)
             # The MGETs in flight when the first timed out were the only ones sent (none started
             # after it, none retried): at most one connection per thread, not one per MGET.
-            listener.settimeout(0)
-            accepted = []
-            with contextlib.suppress(BlockingIOError):
-                while True:
-                    accepted.append(listener.accept()[0])
-            for conn in accepted:
-                conn.close()
-            assert 1 <= len(accepted) <= 4
+            accepted = accept_all(listener)
+            assert 1 <= accepted <= 4
             s = rt.stats()
             assert (s.errors, s.misses, s.breaker) == (1, len(ks), "closed")   # one call, one failure
         finally:
@@ -305,14 +311,8 @@ def test_a_store_that_never_answers_costs_at_most_its_timeout(tmp_path) -> None:
             # (a loaded machine can stretch one 0.2 s timeout past any tight bound). The bound
             # only says it was bounded (no timeout at all would hang here forever).
             assert time.monotonic() - t0 < 30
-            listener.settimeout(0)
-            accepted = []
-            with contextlib.suppress(BlockingIOError):
-                while True:
-                    accepted.append(listener.accept()[0])
-            for conn in accepted:
-                conn.close()
-            assert len(accepted) == 1
+            accepted = accept_all(listener)
+            assert accepted == 1
             assert rt.get_many(ks) == [None, None]
             assert rt.breaker.state == "open"
             skipped = rt.stats().skipped
