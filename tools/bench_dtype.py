@@ -70,7 +70,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_report import emit, machine_note, stop_peer  # noqa: E402  (sibling scripts)
-from bench_ttft import prose_ids  # noqa: E402
+from bench_prompts import prose_ids  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.model import default_gguf_path, resolve_dtype  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402

@@ -37,7 +37,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_report import machine_note  # noqa: E402  (sibling scripts)
-from bench_ttft import prose_ids  # noqa: E402
+from bench_prompts import prose_ids  # noqa: E402
 
 from engine.engine import Engine  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402

