@@ -23,6 +23,16 @@ async def until(cond, timeout: float = 10.0) -> None:
         await asyncio.sleep(0.01)
 
 
+async def arrives(cond, within: float) -> bool:
+    """Whether cond() holds within `within` seconds (no assertion: the caller tries again)."""
+    deadline = time.monotonic() + within
+    while not cond():
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(0.01)
+    return True
+
+
 def subscriber(pub: v.FakePublisher, index: PrefixIndex, ctx: zmq.asyncio.Context, replay: str | None = "own",
                **kw) -> EventSubscriber:
     return EventSubscriber("a", pub.endpoint, pub.replay_endpoint if replay == "own" else replay, "", index, ctx, **kw)
@@ -40,8 +50,12 @@ def test_a_subscriber_syncs_by_replay_follows_live_and_fills_a_gap() -> None:
         sub.start()
         await asyncio.wait_for(sub.synced.wait(), 10)
         assert sub.last_seq == 2 and index.blocks("a") == 3 and pub.replay_requests == [0]
-        # Live: the SUB socket may still be joining, so publish until one arrives live.
-        seq = pub.publish(v.encode([v.stored([H[3]], "CPU")]))
+        # Live: the SUB socket may still be joining (ZMQ drops what a joining SUB misses, and
+        # with nothing after it the subscriber cannot tell), so publish until one arrives.
+        for _ in range(200):
+            seq = pub.publish(v.encode([v.stored([H[3]], "CPU")]))
+            if await arrives(lambda: sub.last_seq >= seq, 0.1):
+                break
         await until(lambda: sub.last_seq >= seq)
         # A batch the subscriber never sees live (a gap) is asked for on the replay socket.
         pub.publish(v.encode([v.removed([H[0]], "GPU")]), send=False)
