@@ -28,7 +28,7 @@ from service.auth import ApiKeys, require_admin
 from service.context import AppContext, ctx
 from service.dispatch import Dispatcher
 from service.errors import APIError, install_error_handlers
-from service.http_middleware import HTTPMiddleware
+from service.http_middleware import HTTPMiddleware, StatusSend
 from service.metrics import ServiceMetrics
 from service.openapi import install_openapi
 from service.request_log import RequestLog, scope_record
@@ -183,18 +183,12 @@ class CatchAll(HTTPMiddleware):
     re-raises after answering; uvicorn then drops the keep-alive connection.)"""
 
     async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
-        started = False
-
-        async def send_wrapper(message: Message) -> None:
-            nonlocal started
-            if message["type"] == "http.response.start":
-                started = True
-            await send(message)
+        sent = StatusSend(send)
         try:
-            await self.app(scope, receive, send_wrapper)
+            await self.app(scope, receive, sent)
         except Exception:
             log.exception("unhandled error in %s %s", scope.get("method"), scope.get("path"))
-            if started:
+            if sent.started:
                 raise      # a response is under way: nothing well-formed can be sent now
             err = APIError(500, "internal server error", code="internal_error")
             scope_record(scope).reason = err.message
@@ -228,16 +222,10 @@ class CountRequests(HTTPMiddleware):
         self.metrics = metrics
 
     async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
-        status = 500
-
-        async def send_wrapper(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
+        sent = StatusSend(send)
         try:
-            await self.app(scope, receive, send_wrapper)
+            await self.app(scope, receive, sent)
         finally:
             route = getattr(scope.get("route"), "path", None) or "unmatched"
-            self.metrics.requests.labels(route, str(status)).inc()
+            self.metrics.requests.labels(route, str(sent.status)).inc()
 

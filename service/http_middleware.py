@@ -1,12 +1,13 @@
 """The base of the service's ASGI middlewares: HTTP requests go to `http`, anything else
 (lifespan, websockets) passes through untouched.
 
-Knows: that one dispatch. Doesn't know: what any middleware does (service/app.py and
+Knows: that one dispatch, and `StatusSend`, the send wrapper that remembers a response's status
+(the request log and the request counter both need it after the app is done). Doesn't know: what any middleware does (service/app.py and
 service/request_log.py define them).
 """
 from __future__ import annotations
 
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 
 class HTTPMiddleware:
@@ -23,3 +24,19 @@ class HTTPMiddleware:
 
     async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
         raise NotImplementedError
+
+
+class StatusSend:
+    """`send` for the app, remembering whether a response has started and its status: 500 until
+    one starts (an app that raises before it has sent one is counted and logged as a 500, as the
+    server answers)."""
+
+    def __init__(self, send: Send) -> None:
+        self._send = send
+        self.started = False
+        self.status = 500
+
+    async def __call__(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            self.started, self.status = True, message["status"]
+        await self._send(message)

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
-from starlette.types import Message, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 from engine.outputs import TIERS
-from service.http_middleware import HTTPMiddleware
+from service.http_middleware import HTTPMiddleware, StatusSend
 
 log = logging.getLogger("tieredkv.requests")
 
@@ -104,21 +104,15 @@ class RequestLog(HTTPMiddleware):
 
     async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = time.perf_counter()
-        status = 500
-
-        async def send_wrapper(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
+        sent = StatusSend(send)
         try:
-            await self.app(scope, receive, send_wrapper)
+            await self.app(scope, receive, sent)
         finally:
             rec = scope_record(scope)
             header_id = dict(scope.get("headers") or ()).get(b"x-request-id")
-            fields = fields_of(scope.get("method", "?"), scope.get("path", "?"), status, rec,
+            fields = fields_of(scope.get("method", "?"), scope.get("path", "?"), sent.status, rec,
                                header_id.decode("latin-1") if header_id else None, time.perf_counter() - started)
-            level = logging.WARNING if status >= 500 else \
-                logging.DEBUG if scope.get("path") in PROBES and status < 400 else logging.INFO
+            level = logging.WARNING if sent.status >= 500 else \
+                logging.DEBUG if scope.get("path") in PROBES and sent.status < 400 else logging.INFO
             if log.isEnabledFor(level):
                 log.log(level, "%s", format_line(fields), extra={"request_fields": fields})
