@@ -33,13 +33,13 @@ import logging
 import os
 import threading
 import time
-from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable, Iterator, Sequence
 
 import lmdb
 import torch
 
+from storage.pool_drain import drain_on
 from storage.priority import background_priority
 from storage.codec.payload import Codec
 from storage.codec.stored_block import BlockMeta, verify_and_decode
@@ -319,7 +319,7 @@ class DiskTier:
                 for j, tensor in enumerate(tensors):
                     if tensor is not None:
                         payloads[idx[j]] = bytes(stored[j])
-            del stored                   # the map's views end with the transaction
+            stored.clear()               # the map's views end with the transaction
         self._index.discard(gone)
         damaged, touched, bytes_read = [], [], 0
         for i, size, tensor, reason in zip(idx, sizes, tensors, reasons):
@@ -563,21 +563,9 @@ class DiskTier:
             return self._pool
 
     def _on_pool(self, fn: Callable[[int], None], n: int) -> None:
-        """fn(0), ..., fn(n - 1) on the decode threads: one task per thread, each taking the next
-        index until none is left. A future per block cost ~7.5 us of CPU with the GIL held (this
-        ~0.2), and a slow thread takes fewer blocks instead of holding the batch up. Raises what
-        fn raised."""
-        left = deque(range(n))      # popleft is atomic: each index is taken by one thread
-
-        def drain() -> None:
-            while True:
-                try:
-                    j = left.popleft()
-                except IndexError:
-                    return
-                fn(j)
-        pool = self._executor()
-        for f in [pool.submit(drain) for _ in range(min(self._decode_threads, n))]:
+        """fn(0), ..., fn(n - 1) on the decode threads (storage/pool_drain.py: one task per thread,
+        not a future per block). Raises what fn raised."""
+        for f in drain_on(self._executor(), self._decode_threads, range(n), fn):
             f.result()
 
     def _verify_and_decode(self, key: BlockKey, out: torch.Tensor | None, payload: memoryview | None,

@@ -38,6 +38,7 @@ import lmdb
 import torch
 
 from storage.background_writer import BackgroundWriter
+from storage.pool_drain import drain_on
 from storage.priority import background_priority
 from storage.codec.payload import Codec
 from storage.disk.environment import EnvGate, is_damage, is_no_space
@@ -253,26 +254,20 @@ class DiskWriter(BackgroundWriter[_Batch]):
         # by one task per pool thread, each taking the next block until none is left (a future
         # per block cost ~7.5 us of CPU with the GIL held, on the thread that commits too).
         batch.encoding = [it.payload for it in batch.items]
-        left = deque(j for j, enc in enumerate(batch.encoding) if enc is None)
-        if not left:
+        todo = [j for j, enc in enumerate(batch.encoding) if enc is None]
+        if not todo:
             return
 
-        def drain() -> None:
-            while True:
-                try:
-                    j = left.popleft()       # atomic: each block is encoded by one thread
-                except IndexError:
-                    return
-                try:
-                    batch.encoding[j] = self._encode(batch.items[j])
-                except Exception as e:       # noqa: BLE001 -- _ready drops the block, counted
-                    batch.encoding[j] = e
+        def encode(j: int) -> None:
+            try:
+                batch.encoding[j] = self._encode(batch.items[j])
+            except Exception as e:           # noqa: BLE001 -- _ready drops the block, counted
+                batch.encoding[j] = e
         try:
             if self._encoder is None:
                 self._encoder = ThreadPoolExecutor(self._encode_threads, thread_name_prefix="tieredkv-disk-encode",
                                                    initializer=background_priority)
-            for _ in range(min(self._encode_threads, len(left))):
-                batch.tasks.append(self._encoder.submit(drain))
+            batch.tasks = drain_on(self._encoder, self._encode_threads, todo, encode)
         except RuntimeError:                 # no new threads (the interpreter is exiting): _ready
             pass                             # encodes what no task took, on the writer thread
 
