@@ -50,7 +50,8 @@ def test_no_import_points_up(package: str) -> None:
 
 ROOMS = {"codec": set(), "disk": {"codec"}, "remote": {"codec"}}
 # kv_events: the event sink every tier calls (storage/kv_events/sink.py; no zmq behind it).
-SHARED = {"hashing", "layout", "priority", "pinned", "background_writer", "lower_tier", "kv_events"}
+# pool_drain: spreading a batch over a thread pool (knows no tier).
+SHARED = {"hashing", "layout", "priority", "pinned", "background_writer", "lower_tier", "kv_events", "pool_drain"}
 
 
 def _storage_imports(path: Path) -> set[str]:
