@@ -5,7 +5,7 @@ future, its result) against ~0.2 us an item this way, on the very thread that re
 and a slow thread takes fewer items instead of holding the batch up. Doesn't know what the work
 is or what becomes of a failure: `fn` records its own results; an exception it lets escape ends
 that task (its future raises it) and leaves the items it had not taken to the other tasks.
-Used by the disk tier's reads (decode) and the disk writer's batches (encode).
+Used by the disk tier's reads (decode) and the disk and remote writers' batches (encode).
 """
 from __future__ import annotations
 
@@ -16,7 +16,10 @@ from typing import Callable, Iterable
 
 def drain_on(pool: Executor, threads: int, items: Iterable[int], fn: Callable[[int], None]) -> list[Future]:
     """Submit min(threads, len(items)) tasks to `pool` that call fn(j) for every j of `items`, each
-    j exactly once (deque.popleft is atomic); the futures, to wait on."""
+    j exactly once (deque.popleft is atomic); the futures, to wait on. When the pool refuses a
+    task (RuntimeError: shut down, or the interpreter is exiting) after one was taken, the tasks
+    already running take every item; when it refuses the first, the RuntimeError is raised and
+    nothing ran."""
     left = deque(items)
 
     def drain() -> None:
@@ -26,4 +29,12 @@ def drain_on(pool: Executor, threads: int, items: Iterable[int], fn: Callable[[i
             except IndexError:
                 return
             fn(j)
-    return [pool.submit(drain) for _ in range(min(threads, len(left)))]
+    futures: list[Future] = []
+    for _ in range(min(threads, len(left))):
+        try:
+            futures.append(pool.submit(drain))
+        except RuntimeError:
+            if not futures:
+                raise
+            break
+    return futures

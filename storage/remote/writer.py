@@ -8,7 +8,9 @@ Doesn't know: the store, keys or the value format: it hands each batch to `send(
 `encode(item)` (the tier's: fills in a raw block's payload, and the value it stores), which runs
 on the writer's encode pool (`tieredkv-remote-encode`, os.cpu_count() threads by default; zstd
 releases the GIL) one batch ahead of the sends (storage/background_writer.py's look-ahead): batch
-k+1 encodes while batch k is on the wire. A block that fails to encode is counted (write_errors) and not sent, as before.
+k+1 encodes while batch k is on the wire, one task per pool thread (storage/pool_drain.py); an
+item whose value was made at put() skips it. A block that fails to encode is counted
+(write_errors) and not sent.
 
 Threads: `submit`, `flush`, `pending_count` from any thread (the disk writer's, the cache's
 flush, the loader's); the `tieredkv-remote-writer` thread sends (the loop of
@@ -30,6 +32,7 @@ import torch
 
 from storage.background_writer import BackgroundWriter
 from storage.hashing import BlockKey
+from storage.pool_drain import drain_on
 from storage.priority import background_priority
 
 log = logging.getLogger(__name__)
@@ -49,7 +52,9 @@ class WriteItem:
 class _Batch:
     items: list[WriteItem]     # what is sent (less any block that failed to encode)
     taken: int                 # how many were taken off the queue
-    encoding: list[tuple[WriteItem, Future | None]] = field(default_factory=list)   # raw items, once prepared
+    todo: list[int] = field(default_factory=list)      # the items to encode (no value yet), once prepared
+    tasks: list[Future] = field(default_factory=list)  # the encode pool's tasks on them
+    errors: dict[int, BaseException] = field(default_factory=dict)   # item -> what its encode raised
 
 
 class RemoteWriter(BackgroundWriter[_Batch]):
@@ -129,29 +134,39 @@ class RemoteWriter(BackgroundWriter[_Batch]):
         return _Batch(items, len(items))
 
     def _prepare(self, batch: _Batch) -> None:
+        # An item framed already (its value made at put()) is sent as it is; the others are
+        # encoded by one task per pool thread (storage/pool_drain.py: not a future per block).
         if self._encode is None:
             return
-        for it in batch.items:
-            try:
-                if self._encoder is None:
-                    self._encoder = ThreadPoolExecutor(self._encode_threads, thread_name_prefix="tieredkv-remote-encode",
-                                                       initializer=background_priority)
-                batch.encoding.append((it, self._encoder.submit(self._encode, it)))
-            except RuntimeError:                     # no new threads (the interpreter is exiting)
-                batch.encoding.append((it, None))    # _ready encodes it on the writer thread
+        batch.todo = [j for j, it in enumerate(batch.items) if it.value is None]
+        if not batch.todo:
+            return
+        try:
+            if self._encoder is None:
+                self._encoder = ThreadPoolExecutor(self._encode_threads, thread_name_prefix="tieredkv-remote-encode",
+                                                   initializer=background_priority)
+            batch.tasks = drain_on(self._encoder, self._encode_threads, batch.todo, lambda j: self._encode_one(batch, j))
+        except RuntimeError:        # no new threads (the interpreter is exiting): _ready encodes
+            pass                    # them on the writer thread
+
+    def _encode_one(self, batch: _Batch, j: int) -> None:
+        try:
+            self._encode(batch.items[j])
+        except Exception as e:      # noqa: BLE001 -- _ready counts it and does not send the block
+            batch.errors[j] = e     # one key per item, each written by the one task that took it
 
     def _ready(self, batch: _Batch) -> None:
         """Wait for the batch's encodes; a block that failed to encode is counted and not sent."""
-        failed: set[int] = set()
-        for it, future in batch.encoding:
-            try:
-                future.result() if future is not None else self._encode(it)
-            except Exception:
-                log.exception("remote tier: encoding block %s failed", it.key.hash.hex()[:16])
+        for task in batch.tasks:
+            task.result()           # every item a task took is encoded (or failed) by then
+        if batch.todo and not batch.tasks:
+            for j in batch.todo:    # no task ran (see _prepare)
+                self._encode_one(batch, j)
+        if batch.errors:
+            for j, e in batch.errors.items():
+                log.error("remote tier: encoding block %s failed", batch.items[j].key.hash.hex()[:16], exc_info=e)
                 self._count(write_errors=1)
-                failed.add(id(it))
-        if failed:
-            batch.items = [it for it in batch.items if id(it) not in failed]
+            batch.items = [it for j, it in enumerate(batch.items) if j not in batch.errors]
 
     def _write(self, batch: _Batch) -> bool:
         items = batch.items
