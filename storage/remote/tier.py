@@ -142,10 +142,10 @@ class RemoteTier:
                                     encode=self._encode, encode_threads=encode_threads)
         self._writer.start()
         self._decode_threads = decode_threads or os.cpu_count() or 1
-        self._decode_pool: ThreadPoolExecutor | None = None     # built at the first read
         self.connections = connections
-        self._fetch_pool: ThreadPoolExecutor | None = None      # built at the first read of several groups
-        self._send_pool: ThreadPoolExecutor | None = None       # the writer thread's; at its first batch of several
+        # "decode" (built at the first read), "fetch" (at the first read of several groups), "send"
+        # (the writer thread's, at its first batch of several parts): _pool builds them.
+        self._pools: dict[str, ThreadPoolExecutor] = {}
 
     # ---- reads (loader threads) ------------------------------------------------------------
     def available(self) -> bool:
@@ -315,11 +315,9 @@ class RemoteTier:
         self._writer.flush(timeout)
         self._writer.stop()
         with self._lock:
-            pools = (self._decode_pool, self._fetch_pool, self._send_pool)
-            self._decode_pool = self._fetch_pool = self._send_pool = None
+            pools, self._pools = list(self._pools.values()), {}
         for pool in pools:
-            if pool is not None:
-                pool.shutdown(wait=True)
+            pool.shutdown(wait=True)
         with self._client_lock:
             client, self._client_obj = self._client_obj, None
         if client is not None:
@@ -430,32 +428,25 @@ class RemoteTier:
     def _fetcher(self, groups: int) -> ThreadPoolExecutor | None:
         """The pool whose threads each run one MGET at a time (on a connection of their own);
         None when there is one group or one connection: the caller's thread fetches."""
-        if groups <= 1 or self.connections <= 1:
-            return None
-        with self._lock:
-            if self._fetch_pool is None:
-                self._fetch_pool = ThreadPoolExecutor(self.connections, thread_name_prefix="tieredkv-remote-fetch",
-                                                      initializer=background_priority)
-            return self._fetch_pool
+        return None if groups <= 1 or self.connections <= 1 else self._pool("fetch", self.connections)
 
     def _sender(self, parts: int) -> ThreadPoolExecutor | None:
         """The writer thread's pool for a batch's pipelines (one per thread at a time); None for
         a batch of one part: the writer's thread sends it."""
-        if parts <= 1:
-            return None
-        with self._lock:
-            if self._send_pool is None:
-                self._send_pool = ThreadPoolExecutor(self.connections, thread_name_prefix="tieredkv-remote-send",
-                                                     initializer=background_priority)
-            return self._send_pool
+        return None if parts <= 1 else self._pool("send", self.connections)
 
     def _decoder(self) -> ThreadPoolExecutor:
         """The pool that verifies and decodes values (zstd and the copies release the GIL)."""
+        return self._pool("decode", self._decode_threads)
+
+    def _pool(self, name: str, threads: int) -> ThreadPoolExecutor:
+        """This tier's `tieredkv-remote-<name>` pool, built at its first use."""
         with self._lock:
-            if self._decode_pool is None:
-                self._decode_pool = ThreadPoolExecutor(self._decode_threads, thread_name_prefix="tieredkv-remote-decode",
-                                                       initializer=background_priority)
-            return self._decode_pool
+            pool = self._pools.get(name)
+            if pool is None:
+                pool = self._pools[name] = ThreadPoolExecutor(threads, thread_name_prefix=f"tieredkv-remote-{name}",
+                                                              initializer=background_priority)
+            return pool
 
     # ---- bookkeeping -----------------------------------------------------------------------
     def _remember(self, rk: bytes) -> None:
