@@ -10,7 +10,8 @@ Doesn't know: the protocol it carries (Valkey's here; any TCP byte stream).
     python tools/throttle_proxy.py --upstream 127.0.0.1:6379 --mbit 100 [--listen 127.0.0.1:0]
                                    [--latency-ms 0]
 
-prints `listening HOST:PORT` on stdout once bound, then serves until SIGTERM or stdin closes.
+prints `listening HOST:PORT` on stdout once bound, then serves until SIGTERM (and, with
+--exit-with-stdin, until stdin closes).
 """
 from __future__ import annotations
 
@@ -69,7 +70,8 @@ async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, link
         await delivery
 
 
-async def serve(listen: tuple[str, int], upstream: tuple[str, int], mbit: float, latency_ms: float) -> None:
+async def serve(listen: tuple[str, int], upstream: tuple[str, int], mbit: float, latency_ms: float,
+                exit_with_stdin: bool = False) -> None:
     up_link, down_link = Link(mbit * 1e6 / 8), Link(mbit * 1e6 / 8)   # client->server, server->client
     latency_s = latency_ms / 1e3
 
@@ -91,8 +93,9 @@ async def serve(listen: tuple[str, int], upstream: tuple[str, int], mbit: float,
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
-    # The parent holding our stdin is how we learn it died: EOF on stdin ends the proxy too.
-    loop.add_reader(sys.stdin.fileno(), lambda: os.read(sys.stdin.fileno(), 1) or stop.set())
+    if exit_with_stdin:
+        # The parent holding our stdin (ThrottleProxy) is how we learn it died: EOF ends us too.
+        loop.add_reader(sys.stdin.fileno(), lambda: os.read(sys.stdin.fileno(), 1) or stop.set())
     async with server:
         await stop.wait()
 
@@ -113,7 +116,7 @@ class ThrottleProxy:
     def start(self) -> "ThrottleProxy":
         self._proc = subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), "--upstream", f"{self.upstream[0]}:{self.upstream[1]}",
-             "--mbit", str(self.mbit), "--latency-ms", str(self.latency_ms)],
+             "--mbit", str(self.mbit), "--latency-ms", str(self.latency_ms), "--exit-with-stdin"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         line = self._proc.stdout.readline()
         if not line.startswith("listening "):
@@ -149,10 +152,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mbit", type=float, required=True, help="link rate in Mbit/s, each direction")
     ap.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT to listen on (port 0: a free one)")
     ap.add_argument("--latency-ms", type=float, default=0.0, help="one-way latency added to every chunk")
+    ap.add_argument("--exit-with-stdin", action="store_true",
+                    help="also stop at EOF on stdin (how ThrottleProxy's child learns its parent is gone)")
     args = ap.parse_args(argv)
     if args.mbit <= 0 or args.latency_ms < 0:
         ap.error("--mbit must be > 0 and --latency-ms >= 0")
-    asyncio.run(serve(_addr(args.listen), _addr(args.upstream), args.mbit, args.latency_ms))
+    asyncio.run(serve(_addr(args.listen), _addr(args.upstream), args.mbit, args.latency_ms, args.exit_with_stdin))
     return 0
 
 
