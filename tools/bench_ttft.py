@@ -77,7 +77,7 @@ from engine.engine import Engine  # noqa: E402
 from engine.model import load_model
 from engine.sampling_params import SamplingParams
 from storage.codec.payload import Codec
-from storage.config import CacheConfig
+from storage.config import CODECS, CacheConfig
 from storage.hashing import block_keys
 from storage.remote.client import make_client
 from storage.remote.value import remote_key, unpack_value
@@ -456,6 +456,8 @@ def policy_main(ap, args) -> int:
         ap.error("--remote-mbit: expected positive rates")
     if args.repeat < 1:
         ap.error("--repeat: expected >= 1")
+    if args.codec not in CODECS:
+        ap.error(f"--codec: expected one of {','.join(CODECS)}, got {args.codec!r}")
     logging.basicConfig(level=logging.WARNING)
     report = ttft_policies.run(args)
     if args.json:

