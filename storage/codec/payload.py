@@ -198,9 +198,14 @@ def _coded_compressor(level: int) -> zstandard.ZstdCompressor:
     if c is None:
         # Match search almost off: on exponent bytes the matches zstd finds at its defaults
         # cost more than the literals they replace (bf16 top plane: 45% of its size at level 3,
-        # 38% like this, and it decodes 2-3x faster); levels 1-4 then code alike.
+        # 38% like this, and it decodes 2-3x faster); levels 1-4 then code alike. The "fast"
+        # strategy (one hash probe per position, no second table) finds the same few matches:
+        # on real SmolLM2 KV the top plane codes to 38.1% either way (fp16: 74.29% against
+        # 74.26%) and compresses 1.3x faster (bf16: ~203 against ~269 us a block; 240 against
+        # 324 with the K/V cuts). Only the encoder changes: any zstd frame decodes alike.
         params = zstandard.ZstdCompressionParameters.from_level(
-            level, min_match=7, hash_log=6, chain_log=6, write_checksum=True, write_content_size=True)
+            level, strategy=zstandard.STRATEGY_FAST, min_match=7, hash_log=6, chain_log=6,
+            write_checksum=True, write_content_size=True)
         c = cache[level] = zstandard.ZstdCompressor(compression_params=params)
     return c
 
