@@ -12,6 +12,23 @@ _INT = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: 
 SHAPES = [(), (1,), (0,), (7, 5), (3, 5, 7), (2, 2, 4, 2, 8), (5, 3, 1, 3), (1, 2, 3), (2, 1, 3), (2, 3, 0, 4)]
 
 
+@pytest.fixture(autouse=True, params=["c", "numpy"])
+def kernel(request, monkeypatch) -> str:
+    """Every test here runs against both implementations: the compiled one the package uses, and
+    the numpy one it falls back to (and that defines the transform independently of the C)."""
+    if request.param == "numpy":
+        monkeypatch.setattr(byte_planes, "_compiled", None)
+    else:
+        assert byte_planes._compiled is not None, (
+            "storage/codec/_byte_planes.c was not built (no C compiler at `pip install -e .`?): "
+            "byte planes run on numpy, ~4-6x slower")
+    return request.param
+
+
+def test_the_package_runs_the_compiled_kernel() -> None:
+    assert byte_planes.KERNEL == "c"
+
+
 def every_bit_pattern(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
     """Random bit patterns, so NaNs with payloads, infinities, -0.0 and subnormals all occur."""
     g = torch.Generator().manual_seed(seed)
@@ -96,3 +113,32 @@ def test_split_into_a_warm_buffer_is_the_same_split_and_checks_the_buffer() -> N
     assert (buf[t.numel() * 2:] == 0xAB).all()          # only its front is written
     with pytest.raises(ValueError, match="out"):
         byte_planes.split(t, True, out=np.empty(t.numel() * 2 - 1, dtype=np.uint8))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_kv_block_shape_splits_and_joins_the_same_in_both_orders(dtype: torch.dtype) -> None:
+    # The default model's block shape, [layers, K/V, tokens, heads, head_dim]: runs of 3072
+    # elements, long enough for the compiled loops' vector bodies and their scalar tails.
+    x = every_bit_pattern((30, 2, 16, 3, 64), dtype, seed=4)
+    size = x.element_size()
+    for swapped in (False, True):
+        planes = byte_planes.split(x, swapped)
+        listed = raw_bytes(x.transpose(0, 1).contiguous() if swapped else x)
+        for b in range(size):
+            assert planes[b].tobytes() == listed[b::size].tobytes()
+        out = torch.full_like(x, 3)
+        byte_planes.join(list(planes), out, swapped)
+        assert torch.equal(out.view(_INT[dtype]), x.view(_INT[dtype]))
+
+
+def test_odd_run_lengths_and_unaligned_planes() -> None:
+    # Runs whose length is no multiple of any vector width, and planes that start at odd
+    # addresses (views into one payload, as format 3's planes are): bytes only, no alignment.
+    x = every_bit_pattern((3, 2, 37), torch.float32, seed=5)
+    planes = byte_planes.split(x, True)
+    blob = b"?" + b"".join(p.tobytes() for p in planes)
+    n = x.numel()
+    views = [memoryview(blob)[1 + b * n:1 + (b + 1) * n] for b in range(4)]
+    out = torch.empty_like(x)
+    byte_planes.join(views, out, True)
+    assert torch.equal(out.view(torch.int32), x.view(torch.int32))
