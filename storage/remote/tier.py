@@ -68,6 +68,7 @@ from storage.layout import BlockLayout
 from storage.lower_tier import private_copy
 from storage.priority import background_priority
 from storage.remote.client import is_unavailable, make_client, mget_groups, mget_one, pipeline, run_parallel, split
+from storage.remote.recv_buffers import RecvBuffers
 from storage.remote.url import RemoteURL
 from storage.remote.value import pack_value, remote_key, unpack_value
 from storage.remote.writer import RemoteWriter, WriteItem
@@ -146,6 +147,9 @@ class RemoteTier:
         # "decode" (built at the first read), "fetch" (at the first read of several groups), "send"
         # (the writer thread's, at its first batch of several parts): _pool builds them.
         self._pools: dict[str, ThreadPoolExecutor] = {}
+        # Where reads receive values (fetch threads take, decode threads give back): warm pages,
+        # not a page fault per 4 KiB of every value (storage/remote/recv_buffers.py).
+        self._recv = RecvBuffers()
 
     # ---- reads (loader threads) ------------------------------------------------------------
     def available(self) -> bool:
@@ -196,10 +200,12 @@ class RemoteTier:
         # and read here once every fetch ended; a group never fetched keeps [] (its keys miss).
         checks: list[list[tuple[int, Future]]] = [[] for _ in groups]
 
+        keep = payloads is not None
+
         def fetch(client, j: int) -> None:
-            values = mget_one(client, [rkeys[i] for i in groups[j]])
+            values = mget_one(client, [rkeys[i] for i in groups[j]], self._recv.take)
             decoder = self._decoder()
-            checks[j] = [(i, decoder.submit(self._check, keys[i], outs[i], v)) for i, v in zip(groups[j], values)]
+            checks[j] = [(i, decoder.submit(self._check, keys[i], outs[i], v, keep)) for i, v in zip(groups[j], values)]
         # A failure part-way (the store died, a node is down) keeps the groups already fetched.
         self._call("get", lambda c: run_parallel(self._fetcher(len(groups)),
                                                  [lambda j=j: fetch(c, j) for j in range(len(groups))]))
@@ -228,19 +234,28 @@ class RemoteTier:
             self._call("delete", lambda c: pipeline(c, [("UNLINK", k) for k in damaged]))
         return results
 
-    def _check(self, key: BlockKey, out: torch.Tensor | None, value: object
-               ) -> tuple[torch.Tensor | None, str | None, bytes | None, int]:
+    def _check(self, key: BlockKey, out: torch.Tensor | None, value: object, keep: bool = False
+               ) -> tuple[torch.Tensor | None, str | None, memoryview | None, int]:
         """(block, None, payload, value size) for a sound value; (None, reason, None, 0) for a
-        damaged one; (None, None, None, 0) for an absent one. Runs on the decode pool."""
+        damaged one; (None, None, None, 0) for an absent one. Runs on the decode pool. The value's
+        buffer goes back to the receive buffers here -- unless `keep` and it is a hit: then the
+        payload returned is a view of it, and its buffer is the caller's from now on."""
         if value is None or isinstance(value, Exception):
             return None, None, None, 0
-        meta, payload = unpack_value(value)
-        if meta is None:
-            return None, "value framing damaged", None, 0
-        tensor, reason = verify_and_decode(self.codec, self.layout, key, out, payload, meta)
-        if tensor is None:
-            return None, reason, None, 0
-        return tensor, None, payload, len(value)
+        handed_over = False
+        try:
+            meta, payload = unpack_value(value)
+            if meta is None:
+                return None, "value framing damaged", None, 0
+            tensor, reason = verify_and_decode(self.codec, self.layout, key, out, payload, meta)
+            if tensor is None:
+                return None, reason, None, 0
+            # NOTE invariant: a buffer whose payload a caller holds is never handed out again.
+            handed_over = keep
+            return tensor, None, payload if keep else None, len(value)
+        finally:
+            if not handed_over:         # decode copied the bytes out: never a view of the value
+                self._recv.give(value)
 
     def get(self, key: BlockKey, out: torch.Tensor | None = None) -> torch.Tensor | None:
         return self.get_many([key], None if out is None else [out])[0]
