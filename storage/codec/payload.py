@@ -47,9 +47,9 @@ xxh64 both ways) yet still collapses runs such as an all-zero plane. Plane-by-pl
 on SmolLM2 KV: the top plane codes to ~36% (bf16, fp32) or ~72% (fp16) of its size; no lower
 plane, fp32's second byte included, shrinks at all (their entropy is 0.989-1.000 of 8 bits).
 With 3 or more dims (the first two longer than 1) the planes list elements in dim-1-major order (a KV block's K of every
-layer, then V) and the coded plane gets a zstd block per half of each dim-1 slice: K and V
-exponents are distributed differently, and each block carries its own Huffman table (+0.4-1.1%
-ratio, the decoder sees ordinary frames).
+layer, then V) and the coded plane's zstd blocks end where each dim-1 slice ends: K and V exponents
+are distributed differently, and each block carries its own Huffman table (+0.2-0.6% ratio, the
+decoder sees ordinary frames).
 
 The raw codec splits nothing, compresses nothing and has no zstd frame: its payload is the header
 and the tensor's bytes as they are, and the header (under its crc32) holds an xxh3_64 of those
@@ -240,17 +240,16 @@ def _bytes_view(t: torch.Tensor) -> np.ndarray:
 
 def _block_cuts(shape: tuple[int, ...], dim1_major: bool) -> list[int]:
     """Where the coded plane's zstd blocks end (element offsets, the plane's end excluded): at
-    each half of each dim-1 slice when the planes are dim-1-major (a KV block: K of the first
-    half of the layers, K of the rest, V likewise), else nowhere (zstd's own 128 KiB blocks)."""
+    each dim-1 slice's end when the planes are dim-1-major (a KV block: every layer's K, then every
+    layer's V), else nowhere (zstd's own 128 KiB blocks). Each cut costs a block flush (~13-16
+    us a bf16 block of the default model): cuts at each half of the layers as well (3 in all, not
+    1) gained another 0.5% (bf16 1.457 -> 1.465; fp16 1.155 -> 1.160) for 2.5x the cost, and
+    the write path is CPU-bound (docs/BENCHMARKS.md)."""
     if not dim1_major:
         return []
     d0, d1 = shape[0], shape[1]
     rest = math.prod(shape[2:])
-    cuts = []
-    for i in range(d1):
-        start = i * d0 * rest
-        cuts += [start + (d0 // 2) * rest, start + d0 * rest]
-    return [c for c in cuts if 0 < c < d0 * d1 * rest]
+    return [i * d0 * rest for i in range(1, d1)]
 
 
 def _compress_coded(plane: np.ndarray, level: int, cuts: list[int]) -> bytes:

@@ -55,6 +55,7 @@ from storage.disk.records import (DISK_FORMAT_VERSION, StoreInfo, delete_in_txn,
 from storage.disk.records import recount as recount_info
 from storage.disk.writer import DiskWriter
 from storage.layout import BlockLayout, dtype_name
+from storage.malloc_tuning import keep_freed_memory
 from storage.lower_tier import private_copy
 from storage.hashing import BlockKey
 
@@ -96,6 +97,7 @@ class DiskTier:
         if reserve_bytes is not None and (isinstance(reserve_bytes, bool) or not isinstance(reserve_bytes, int)
                                           or reserve_bytes < 0):
             raise ValueError(f"reserve_bytes: expected an int >= 0 or None, got {reserve_bytes!r}")
+        keep_freed_memory()     # block-sized buffers by the thousand: no page faults each time
         self.path = os.path.abspath(os.path.expanduser(str(path)))
         self.capacity_bytes = capacity_bytes
         self.codec = codec

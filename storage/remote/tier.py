@@ -65,6 +65,7 @@ from storage.codec.stored_block import payload_binding, verify_and_decode
 from storage.hashing import BlockKey
 from storage.kv_events.sink import NO_EVENTS, REMOTE, NoEvents
 from storage.layout import BlockLayout
+from storage.malloc_tuning import keep_freed_memory
 from storage.lower_tier import private_copy
 from storage.priority import background_priority
 from storage.remote.client import is_unavailable, make_client, mget_groups, mget_one, pipeline, run_parallel, split
@@ -118,6 +119,7 @@ class RemoteTier:
                  connections: int = DEFAULT_CONNECTIONS) -> None:
         if isinstance(connections, bool) or not isinstance(connections, int) or connections < 1:
             raise ValueError(f"connections: expected an int >= 1, got {connections!r}")
+        keep_freed_memory()     # block-sized buffers by the thousand: no page faults each time
         self.url = url
         self.layout = layout
         self.codec = codec
