@@ -48,6 +48,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import lmdb
+import numpy as np
 import torch
 import zstandard
 
@@ -405,8 +406,11 @@ def codec_profile(blocks: torch.Tensor, level: int, repeat: int) -> dict:
     out = torch.zeros_like(blocks[0])
     scratch = memoryview(bytearray(blocks[0].numel() * blocks.element_size()))
     warm = [scratch[b * plane_size:(b + 1) * plane_size] for b in range(blocks.element_size())]
+    split_buf = np.empty(blocks[0].numel() * blocks.element_size(), dtype=np.uint8)
     steps = {
-        "encode.split": lambda: [byte_planes.split(b, swapped) for b in blocks],
+        # Into one warm buffer, as Codec.encode splits (its per-thread buffer): the step, not
+        # the page faults of a new array per block.
+        "encode.split": lambda: [byte_planes.split(b, swapped, out=split_buf) for b in blocks],
         "encode.coded": lambda: [_compress_coded(ps[b], level, cuts) for ps in planes for b in coded],
         "encode.stored": lambda: [_store_compressor().compress(ps[b]) for ps in planes
                                   for b in range(len(ps)) if b not in coded],
