@@ -88,6 +88,7 @@ PyDoc_STRVAR(split_doc,
 "front of `dst` (writable, at least itemsize*numel bytes): plane b at dst[b*numel:(b+1)*numel].");
 
 static PyObject *planes_split(PyObject *self, PyObject *args) {
+    (void)self;
     Py_buffer src, dst;
     int itemsize, swapped;
     Py_ssize_t d0, d1, rest, numel;
@@ -125,17 +126,91 @@ done:
 
 PyDoc_STRVAR(join_doc,
 "join(planes, dst, itemsize, d0, d1, rest, swapped) -> None\n\n"
-"Inverse of split: `planes` is a sequence of `itemsize` buffers of numel bytes each (plane 0\n"
-"first); `dst` (writable, exactly itemsize*numel bytes) receives the elements in element order.");
+"Inverse of split: `planes` is a sequence of `itemsize` planes (plane 0 first), each a buffer of\n"
+"numel bytes or a sequence of buffers (its segments, in order) whose lengths add up to numel;\n"
+"`dst` (writable, exactly itemsize*numel bytes) receives the elements in element order.");
+
+/* A plane's segments, and where the walk through them is. */
+typedef struct {
+    Py_buffer *segs;      /* held buffers */
+    Py_ssize_t nsegs, held;
+    Py_ssize_t seg, off;  /* the cursor: segment index, offset inside it */
+} Plane;
+
+static void release_plane(Plane *pl) {
+    for (Py_ssize_t s = 0; s < pl->held; s++)
+        PyBuffer_Release(&pl->segs[s]);
+    PyMem_Free(pl->segs);
+    pl->segs = NULL;
+    pl->held = pl->nsegs = 0;
+}
+
+/* Holds the buffers of one plane (a buffer, or a sequence of them) and checks they add up to
+   numel bytes. Returns -1 with an exception set. */
+static int hold_plane(PyObject *obj, int b, Py_ssize_t numel, Plane *pl) {
+    memset(pl, 0, sizeof(*pl));
+    PyObject *fast = NULL;
+    Py_ssize_t n = 1;
+    if (!PyObject_CheckBuffer(obj)) {
+        fast = PySequence_Fast(obj, "byte planes: a plane must be a buffer or a sequence of buffers");
+        if (fast == NULL)
+            return -1;
+        n = PySequence_Fast_GET_SIZE(fast);
+    }
+    pl->segs = PyMem_Calloc(n > 0 ? n : 1, sizeof(Py_buffer));
+    if (pl->segs == NULL) {
+        Py_XDECREF(fast);
+        PyErr_NoMemory();
+        return -1;
+    }
+    pl->nsegs = n;
+    Py_ssize_t total = 0;
+    for (Py_ssize_t s = 0; s < n; s++) {
+        PyObject *item = fast ? PySequence_Fast_GET_ITEM(fast, s) : obj;
+        if (PyObject_GetBuffer(item, &pl->segs[s], PyBUF_SIMPLE) < 0) {
+            Py_XDECREF(fast);
+            return -1;
+        }
+        pl->held++;
+        total += pl->segs[s].len;
+    }
+    Py_XDECREF(fast);
+    if (total != numel) {
+        PyErr_Format(PyExc_ValueError, "byte planes: plane %d is %zd bytes, expected %zd", b, total, numel);
+        return -1;
+    }
+    /* Empty segments are skipped by the walk: start it at the first non-empty one. */
+    while (pl->seg < pl->nsegs && pl->segs[pl->seg].len == 0)
+        pl->seg++;
+    return 0;
+}
+
+/* Bytes left in the cursor's segment. */
+static inline Py_ssize_t seg_left(const Plane *pl) {
+    return pl->segs[pl->seg].len - pl->off;
+}
+
+static inline const uint8_t *seg_ptr(const Plane *pl) {
+    return (const uint8_t *)pl->segs[pl->seg].buf + pl->off;
+}
+
+static inline void advance(Plane *pl, Py_ssize_t n) {
+    pl->off += n;
+    while (pl->seg < pl->nsegs && pl->off == pl->segs[pl->seg].len) {
+        pl->seg++;
+        pl->off = 0;
+    }
+}
 
 static PyObject *planes_join(PyObject *self, PyObject *args) {
+    (void)self;
     PyObject *seq;
     Py_buffer dst;
     int itemsize, swapped;
     Py_ssize_t d0, d1, rest, numel;
     if (!PyArg_ParseTuple(args, "Ow*innnp", &seq, &dst, &itemsize, &d0, &d1, &rest, &swapped))
         return NULL;
-    Py_buffer planes[4];
+    Plane planes[4];
     int held = 0;
     PyObject *result = NULL, *fast = NULL;
     if (check_geometry(itemsize, d0, d1, rest, &numel) < 0)
@@ -144,7 +219,7 @@ static PyObject *planes_join(PyObject *self, PyObject *args) {
         PyErr_Format(PyExc_ValueError, "byte planes: dst must be %zd bytes, got %zd", numel * itemsize, dst.len);
         goto done;
     }
-    fast = PySequence_Fast(seq, "byte planes: planes must be a sequence of buffers");
+    fast = PySequence_Fast(seq, "byte planes: planes must be a sequence");
     if (fast == NULL)
         goto done;
     if (PySequence_Fast_GET_SIZE(fast) != itemsize) {
@@ -152,27 +227,38 @@ static PyObject *planes_join(PyObject *self, PyObject *args) {
         goto done;
     }
     for (; held < itemsize; held++) {
-        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(fast, held), &planes[held], PyBUF_SIMPLE) < 0)
-            goto done;
-        if (planes[held].len != numel) {
-            PyErr_Format(PyExc_ValueError, "byte planes: plane %d is %zd bytes, expected %zd", held, planes[held].len, numel);
-            held++;            /* released below */
+        if (hold_plane(PySequence_Fast_GET_ITEM(fast, held), held, numel, &planes[held]) < 0) {
+            held++;            /* released below: hold_plane leaves what it holds in planes[held] */
             goto done;
         }
     }
     uint8_t *d = (uint8_t *)dst.buf;
-    const uint8_t *p[4] = {NULL, NULL, NULL, NULL};
-    for (int b = 0; b < itemsize; b++)
-        p[b] = (const uint8_t *)planes[b].buf;
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < d0; i++) {
-        for (Py_ssize_t j = 0; j < d1; j++) {
+    /* Plane order: j outer, i inner when swapped (plane position (j * d0 + i) * rest + k rises
+       by one run at a time), so each plane's cursor only moves forward. A run is cut where any
+       plane's segment ends. */
+    Py_ssize_t outer = swapped ? d1 : d0, inner = swapped ? d0 : d1;
+    for (Py_ssize_t a = 0; a < outer; a++) {
+        for (Py_ssize_t b = 0; b < inner; b++) {
+            Py_ssize_t i = swapped ? b : a, j = swapped ? a : b;
             uint8_t *row = d + (i * d1 + j) * rest * itemsize;
-            Py_ssize_t at = plane_at(swapped, i, j, d0, d1, rest);
-            if (itemsize == 2)
-                join_run2(p[0] + at, p[1] + at, row, rest);
-            else
-                join_run4(p[0] + at, p[1] + at, p[2] + at, p[3] + at, row, rest);
+            Py_ssize_t left = rest;
+            while (left > 0) {
+                Py_ssize_t n = left;
+                for (int p = 0; p < itemsize; p++) {
+                    Py_ssize_t s = seg_left(&planes[p]);
+                    if (s < n)
+                        n = s;
+                }
+                if (itemsize == 2)
+                    join_run2(seg_ptr(&planes[0]), seg_ptr(&planes[1]), row, n);
+                else
+                    join_run4(seg_ptr(&planes[0]), seg_ptr(&planes[1]), seg_ptr(&planes[2]), seg_ptr(&planes[3]), row, n);
+                for (int p = 0; p < itemsize; p++)
+                    advance(&planes[p], n);
+                row += n * itemsize;
+                left -= n;
+            }
         }
     }
     Py_END_ALLOW_THREADS
@@ -180,7 +266,7 @@ static PyObject *planes_join(PyObject *self, PyObject *args) {
     result = Py_None;
 done:
     for (int b = 0; b < held; b++)
-        PyBuffer_Release(&planes[b]);
+        release_plane(&planes[b]);
     Py_XDECREF(fast);
     PyBuffer_Release(&dst);
     return result;

@@ -124,24 +124,29 @@ def _unpair(x: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> None:
     np.right_shift(x, 8, out=hi, casting="unsafe")
 
 
-def join(planes: Sequence[Buffer], out: torch.Tensor, swapped: bool = False) -> None:
+def join(planes: Sequence[Buffer | Sequence[Buffer]], out: torch.Tensor, swapped: bool = False) -> None:
     """Inverse of split: write the planes (plane 0 first, each numel bytes) into `out`, a
-    contiguous CPU tensor whose dtype and shape say how they were split."""
+    contiguous CPU tensor whose dtype and shape say how they were split. A plane may also be
+    given as its segments, a list of buffers in order whose lengths add up to numel (a stored
+    plane read in place from its zstd frame's raw blocks, storage/codec/payload.py)."""
     if out.device.type != "cpu" or not out.is_contiguous():
         raise ValueError("byte planes: expected a contiguous CPU tensor")
     x = _elements(out)
     size = out.element_size()
     if len(planes) != size:
         raise ValueError(f"byte planes: {out.dtype} has {size} planes, got {len(planes)}")
-    src = [np.frombuffer(p, dtype=np.uint8) if not isinstance(p, np.ndarray) else p.reshape(-1) for p in planes]
-    if any(p.size != x.size for p in src):
-        raise ValueError(f"byte planes: expected {x.size} bytes per plane, got {[p.size for p in src]}")
+    src = [_flat(p) if not isinstance(p, (list, tuple)) else [_flat(s) for s in p] for p in planes]
+    sizes = [p.size if isinstance(p, np.ndarray) else sum(s.size for s in p) for p in src]
+    if any(n != x.size for n in sizes):
+        raise ValueError(f"byte planes: expected {x.size} bytes per plane, got {sizes}")
     if swapped and not can_swap(out.shape):
         raise ValueError(f"byte planes: shape {tuple(out.shape)} has no dims 0 and 1 to swap")
     if _compiled is not None:
         d0, d1, rest = _rows(out.shape) if swapped else (1, 1, x.size)
         _compiled.join(src, x.view(np.uint8), size, d0, d1, rest, swapped)
         return
+    # numpy reads a plane whole: segments are joined into one array first.
+    src = [p if isinstance(p, np.ndarray) else np.concatenate(p) if p else np.empty(0, np.uint8) for p in src]
     if swapped:
         d0, d1, rest = _rows(out.shape)
         x = x.reshape(d0, d1, rest)
@@ -156,6 +161,10 @@ def join(planes: Sequence[Buffer], out: torch.Tensor, swapped: bool = False) -> 
         np.left_shift(half, 16, out=x, dtype=np.uint32)
         _pair(src[0], src[1], half)
         np.bitwise_or(x, half, out=x, dtype=np.uint32)
+
+
+def _flat(p: Buffer) -> np.ndarray:
+    return p.reshape(-1) if isinstance(p, np.ndarray) else np.frombuffer(p, dtype=np.uint8)
 
 
 def _pair(lo: np.ndarray, hi: np.ndarray, out: np.ndarray) -> None:

@@ -288,6 +288,74 @@ def _decompress_frame(frame: memoryview, size: int) -> bytes:
     return data
 
 
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+_ZSTD_BLOCK_MAX = 128 * 1024          # RFC 8878 3.1.1.2.4: Block_Maximum_Size's cap
+_FHD_RESERVED_BIT = 0x08
+_FHD_CHECKSUM = 0x04
+_FHD_SINGLE_SEGMENT = 0x20
+
+
+def _raw_block_segments(frame: memoryview, size: int) -> list[memoryview] | None:
+    """The content of a zstd frame made only of raw blocks, as views of the frame (no copy),
+    its content checksum verified: a stored plane as the codec writes it (zstd emits raw blocks
+    for noise), read where it lies instead of copied out by zstd's decoder first. None for any
+    frame that is not exactly that (RLE or compressed blocks, no checksum or content size, a
+    dictionary, a reserved bit, bytes after it): zstd's decoder then decides, as it always did.
+    Raises CodecError for damage that zstd would refuse too (the checksum, the unused bit).
+
+    Frame layout (RFC 8878 3.1.1): magic, frame header descriptor, [window descriptor unless
+    single segment], [dictionary id], frame content size, blocks (3-byte header: bit 0 last,
+    bits 1-2 type, 0 = raw, bits 3-23 size), then the low 32 bits of the content's XXH64."""
+    n = len(frame)
+    if n < 6 or frame[:4] != _ZSTD_MAGIC:
+        return None
+    fhd = frame[4]
+    if fhd & _ZSTD_FHD_UNUSED_BIT:
+        raise CodecError("zstd frame header has its unused bit set")
+    if fhd & (_FHD_RESERVED_BIT | 0x03) or not fhd & _FHD_CHECKSUM:
+        return None                       # reserved bit, a dictionary id, or no checksum
+    single = bool(fhd & _FHD_SINGLE_SEGMENT)
+    at = 5
+    window = 0
+    if not single:
+        wd = frame[at]
+        at += 1
+        base = 1 << (10 + (wd >> 3))
+        window = base + (base >> 3) * (wd & 7)
+    fcs_len = (1 if single else 0, 2, 4, 8)[fhd >> 6]
+    if fcs_len == 0 or at + fcs_len > n:
+        return None
+    content = int.from_bytes(frame[at:at + fcs_len], "little") + (256 if fcs_len == 2 else 0)
+    at += fcs_len
+    if content != size:
+        return None
+    block_max = min(_ZSTD_BLOCK_MAX, content if single else window)
+    segments: list[memoryview] = []
+    total = 0
+    while True:
+        if at + 3 > n:
+            return None
+        bh = int.from_bytes(frame[at:at + 3], "little")
+        at += 3
+        length = bh >> 3
+        if (bh >> 1) & 3 != 0 or length > block_max or at + length > n:
+            return None                   # not a raw block, or not one zstd would take
+        if length:
+            segments.append(frame[at:at + length])
+        at += length
+        total += length
+        if bh & 1:
+            break
+    if total != size or at + 4 != n:
+        return None
+    h = xxhash.xxh64()
+    for seg in segments:
+        h.update(seg)
+    if h.intdigest() & 0xFFFFFFFF != int.from_bytes(frame[at:n], "little"):
+        raise CodecError("stored plane's content checksum mismatch: payload damaged")
+    return segments
+
+
 @dataclass(frozen=True)
 class Codec:
     """Encoding settings only -- the kind ("zstd": byte planes, the top one compressed at `level`;
@@ -435,7 +503,14 @@ class Codec:
             at += p.length
         if crc != header.coded_crc:
             raise CodecError("coded planes' crc32 mismatch: payload damaged")
-        byte_planes.join([_decompress_frame(f, header.numel) for f in frames], out, header.dim1_major)
+        # Every plane ready (and checked) before the join writes into `out`: a damaged one
+        # raises with `out` untouched. A stored plane whose frame is raw blocks is read where it
+        # lies (its checksum checked here); anything else goes through zstd.
+        planes = []
+        for p, f in zip(header.planes, frames):
+            segments = None if p.coded else _raw_block_segments(f, header.numel)
+            planes.append(segments if segments is not None else _decompress_frame(f, header.numel))
+        byte_planes.join(planes, out, header.dim1_major)
         return out
 
 

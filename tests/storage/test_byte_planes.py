@@ -142,3 +142,30 @@ def test_odd_run_lengths_and_unaligned_planes() -> None:
     out = torch.empty_like(x)
     byte_planes.join(views, out, True)
     assert torch.equal(out.view(torch.int32), x.view(torch.int32))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_plane_given_as_segments_joins_like_the_whole_plane(dtype: torch.dtype) -> None:
+    # A stored plane read in place from its zstd frame comes as raw blocks of up to 128 KiB: cut
+    # at places unrelated to the runs of the swapped order, empty pieces included.
+    x = every_bit_pattern((6, 2, 4, 3, 37), dtype, seed=6)
+    n = x.numel()
+    planes = byte_planes.split(x, True)
+    g = torch.Generator().manual_seed(7)
+    for trial in range(20):
+        given = []
+        for b in range(x.element_size()):
+            cuts = sorted(torch.randint(0, n + 1, (trial % 5,), generator=g).tolist() + [0, 0, n])
+            pieces = [memoryview(planes[b].tobytes())[a:z] for a, z in zip(cuts, cuts[1:])]
+            given.append(pieces if (trial + b) % 3 else bytes(planes[b]))    # mixed with whole planes
+        out = torch.full_like(x, 5)
+        byte_planes.join(given, out, True)
+        assert torch.equal(out.view(_INT[dtype]), x.view(_INT[dtype]))
+
+
+def test_segments_that_do_not_add_up_to_a_plane_are_a_value_error() -> None:
+    x = torch.zeros(8, dtype=torch.float16)
+    with pytest.raises(ValueError, match="8 bytes per plane"):
+        byte_planes.join([[bytes(3), bytes(4)], bytes(8)], x)
+    with pytest.raises(ValueError, match="8 bytes per plane"):
+        byte_planes.join([[bytes(8), bytes(1)], bytes(8)], x)

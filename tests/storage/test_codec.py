@@ -593,3 +593,51 @@ def test_encode_parts_are_the_payload_and_frame_into_the_same_stored_value(kind)
     out = torch.empty_like(block)
     codec.decode(bytes(payload_a), B, out)
     assert torch.equal(out.view(torch.int16), block.view(torch.int16))
+
+
+# ---- stored planes read in place --------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_stored_planes_are_read_in_place_and_their_damage_raises_with_out_untouched(dtype: torch.dtype) -> None:
+    # Noise planes come out of zstd as raw blocks; decode reads them where they lie (no zstd
+    # decoder), and checks their XXH64 itself: one flipped bit in a stored plane's content, in
+    # a raw block's header or in the frame's checksum is an error, and `out` stays as it was.
+    from storage.codec.payload import _raw_block_segments
+    x = every_bit_pattern((30, 2, 16, 3, 64), dtype, seed=21)          # 180 KiB planes: 2 raw blocks each
+    codec = Codec()
+    payload = codec.encode(x, B)
+    header = codec.check_header(payload)
+    frames = codec.frames(payload)
+    stored = [(f, size) for (f, size), p in zip(frames, header.planes) if not p.coded]
+    assert stored and all(_raw_block_segments(f, size) is not None for f, size in stored)
+    assert all(len(_raw_block_segments(f, size)) == 2 for f, size in stored)
+    out = torch.zeros(x.numel(), dtype=dtype)
+    assert torch.equal(codec.decode(payload, B, out=out).view(_INT[dtype]), x.view(_INT[dtype]))
+    frame, size = stored[0]
+    start = bytes(payload).index(bytes(frame))
+    first_block = start + 4 + 1 + 4      # magic, descriptor, 4-byte content size (single segment)
+    second_block = first_block + 3 + 128 * 1024
+    for offset in (first_block + 3, first_block + 3 + 1000, second_block, second_block + 3 + 7,
+                   start + len(frame) - 1, first_block):
+        damaged = bytearray(payload)
+        damaged[offset] ^= 0x04
+        out.zero_()
+        with pytest.raises(CodecError):
+            codec.decode(bytes(damaged), B, out=out)
+        assert not out.view(_INT[dtype]).any()
+
+
+def test_a_frame_the_in_place_reader_does_not_know_goes_to_zstd() -> None:
+    # An all-zero plane is an RLE block, a compressible one a compressed block: zstd decodes those.
+    from storage.codec.payload import _raw_block_segments
+    data = bytes(1000) + bytes(range(256)) * 8
+    for level in (-5, 3):
+        frame = zstandard.ZstdCompressor(level=level, write_checksum=True).compress(data)
+        assert _raw_block_segments(memoryview(frame), len(data)) is None
+    noise = bytes(xxhash.xxh64(bytes([i])).digest()[j] for i in range(200) for j in range(8))
+    raw = zstandard.ZstdCompressor(level=-5, write_checksum=True).compress(noise)
+    assert b"".join(_raw_block_segments(memoryview(raw), len(noise))) == noise
+    assert _raw_block_segments(memoryview(raw), len(noise) + 1) is None          # not the size asked
+    assert _raw_block_segments(memoryview(raw + b"\0"), len(noise)) is None      # bytes after it
+    unchecked = zstandard.ZstdCompressor(level=-5, write_checksum=False).compress(noise)
+    assert _raw_block_segments(memoryview(unchecked), len(noise)) is None        # zstd's path refuses it
