@@ -51,7 +51,9 @@ def test_no_import_points_up(package: str) -> None:
 ROOMS = {"codec": set(), "disk": {"codec"}, "remote": {"codec"}}
 # kv_events: the event sink every tier calls (storage/kv_events/sink.py; no zmq behind it).
 # pool_drain: spreading a batch over a thread pool (knows no tier).
-SHARED = {"hashing", "layout", "priority", "pinned", "background_writer", "lower_tier", "kv_events", "pool_drain"}
+# malloc_tuning: glibc told to keep block-sized memory (knows no tier; the tiers call it when built).
+SHARED = {"hashing", "layout", "priority", "pinned", "background_writer", "lower_tier", "kv_events", "pool_drain",
+          "malloc_tuning"}
 
 
 def _storage_imports(path: Path) -> set[str]:
