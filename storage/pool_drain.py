@@ -5,7 +5,7 @@ future, its result) against ~0.2 us an item this way, on the very thread that re
 and a slow thread takes fewer items instead of holding the batch up. Doesn't know what the work
 is or what becomes of a failure: `fn` records its own results; an exception it lets escape ends
 that task (its future raises it) and leaves the items it had not taken to the other tasks.
-Used by the disk tier's reads (decode) and the disk and remote writers' batches (encode).
+Used by the disk and remote tiers' reads (decode) and the disk and remote writers' batches (encode).
 """
 from __future__ import annotations
 

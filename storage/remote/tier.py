@@ -67,6 +67,7 @@ from storage.kv_events.sink import NO_EVENTS, REMOTE, NoEvents
 from storage.layout import BlockLayout
 from storage.malloc_tuning import keep_freed_memory
 from storage.lower_tier import private_copy
+from storage.pool_drain import drain_on
 from storage.priority import background_priority
 from storage.remote.client import is_unavailable, make_client, mget_groups, mget_one, pipeline, run_parallel, split
 from storage.remote.recv_buffers import RecvBuffers
@@ -198,24 +199,34 @@ class RemoteTier:
             return results
         rkeys = [remote_key(k) for k in keys]
         groups = mget_groups(rkeys, self.url.cluster)
-        # Slot j: (index, its check) of group j's keys, written only by the thread fetching group j
-        # and read here once every fetch ended; a group never fetched keeps [] (its keys miss).
-        checks: list[list[tuple[int, Future]]] = [[] for _ in groups]
-
+        # Slot i: _check's answer for key i, written only by the decode task that took it and read
+        # here once every task ended; a key whose group was never fetched keeps None (a miss).
+        checked: list[tuple | None] = [None] * len(keys)
+        # Slot j: group j's decode tasks (one per decode thread, each taking the group's next value:
+        # storage/pool_drain.py), written only by the thread fetching group j.
+        tasks: list[list[Future]] = [[] for _ in groups]
         keep = payloads is not None
 
         def fetch(client, j: int) -> None:
-            values = mget_one(client, [rkeys[i] for i in groups[j]], self._recv.take)
-            decoder = self._decoder()
-            checks[j] = [(i, decoder.submit(self._check, keys[i], outs[i], v, keep)) for i, v in zip(groups[j], values)]
+            idx = groups[j]
+            values = mget_one(client, [rkeys[i] for i in idx], self._recv.take)
+
+            def check(t: int) -> None:
+                i = idx[t]
+                checked[i] = self._check(keys[i], outs[i], values[t], keep)
+            tasks[j] = drain_on(self._decoder(), self._decode_threads, range(len(idx)), check)
         # A failure part-way (the store died, a node is down) keeps the groups already fetched.
         self._call("get", lambda c: run_parallel(self._fetcher(len(groups)),
                                                  [lambda j=j: fetch(c, j) for j in range(len(groups))]))
-        fetched = [x for group_checks in checks for x in group_checks]
+        for group_tasks in tasks:
+            for task in group_tasks:
+                task.result()
         damaged, nbytes, hits = [], 0, 0
         gone: list[bytes] = []
-        for i, future in fetched:
-            tensor, reason, payload, size = future.result()
+        for i, answer in enumerate(checked):
+            if answer is None:
+                continue                            # never fetched: a miss, nothing known of it
+            tensor, reason, payload, size = answer
             if tensor is None:
                 gone.append(keys[i].hash)
                 if reason is None:
