@@ -20,7 +20,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Sequence, TypeVar
 
-from storage.remote.mget_reader import ErrorReply, read_mget
+from storage.remote.mget_reader import CannotBorrow, ErrorReply, read_mget
 from storage.remote.url import RemoteURL
 
 T = TypeVar("T")
@@ -105,7 +105,8 @@ def mget_one(client, rkeys: list[bytes], take: Callable[[int], memoryview] | Non
     Read by storage/remote/mget_reader.py, each value received straight into a bytearray of its
     own (~3x redis-py's read of large values), on a connection borrowed from the pool of the node
     that serves the keys; through redis-py's execute_command when that pool cannot be found (a
-    slot no node covers now) and when the store answers with an error line (MOVED, ASK, LOADING:
+    slot no node covers now), when redis-py's connections are not what the reader knows, and when
+    the store answers with an error line (MOVED, ASK, LOADING:
     redis-py knows what each means, follows a redirection, and raises the rest). `take`: where
     the reader receives each value (storage/remote/recv_buffers.py); redis-py's path ignores it
     and returns bytes."""
@@ -113,7 +114,7 @@ def mget_one(client, rkeys: list[bytes], take: Callable[[int], memoryview] | Non
     if pool is not None:
         try:
             return read_mget(pool, rkeys, take)
-        except ErrorReply:
+        except (ErrorReply, CannotBorrow):
             pass
     return client.execute_command("MGET", *rkeys)
 

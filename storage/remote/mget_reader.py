@@ -34,6 +34,10 @@ class ErrorReply(Exception):
     """The store answered the MGET with an error line (read whole; the connection is clean)."""
 
 
+class CannotBorrow(Exception):
+    """This redis-py's connections keep their socket elsewhere: nothing was sent, use redis-py."""
+
+
 def read_mget(pool, rkeys: list[bytes], take: Callable[[int], memoryview] | None = None
               ) -> list[bytearray | memoryview | None]:
     """MGET `rkeys` on a connection of redis-py `pool`: each value (None: absent), in key order.
@@ -43,6 +47,9 @@ def read_mget(pool, rkeys: list[bytes], take: Callable[[int], memoryview] | None
     # get_connection() hands out a connected connection with nothing unread on it: it checks
     # (can_read) and reconnects one the server closed or that holds stray data.
     conn = pool.get_connection()
+    if "_sock" not in vars(conn):       # a redis-py whose Connection we do not know: before sending
+        pool.release(conn)
+        raise CannotBorrow(type(conn).__name__)
     clean = False
     try:
         conn.send_command("MGET", *rkeys)
