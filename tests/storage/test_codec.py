@@ -641,3 +641,29 @@ def test_a_frame_the_in_place_reader_does_not_know_goes_to_zstd() -> None:
     assert _raw_block_segments(memoryview(raw + b"\0"), len(noise)) is None      # bytes after it
     unchecked = zstandard.ZstdCompressor(level=-5, write_checksum=False).compress(noise)
     assert _raw_block_segments(memoryview(unchecked), len(noise)) is None        # zstd's path refuses it
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_stored_planes_are_written_as_raw_block_frames_that_zstd_reads_too(dtype: torch.dtype) -> None:
+    # The encoder frames a noise plane itself (raw blocks around views of the plane, its XXH64);
+    # the result is an ordinary zstd frame: zstd's own decoder reads it to the same bytes. A
+    # plane of zeros (the low bytes of values that came from a narrower dtype) still goes to
+    # zstd, which collapses it.
+    from storage.codec.payload import _raw_block_segments
+    x = every_bit_pattern((30, 2, 16, 3, 64), dtype, seed=31)
+    codec = Codec()
+    parts = codec.encode_parts(x, B)
+    payload = b"".join(parts)
+    assert payload == codec.encode(x, B)                      # the parts join to encode()'s bytes
+    header = codec.check_header(payload)
+    planes = byte_planes.split(x, header.dim1_major)
+    for (frame, size), p, plane in zip(codec.frames(payload), header.planes, planes):
+        if p.coded:
+            continue
+        assert _raw_block_segments(frame, size) is not None
+        assert zstandard.ZstdDecompressor().decompress(bytes(frame)) == plane.tobytes()
+    if dtype == torch.float32:
+        widened = x.to(torch.bfloat16).to(torch.float32)     # its two low planes are all zero
+        small = codec.encode(widened, B)
+        assert len(small) < widened.numel() * 2 + 1024      # 2 of its 4 planes' bytes: the zeros took ~nothing
+        assert torch.equal(codec.decode(small, B).view(torch.int32), widened.view(torch.int32))
