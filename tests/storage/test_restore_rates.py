@@ -35,9 +35,11 @@ def test_calibration_seeds_host_and_disk() -> None:
 
 
 def test_the_engines_fills_measure_host_and_disk(tmp_path: Path) -> None:
-    # restore_policy="load": every hit is filled, so every tier is measured. Under "auto" the
-    # planner may recompute a tiny model's hit instead (no fill, nothing measured, still billed
-    # as a disk hit): it did on a loaded CI machine, where the test then failed.
+    # restore_policy="load": every hit is read (under "auto" the planner may recompute a tiny
+    # model's hit: billed as a disk hit, nothing read). The disk hit's blocks are read either by
+    # its fill or, when the request's prefetch wins the race, by the prefetch into the host (the
+    # fill then copies from there): both record the disk's rate. On a loaded CI machine the
+    # prefetch won, and before prefetches recorded it this test failed.
     eng = make_engine(tmp_path, restore_policy="load")
     try:
         prompt = random_prompt(40, seed=3)
