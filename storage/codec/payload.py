@@ -325,8 +325,9 @@ def _raw_block_segments(frame: memoryview, size: int) -> list[memoryview] | None
     its content checksum verified: a stored plane as the codec writes it (zstd emits raw blocks
     for noise), read where it lies instead of copied out by zstd's decoder first. None for any
     frame that is not exactly that (RLE or compressed blocks, no checksum or content size, a
-    dictionary, a reserved bit, bytes after it): zstd's decoder then decides, as it always did.
-    Raises CodecError for damage that zstd would refuse too (the checksum, the unused bit).
+    dictionary, a reserved or unused bit, bytes after it): zstd's decoder then decides, as it
+    always did (_decompress_frame refuses the unused bit). Raises CodecError for a checksum that
+    does not match, as zstd would.
 
     Frame layout (RFC 8878 3.1.1): magic, frame header descriptor, [window descriptor unless
     single segment], [dictionary id], frame content size, blocks (3-byte header: bit 0 last,
@@ -335,10 +336,8 @@ def _raw_block_segments(frame: memoryview, size: int) -> list[memoryview] | None
     if n < 6 or frame[:4] != _ZSTD_MAGIC:
         return None
     fhd = frame[4]
-    if fhd & _ZSTD_FHD_UNUSED_BIT:
-        raise CodecError("zstd frame header has its unused bit set")
-    if fhd & (_FHD_RESERVED_BIT | 0x03) or not fhd & _FHD_CHECKSUM:
-        return None                       # reserved bit, a dictionary id, or no checksum
+    if fhd & (_ZSTD_FHD_UNUSED_BIT | _FHD_RESERVED_BIT | 0x03) or not fhd & _FHD_CHECKSUM:
+        return None                       # an unused or reserved bit, a dictionary id, no checksum
     single = bool(fhd & _FHD_SINGLE_SEGMENT)
     at = 5
     window = 0

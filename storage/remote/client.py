@@ -87,7 +87,6 @@ def pipeline(client, cmds: list[tuple]) -> list:
     return pipe.execute(raise_on_error=False)
 
 
-
 def mget_groups(rkeys: list[bytes], cluster: bool) -> list[list[int]]:
     """Indices of rkeys, a group per MGET: MGET_CHUNK keys at most, and in a cluster keys of
     one hash slot only (one MGET must stay in one slot)."""
@@ -99,17 +98,17 @@ def mget_groups(rkeys: list[bytes], cluster: bool) -> list[list[int]]:
         by_slot.setdefault(key_slot(k), []).append(i)
     return [idx[j:j + MGET_CHUNK] for idx in by_slot.values() for j in range(0, len(idx), MGET_CHUNK)]
 
+
 def mget_one(client, rkeys: list[bytes], take: Callable[[int], memoryview] | None = None) -> list:
     """One MGET (in a cluster, of keys of one slot): each value (None: absent), in key order.
 
-    Read by storage/remote/mget_reader.py, each value received straight into a bytearray of its
-    own (~3x redis-py's read of large values), on a connection borrowed from the pool of the node
-    that serves the keys; through redis-py's execute_command when that pool cannot be found (a
+    Read by storage/remote/mget_reader.py, each value received straight into the buffer `take`
+    gives (storage/remote/recv_buffers.py's warm ones; a new bytearray without it), on a
+    connection borrowed from the pool of the node that serves the keys; through redis-py's
+    execute_command, which ignores `take` and returns bytes, when that pool cannot be found (a
     slot no node covers now), when redis-py's connections are not what the reader knows, and when
-    the store answers with an error line (MOVED, ASK, LOADING:
-    redis-py knows what each means, follows a redirection, and raises the rest). `take`: where
-    the reader receives each value (storage/remote/recv_buffers.py); redis-py's path ignores it
-    and returns bytes."""
+    the store answers with an error line (MOVED, ASK, LOADING: redis-py knows what each means,
+    follows a redirection, and raises the rest)."""
     pool = _pool_for(client, rkeys[0]) if rkeys else None
     if pool is not None:
         try:

@@ -452,7 +452,6 @@ class RemoteTier:
     def _build_client(self):
         return make_client(self.url, self.timeout_s)
 
-
     def _fetcher(self, groups: int) -> ThreadPoolExecutor | None:
         """The pool whose threads each run one MGET at a time (on a connection of their own);
         None when there is one group or one connection: the caller's thread fetches."""
