@@ -24,6 +24,7 @@ import torch
 
 from engine.billing import Ledger, Prices, validate_tenant
 from engine.billing_writer import ON_FAILURE, BillingWriter
+from engine.load_deadline import LoadDeadlines
 from engine.prefill_model import PrefillModel
 from engine.restore_planner import RestorePlanner
 from engine.errors import EngineClosedError, QueueFullError
@@ -103,7 +104,9 @@ class Engine:
                                       chunk_tokens=decode_step_tokens or max_batch_tokens)
         self.scheduler = Scheduler(self.cache, max_batch_tokens=max_batch_tokens, max_seqs=max_seqs,
                                    max_loading=max_loading, decode_step_tokens=decode_step_tokens,
-                                   planner=self.planner)
+                                   planner=self.planner, deadlines=LoadDeadlines(
+                                       self.planner.compute_seconds, cache.load_deadline_margin,
+                                       cache.load_deadline_slack_s, fallback_s=cache.remote_timeout_s))
         self.runner = ModelRunner(loaded.model, self.cache.pool.kv, self.block_size, attention)
         if ledger_dir is None and cache.disk_path is not None:
             ledger_dir = os.path.join(os.path.dirname(cache.disk_path), "billing")
@@ -293,7 +296,8 @@ class Engine:
                 # and this engine's fitted prefill time.
                 "cost_model": {"restore_bytes_per_s": self.cache.tiers.rates.snapshot(),
                                "prefill": self.prefill_model.snapshot(),
-                               "planner": self.planner.snapshot()},
+                               "planner": self.planner.snapshot(),
+                               "load_deadline": self.scheduler.deadlines.snapshot()},
                 "engine": {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                            "loading": len(self.scheduler.loading),
                            "attention": self.runner.backend.name, "sync_debug": self.sync_debug,

@@ -17,6 +17,12 @@ queue, and the requests behind it are admitted meanwhile; the probe is bounded b
 timeout. A sequence that cannot get pages preempts the newest running one; the
 victim's full blocks are registered in the cache already, so its re-admission hits them.
 
+Every load (a loading sequence's, or a running one's back part) has a deadline, set when it is
+planned (engine/load_deadline.py) on this scheduler's clock (`clock`, injectable for tests): a
+load not complete by then is abandoned in schedule() -- the sequence keeps the leading blocks
+that arrived and computes the rest into fresh pages (storage/load_outcome.py), billed as
+computed. Checked between steps: the engine thread never waits for a load.
+
 NOTE invariant: an exception while admitting, reserving for or advancing one sequence is that
 sequence's failure alone: it is set aside (take_failed) with whatever pages it holds, for the
 engine to fail and release, and the step goes on for the others.
@@ -26,7 +32,9 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Callable
 
+from engine.load_deadline import LoadDeadlines
 from engine.restore_planner import RestorePlanner, Split
 from engine.sequence import Sequence, SeqStatus
 from storage.loader import Load
@@ -42,7 +50,8 @@ class Scheduled:
 class Scheduler:
     def __init__(self, cache: TieredKVCache, max_batch_tokens: int = 512, max_seqs: int = 64,
                  max_loading: int = 8, decode_step_tokens: int | None = None,
-                 planner: RestorePlanner | None = None) -> None:
+                 planner: RestorePlanner | None = None, deadlines: LoadDeadlines | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if max_batch_tokens < 1 or max_seqs < 1 or max_loading < 1:
             raise ValueError("max_batch_tokens, max_seqs and max_loading must be >= 1")
         if decode_step_tokens is not None and decode_step_tokens < 1:
@@ -62,6 +71,9 @@ class Scheduler:
         self.max_loading = max_loading
         # Compute or load (engine/restore_planner.py); None: every hit is loaded.
         self.planner = planner
+        # When a load stops being waited for (engine/load_deadline.py); None: never.
+        self.deadlines = deadlines
+        self.clock = clock
         self.preemptions = 0
         self._failed: list[tuple[Sequence, Exception]] = []   # engine thread only
 
@@ -93,9 +105,10 @@ class Scheduler:
                 continue   # preempted earlier in this loop
             try:
                 if seq.load is not None and seq.num_computed == seq.compute_until:
-                    if not seq.load.ready():
+                    late = not seq.load.ready()
+                    if late and not self._past_deadline(seq):
                         continue       # its front is computed; its back is still loading
-                    self._join(seq)
+                    self._join(seq, abandon=late)
                 n = min(seq.num_tokens - seq.num_computed, budget)
                 if seq.load is not None:
                     n = min(n, seq.compute_until - seq.num_computed)
@@ -109,12 +122,13 @@ class Scheduler:
         for seq in list(self.loading):
             if budget == 0:
                 break
-            if not seq.load.ready():
+            late = not seq.load.ready()
+            if late and not self._past_deadline(seq):
                 continue
             self.loading.remove(seq)
             try:
-                acquired = self.cache.finish_load(seq.load)
-                seq.load = None        # its pages are the sequence's own now
+                acquired = self.cache.finish_load(seq.load, abandon=late)
+                seq.load, seq.load_deadline = None, None     # its pages are the sequence's own now
                 started = self._start(seq, acquired, budget)
             except Exception as e:
                 self._failed.append((seq, e))
@@ -179,6 +193,8 @@ class Scheduler:
             return self._start_split(seq, match, split, budget)
         load = self.cache.plan(match, seq.prefetch)
         if load.pending:
+            first = next(i for i, f in enumerate(load.fills) if f is not None)
+            seq.load_deadline = self._deadline(first, len(load.fills))
             seq.load, seq.status = load, SeqStatus.LOADING
             self.loading.append(seq)
             return True
@@ -203,6 +219,8 @@ class Scheduler:
             return None
         recomputed = self.cache.recomputed(match.blocks[split.device:split.start], seq.prefetch)
         back = self.cache.plan(CacheMatch(match.blocks[split.start:]), seq.prefetch) if split.loaded else None
+        if back is not None:
+            seq.load_deadline = self._deadline(split.start, split.start + len(back.fills))
         seq.recomputed_hit_tokens = len(recomputed) * self.block_size
         return self._start(seq, front, budget, recomputed, back)
 
@@ -244,14 +262,15 @@ class Scheduler:
         self.running.append(seq)
         return Scheduled(seq, n)
 
-    def _join(self, seq: Sequence) -> None:
-        """A split sequence computed its front and its back finished loading: the back's pages
-        join its page table after the front's. A back block whose fill failed ends the loaded
-        part there; the sequence computes it and the rest (never less than it computed), and it
-        is billed as computed (the cache did not hold it after all)."""
-        load, seq.load = seq.load, None
+    def _join(self, seq: Sequence, abandon: bool = False) -> None:
+        """A split sequence computed its front and its back finished loading (or, `abandon`, its
+        deadline passed first): the back's pages join its page table after the front's. A back
+        block whose fill failed (or had not arrived) ends the loaded part there; the sequence
+        computes it and the rest (never less than it computed), and it is billed as computed
+        (the cache did not hold it after all, or not in time)."""
+        load, seq.load, seq.load_deadline = seq.load, None, None
         planned = load.tiers
-        acquired = self.cache.finish_load(load)
+        acquired = self.cache.finish_load(load, abandon=abandon)
         if len(seq.pages) != seq.registered or seq.num_computed != len(seq.pages) * self.block_size:
             self.cache.release(acquired.pages)
             raise RuntimeError(f"compute-or-load join out of step: {len(seq.pages)} pages, "
@@ -263,6 +282,13 @@ class Scheduler:
         seq.num_computed += len(acquired.pages) * self.block_size
         seq.restore_s = acquired.restore_s
 
+    def _deadline(self, start: int, end: int) -> float | None:
+        """When a load of blocks [start, end) of a prompt, planned now, stops being waited for."""
+        return None if self.deadlines is None else self.clock() + self.deadlines.seconds(start, end)
+
+    def _past_deadline(self, seq: Sequence) -> bool:
+        return seq.load_deadline is not None and self.clock() >= seq.load_deadline
+
     def loads_in_flight(self) -> int:
         """Sequences waiting for the loader: loading ones, and running ones with a back part."""
         return len(self.loading) + sum(1 for s in self.running if s.load is not None)
@@ -271,7 +297,7 @@ class Scheduler:
         """Every page a sequence holds goes back (a back part still loading included)."""
         if seq.load is not None:
             self.cache.cancel_load(seq.load)
-            seq.load = None
+            seq.load, seq.load_deadline = None, None
         self.cache.release(seq.pages)
         seq.reset_for_preemption()
 
@@ -326,6 +352,6 @@ class Scheduler:
             self.waiting.remove(seq)
         if seq.load is not None:
             self.cache.cancel_load(seq.load)
-            seq.load = None
+            seq.load, seq.load_deadline = None, None
         self.cache.release(seq.pages)
         seq.pages = []

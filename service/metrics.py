@@ -31,6 +31,8 @@ _TIER_FIELDS = (
     ("promotions", "promotions", "Blocks promoted from the tier into device pages", True),
     ("recomputed_hit_tokens", "recomputed_hit_tokens", "Hit tokens held in the tier that were recomputed "
      "by choice (compute-or-load), billed as hits all the same", True),
+    ("abandoned", "abandoned_blocks", "Blocks being read from the tier that a request stopped waiting for "
+     "(its load deadline passed) and computed instead", True),
     ("demotions", "demotions", "Blocks demoted into the tier from the one above", True),
     ("evictions", "evictions", "Blocks evicted from the tier", True),
 )

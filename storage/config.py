@@ -112,6 +112,12 @@ class CacheConfig:
     # and prefill time predict the earliest finish; "load" always loads; "recompute" never does.
     # Either way a block the cache held is billed as a hit from the tier that held it.
     restore_policy: str = "auto"
+    # A deadline on every load (engine/load_deadline.py): a request stops waiting for blocks it
+    # loads once recomputing them would have finished -- planned at t, by t + margin x their
+    # predicted prefill time + slack -- keeps the leading blocks that arrived and computes the
+    # rest. margin >= 1 covers the prediction's error, slack a scheduling hiccup.
+    load_deadline_margin: float = 1.25
+    load_deadline_slack_s: float = 0.1
     # KV events (storage/kv_events/): every block that becomes or stops being findable in a tier,
     # published in vLLM's wire format for routers (llm-d, Dynamo, `tieredkv route`). None: off.
     # An endpoint like tcp://127.0.0.1:5557 (the default of `serve --kv-events`; loopback unless
@@ -160,6 +166,12 @@ class CacheConfig:
             raise ValueError(f"remote_ttl_s: expected seconds >= 0.001 or None (no TTL), got {v!r}")
         if self.restore_policy not in RESTORE_POLICIES:
             raise ValueError(f"restore_policy: expected one of {RESTORE_POLICIES}, got {self.restore_policy!r}")
+        v = self.load_deadline_margin
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 1 <= v <= 100:
+            raise ValueError(f"load_deadline_margin: expected a factor in [1, 100], got {v!r}")
+        v = self.load_deadline_slack_s
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 3600:
+            raise ValueError(f"load_deadline_slack_s: expected seconds in [0, 3600], got {v!r}")
         if self.remote_write not in REMOTE_WRITES:
             raise ValueError(f"remote_write: expected one of {REMOTE_WRITES}, got {self.remote_write!r}")
         if self.kv_events is not None:

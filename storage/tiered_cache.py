@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from dataclasses import asdict, dataclass, replace
 from typing import Sequence
 
@@ -38,6 +37,7 @@ from storage.hashing import BlockKey
 from storage.host_tier import HostTier
 from storage.kv_events.sink import GPU, EventSink
 from storage.layout import BlockLayout
+from storage.load_outcome import Acquired, finish
 from storage.loader import Fill, Load, Loader, Prefetch, RemoteProbe
 from storage.prefix_tree import CachedBlock
 from storage.remote.breaker import BreakerConfig
@@ -64,15 +64,6 @@ class CacheMatch:
         for _, tier in self.blocks:
             out[tier] += block_size
         return out
-
-
-@dataclass(frozen=True, slots=True)
-class Acquired:
-    """Device pages now held (refcount +1) for a matched prefix, with each block's source tier.
-    May be shorter than the match: a disk block that fails verification ends the prefix."""
-    pages: tuple[int, ...]
-    tiers: tuple[str, ...]
-    restore_s: float
 
 
 class TieredKVCache:
@@ -265,17 +256,15 @@ class TieredKVCache:
                 return below.name
         return None
 
-    def finish_load(self, load: Load) -> Acquired:
+    def finish_load(self, load: Load, abandon: bool = False) -> Acquired:
         """A ready Load (load.ready()) as the prefix its request keeps: pages up to the first
         block that failed to fill (a damaged or vanished block ends the prefix; the request
-        computes the rest), the pages after it given back."""
+        computes the rest), the pages after it given back. `abandon`: the load is not ready and
+        its request stops waiting (its deadline passed): it keeps the blocks that arrived, up to
+        the first that did not; the fills still running end on their own pages, never on the
+        request's (storage/load_outcome.py)."""
         with self._lock:
-            cut = next((i for i, f in enumerate(load.fills) if f is not None and not f.ok), len(load.fills))
-            for page in load.pages[cut:]:
-                self.pool.release(page)
-            for tier in load.tiers[:cut]:
-                self.tiers.counters[tier].hits += 1
-            return Acquired(tuple(load.pages[:cut]), tuple(load.tiers[:cut]), time.perf_counter() - load.started)
+            return finish(self.tiers, load, abandon)
 
     def recomputed(self, blocks: Sequence[tuple[BlockKey, str]], prefetch: Prefetch | None = None) -> tuple[str, ...]:
         """Matched blocks a request recomputes by choice (compute-or-load, engine/restore_planner.py):

@@ -40,6 +40,9 @@ class TierStats:
     hits: int = 0            # blocks served from this tier to a request
     promotions: int = 0      # blocks copied from this tier into device pages
     recomputed: int = 0      # blocks held here, billed as hits, recomputed by choice (compute-or-load)
+    abandoned: int = 0       # blocks being read from here that a request stopped waiting for (its load
+                             # deadline passed: engine/load_deadline.py) and computed instead
+    abandoned_loads: int = 0  # loads with such a block
     demotions: int = 0       # blocks written into this tier from the tier above
     evictions: int = 0       # blocks that left this tier for lack of room
     bytes_read: int = 0
