@@ -53,6 +53,12 @@ class DriveGate:
         monkeypatch.setattr(Codec, "decode", decode)
 
 
+def hold_deadlines(eng) -> None:
+    """The scheduler's clock stands still: no load reaches its deadline (engine/load_deadline.py),
+    however long a test holds it at the drive (tests/engine/test_load_deadline.py moves it)."""
+    eng.scheduler.clock = lambda: 0.0
+
+
 def to_disk_only(eng) -> None:
     """Every cached block of the engine ends up on disk only (device and host emptied)."""
     eng.cache.demote("device")
@@ -83,6 +89,7 @@ def test_other_requests_keep_decoding_while_a_restore_waits_on_the_drive(tmp_pat
         first = eng.generate(restored, GREEDY)
         to_disk_only(eng)
         gate = DriveGate(monkeypatch)
+        hold_deadlines(eng)
         gate.open.clear()
         stamps: list[float] = []
 
@@ -124,6 +131,7 @@ def test_two_requests_needing_the_same_blocks_read_them_once(tmp_path, monkeypat
         want = [eng.generate(p, GREEDY).token_ids for p in (a, b)]
         to_disk_only(eng)
         gate = DriveGate(monkeypatch)
+        hold_deadlines(eng)
         gate.open.clear()
         outs = {}
         threads = [threading.Thread(target=lambda p=p, i=i: outs.update({i: eng.generate(p, GREEDY)}))
@@ -155,6 +163,7 @@ def test_at_most_max_loading_restores_and_requests_without_one_go_ahead(tmp_path
         want = [eng.generate(p, GREEDY).token_ids for p in prompts]
         to_disk_only(eng)
         gate = DriveGate(monkeypatch)
+        hold_deadlines(eng)
         gate.open.clear()
         outs = {}
         threads = [threading.Thread(target=lambda p=p, i=i: outs.update({i: eng.generate(p, GREEDY)}))

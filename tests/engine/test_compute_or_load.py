@@ -13,7 +13,7 @@ import lmdb
 
 from storage.hashing import block_keys
 from tests.engine.conftest import make_engine, random_prompt, reference_greedy
-from tests.engine.test_async_restore import DriveGate, to_disk_only
+from tests.engine.test_async_restore import DriveGate, hold_deadlines, to_disk_only
 from tests.engine.test_restore_planner import Figures
 from tieredkv import SamplingParams
 
@@ -59,6 +59,7 @@ def test_the_front_is_computed_while_the_back_still_loads(tmp_path, monkeypatch)
         to_disk_only(eng)
         force_figures(eng, block_s=1.0, token_s=0.25)
         gate = DriveGate(monkeypatch)
+        hold_deadlines(eng)
         gate.open.clear()                              # the back's disk read waits at the drive
         result = {}
         t = threading.Thread(target=lambda: result.update(out=eng.generate(prompt, GREEDY)))
@@ -139,6 +140,7 @@ def test_preempting_a_split_hit_gives_its_loading_back_and_it_still_equals_recom
         to_disk_only(eng)
         force_figures(eng, block_s=1.0, token_s=0.25)      # split at 7 of 15
         gate = DriveGate(monkeypatch)
+        hold_deadlines(eng)
         gate.open.clear()
         result = {}
         a = threading.Thread(target=lambda: result.update(a=eng.generate(split_prompt, GREEDY)))

@@ -16,8 +16,10 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 import torch
 
+from engine.load_deadline import LoadDeadlines
 from engine.model import model_from_config
 from storage.config import CacheConfig
 from storage.hashing import block_keys
@@ -139,6 +141,16 @@ def check_usage(out, prompt, hits_by_tier: dict[str, int]) -> None:
     u = out.usage
     assert u.hit_tokens_by_tier == {**dict.fromkeys(("device", "host", "disk", "remote"), 0), **hits_by_tier}
     assert u.prompt_cache_hit_tokens + u.prompt_cache_miss_tokens == u.prompt_tokens == len(prompt)
+
+
+def test_the_deadline_is_the_predicted_recompute_with_a_margin() -> None:
+    predicted = {(2, 6): 0.4}
+    rule = LoadDeadlines(lambda start, end: predicted.get((start, end)), margin=1.5, slack_s=0.05, fallback_s=2.0)
+    assert rule.seconds(2, 6) == pytest.approx(1.5 * 0.4 + 0.05)
+    assert rule.seconds(0, 6) == pytest.approx(1.5 * 2.0 + 0.05)     # no prefill figure yet: the fallback
+    for bad in ({"margin": 0.9}, {"slack_s": -1.0}, {"fallback_s": float("nan")}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            LoadDeadlines(lambda s, e: None, **bad)
 
 
 def test_a_load_past_its_deadline_is_abandoned_and_computed(tmp_path) -> None:

@@ -37,6 +37,11 @@ def test_disabling_tiers():
     ({"write_policy": "write_around"}, "write_policy"),
     ({"isolate_tenants": "yes"}, "isolate_tenants"),
     ({"disk_dir": ""}, "disk_dir"),
+    ({"load_deadline_margin": 0.5}, "load_deadline_margin"),
+    ({"load_deadline_margin": float("nan")}, "load_deadline_margin"),
+    ({"load_deadline_margin": True}, "load_deadline_margin"),
+    ({"load_deadline_slack_s": -0.1}, "load_deadline_slack_s"),
+    ({"load_deadline_slack_s": "1s"}, "load_deadline_slack_s"),
 ])
 def test_bad_values_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
