@@ -47,8 +47,9 @@ where a slow restore path shows before it moves the TTFT ratio.
                                [--remote-url URL | --no-remote]
 
 With --restore-policy auto,load,recompute it times instead each hit below the device (host,
-disk, remote, and with --remote-mbit 100,200 a remote store behind a bandwidth-limited proxy)
-under each restore policy beside a miss, with the planner's chosen split: tools/ttft_policies.py.
+disk, the remote store directly, behind a bandwidth-limited proxy at --remote-mbit 5,30,100, and a
+SIGSTOPped store) under each restore policy beside a cold miss, with the planner's chosen split,
+and each source's first hit after a restart; --quick for a smoke run: tools/ttft_policies.py.
 """
 from __future__ import annotations
 
@@ -73,11 +74,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_prompts import SUFFIX_TOKENS, prose_ids  # noqa: E402  (sibling scripts)
 from bench_report import machine_note  # noqa: E402
 from valkey_servers import own_store  # noqa: E402
+import ttft_policies  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.model import load_model
 from engine.sampling_params import SamplingParams
 from storage.codec.payload import Codec
-from storage.config import CODECS, CacheConfig
+from storage.config import CacheConfig
 from storage.hashing import block_keys
 from storage.remote.client import make_client
 from storage.remote.value import remote_key, unpack_value
@@ -85,7 +87,6 @@ from storage.remote.value import remote_key, unpack_value
 TARGET = 1.25
 REMOTE_SPEEDUP = 10.0      # a remote hit at the longest prefix vs its recompute (the issue's target)
 SOURCES = ("recompute", "device", "host", "disk", "remote")
-DEFAULT_POLICY_LENGTHS = "48,112,256,1024"   # --restore-policy: the demo's chat-turn hits, then longer
 _MGET_KEYS = 32            # keys per MGET in the raw limit: the remote tier's own batch
 
 _tls = threading.local()
@@ -445,26 +446,10 @@ def _lengths(ap, text: str) -> list[int]:
 
 
 def policy_main(ap, args) -> int:
-    """--restore-policy: the same hit under each policy (tools/ttft_policies.py)."""
-    import ttft_policies    # a sibling script
-    args.policies = [p.strip() for p in args.restore_policy.split(",") if p.strip()]
-    if not args.policies or any(p not in ttft_policies.POLICIES for p in args.policies):
-        ap.error(f"--restore-policy: expected a comma-separated subset of {','.join(ttft_policies.POLICIES)}")
-    args.lengths = _lengths(ap, args.prefix_lengths or DEFAULT_POLICY_LENGTHS)
-    args.remote_mbit = [float(x) for x in args.remote_mbit.split(",") if x.strip()]
-    if any(m <= 0 for m in args.remote_mbit):
-        ap.error("--remote-mbit: expected positive rates")
-    if args.repeat < 1:
-        ap.error("--repeat: expected >= 1")
-    if args.codec not in CODECS:
-        ap.error(f"--codec: expected one of {','.join(CODECS)}, got {args.codec!r}")
-    logging.basicConfig(level=logging.WARNING)
-    report = ttft_policies.run(args)
-    if args.json:
-        print(json.dumps(report))
-    else:
-        ttft_policies.print_table(report)
-    return 0
+    """--restore-policy: the same hit under each policy, every source (tools/ttft_policies.py)."""
+    default = ttft_policies.QUICK_LENGTHS if args.quick else ttft_policies.DEFAULT_LENGTHS
+    args.lengths = _lengths(ap, args.prefix_lengths or default)
+    return ttft_policies.main(ap, args)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -483,12 +468,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-remote", action="store_true", help="skip the remote source")
     ap.add_argument("--restore-policy", default=None,
                     help="comma-separated policies (auto,load,recompute): time each hit below the device under "
-                         "each, beside a miss, instead of against the tiers' limits (tools/ttft_policies.py); "
-                         f"prefix lengths default to {DEFAULT_POLICY_LENGTHS}")
-    ap.add_argument("--remote-mbit", default="",
-                    help="with --restore-policy: also a remote source behind a bandwidth-limited proxy "
-                         "(tools/throttle_proxy.py) at each of these rates in Mbit/s, e.g. 100,200")
-    ap.add_argument("--codec", default="zstd", help="with --restore-policy: the tiers' codec (zstd or raw)")
+                         "each, beside a cold miss, from every source and after a restart, instead of against the "
+                         f"tiers' limits (tools/ttft_policies.py); prefix lengths default to "
+                         f"{ttft_policies.DEFAULT_LENGTHS}")
+    ttft_policies.add_arguments(ap)
     args = ap.parse_args(argv)
     if args.restore_policy is not None:
         return policy_main(ap, args)

