@@ -27,9 +27,8 @@ def default_model():
 @pytest.fixture(scope="session")
 def default_model_converted(request) -> None:
     """The default model's one-time conversion exists (done here, once, if it does not)."""
-    from engine.gguf_cache import converted_dir
-    from engine.model import default_gguf_path
-    if not (converted_dir(default_gguf_path()) / "config.json").is_file():
+    from tests.service.tiny_engine import default_tokenizer_dir
+    if default_tokenizer_dir() is None:
         request.getfixturevalue("default_model")
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 
+import torch
 from transformers import AutoTokenizer, LlamaConfig
 
 from engine.gguf_cache import converted_dir
@@ -17,9 +18,13 @@ BLOCK_SIZE = 8
 
 
 def default_tokenizer_dir() -> str | None:
-    """The converted default model's directory, if the one-time conversion has happened."""
-    d = converted_dir(default_gguf_path())
-    return str(d) if (d / "tokenizer.json").is_file() else None
+    """The converted default model's directory, if the one-time conversion has happened: fp32, or
+    bf16 where `load_model()` chose it (a CPU with native bf16 converts only that one)."""
+    for dtype in (torch.float32, torch.bfloat16):
+        d = converted_dir(default_gguf_path(), dtype=dtype)
+        if (d / "tokenizer.json").is_file() and (d / "config.json").is_file():
+            return str(d)
+    return None
 
 
 def load_tokenizer(path: str):
