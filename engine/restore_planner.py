@@ -74,6 +74,7 @@ class RestorePlanner:
         self.block_size = block_size
         self.chunk_tokens = chunk_tokens      # the scheduler's per-step budget: prefill goes in chunks
         self.decisions = {"load": 0, "recompute": 0, "split": 0}   # engine thread only
+        self.reasons = {"policy": 0, "no figures": 0, "predicted": 0}
 
     def split(self, tiers: Sequence[str]) -> Split:
         """The split for a matched prefix whose blocks are held in `tiers` (prefix order)."""
@@ -150,7 +151,9 @@ class RestorePlanner:
         kind = "load" if split.start == split.device else "recompute" if split.start == split.n else "split"
         if split.device < split.n:
             self.decisions[kind] += 1
+            self.reasons[split.reason] += 1
         return split
 
     def snapshot(self) -> dict:
-        return {"policy": self.policy, "decisions": dict(self.decisions), "min_gain": MIN_GAIN}
+        return {"policy": self.policy, "decisions": dict(self.decisions), "reasons": dict(self.reasons),
+                "min_gain": MIN_GAIN}
