@@ -1,8 +1,9 @@
 """The engine's figures measured at start, so that its first request is planned from them.
 
 Knows: the compute calibration -- one real prefill chunk (CALIBRATION_TOKENS, or the scheduler's
-chunk if smaller, or what the pool and context hold) and one decode step after it, of the real
-model in the real paged pool, after a one-token warm-up pass; its pages are allocated from the
+chunk if smaller, or what the pool and context hold) and a decode step after it (the better of
+two), of the real model in the real paged pool, after two small warm-up passes (a first call's
+one-time costs are not a step's); its pages are allocated from the
 pool and released after, never registered (no block of it is findable), and nothing is billed
 -- fed to the prefill model (engine/prefill_model.py) -- and, with a remote tier, the link probe
 (storage/remote/link_probe.py: a round trip and a block-sized read of the real store) fed to the
@@ -36,6 +37,7 @@ from storage.tiered_cache import TieredKVCache
 log = logging.getLogger("tieredkv.calibration")
 
 CALIBRATION_TOKENS = 256
+WARMUP_TOKENS = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,9 +69,10 @@ def calibrate_compute(runner, cache: TieredKVCache, model: PrefillModel, timer: 
         def run(start: int, count: int) -> None:
             seq.num_computed = start
             runner.forward([Scheduled(seq, count)]).float().sum().item()   # waits for the pass
-        run(0, 1)                                               # warm-up: first-call costs
+        run(0, 1)                                 # warm-up: first-call costs of a decode's path...
+        run(0, min(n, WARMUP_TOKENS))             # ...and of a prefill's (its groups, masks)
         prefill_s = timer.measure(lambda: run(0, n))
-        decode_s = timer.measure(lambda: run(n, 1))
+        decode_s = min(timer.measure(lambda: run(n, 1)) for _ in range(2))    # cheap: the better of two
     finally:
         cache.release(pages)                                    # free again: never registered
     model.calibrate(n, prefill_s, n + 1, decode_s)

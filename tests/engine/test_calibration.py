@@ -11,6 +11,7 @@ from engine.calibration import CALIBRATION_TOKENS
 from engine.model import model_from_config
 from storage.config import CacheConfig
 from storage.remote.link_probe import PROBE_NAMESPACE
+from service.metrics import ServiceMetrics
 from tests.engine.conftest import make_engine, random_prompt, reference_greedy, tiny_llama_config
 from tests.engine.test_async_restore import to_disk_only
 from tieredkv import Engine, SamplingParams
@@ -38,13 +39,21 @@ def test_the_engine_is_fitted_at_start_and_plans_its_first_hits(tmp_path) -> Non
         host_hit = eng.generate(prompt, GREEDY)                     # the first host hit
         to_disk_only(eng)
         disk_hit = eng.generate(prompt, GREEDY)                     # the first disk hit
-        planner = eng.cache_status()["cost_model"]["planner"]
+        cost = eng.cache_status()["cost_model"]
+        metrics = ServiceMetrics(eng.cache_status, lambda: 0).render().decode()
+    planner = cost["planner"]
     assert host_hit.token_ids == disk_hit.token_ids == expected
     assert host_hit.usage.hit_tokens_by_tier["host"] == 12 * BS
     assert disk_hit.usage.hit_tokens_by_tier["disk"] == 12 * BS
     # Both planned from figures, whichever way each went (load, split or recompute).
     assert planner["reasons"] == {"policy": 0, "no figures": 0, "predicted": 2}
     assert sum(planner["decisions"].values()) == 2
+    # The cost model's error is tracked from the first request: its prefill steps were predicted
+    # (the calibration's fit) and then observed; status and /metrics show it.
+    assert cost["prefill"]["recent"] and all(p["predicted_s"] > 0 and p["observed_s"] > 0
+                                             for p in cost["prefill"]["recent"])
+    assert 'tieredkv_cost_model_error_ratio{part="prefill"}' in metrics
+    assert 'tieredkv_restore_latency_seconds{tier="host"}' in metrics
 
 
 def test_without_calibration_the_first_hit_loads_with_no_figures(tmp_path) -> None:
