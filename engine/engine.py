@@ -24,6 +24,7 @@ import torch
 
 from engine.billing import Ledger, Prices, validate_tenant
 from engine.billing_writer import ON_FAILURE, BillingWriter
+from engine.calibration import calibrate_at_start
 from engine.load_deadline import LoadDeadlines
 from engine.prefill_model import PrefillModel
 from engine.restore_planner import RestorePlanner
@@ -36,6 +37,7 @@ from engine.paged_attention import ATTN_NAME, register
 from engine.sampler import RowResult, SamplingError, make_generator, sample_batch
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.step_timer import StepTimer
 from engine.sequence import Sequence, SeqStatus
 from storage.config import CacheConfig
 from storage.tiered_cache import TIERS, FlushResult, TieredKVCache
@@ -108,6 +110,10 @@ class Engine:
                                        self.planner.compute_seconds, cache.load_deadline_margin,
                                        cache.load_deadline_slack_s, fallback_s=cache.remote_timeout_s))
         self.runner = ModelRunner(loaded.model, self.cache.pool.kv, self.block_size, attention)
+        # Step times (CUDA events on CUDA) fit the prefill model; with calibrate, one chunk and a
+        # decode step fit it now and a thread probes the remote's link (engine/calibration.py).
+        self.step_timer = StepTimer(loaded.device, self.prefill_model.observe)
+        self.calibration, self.link_calibration = calibrate_at_start(self) if cache.calibrate else (None, None)
         if ledger_dir is None and cache.disk_path is not None:
             ledger_dir = os.path.join(os.path.dirname(cache.disk_path), "billing")
         self.ledger = Ledger(ledger_dir, prices or Prices()) if ledger_dir is not None else None
@@ -292,8 +298,9 @@ class Engine:
                 # bound endpoints, the last batch's sequence number, events dropped.
                 "kv_events": self.cache.events_status(),
                 "billing": self.billing.status() if self.billing is not None else {"state": "off"},
-                # What compute-or-load decides from (issue 18): each tier's measured restore rate
-                # and this engine's fitted prefill time.
+                # What compute-or-load decides from (issue 18; calibrated at start, issue 27): each
+                # tier's restore latency and bandwidth, this engine's prefill fit, and how far each
+                # was off lately (predicted vs observed).
                 "cost_model": {"restore_bytes_per_s": self.cache.tiers.rates.snapshot(),
                                "prefill": self.prefill_model.snapshot(),
                                "planner": self.planner.snapshot(),
@@ -324,6 +331,8 @@ class Engine:
         deadline = time.monotonic() + timeout
         while self._inflight and time.monotonic() < deadline:
             time.sleep(0.01)
+        if self.link_calibration is not None:     # the probe's calls end within the store's timeout
+            self.link_calibration.join(timeout=max(0.0, deadline - time.monotonic()))
         self._stop.set()
         self._inbox.put(None)
         self._thread.join(timeout=max(1.0, deadline - time.monotonic()))
@@ -412,11 +421,12 @@ class Engine:
             time.sleep(0.001)
             return
         work = [(s.num_tokens, s.seq.num_computed + s.num_tokens) for s in scheduled]
+        self.step_timer.collect()        # earlier CUDA steps whose end event completed (no wait)
         try:
-            started = time.perf_counter()
+            started = self.step_timer.start()
             with self._sync_check():
                 rows = list(self.runner.forward(scheduled))
-            self.prefill_model.observe(work, time.perf_counter() - started)
+            self.step_timer.stop(started, work)
         except Exception as batch_error:
             log.exception("a forward pass of %d sequences failed", len(scheduled))
             rows = []
@@ -443,6 +453,7 @@ class Engine:
                                     [q.generator for q, _ in producing],
                                     [(q.prompt_ids, q.output_ids) for q, _ in producing], self.eos_ids)
             results = step.read()        # the step's one wait for the device
+            self.step_timer.collect()    # this step's GPU time, readable now (CUDA events)
         except Exception as e:
             log.exception("sampling a step of %d sequences failed", len(producing))
             for seq, _ in producing:

@@ -1,8 +1,10 @@
 """Compute or load: which of a matched prefix's blocks to recompute and which to restore.
 
 Knows: the restore policy ("auto", "load", "recompute"), the two measured figures it decides
-from -- each tier's restore rate (storage/restore_rates.py, fed by the loader's own fills) and
-this engine's prefill time (engine/prefill_model.py, fitted from its own steps) -- and the split
+from -- each tier's restore time, a latency plus the bytes over a bandwidth
+(storage/restore_rates.py: calibrated at start, then fitted to the loader's own fills), and this
+engine's prefill time (engine/prefill_model.py: calibrated at start, then fitted to its own
+prefill steps) -- and the split
 rule. For a matched prefix of `n` blocks whose first `d` are on the device, it picks `s` in
 [d, n]: blocks [d, s) are recomputed by chunked prefill from the front while blocks [s, n) are
 loaded at the same time (the idea of Cake, "Compute Or Load KV Cache? Why Not Both?"), with
@@ -12,8 +14,11 @@ so the suffix's own time is the same for every `s` and is left out.
 Doesn't know: pages, fills or sequences (the scheduler carries the split out), or billing (a
 block the cache held is billed from the tier that held it whichever way it reached the pool).
 
-Without a figure for a tier in the loaded part, or before the prefill model's first fit, "auto"
-loads: the old behaviour, and the fills it makes are what the figures are then learned from.
+A part's load time is per tier one latency plus its blocks' bytes over the bandwidth (a fill
+reads a request's blocks of one tier together). Without a figure for a tier in the loaded part,
+or without a prefill figure, "auto" loads ("no figures"); the engine's calibration at start
+(engine/calibration.py) gives both figures before the first request, so that happens only with
+it turned off (CacheConfig.calibrate) or for a remote tier whose store did not answer the probe.
 
 Runs on the engine thread (the scheduler's admission); the figures it reads are thread-safe.
 """
@@ -31,7 +36,7 @@ MIN_GAIN = 0.10
 
 
 class Rates(Protocol):
-    def get(self, tier: str) -> float | None: ...
+    def seconds(self, tier: str, nblocks: int, block_bytes: int) -> float | None: ...
 
 
 class Prefill(Protocol):
@@ -69,6 +74,7 @@ class RestorePlanner:
         self.block_size = block_size
         self.chunk_tokens = chunk_tokens      # the scheduler's per-step budget: prefill goes in chunks
         self.decisions = {"load": 0, "recompute": 0, "split": 0}   # engine thread only
+        self.reasons = {"policy": 0, "no figures": 0, "predicted": 0}
 
     def split(self, tiers: Sequence[str]) -> Split:
         """The split for a matched prefix whose blocks are held in `tiers` (prefix order)."""
@@ -115,33 +121,39 @@ class RestorePlanner:
             total, pos = total + t, pos + chunk
         return total
 
-    def _load_costs(self, tiers: Sequence[str]) -> list[tuple[str, float]] | None:
-        """Per block: the tier it loads from and its restore time (0 for a device block), or
-        None when a tier in the prefix has no figure yet."""
-        out = []
-        for t in tiers:
-            if t == "device":
-                out.append((t, 0.0))
-                continue
-            rate = self.rates.get(t)
-            if not rate:
+    def _load_costs(self, tiers: Sequence[str]) -> list[str] | None:
+        """The prefix's tiers, or None when a tier below the device in it has no figure yet."""
+        for t in set(tiers) - {"device"}:
+            if self._tier_seconds(t, 1) is None:
                 return None
-            out.append((t, self.block_bytes / rate))
-        return out
+        return list(tiers)
 
-    @staticmethod
-    def _load_seconds(costs: list[tuple[str, float]], start: int, end: int) -> float:
-        # Host and disk fills run one after another on a fill worker; remote fills run on their
-        # own pool at the same time (storage/loader.py), so the slower of the two sums.
-        local = sum(c for t, c in costs[start:end] if t in LOCAL)
-        remote = sum(c for t, c in costs[start:end] if t not in LOCAL)
+    def _tier_seconds(self, tier: str, nblocks: int) -> float | None:
+        seconds = getattr(self.rates, "seconds", None)
+        if seconds is not None:
+            return seconds(tier, nblocks, self.block_bytes)
+        rate = self.rates.get(tier)          # a rates object with one figure (bytes/s) per tier
+        return None if not rate else nblocks * self.block_bytes / rate
+
+    def _load_seconds(self, costs: list[str], start: int, end: int) -> float:
+        """Predicted time to load blocks [start, end): per tier one fill (a latency, then the
+        bytes). Host and disk fills run one after another on a fill worker; remote fills run on
+        their own pool at the same time (storage/loader.py), so the slower of the two."""
+        counts: dict[str, int] = {}
+        for t in costs[start:end]:
+            if t != "device":
+                counts[t] = counts.get(t, 0) + 1
+        local = sum(self._tier_seconds(t, k) or 0.0 for t, k in counts.items() if t in LOCAL)
+        remote = sum(self._tier_seconds(t, k) or 0.0 for t, k in counts.items() if t not in LOCAL)
         return max(local, remote)
 
     def _decided(self, split: Split) -> Split:
         kind = "load" if split.start == split.device else "recompute" if split.start == split.n else "split"
         if split.device < split.n:
             self.decisions[kind] += 1
+            self.reasons[split.reason] += 1
         return split
 
     def snapshot(self) -> dict:
-        return {"policy": self.policy, "decisions": dict(self.decisions), "min_gain": MIN_GAIN}
+        return {"policy": self.policy, "decisions": dict(self.decisions), "reasons": dict(self.reasons),
+                "min_gain": MIN_GAIN}

@@ -116,12 +116,26 @@ class CacheCollector:
         cost = status.get("cost_model", {})
         rates = cost.get("restore_bytes_per_s", {})
         if rates:
-            fam = GaugeMetricFamily("tieredkv_restore_bytes_per_second", "Each tier's restore rate into the pool, "
-                                    "a moving average of the loader's fills (seeded by a calibration)",
-                                    labels=["tier"])
+            fam = GaugeMetricFamily("tieredkv_restore_bytes_per_second", "Each tier's restore bandwidth into the "
+                                    "pool (a restore takes latency + bytes / this), fitted to the loader's fills "
+                                    "(calibrated at start)", labels=["tier"])
+            lat = GaugeMetricFamily("tieredkv_restore_latency_seconds", "Each tier's restore latency (a fill's "
+                                    "fixed cost), fitted to the loader's fills (calibrated at start)", labels=["tier"])
             for tier, r in rates.items():
                 if _is_number(r.get("bytes_per_s")):
                     fam.add_metric([tier], float(r["bytes_per_s"]))
+                if _is_number(r.get("latency_s")):
+                    lat.add_metric([tier], float(r["latency_s"]))
+            yield fam
+            yield lat
+        errors = [("prefill", cost.get("prefill", {}).get("median_error"))] + \
+            [(t, r.get("median_error")) for t, r in rates.items()]
+        if any(_is_number(e) for _, e in errors):
+            fam = GaugeMetricFamily("tieredkv_cost_model_error_ratio", "The cost model's median relative error "
+                                    "over its last predictions (prefill steps; each tier's fills)", labels=["part"])
+            for part, e in errors:
+                if _is_number(e):
+                    fam.add_metric([part], float(e))
             yield fam
         if _is_number(cost.get("prefill", {}).get("prefill_2048_s")):
             yield _single(GaugeMetricFamily, "tieredkv_prefill_2048_seconds", "Predicted time to compute 2048 new "

@@ -118,6 +118,11 @@ class CacheConfig:
     # rest. margin >= 1 covers the prediction's error, slack a scheduling hiccup.
     load_deadline_margin: float = 1.25
     load_deadline_slack_s: float = 0.1
+    # At start, measure what "auto" decides from before the first request (engine/calibration.py):
+    # one prefill chunk and one decode step of the model, and a remote tier's link (a round trip
+    # and a block-sized read of the store). False: the figures come from the first requests only
+    # (their first hits load, "no figures").
+    calibrate: bool = True
     # KV events (storage/kv_events/): every block that becomes or stops being findable in a tier,
     # published in vLLM's wire format for routers (llm-d, Dynamo, `tieredkv route`). None: off.
     # An endpoint like tcp://127.0.0.1:5557 (the default of `serve --kv-events`; loopback unless
@@ -164,6 +169,8 @@ class CacheConfig:
         v = self.remote_ttl_s
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0.001):
             raise ValueError(f"remote_ttl_s: expected seconds >= 0.001 or None (no TTL), got {v!r}")
+        if not isinstance(self.calibrate, bool):
+            raise ValueError(f"calibrate: expected True or False, got {self.calibrate!r}")
         if self.restore_policy not in RESTORE_POLICIES:
             raise ValueError(f"restore_policy: expected one of {RESTORE_POLICIES}, got {self.restore_policy!r}")
         v = self.load_deadline_margin

@@ -384,12 +384,18 @@ def status(
     cost = body.get("cost_model", {})
     rates = cost.get("restore_bytes_per_s", {})
     if rates:
-        shown = ", ".join(f"{t} {format_size(int(r['bytes_per_s']))}/s"
-                          f"{' (calibrated)' if r.get('source') == 'calibration' else ''}" for t, r in rates.items())
+        def rate(t: str, r: dict) -> str:
+            note = "" if r.get("source") == "measured" else f" ({r.get('source')})"
+            return f"{t} {r.get('latency_s', 0) * 1e3:.2f} ms + {format_size(int(r['bytes_per_s']))}/s{note}"
+        shown = ", ".join(rate(t, r) for t, r in rates.items())
         pre = cost.get("prefill", {})
         out.print(f"restore rates: {shown}; prefill of 2048 tokens "
                   + (f"~{pre['prefill_2048_s'] * 1e3:.0f} ms (fitted on {pre['steps']} steps)"
                      if pre.get("fitted") else "not fitted yet"), soft_wrap=True)
+        errors = [f"{name} {e * 100:.0f}%" for name, e in [("prefill", pre.get("median_error"))]
+                  + [(t, r.get("median_error")) for t, r in rates.items()] if e is not None]
+        if errors:     # the last predictions against what was measured
+            out.print(f"cost model off by (median of recent): {', '.join(errors)}", soft_wrap=True)
         plan = cost.get("planner", {})
         if plan:
             made = plan.get("decisions", {})

@@ -34,7 +34,7 @@ def make_engine(tmp_path=None, config=None, *, block_size=4, device_memory="256K
     cache = CacheConfig(block_size=block_size, device_memory=device_memory, host_memory=host_memory,
                         disk_dir=str(tmp_path / "kv") if (disk and tmp_path is not None) else None,
                         disk_capacity="64MiB", load_deadline_slack_s=kw.pop("load_deadline_slack_s", PATIENT_SLACK_S),
-                        **{k: kw.pop(k) for k in list(kw) if k in ("write_policy", "isolate_tenants", "restore_policy")})
+                        **{k: kw.pop(k) for k in list(kw) if k in ("write_policy", "isolate_tenants", "restore_policy", "calibrate")})
     return Engine(loaded, cache, **kw)
 
 

@@ -45,7 +45,7 @@ def test_logits_after_hits_from_each_tier_equal_recompute(tmp_path):
     with make_engine(tmp_path / "ref", disk=False) as ref_eng:
         ref_eng.cache.drop("device")
         _, ref_lp, ref_tok = _top_logprobs(ref_eng, ids)
-    with make_engine(tmp_path) as eng:
+    with make_engine(tmp_path, restore_policy="load") as eng:     # every hit restored from its tier
         cache = eng.cache
         first, lp, tok = _top_logprobs(eng, ids)
         assert first.usage.hit_tokens_by_tier == {"device": 0, "host": 0, "disk": 0, "remote": 0}

@@ -6,6 +6,7 @@ they are fixed numbers so each expected split can be worked out by hand.
 import pytest
 
 from engine.restore_planner import MIN_GAIN, RestorePlanner
+from storage.restore_rates import RestoreRates
 
 BLOCK_BYTES, BS = 1000, 4
 
@@ -90,3 +91,27 @@ def test_a_near_tie_goes_to_the_load():
 def test_unknown_policy_is_refused():
     with pytest.raises(ValueError, match="restore_policy"):
         planner("sometimes")
+
+
+def test_a_short_hit_over_a_high_latency_link_is_recomputed_a_long_one_loaded():
+    # Issue 27: a 20 ms round trip on a fast link. One block (4 tokens at 1 ms each) computes in
+    # 4 ms: loading it costs the round trip, so it is recomputed; 100 blocks compute in 400 ms
+    # and load in ~20 ms: loaded. A bandwidth-only figure loaded both.
+    rates = RestoreRates()
+    rates.seed("remote", 1e9, 0.02)
+    p = RestorePlanner("auto", rates, Figures(None, 1e-3), BLOCK_BYTES, BS, 512)
+    short = p.split(["remote"])
+    assert (short.start, short.loaded, short.reason) == (1, False, "predicted")
+    long = p.split(["remote"] * 100)
+    assert (long.start, long.loaded) == (0, True)
+    assert long.load_s == pytest.approx(0.02 + 100 * BLOCK_BYTES / 1e9)
+
+
+def test_local_tiers_each_pay_their_latency_once():
+    rates = RestoreRates()
+    rates.seed("host", 1e6, 0.001)
+    rates.seed("disk", 1e6, 0.004)
+    p = RestorePlanner("auto", rates, Figures(None, 1.0), BLOCK_BYTES, BS, 512)
+    costs = p._load_costs(["device", "host", "host", "disk", "disk", "disk"])
+    assert p._load_seconds(costs, 0, 6) == pytest.approx(0.001 + 2e-3 + 0.004 + 3e-3)
+    assert p._load_seconds(costs, 3, 6) == pytest.approx(0.004 + 3e-3)

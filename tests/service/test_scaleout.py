@@ -71,7 +71,8 @@ def test_a_prompt_computed_on_one_server_is_billed_as_remote_hits_on_the_other(t
     try:
         server.start()
         url = f"valkey://:{PASSWORD}@127.0.0.1:{server.port}"
-        with two_servers(tmp_path, tokenizer, url) as (a, b):
+        # restore_policy="load": B restores the hit (its calibrated planner could recompute it).
+        with two_servers(tmp_path, tokenizer, url, restore_policy="load") as (a, b):
             prompt = TEXT * 3
             first = complete(a, prompt)
             n = first["usage"]["prompt_tokens"]

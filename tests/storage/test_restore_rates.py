@@ -1,4 +1,5 @@
-"""Issue 18, item 1 (the measured half): each tier's restore rate, from the loader's own fills."""
+"""Issue 18, item 1 (the measured half): each tier's restore rate, from the loader's own fills.
+Issue 27, item 2: a latency and a bandwidth term per tier, and each fill's predicted vs observed time."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,22 +9,60 @@ import torch
 
 from storage.codec.payload import Codec
 from storage.layout import BlockLayout
-from storage.restore_rates import ALPHA, RestoreRates
+from storage.restore_rates import RestoreRates
 from tests.engine.conftest import make_engine, random_prompt
 from tieredkv import SamplingParams
 
 
-def test_a_seed_is_replaced_by_the_first_measurement_then_averaged() -> None:
+def test_fills_fit_a_latency_and_a_bandwidth() -> None:
+    # Issue 27: a restore of k bytes takes latency + k / bandwidth. Fills of several sizes on a
+    # 20 ms, 2 MB/s link: the fit finds both terms, whatever the calibration said first.
     r = RestoreRates()
-    r.seed("disk", 1000.0)
-    r.seed("disk", 5.0)                                   # a second seed changes nothing
-    assert r.snapshot()["disk"] == {"bytes_per_s": 1000, "samples": 0, "source": "calibration"}
-    r.observe("disk", 4000, 2.0)                          # 2000 B/s replaces the seed
-    r.observe("disk", 8000, 2.0)                          # 4000 B/s moves the average by ALPHA
-    assert r.get("disk") == pytest.approx(2000 + ALPHA * (4000 - 2000))
-    assert r.snapshot()["disk"]["samples"] == 2 and r.snapshot()["disk"]["source"] == "measured"
+    r.seed("remote", 1e6, 0.01)
+    r.seed("remote", 5.0)                                 # a second seed changes nothing
+    snap = r.snapshot()["remote"]
+    assert (snap["bytes_per_s"], snap["latency_s"], snap["samples"], snap["source"]) == (1000000, 0.01, 0, "calibration")
+    for nbytes in (16_000, 64_000, 400_000, 32_000, 200_000, 8_000) * 3:
+        r.observe("remote", nbytes, 0.02 + nbytes / 2e6)
+    snap = r.snapshot()["remote"]
+    assert snap["latency_s"] == pytest.approx(0.02, rel=0.05)
+    assert snap["bytes_per_s"] == pytest.approx(2e6, rel=0.05)
+    assert snap["samples"] == 18 and snap["source"] == "measured"
+    # A one-block hit is latency-bound, a long one bandwidth-bound.
+    assert r.seconds("remote", 1, 4000) == pytest.approx(0.022, rel=0.05)
+    assert r.seconds("remote", 500, 4000) == pytest.approx(1.02, rel=0.05)
+    assert r.seconds("remote", 0, 4000) == 0.0 and r.seconds("disk", 3, 4000) is None
+    # get(): the effective bytes/s of a restore, latency included (the one figure old callers read).
+    assert r.get("remote", 4000) == pytest.approx(4000 / 0.022, rel=0.05)
+    # Each fill's time as predicted just before it was measured: the first from the calibration
+    # (0.01 + 16 kB at 1 MB/s = 0.026 s, observed 0.028 s), the last ones on the mark.
+    assert snap["recent"][-1]["observed_s"] == pytest.approx(0.02 + 8000 / 2e6)
+    assert snap["recent"][-1]["predicted_s"] == pytest.approx(0.02 + 8000 / 2e6, rel=0.05)
+    assert snap["median_error"] < 0.05
     r.observe("host", 0, 1.0)                             # nothing restored: nothing learned
     assert r.get("host") is None
+
+
+def test_fills_of_one_size_keep_the_calibrated_latency() -> None:
+    # Every fill the same size: the fills alone cannot split latency from bandwidth, so the
+    # calibration's points (the link probe: an empty round trip and a block read) still do.
+    r = RestoreRates()
+    r.seed("remote", 2e6, 0.02, source="link probe", points=[(0.0, 0.02), (100_000.0, 0.07)])
+    assert r.snapshot()["remote"]["source"] == "link probe"
+    for _ in range(10):
+        r.observe("remote", 400_000, 0.22)
+    snap = r.snapshot()["remote"]
+    assert snap["latency_s"] == pytest.approx(0.02, rel=0.1) and snap["bytes_per_s"] == pytest.approx(2e6, rel=0.1)
+    # The link got slower than at start: the fills' own size is predicted from the fills.
+    for _ in range(10):
+        r.observe("remote", 400_000, 0.42)
+    assert r.seconds("remote", 100, 4000) == pytest.approx(0.42, rel=0.05)
+
+
+def test_a_tier_measured_without_calibration_starts_bandwidth_only() -> None:
+    r = RestoreRates()
+    r.observe("disk", 4000, 2.0)
+    assert r.get("disk") == pytest.approx(2000) and r.snapshot()["disk"]["latency_s"] == 0.0
 
 
 def test_calibration_seeds_host_and_disk() -> None:
@@ -31,7 +70,9 @@ def test_calibration_seeds_host_and_disk() -> None:
     r = RestoreRates()
     r.calibrate(layout, Codec(), torch.device("cpu"))
     snap = r.snapshot()
-    assert set(snap) == {"host", "disk"} and all(v["bytes_per_s"] > 0 and v["samples"] == 0 for v in snap.values())
+    assert set(snap) == {"host", "disk"}
+    assert all(v["bytes_per_s"] > 0 and v["latency_s"] >= 0 and v["samples"] == 0 for v in snap.values())
+    assert all(r.seconds(t, 4, layout.nbytes) > r.seconds(t, 1, layout.nbytes) > 0 for t in snap)
 
 
 def test_the_engines_fills_measure_host_and_disk(tmp_path: Path) -> None:

@@ -1,0 +1,119 @@
+"""The engine's figures measured at start, so that its first request is planned from them.
+
+Knows: the compute calibration -- one real prefill chunk (CALIBRATION_TOKENS, or the scheduler's
+chunk if smaller, or what the pool and context hold) and a decode step after it (the better of
+two), of the real model in the real paged pool, after two small warm-up passes (a first call's
+one-time costs are not a step's); its pages are allocated from the
+pool and released after, never registered (no block of it is findable), and nothing is billed
+-- fed to the prefill model (engine/prefill_model.py) -- and, with a remote tier, the link probe
+(storage/remote/link_probe.py: a round trip and a block-sized read of the real store) fed to the
+restore rates as the remote tier's seed (source "link probe"). Host and disk are seeded by the
+cache itself (storage/restore_rates.py's calibrate).
+Doesn't know: scheduling, billing, or what the figures decide (engine/restore_planner.py).
+
+Threads: `calibrate_compute` runs on the thread building the engine, before the engine thread
+starts (it owns the runner and the pool's pages then). The link probe runs on its own thread
+(`tieredkv-link-probe`): each of its calls is bounded by the store's timeout, and a store that
+does not answer leaves the remote without a figure (its first hits load: "no figures") rather
+than holding the engine's start. It touches only the remote tier and the rates (both
+thread-safe); `join` waits for it (bounded).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from engine.prefill_model import PrefillModel
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduled
+from engine.sequence import Sequence
+from engine.step_timer import StepTimer
+from storage.remote.link_probe import probe_link
+from storage.tiered_cache import TieredKVCache
+
+log = logging.getLogger("tieredkv.calibration")
+
+CALIBRATION_TOKENS = 256
+WARMUP_TOKENS = 16
+
+
+@dataclass(frozen=True, slots=True)
+class ComputeCalibration:
+    prefill_tokens: int
+    prefill_s: float
+    decode_context: int          # the decode step's context (the chunk + its token)
+    decode_s: float
+
+
+def calibrate_compute(runner, cache: TieredKVCache, model: PrefillModel, timer: StepTimer, *, vocab_size: int,
+                      chunk_tokens: int, max_context: int) -> ComputeCalibration | None:
+    """Time one prefill chunk and one decode step on the real model and pool, and give them to
+    `model`. None (nothing measured) when the pool or the context has no room for a chunk."""
+    bs = cache.layout.block_size
+    with cache.tiers.lock:
+        free_tokens = cache.pool.num_free * bs
+    n = min(CALIBRATION_TOKENS, chunk_tokens, max_context - 2, free_tokens - bs)
+    if n < 2:
+        return None
+    pages = cache.allocate(-(-(n + 1) // bs))
+    try:
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, vocab_size, (n + 1,), generator=g).tolist()
+        seq = Sequence(request_id="calibration", prompt_ids=ids, params=SamplingParams(max_tokens=1),
+                       tenant="default", namespace=b"\0" * 32, block_size=bs, max_len=n + 1)
+        seq.pages = list(pages)
+
+        def run(start: int, count: int) -> None:
+            seq.num_computed = start
+            runner.forward([Scheduled(seq, count)]).float().sum().item()   # waits for the pass
+        run(0, 1)                                 # warm-up: first-call costs of a decode's path...
+        run(0, min(n, WARMUP_TOKENS))             # ...and of a prefill's (its groups, masks)
+        prefill_s = timer.measure(lambda: run(0, n))
+        decode_s = min(timer.measure(lambda: run(n, 1)) for _ in range(2))    # cheap: the better of two
+    finally:
+        cache.release(pages)                                    # free again: never registered
+    model.calibrate(n, prefill_s, n + 1, decode_s)
+    return ComputeCalibration(n, prefill_s, n + 1, decode_s)
+
+
+def calibrate_at_start(engine) -> tuple[ComputeCalibration | None, "LinkCalibration | None"]:
+    """An engine's calibration, before its thread starts: the compute now, the link (with a
+    remote tier) on a thread of its own."""
+    compute = calibrate_compute(engine.runner, engine.cache, engine.prefill_model, engine.step_timer,
+                                vocab_size=engine.loaded.model.config.vocab_size, chunk_tokens=engine.planner.chunk_tokens,
+                                max_context=engine.max_context)
+    return compute, LinkCalibration(engine.cache) if engine.cache.remote is not None else None
+
+
+class LinkCalibration:
+    """The remote tier's link probe on a thread of its own, started at once."""
+
+    def __init__(self, cache: TieredKVCache) -> None:
+        self.cache = cache
+        self.figures = None               # LinkFigures once measured (written by the probe thread)
+        self.done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tieredkv-link-probe", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            remote = self.cache.remote
+            figures = probe_link(remote)
+            if figures is None:
+                log.warning("remote tier %s: the link probe got no answer; its first hits load unplanned",
+                            remote.url.redacted)
+                return
+            self.cache.tiers.rates.seed("remote", figures.bytes_per_s, figures.rtt_s, source="link probe",
+                                        points=figures.points())
+            self.figures = figures
+        except Exception:        # noqa: BLE001 -- a probe is a nicety: the tier works without it
+            log.exception("the remote tier's link probe failed")
+        finally:
+            self.done.set()
+
+    def join(self, timeout: float) -> bool:
+        self._thread.join(timeout)
+        return self.done.is_set()
