@@ -336,11 +336,18 @@ class Engine:
         self._stop.set()
         self._inbox.put(None)
         self._thread.join(timeout=max(1.0, deadline - time.monotonic()))
-        flushed = self.cache.flush()
+        try:
+            flushed = self.cache.flush()
+        except Exception:       # a tier in trouble: the cache and the ledger still close below
+            log.exception("engine close: the final flush failed")
+            flushed = FlushResult(0, False)
         if not flushed.complete:
-            log.error("engine close: the final flush lost writes (disk write_errors in cache_status); "
-                      "those blocks will miss after a restart")
-        self.cache.close()
+            log.error("engine close: the final flush is incomplete (%s: lost writes are the disk's write_errors); "
+                      "the blocks not held will miss after a restart", flushed.to_dict())
+        try:
+            self.cache.close()
+        except Exception:
+            log.exception("engine close: closing the cache failed")
         if self.billing is not None:
             self.billing.close()        # commits every finished request's bill, then stops
         if self.ledger is not None:

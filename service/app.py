@@ -92,7 +92,11 @@ def create_app(engine: Any, settings: ServiceSettings = ServiceSettings()) -> Fa
         moved aside or unavailable, or an open remote breaker, is a smaller cache: reported, still
         ready."""
         c = ctx(request)
-        status = await run_in_threadpool(c.engine.cache_status)
+        try:
+            status = await run_in_threadpool(c.engine.cache_status)
+        except Exception as e:    # NOTE: a tier in trouble is a 503 with the reason, never a 500 (issue 28)
+            log.error("/ready: the cache status failed", exc_info=e)
+            status = {"error": f"the cache status failed ({type(e).__name__}: {e})"}
         body = readiness(status, draining=c.dispatcher.draining or c.engine_closed, alive=engine_alive(c.engine))
         return JSONResponse(body, status_code=200 if body["ready"] else 503)
 
@@ -140,7 +144,7 @@ def readiness(status: dict, draining: bool, alive: bool) -> dict:
         remote_state = "off"
     else:
         remote_state = "ok" if remote.get("breaker", "closed") == "closed" else f"breaker {remote.get('breaker')}"
-    reasons = []
+    reasons = [status["error"]] if "error" in status else []
     if draining:
         reasons.append("shutting down")
     if not alive:
@@ -163,8 +167,11 @@ async def shutdown(c: AppContext) -> None:
                     c.dispatcher.in_flight, c.settings.shutdown_timeout_s)
     if c.settings.close_engine_on_shutdown and not c.engine_closed:
         c.engine_closed = True
-        flushed = await asyncio.to_thread(c.engine.close)
-        log.info("%s", closed_line(flushed))
+        try:
+            flushed = await asyncio.to_thread(c.engine.close)
+            log.info("%s", closed_line(flushed))
+        except Exception:       # logged, never "Application shutdown failed" (issue 28)
+            log.exception("shutdown: closing the engine failed")
     c.dispatcher.shutdown()
 
 
@@ -174,7 +181,13 @@ def closed_line(flushed: Any) -> str:
         return "engine closed"
     n = flushed.written
     line = f"engine closed: flushed {n} block{'s' if n != 1 else ''} down to the lowest tier"
-    return line if flushed.complete else line + "; some writes were lost (see the disk's write_errors)"
+    if flushed.complete:
+        return line
+    held = getattr(flushed, "held", None)
+    if held is not None and held < flushed.blocks:
+        line += (f"; the disk holds {held} of {flushed.blocks} cached blocks ({flushed.evicted} evicted to make "
+                 "room)")
+    return line + "; incomplete (lost writes are the disk's write_errors)"
 
 
 class CatchAll(HTTPMiddleware):

@@ -11,15 +11,19 @@ block_hashes gives a router (`tieredkv route`) the caller's tenant's block hashe
 the keys this server's KV events name (a router cannot derive the tenant's namespace itself);
 billing shows the caller's tenant, and an admin any tenant (?tenant=X) or all of them;
 flush is admin-only. Blocking engine and ledger calls run in Starlette's threadpool.
+NOTE (issue 28): a tier in trouble never makes status or flush a 500: the tiers' stats are a
+state (storage/tiered_cache.py), and what a tier still raises is a 503 naming it (`_tier_call`).
 Doesn't know: generation, or how the engine computes a lookup.
 """
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 
+from engine.errors import EngineClosedError, QueueFullError
 from engine.outputs import TIERS
 from service.auth import check_tenant_name, require_admin
 from service.context import ctx
@@ -27,6 +31,7 @@ from service.errors import APIError, bad_request, from_engine_error
 from service.schemas import FlushRequest, LookupRequest, parse_body
 
 router = APIRouter(prefix="/v1/cache")
+log = logging.getLogger("tieredkv.service")
 
 
 async def _engine_call(fn: Any, *args: Any, **kwargs: Any) -> Any:
@@ -36,12 +41,25 @@ async def _engine_call(fn: Any, *args: Any, **kwargs: Any) -> Any:
         raise from_engine_error(e) from None
 
 
+async def _tier_call(fn: Any, what: str) -> Any:
+    """An engine call that reads or writes the tiers (status, flush): an error that is not the
+    engine's own (closed, busy) is a tier in trouble -- 503 with its reason, never a 500."""
+    try:
+        return await run_in_threadpool(fn)
+    except Exception as e:
+        if isinstance(e, (APIError, ValueError, EngineClosedError, QueueFullError)):
+            raise from_engine_error(e) from None
+        log.error("%s failed: a cache tier is in trouble", what, exc_info=e)
+        raise APIError(503, f"{what} failed: a cache tier is in trouble ({type(e).__name__}: {e})",
+                       code="cache_tier_unavailable") from None
+
+
 @router.get("/status")
 async def status(request: Request) -> Any:
     c = ctx(request)
     caller = c.caller(request)
     if caller.admin:
-        status = await _engine_call(c.engine.cache_status)
+        status = await _tier_call(c.engine.cache_status, "cache status")
         # The service's side of the same moment: requests admitted, and TTFT by where prompts came from.
         return {**status, "service": {"in_flight": c.dispatcher.in_flight,
                                       "ttft_by_source": c.metrics.recent_ttft.summary()}}
@@ -131,7 +149,7 @@ async def flush(request: Request) -> Any:
     req = await parse_body(request, FlushRequest, empty_ok=True)
     result: dict = {"flushed": req.tier or "all"}
     if req.tier is None:
-        result.update((await _engine_call(c.engine.flush)).to_dict())
+        result.update((await _tier_call(c.engine.flush, "flush")).to_dict())
     else:
         await _engine_call(c.engine.drop_tier, req.tier)
-    return {**result, "cache": await _engine_call(c.engine.cache_status)}
+    return {**result, "cache": await _tier_call(c.engine.cache_status, "cache status")}

@@ -39,15 +39,23 @@ _FLUSH_BATCH = 32     # blocks copied out per hold of the lock by flush/demote
 
 @dataclass(frozen=True, slots=True)
 class FlushResult:
-    """What a flush did: blocks written down, and whether every one of them (and every write
-    already queued) is now committed. complete=False is the truth after a dropped write (no room
-    even after evicting, an I/O error) or a timeout; the drops are in disk stats' write_errors."""
+    """What a flush did: blocks written down, and whether every cached block is in the lowest
+    tier now. complete=False is the truth after a dropped write (no room even after evicting, an
+    I/O error), a timeout, or -- with a disk tier -- a disk too small to hold them all: `held` of
+    the `blocks` the flush pushed down (or found there) are on disk once the writer is done, and
+    `evicted` blocks left the disk while it ran, to make room (issue 28: a small disk answered
+    complete while it held none). The drops are in disk stats' write_errors."""
     written: int
     complete: bool
     remote: bool | None = None   # every remote write sent (None: no remote tier)
+    evicted: int = 0             # blocks the disk evicted while the flush ran (its writes making room)
+    held: int | None = None      # of `blocks`, those the disk holds after the flush (None: no disk tier)
+    blocks: int = 0              # the cached blocks the flush pushed down to the disk or found there
 
     def to_dict(self) -> dict:
         d = {"written": self.written, "complete": self.complete}
+        if self.held is not None:
+            d.update(evicted=self.evicted, held=self.held, blocks=self.blocks)
         if self.remote is not None:
             d["remote"] = self.remote
         return d
@@ -176,16 +184,19 @@ class Cascade:
                        timeout=max(0.0, deadline - time.monotonic()))
 
     # ---- the operator's moves (caller's thread) ---------------------------------------------
-    def _copies_out(self, host_only: bool = False, skip: Callable[[BlockKey], bool] = lambda key: False
-                    ) -> Iterator[list[tuple[BlockKey, torch.Tensor]]]:
+    def _copies_out(self, host_only: bool = False, skip: Callable[[BlockKey], bool] = lambda key: False,
+                    seen: list[BlockKey] | None = None) -> Iterator[list[tuple[BlockKey, torch.Tensor]]]:
         """Every cached block (device pages unless host_only, then host slots) copied to the CPU
         under the lock a batch at a time, each batch yielded with no lock held (the caller may
         wait on a writer). A block that moved or left meanwhile is taken from where it is now, or
-        skipped (its own eviction queued it), as is one `skip(key)` (asked under the lock) names."""
+        skipped (its own eviction queued it), as is one `skip(key)` (asked under the lock) names.
+        `seen` receives every block taken into account."""
         t = self.t
         with t.lock:
             todo = [] if host_only else [t.pool.key_of(p) for p in t.pool.cached_pages()]
             todo += [key for _, key in t.host.blocks()]
+        if seen is not None:
+            seen.extend(todo)
         for start in range(0, len(todo), _FLUSH_BATCH):
             copies = []
             with t.lock:
@@ -200,15 +211,16 @@ class Cascade:
                         copies.append((key, src.to("cpu", copy=True)))
             yield copies
 
-    def copy_down(self, host_only: bool = False) -> int:
+    def copy_down(self, host_only: bool = False, seen: list[BlockKey] | None = None) -> int:
         """Every cached block the next tier below lacks (device pages unless host_only, then host
-        slots) queued for it, waiting for room with no lock held. Returns blocks queued."""
+        slots) queued for it, waiting for room with no lock held. Returns blocks queued; `seen`
+        receives every cached block it took into account (queued, or held below already)."""
         below = self.t.next_down
         # A store may be down: each block waits a bounded time (then drops, counted); the disk's
         # writer always drains, so a disk put waits as long as it takes.
         timeout = None if below.local else self.remote_timeout_s * 4
         written = 0
-        for copies in self._copies_out(host_only, skip=below.contains):
+        for copies in self._copies_out(host_only, skip=below.contains, seen=seen):
             queued = [key for key, block in copies if below.put(key, block, wait=True, timeout=timeout)]
             with self.t.lock:
                 for _ in queued:
@@ -229,11 +241,18 @@ class Cascade:
         disk_mark = None if t.disk is None else t.disk.write_failures()   # likewise the disk's drops
         with t.lock:
             self.drain_through(wait=True)
-        complete = True
+        complete, evicted, held, seen = True, 0, None, []
         if t.next_down is not None:
-            written = self.copy_down()
+            evictions = None if t.disk is None else t.disk.stats().evictions
+            written = self.copy_down(seen=seen)
             if t.disk is not None:
                 complete = t.disk.flush(timeout, since=disk_mark)
+                # NOTE: complete means on disk now -- the writer done is not enough: a disk smaller
+                # than the cache evicts this flush's own blocks to make room for the next ones.
+                evicted = t.disk.stats().evictions - evictions
+                seen = list({key.hash: key for key in seen}.values())   # a block on device and host: once
+                held = sum(map(t.disk.contains, seen))
+                complete = complete and held == len(seen)
         elif not t.host.enabled:
             return FlushResult(0, True)
         else:
@@ -241,7 +260,7 @@ class Cascade:
                 written = len(self._copy_to_host([(t.pool.key_of(page), page) for page in t.pool.cached_pages()]))
                 t.transfer.sync_host()
         remote = None if t.remote is None else t.remote.flush(timeout, since=remote_mark)
-        return FlushResult(written, complete, remote)
+        return FlushResult(written, complete, remote, evicted, held, len(seen))
 
     def demote(self, tier: str) -> int:
         """Evict every unused cached block of `tier` one step down the cascade (device -> host

@@ -58,7 +58,11 @@ class MetaPage:
 
 def _read_meta(f, offset: int, index: int) -> MetaPage | None:
     f.seek(offset)
-    p = f.read(_META_BYTES)
+    return parse_meta(f.read(_META_BYTES), index)
+
+
+def parse_meta(p: bytes, index: int) -> MetaPage | None:
+    """Meta page `index` (0 or 1) from its first bytes, None when they are not a sound one."""
     if len(p) < _META_BYTES:
         return None
     pgno, = struct.unpack_from("<Q", p, 0)

@@ -3,10 +3,11 @@
 Knows: the public face of the disk tier (storage/lower_tier.py's verbs and the operator's) --
 put (handed to the background writer), verified reads served from the store or from a put
 still pending, deletes, flush/close, stats, iteration, verify/repair and the check() audit --
-and this process's counters. Its parts live beside it in storage/disk/: environment.py (opening,
-the transaction gate), records.py (the databases and their formats), writer.py and pending.py
-(the queue, the pool that compresses, and the thread that commits and evicts), integrity.py (what a servable
-block and a consistent store are), index.py (the stored hashes in memory), stats.py.
+and this process's counters. Its parts live beside it in storage/disk/: environment.py (opening),
+gate.py (every transaction), liveness.py (the files checked before each), verdicts.py and
+replacement.py (damage; the store replaced while serving), records.py (databases, formats),
+writer.py and pending.py (the queue, the encode pool, the thread that commits and evicts),
+integrity.py (verify, audit), index.py (the stored hashes in memory), stats.py.
 Doesn't know: the other tiers, models, or when a block should be demoted (storage/cascade.py).
 
 Every counter that defines capacity lives in `info` and changes in the same write
@@ -45,9 +46,10 @@ from storage.codec.payload import Codec
 from storage.codec.stored_block import BlockMeta, verify_and_decode
 from storage.disk.integrity import DamagedBlock, VerifyReport, audit, verify_store
 from storage.disk.index import DiskIndex
-from storage.disk.environment import (DiskUnavailable, EnvGate, Opened, data_file_id, default_map_size,
-                                      open_env, open_for_writing)
-from storage.disk.preflight import DamagedEnvironment, opening
+from storage.disk.environment import DiskUnavailable, default_map_size, open_env, open_writable
+from storage.disk.gate import EnvGate
+from storage.disk.preflight import DamagedEnvironment
+from storage.disk.replacement import MAX_REPLACEMENTS, StoreReplacement
 from storage.disk.stats import DiskBlockInfo, DiskStats, _Counters
 from storage.disk.pagewalk import check_pages
 from storage.disk.records import (DISK_FORMAT_VERSION, StoreInfo, delete_in_txn, load_capacity, load_info,
@@ -59,8 +61,8 @@ from storage.malloc_tuning import keep_freed_memory
 from storage.lower_tier import private_copy
 from storage.hashing import BlockKey
 
-__all__ = ["DISK_FORMAT_VERSION", "DamagedBlock", "DamagedEnvironment", "DiskBlockInfo", "DiskStats", "DiskTier",
-           "DiskUnavailable", "VerifyReport", "default_map_size"]
+__all__ = ["DISK_FORMAT_VERSION", "MAX_REPLACEMENTS", "DamagedBlock", "DamagedEnvironment", "DiskBlockInfo",
+           "DiskStats", "DiskTier", "DiskUnavailable", "VerifyReport", "default_map_size"]
 
 log = logging.getLogger(__name__)
 
@@ -68,9 +70,6 @@ log = logging.getLogger(__name__)
 # ledger beside it, logs and the rest of the machine need it (issue 17: a full filesystem failed
 # every request, the ledger unable to commit while the KV store kept the disk full).
 DEFAULT_RESERVE_BYTES = 256 << 20
-# Damaged stores one process replaces before it turns its disk tier off (a sick drive).
-MAX_REPLACEMENTS = 8
-
 
 
 class DiskTier:
@@ -106,24 +105,24 @@ class DiskTier:
         self._decode_threads = decode_threads or os.cpu_count() or 1
         if readonly and not os.path.isfile(os.path.join(self.path, "data.mdb")):
             raise FileNotFoundError(f"{self.path} holds no disk tier (no data.mdb)")
-        self.recovered: str | None = None       # the last damaged store moved aside: where, and why
+        recovered: str | None = None             # a damaged store moved aside at open: where, and why
         self._map_size = map_size or default_map_size(capacity_bytes)
         if readonly:
             env, dbs = open_env(self.path, self._map_size, readonly=True)   # damage: raises
             hashes = None
         else:
-            # A damaged store is moved aside here; a full filesystem raises DiskUnavailable
-            # before LMDB maps anything (the cache then runs without this tier).
-            with opening(self.path):
-                opened = open_for_writing(self.path, self._map_size, capacity_bytes)
-            env, dbs, hashes, self.recovered = opened.env, opened.dbs, opened.hashes, opened.recovered
+            # A damaged store is moved aside here; a full filesystem or a directory this process
+            # cannot write raises DiskUnavailable before LMDB maps anything (no tier, a server).
+            opened = open_writable(self.path, self._map_size, capacity_bytes)
+            env, dbs, hashes, recovered = opened.env, opened.dbs, opened.hashes, opened.recovered
         self._gate = EnvGate(env, dbs, self.path)   # NOTE: every transaction goes through it
         self._begin = self._gate.begin
         self._closed = False
         self._stats_lock = threading.Lock()
-        self._counters = _Counters(moved_aside=int(self.recovered is not None))
+        self._counters = _Counters(moved_aside=int(recovered is not None))
         self._last_read_error_log = -1e9
-        self._last_info = self._read_info()
+        self._last_info = (StoreInfo(), capacity_bytes)
+        self._read_info()
         self._pool: ThreadPoolExecutor | None = None
         # Every stored hash, read once at open: contains() is asked for every block of every
         # waiting request on every engine step, and must not read LMDB each time.
@@ -132,11 +131,17 @@ class DiskTier:
         # Built readonly too (nothing pending, ever), but its thread runs only for a writer.
         self._writer = DiskWriter(self._gate, codec, capacity_bytes, queue_blocks, batch_blocks, self._count,
                                   self._index, reserve_bytes, self._map_size, encode_threads)
-        self._replace_lock = threading.Lock()    # one replacement of a damaged store at a time
+        self._replacement = StoreReplacement(self.path, self._map_size, capacity_bytes, self._gate, self._index,
+                                             self._count, lambda: self._counters.moved_aside, recovered)
         if not readonly:
-            self._gate.on_damage = self._replace_damaged
-            self._writer.on_tick = self._follow
+            self._gate.on_damage = self._replacement.damaged
+            self._writer.on_tick = self._replacement.tick
             self._writer.start()
+
+    @property
+    def recovered(self) -> str | None:
+        """The last damaged store moved aside (at open or while serving): where, and why."""
+        return self._replacement.recovered
 
     # The environment and its database handles are the gate's: a damaged store is replaced under
     # it. NOTE: use the handles inside a transaction only (a replacement waits for none open).
@@ -403,7 +408,7 @@ class DiskTier:
         self.flush()
         self._writer.stop()
         self._writer.join()        # before _stopping: its last commits still need transactions
-        self._last_info, self._last_capacity = self._read_info(), self._store_capacity()
+        self._read_info()
         self._gate.close()         # waits for every open transaction, then unmaps
         if self._pool is not None:
             self._pool.shutdown()
@@ -416,11 +421,10 @@ class DiskTier:
         self.close()
 
     def stats(self) -> DiskStats:
-        info = self._last_info if self._closed else self._read_info()
+        info, capacity = self._last_info if self._closed else self._read_info()
         with self._stats_lock:
             c = _Counters(**{f: getattr(self._counters, f) for f in _Counters.__slots__})
         pending = self._writer.pending_count()
-        capacity = self._last_capacity if self._closed else self._store_capacity()
         return DiskStats(capacity_bytes=capacity, used_bytes=info.used_bytes, raw_bytes=info.raw_bytes,
                          blocks=info.blocks,
                          compression_ratio=info.raw_bytes / info.used_bytes if info.used_bytes else 0.0,
@@ -460,7 +464,7 @@ class DiskTier:
             # NOTE: no block is read through a damaged page pointer (it may SIGBUS).
             done: tuple[str, ...] = ()
             if repair:
-                self._replace_damaged(e, generation)
+                self._replacement.damaged(e, generation)
                 done = (f"store {self.recovered}",)
             return VerifyReport(0, (), 0, (str(e),), done)
         store = tuple(self.check())
@@ -481,73 +485,6 @@ class DiskTier:
         Returns the problems found (empty when consistent)."""
         self._check_open()
         return audit(self._begin, lambda: self._dbs, self._store_capacity())
-
-    # -- internals: a damaged store -------------------------------------------------------
-
-    def _replace_damaged(self, e: BaseException, generation: int) -> None:
-        """The gate's on_damage: a transaction of this process found the store damaged (LMDB's
-        MDB_CORRUPTED and kin, or StoreDamaged). Move it aside and open a fresh one in its place,
-        with no transaction open (EnvGate.replace); pending puts stay queued and go to the fresh
-        store. Runs on the thread that saw the damage (a loader worker or the writer, never the
-        engine thread, which reads no LMDB). Once per damage: a second report of the same store
-        finds the generation moved on."""
-        reason = f"{type(e).__name__}: {e}"
-        with self._replace_lock:
-            try:
-                opened = self._swap_store(generation, reason)
-            except Exception as err:
-                log.error("disk tier %s: the store is damaged (%s) and no fresh one could be opened (%s); "
-                          "running without the disk tier", self.path, reason, err)
-                self._index.clear()
-                return
-            if opened is None:
-                return
-            self.recovered = opened.recovered
-            self._count(moved_aside=1)
-        log.error("disk tier %s: damaged while in use (%s): %s; serving goes on with an empty disk tier",
-                  self.path, reason, opened.recovered)
-
-    def _follow(self) -> None:
-        """The writer's tick: when data.mdb is no longer the file this process maps (another
-        process sharing the directory moved a damaged store aside), take the fresh one."""
-        now = data_file_id(self.path)
-        if now is None or now == self._gate.file_id:
-            return
-        log.warning("disk tier %s: another process replaced the store; following it", self.path)
-        with self._replace_lock:
-            try:
-                self._swap_store(self._gate.generation, None)
-            except Exception:
-                log.exception("disk tier %s: following the replaced store failed", self.path)
-
-    def _swap_store(self, generation: int, reason: str | None) -> Opened | None:
-        """Put a store in place of the one the gate maps (EnvGate.replace), and the index with it.
-        `reason`: this process found the store damaged -- it is moved aside (unless another process
-        sharing the directory replaced it already: that fresh store is taken as it is) and the
-        damaged environment abandoned; None: another process replaced it, which is followed. None
-        returned when the store was replaced since `generation`; raises when no store can be had
-        (the tier is then down)."""
-        got: list[Opened] = []
-
-        def reopen():
-            if reason is not None:
-                with self._stats_lock:
-                    replaced = self._counters.moved_aside
-                if replaced >= MAX_REPLACEMENTS:
-                    # NOTE: a disk that keeps damaging fresh stores is off for this process (each
-                    # damaged environment is abandoned, not closed: this bounds what they hold).
-                    raise DiskUnavailable(f"{self.path}: {replaced} stores damaged in this process; the disk "
-                                          "tier is off until a restart (check the drive)")
-            with opening(self.path):
-                theirs = data_file_id(self.path) not in (None, self._gate.file_id)
-                opened = open_for_writing(self.path, self._map_size, self.capacity_bytes,
-                                          reason=None if theirs else reason)
-            self._index.replace(opened.hashes)
-            got.append(opened)
-            return opened.env, opened.dbs
-        if not self._gate.replace(generation, reopen, damaged=reason is not None):
-            return None
-        return got[0]
 
     # -- internals: reading --------------------------------------------------------------
 
@@ -577,20 +514,20 @@ class DiskTier:
     # -- internals: info, direct deletes, counters -----------------------------------------
 
     def _store_capacity(self) -> int:
-        try:
-            with self._begin() as txn:
-                return load_capacity(txn, self._dbs) or self.capacity_bytes
-        except DiskUnavailable:
-            return self.capacity_bytes
+        return self._read_info()[1]
 
-    def _read_info(self) -> StoreInfo:
-        """The store's counters; empty while the tier has no store (stats() never raises for it:
-        /metrics and status read it)."""
+    def _read_info(self) -> tuple[StoreInfo, int]:
+        """The store's counters and capacity; empty while the tier has no store, the last ones read
+        when this read fails (stats() never raises: /ready, /metrics and status read it; damage
+        found here is reported by the gate and the store replaced, as for any read)."""
         try:
             with self._begin() as txn:
-                return load_info(txn, self._dbs)
+                self._last_info = load_info(txn, self._dbs), load_capacity(txn, self._dbs) or self.capacity_bytes
         except DiskUnavailable:
-            return StoreInfo()
+            return StoreInfo(), self.capacity_bytes
+        except Exception as e:      # noqa: BLE001 -- lmdb.Error, OSError, damage: a state, not a 500
+            self._read_failed("reading its counters", e)
+        return self._last_info
 
     def _delete_now(self, hashes: Iterable[bytes], recount: bool = False) -> int:
         """Delete blocks in a short write transaction of the calling thread. Returns how many."""

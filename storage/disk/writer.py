@@ -41,7 +41,8 @@ from storage.background_writer import BackgroundWriter
 from storage.pool_drain import drain_on
 from storage.priority import background_priority
 from storage.codec.payload import Codec
-from storage.disk.environment import EnvGate, is_damage, is_no_space
+from storage.disk.gate import EnvGate
+from storage.disk.verdicts import is_damage, is_no_space
 from storage.disk.records import (StoreDamaged, StoreInfo, delete_in_txn, load_capacity, load_info, lru_hash,
                                   lru_key, read_meta, store_info)
 from storage.disk.index import DiskIndex
@@ -95,19 +96,18 @@ class DiskWriter(BackgroundWriter[_Batch]):
         self._pending: dict[bytes, PendingBlock] = {}   # every put not yet committed (queued or in flight)
         self._queue: deque[bytes] = deque()             # pending hashes the writer has not taken yet
         self._touches: dict[bytes, int] = {}            # hash -> hits to record, in access order
-        # NOTE: a put in the writer's hands (taken, encoding or committing) was cancelled when
-        # _pending no longer maps its hash to that very PendingBlock (a delete popped it, maybe a
-        # new put of the same hash replaced it): checked inside the commit's transaction.
+        # NOTE: a put in the writer's hands (taken, encoding or committing) was cancelled when _pending
+        # no longer maps its hash to that very PendingBlock (a delete popped it, or a new put of the
+        # same hash replaced it): checked inside the commit's transaction.
         self._encode_threads = encode_threads or os.cpu_count() or 1
         self._encoder: ThreadPoolExecutor | None = None  # writer thread only; built at the first encode
         self._dropped = 0                               # blocks ever dropped (never committed)
-        self._last_reader_check = 0.0                   # writer thread only
-        # Called on the writer thread after each commit with (key, payload, raw size) of every
-        # block it stored: the remote tier's write-behind, so a block is compressed once for both.
+        self._last_reader_check, self._warned_capacity = 0.0, False   # writer thread only
+        # Called on the writer thread after each commit with (key, payload, raw size) of every block
+        # it stored: the remote tier's write-behind (a block is compressed once for both).
         self.on_commit: Callable[[list], None] | None = None
-        self._warned_capacity = False                   # writer thread only
-        # Called on the writer thread every few seconds (with the stale-reader check): the tier
-        # follows a store another process sharing the directory moved aside (DiskTier._follow).
+        # Called on the writer thread every few seconds (with the stale-reader check): the store's
+        # files checked, a store another process moved aside followed (storage/disk/replacement.py).
         self.on_tick: Callable[[], None] | None = None
         # The filesystem's free space (issue 17, item 2): the store never grows into the last
         # `reserve_bytes` of it (the billing ledger and everything else on the disk need them).
@@ -220,7 +220,7 @@ class DiskWriter(BackgroundWriter[_Batch]):
         if self.on_tick is not None:
             self.on_tick()
         try:
-            n = self._gate.env.reader_check()
+            n = 0 if self._gate.down is not None else self._gate.env.reader_check()   # (an abandoned env: not)
         except lmdb.Error as e:
             log.warning("disk tier: reader_check failed: %s", e)
             return 0
@@ -311,7 +311,7 @@ class DiskWriter(BackgroundWriter[_Batch]):
         # At most a tenth of the filesystem: a reserve larger than a small disk would leave no tier.
         reserve = min(self._reserve, st.f_blocks * st.f_frsize // 10)
         room = free - reserve
-        current = self._gate.env.info()["map_size"]
+        current = self._gate.info()["map_size"]     # after the files' check (it reads the map)
         if current != self._last_set and current > self._full_map:
             self._full_map = current          # another process grew the map: that is the full size now
         target = min(self._full_map, used + max(0, room))

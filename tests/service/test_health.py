@@ -3,6 +3,8 @@ full filesystem is never a failed request. A real HTTP server on loopback, its c
 a real tmpfs filled to the last byte."""
 from __future__ import annotations
 
+import logging
+import os
 import time
 from pathlib import Path
 
@@ -63,3 +65,80 @@ def test_health_is_503_once_the_engine_loop_stopped(tmp_path: Path, tokenizer) -
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_stopped"
         ready = c.get("/ready")
         assert ready.status_code == 503 and "the engine loop has stopped" in ready.json()["reasons"]
+
+
+class Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def _serve_some(c, eng, n: int = 6) -> None:
+    for i in range(n):
+        r = c.post(COMPL, json={"model": eng.model_name, "prompt": f"tell me about the number {i} " * 6,
+                                "max_tokens": 2})
+        assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("change", ["garbage", "zero-meta"])
+def test_a_disk_tier_damaged_while_serving_leaves_every_health_route_answering(tmp_path: Path, tokenizer,
+                                                                               change: str) -> None:
+    """Issue 28, item 2: garbage in data.mdb (or its meta pages zeroed) while serving left the disk
+    tier dead and /ready, /v1/cache/status and POST /v1/cache/flush answering 500, and shutdown
+    logged "Application shutdown failed". Now the store is moved aside at the next touch and a
+    fresh one serves: the routes answer, the flush's blocks land in the fresh store."""
+    eng = build_engine(tmp_path, tokenizer)
+    data = tmp_path / "kv" / "data.mdb"
+    lifespan = Records()                          # uvicorn's own logger does not reach the root's
+    logging.getLogger("uvicorn.error").addHandler(lifespan)
+    with ServerThread(eng, ServiceSettings(close_engine_on_shutdown=True)) as s, s.client() as c:
+        _serve_some(c, eng)
+        first = c.post("/v1/cache/flush", json={})
+        assert first.status_code == 200 and first.json()["complete"] is True, first.text
+        size = data.stat().st_size
+        with open(data, "r+b") as f:
+            f.write(os.urandom(size) if change == "garbage" else bytes(2 * 4096))
+        ready = c.get("/ready")
+        assert ready.status_code == 200, ready.text          # a smaller cache, still ready
+        assert ready.json()["tiers"]["disk"] == "recovered" and "FileChanged" in ready.json()["disk"]["recovered"]
+        assert c.get("/health").status_code == 200
+        status = c.get("/v1/cache/status")
+        assert status.status_code == 200 and status.json()["tiers"]["disk"]["moved_aside"] == 1, status.text
+        _serve_some(c, eng)
+        flushed = c.post("/v1/cache/flush", json={})
+        assert flushed.status_code == 200, flushed.text
+        body = flushed.json()
+        assert body["complete"] is True and body["held"] == body["blocks"] > 0, body   # all in the fresh store
+        assert first.json()["held"] == first.json()["blocks"] > 0
+        assert body["cache"]["tiers"]["disk"]["blocks"] == body["blocks"]
+    logging.getLogger("uvicorn.error").removeHandler(lifespan)
+    assert not [r for r in lifespan.records if "shutdown failed" in r.getMessage()], lifespan.records
+    assert [p for p in tmp_path.iterdir() if ".damaged-" in p.name]
+
+
+def test_a_read_only_cache_dir_starts_a_server_without_its_disk_tier(tmp_path: Path, tokenizer, tmpfs) -> None:
+    """Issue 28, item 4: OSError EROFS on '<cache>/kv.open-lock' stopped the server from starting.
+    Now the disk tier is off, and the startup summary and /ready say why (the ledger lives
+    elsewhere here: a read-only ledger is engine/billing's to handle)."""
+    from engine.model import model_from_config
+    from service.summary import startup_summary
+    from tests.service.tiny_engine import BLOCK_SIZE, tiny_config
+    from tests.storage.test_disk_liveness import read_only_dir
+    from tieredkv import CacheConfig, Engine
+    ro = read_only_dir(tmp_path, tmpfs)
+    loaded = model_from_config(tiny_config(len(tokenizer)), tokenizer=tokenizer, seed=0)
+    cache = CacheConfig(block_size=BLOCK_SIZE, device_memory="1MiB", host_memory="512KiB",
+                        disk_dir=str(ro / "kv"), disk_capacity="64MiB")
+    eng = Engine.from_loaded(loaded, cache, ledger_dir=str(tmp_path / "billing"))
+    with ServerThread(eng, ServiceSettings(close_engine_on_shutdown=True)) as s, s.client() as c:
+        rows = dict(startup_summary(eng, s.url))
+        assert "unavailable" in rows["disk tier"] and "not writable" in rows["disk tier"], rows["disk tier"]
+        _serve_some(c, eng, 2)
+        ready = c.get("/ready")
+        assert ready.status_code == 200 and ready.json()["tiers"]["disk"] == "unavailable", ready.text
+        assert "not writable" in ready.json()["disk"]["unavailable"]
+        flushed = c.post("/v1/cache/flush", json={})
+        assert flushed.status_code == 200, flushed.text
