@@ -9,7 +9,7 @@ import os
 
 from transformers import AutoTokenizer, LlamaConfig
 
-from engine.gguf_cache import converted_dir
+from engine.gguf_cache import find_conversion
 from engine.model import default_gguf_path, model_from_config
 from tieredkv import CacheConfig, Engine
 
@@ -17,9 +17,10 @@ BLOCK_SIZE = 8
 
 
 def default_tokenizer_dir() -> str | None:
-    """The converted default model's directory, if the one-time conversion has happened."""
-    d = converted_dir(default_gguf_path())
-    return str(d) if (d / "tokenizer.json").is_file() else None
+    """The converted default model's directory, if the one-time conversion has happened (in any
+    dtype: a CPU with native bf16 converts to bf16 only)."""
+    d = find_conversion(default_gguf_path())
+    return str(d) if d is not None and (d / "tokenizer.json").is_file() else None
 
 
 def load_tokenizer(path: str):
