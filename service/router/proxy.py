@@ -207,12 +207,14 @@ class Proxy:
                 self._refused(b, got.reason, got.label)
                 continue
             status = upstream.status_code
-            b.dropped = b.refused_in_row = 0
-            if status >= 500:
+            if status == 503:               # shutting down, and no other backend is left to try
+                self.backends.mark_down(b, "answered 503")
+            elif status >= 500:
                 # A good error body, but a 5xx: the backend is in trouble; another may answer.
                 last_error = got
                 self._refused(b, f"answered {status}", f"http_{status}")
                 continue
+            b.dropped = b.refused_in_row = 0
             self.metrics.requests.labels(b.url, str(status)).inc()
             if blocks is not None and status == 200:
                 self.metrics.prompt_tokens.labels(b.url).inc(blocks.prompt_tokens)
