@@ -491,6 +491,33 @@ def ignored_header_value(names: list[str]) -> str:
     return ",".join(shown + (["..."] if len(names) > 32 else []))
 
 
+def check_json_content_type(content_type: str | None) -> None:
+    """APIError 415 unless `content_type` is JSON's (what a generation route requires)."""
+    if not is_json_media_type(content_type):
+        raise _unsupported_media_type(content_type)
+
+
+def decode_json_object(raw: bytes) -> dict[str, Any]:
+    """A body's bytes as a JSON object, or APIError 400: malformed JSON or invalid UTF-8, nesting
+    past the parser's depth, an integer past Python's digit limit, a body that is not an object,
+    or a string or key that is not valid Unicode. The service and the router (which must refuse
+    what a backend refuses, the same way) both parse with this."""
+    try:
+        data = json.loads(raw)
+    except RecursionError:
+        raise bad_request("malformed JSON body: nested too deeply", code="invalid_json") from None
+    except ValueError as e:
+        # JSONDecodeError, UnicodeDecodeError, and the ValueError of an integer longer than
+        # sys.get_int_max_str_digits() (4300 digits).
+        raise bad_request(f"malformed JSON body: {e}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise bad_request("request body: expected a JSON object")
+    bad = _bad_string(data)
+    if bad is not None:
+        raise bad_request(f"{bad}: not valid Unicode (a lone surrogate such as \\ud800)", param=bad)
+    return data
+
+
 async def parse_body(request: Request, model: type[M], *, empty_ok: bool = False) -> M:
     """The request's JSON body as `model`; APIError 415 when it is not sent as JSON, 400 for
     malformed JSON, a body that is not an object, any field of the wrong type (the message names
@@ -501,21 +528,11 @@ async def parse_body(request: Request, model: type[M], *, empty_ok: bool = False
         raise _unsupported_media_type(content_type)
     raw = await read_body(request)
     if not raw.strip() and empty_ok:
-        data: Any = {}
+        data: dict[str, Any] = {}
     else:
         if not json_type:
             raise _unsupported_media_type(content_type)
-        try:
-            data = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise bad_request(f"malformed JSON body: {e}", code="invalid_json") from None
-        except RecursionError:
-            raise bad_request("malformed JSON body: nested too deeply", code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise bad_request("request body: expected a JSON object")
-    bad = _bad_string(data)
-    if bad is not None:
-        raise bad_request(f"{bad}: not valid Unicode (a lone surrogate such as \\ud800)", param=bad)
+        data = decode_json_object(raw)
     lenient = getattr(request.app.state, "unknown_fields", "reject") == "ignore"
     try:
         return model.model_validate(data)

@@ -269,6 +269,9 @@ def route(
     health_interval: float = typer.Option(2.0, help="Seconds between health checks of each backend."),
     prediction_ttl: float = typer.Option(30.0, help="Seconds a routed prompt's blocks count as on its backend "
                                          "before its events confirm them (without events: the only knowledge)."),
+    eject_cooldown: float = typer.Option(5.0, help="Seconds a server whose answers failed (garbage, a 5xx, a "
+                                         "timeout) stays ejected before a probe completion may readmit it; "
+                                         "doubled after each failed probe, up to 60."),
     log_level: str = typer.Option("info", help="uvicorn log level."),
 ) -> None:
     """Route OpenAI requests over several servers: each to the one holding its prompt's prefix.
@@ -276,7 +279,8 @@ def route(
     Subscribes to every backend's KV events (serve --kv-events), keeps an index of which server
     holds which block on which tier, and sends each request where its longest prefix is cached,
     weighed against the requests in flight there. Streams pass through; a dead backend gets no
-    traffic; a request whose connection fails before any answer goes to another backend.
+    traffic; a request whose connection fails, or whose answer is garbage or a 5xx, before any
+    byte reaches the client goes to another backend, and that backend is ejected until a probe passes.
     """
     import logging
 
@@ -284,7 +288,8 @@ def route(
     from service.router.settings import RouterSettings
     settings = RouterSettings(backends=tuple(backend), host=host, port=port, api_key=api_key_of(api_key),
                               load_tokens=load_tokens, health_interval_s=health_interval,
-                              prediction_ttl_s=prediction_ttl)
+                              prediction_ttl_s=prediction_ttl, eject_cooldown_s=eject_cooldown,
+                              eject_cooldown_max_s=max(60.0, eject_cooldown))
     sock = bind_socket(host, port)
     sock.listen(2048)
     bound = sock.getsockname()

@@ -7,8 +7,11 @@ One concept per file:
     index.py       block hash -> {backend: the media holding it}, plus routing-time predictions
     subscriber.py  one backend's event stream: ZMQ SUB, sequence gaps filled by replay
     backends.py    the backend set: health checks, in-flight counts, a subscriber per backend
+    ejection.py    passive health: ejected by real answers, readmitted by a probe after a cool-down
     policy.py      which backend gets a request: longest weighted prefix against load
-    proxy.py       forwarding one request (streams unbuffered; retries before any byte is sent)
+    answers.py     what a backend's answer must look like (bodies, error objects, SSE events)
+    relay.py       one answer judged before the client sees a byte, then relayed event by event
+    proxy.py       forwarding one request (retries, and ejects, before any byte is sent)
     metrics.py     /metrics of the router
     settings.py    RouterSettings: the knobs, validated
     app.py         the FastAPI app: routes, lifespan

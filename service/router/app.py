@@ -5,12 +5,16 @@ GET /v1/models[/{id}] (to any backend up), GET /health (200 while a backend is u
 backend's state and event stream; 503 when none is) and GET /metrics -- and the lifespan: one
 httpx client, the backend set's first health check before the first request, and its health
 loop and subscribers stopped at shutdown. The router checks no key itself: the Authorization
-header goes to the backend, which does (and which alone derives the tenant).
+header goes to the backend, which does (and which alone derives the tenant). A generation body
+is parsed as a backend parses it (service.schemas: 415 unless JSON, 400 for malformed JSON or
+UTF-8, nesting too deep, a huge integer, a non-object, a lone surrogate) and refused here with
+the backend's status and OpenAI's error body; its fields are the backend's to validate (it may
+run with --lenient-fields), and its 400 is relayed. Every answer of the router's own is
+OpenAI's JSON error body, an exception that escapes a route included (a 500).
 Doesn't know: how a backend is chosen (policy.py) or forwarded to (proxy.py).
 """
 from __future__ import annotations
 
-import json
 import logging
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
@@ -19,7 +23,10 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.types import Receive, Scope, Send
 
+from service.errors import APIError, install_error_handlers
+from service.http_middleware import HTTPMiddleware, StatusSend
 from service.request_body import read_limited
 from service.router.backends import BackendSet
 from service.router.index import PrefixIndex
@@ -27,6 +34,7 @@ from service.router.metrics import RouterMetrics
 from service.router.policy import Policy
 from service.router.proxy import Proxy, error
 from service.router.settings import RouterSettings
+from service.schemas import check_json_content_type, decode_json_object
 
 log = logging.getLogger("tieredkv.router")
 
@@ -42,7 +50,9 @@ class Router:
         self.backends = BackendSet(list(settings.backends), self.index, self.client,
                                    health_interval_s=settings.health_interval_s,
                                    health_timeout_s=settings.health_timeout_s, api_key=settings.api_key,
-                                   replay_timeout_s=settings.replay_timeout_s)
+                                   replay_timeout_s=settings.replay_timeout_s,
+                                   eject_cooldown_s=settings.eject_cooldown_s,
+                                   eject_cooldown_max_s=settings.eject_cooldown_max_s)
         self.metrics = RouterMetrics(self.backends)
         self.proxy = Proxy(self.backends, self.index, Policy(settings.load_tokens, settings.queue_weight, dict(settings.weights)),
                            self.metrics, self.client, hash_timeout_s=settings.hash_timeout_s)
@@ -66,19 +76,22 @@ def create_router_app(settings: RouterSettings) -> FastAPI:
 
     app = FastAPI(title="tieredkv router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.router = router
+    install_error_handlers(app)             # 404/405 and the like in OpenAI's body
+    app.add_middleware(CatchAll)
 
     async def generation(request: Request, chat: bool) -> Response:
-        body = await read_limited(request, settings.max_body_bytes)
-        if body is None:
-            return error(413, f"request body: larger than the router's limit of {settings.max_body_bytes} bytes",
-                         "request_too_large")
         try:
-            doc = json.loads(body)
-        except ValueError:
-            doc = None          # the backend answers the 400
+            check_json_content_type(request.headers.get("content-type"))
+            body = await read_limited(request, settings.max_body_bytes)
+            if body is None:
+                return error(413, f"request body: larger than the router's limit of {settings.max_body_bytes} bytes",
+                             "request_too_large")
+            doc = decode_json_object(body)
+        except APIError as e:
+            return e.response()             # what a backend would answer, without asking one
         headers = dict(request.headers)
         blocks = await router.proxy.prompt_blocks(chat, doc, headers)
-        sse = isinstance(doc, dict) and doc.get("stream") is True
+        sse = doc.get("stream") is True
         return await router.proxy.forward("POST", request.url.path, body, headers, blocks, sse=sse)
 
     @app.post("/v1/completions")
@@ -109,3 +122,18 @@ def create_router_app(settings: RouterSettings) -> FastAPI:
         return Response(router.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+class CatchAll(HTTPMiddleware):
+    """An exception a route lets escape is a 500 with OpenAI's body (never Starlette's plain text),
+    logged; once a response has started nothing well-formed can be sent, so it propagates."""
+
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        sent = StatusSend(send)
+        try:
+            await self.app(scope, receive, sent)
+        except Exception:
+            log.exception("router: unhandled error in %s %s", scope.get("method"), scope.get("path"))
+            if sent.started:
+                raise
+            await APIError(500, "internal router error", code="internal_error").response()(scope, receive, send)

@@ -2,8 +2,9 @@
 
 Knows: counters the routes bump (requests routed per backend and status, retries, the prompt
 tokens routed and the prefix hit tokens the index predicted for them, requests the router
-itself had to fail) and gauges read at scrape time from the backend set (up, in flight, index
-blocks, the event streams' counters).
+itself had to fail) and, read at scrape time from the backend set, gauges (up, ejected, in
+flight, index blocks) and counters (ejections by reason, probes by outcome, readmissions,
+request failures that spared the last backend up, the event streams' counters).
 Doesn't know: how any of it is decided.
 """
 from __future__ import annotations
@@ -45,6 +46,16 @@ class _BackendCollector(Collector):
 
     def collect(self) -> Iterator:
         up = GaugeMetricFamily("tieredkv_router_backend_up", "1 while the backend gets traffic", labels=["backend"])
+        ejected = GaugeMetricFamily("tieredkv_router_backend_ejected", "1 while the backend is ejected (its answers "
+                                    "failed; a probe readmits it)", labels=["backend"])
+        ejections = CounterMetricFamily("tieredkv_router_ejections", "Backends taken out of rotation by their "
+                                        "answers, by reason", labels=["backend", "reason"])
+        probes = CounterMetricFamily("tieredkv_router_probes", "Readmission probes of ejected backends, by outcome",
+                                     labels=["backend", "outcome"])
+        readmitted = CounterMetricFamily("tieredkv_router_readmissions", "Ejected backends a probe readmitted",
+                                         labels=["backend"])
+        spared = CounterMetricFamily("tieredkv_router_spared", "Request failures that did not eject the backend, "
+                                     "the last one up", labels=["backend"])
         flight = GaugeMetricFamily("tieredkv_router_in_flight", "Requests the router has in flight on the backend",
                                    labels=["backend"])
         blocks = GaugeMetricFamily("tieredkv_router_index_blocks", "Blocks the index knows the backend holds "
@@ -55,9 +66,16 @@ class _BackendCollector(Collector):
             ("bad", "Event payloads that were not a KVEventBatch"))}
         for b in self.backends.backends:
             up.add_metric([b.url], 1.0 if b.healthy else 0.0)
+            ejected.add_metric([b.url], 1.0 if b.ejected else 0.0)
+            for reason, n in sorted(b.ejections.items()):
+                ejections.add_metric([b.url, reason], n)
+            for outcome in ("passed", "failed"):
+                probes.add_metric([b.url, outcome], b.probes.get(outcome, 0))
+            readmitted.add_metric([b.url], b.readmissions)
+            spared.add_metric([b.url], b.spared)
             flight.add_metric([b.url], b.in_flight)
             blocks.add_metric([b.url], self.backends.index.blocks(b.name))
             if b.subscriber is not None:
                 for k, fam in ev.items():
                     fam.add_metric([b.url], getattr(b.subscriber.stats, k))
-        yield from (up, flight, blocks, *ev.values())
+        yield from (up, ejected, ejections, probes, readmitted, spared, flight, blocks, *ev.values())

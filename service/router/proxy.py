@@ -8,40 +8,45 @@ gives the client the real error. (2) The policy picks a backend among the health
 tried yet; the prompt's blocks are predicted onto it at once (index.predict), so the next
 request for the same new prefix follows. (3) The request goes out with the client's headers
 (Authorization included; hop-by-hop ones dropped) and the router waits for the answer's status
-line and first body chunk. A connection that fails before then -- refused, reset, closed
-without an answer -- sends the request to the next backend (a refused one also takes the
-backend out of rotation until a health check finds it up), as does a 503 (the backend is shutting down) or a 429 (its queue is full) while
-another backend is left; nothing has reached the client yet. (4) From then on the body is
-relayed chunk by chunk as it arrives (an SSE stream unbuffered, usage chunks and all); a
-backend lost mid-stream ends an SSE stream with an error event (what a tieredkv server itself
-sends then) and any other body short.
+line, then for the answer to be judged (relay.py: a whole body, or a stream's first event).
+A 503 (the backend is shutting down) or a 429 (its queue is full) sends the request to the
+next backend while another is left; so does an answer that must not reach the client -- a
+connection refused or timed out, garbage, a 5xx -- and that answer ejects its backend
+(ejection.py: out until a probe readmits it). A connection dropped before an answer (reset,
+closed: perhaps a keep-alive race with a live backend) is retried too, and ejects after two in a
+row. Nothing has reached the client yet. When every backend failed, the client gets the last
+backend's own JSON error, or the router's 502. (4) From then on a stream is relayed event by
+event as events complete (usage chunks and all), each checked (relay.py).
 A retried request may have been partly run on the backend that failed (its bill included):
 that is the price of never failing a request a live backend could answer.
 Doesn't know: the HTTP app (app.py) or how the cheapest backend is computed (policy.py).
 """
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any
 
 import httpx
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
+from service.router import answers
 from service.router.backends import Backend, BackendSet
 from service.router.index import PrefixIndex
 from service.router.metrics import RouterMetrics
 from service.router.policy import Candidate, Choice, Policy, choose
+from service.router.relay import Refused, receive
 
 log = logging.getLogger("tieredkv.router")
 HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
               "transfer-encoding", "upgrade", "host", "content-length", "accept-encoding"}
-DROP_FROM_ANSWER = HOP_BY_HOP - {"content-length"} | {"server", "date"}
 BACKEND_HEADER = "x-tieredkv-backend"
-# Failures that mean the request never got an answer from a live backend: safe to send elsewhere.
-RETRYABLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.ReadError, httpx.WriteError,
-             httpx.RemoteProtocolError, httpx.PoolTimeout)
+# Failures that mean the request never got a usable answer from the backend: safe to send elsewhere.
+# A connection that cannot be made, and a timeout, eject the backend at once; a dropped one (DROPPED)
+# may be a keep-alive race with a live backend: two in a row eject it.
+DROPPED = (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
+RETRYABLE = (httpx.ConnectError, httpx.TimeoutException, httpx.NetworkError, httpx.ProtocolError)
+DROPS_TO_EJECT = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +57,8 @@ class PromptBlocks:
 
 
 def error(status: int, message: str, code: str) -> JSONResponse:
-    types = {502: "server_error", 503: "service_unavailable", 504: "timeout", 413: "invalid_request_error"}
+    types = {502: "server_error", 503: "service_unavailable", 504: "timeout", 413: "invalid_request_error",
+             400: "invalid_request_error", 415: "invalid_request_error"}
     return JSONResponse({"error": {"message": message, "type": types.get(status, "server_error"), "param": None,
                                    "code": code}}, status_code=status)
 
@@ -109,6 +115,17 @@ class Proxy:
         except httpx.HTTPError as e:
             self.metrics.hash_lookups.labels("transport_error").inc()
             log.debug("router: block hashes from %s failed: %s", b.url, e)
+            if isinstance(e, httpx.ConnectError):
+                b.was_down = True
+                self.backends.eject(b, f"{type(e).__name__}: {e}", "connect")
+            return None
+        got = answers.json_object(r.content)
+        if r.status_code >= 500 or (r.status_code == 200 and got is None):
+            # A 5xx, or a 200 that is not JSON: the backend is in trouble (a 4xx is the body's fault).
+            label = f"http_{r.status_code}" if r.status_code >= 500 else "bad_hashes"
+            self.metrics.hash_lookups.labels(label).inc()
+            self.backends.eject(b, f"/v1/cache/block_hashes answered {r.status_code}: {answers.quoted(r.content)}",
+                                label, request=True)
             return None
         if r.status_code != 200:
             self.metrics.hash_lookups.labels(f"http_{r.status_code}").inc()
@@ -117,10 +134,9 @@ class Proxy:
                             "requests are routed by load only", b.url)
             return None
         try:
-            got = r.json()
             blocks = PromptBlocks([bytes.fromhex(h) for h in got["hashes"]], int(got["block_size"]),
                                   int(got.get("prompt_tokens") or len(got["hashes"]) * int(got["block_size"])))
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, OverflowError):
             self.metrics.hash_lookups.labels("bad_answer").inc()
             return None
         self.metrics.hash_lookups.labels("ok").inc()
@@ -142,10 +158,14 @@ class Proxy:
     async def forward(self, method: str, path: str, body: bytes, headers: dict[str, str],
                       blocks: PromptBlocks | None = None, sse: bool = False) -> Response:
         out_headers = {k: v for k, v in headers.items() if k.lower() not in HOP_BY_HOP}
+        kind = answers.kind_of(method, path)
         tried: set[str] = set()
+        last_error: Response | None = None       # the last backend's own (good) error answer
         while True:
             picked = self._choose(blocks, tried)
             if picked is None:
+                if last_error is not None:
+                    return last_error
                 if tried:
                     self.metrics.failed.labels("all_backends_failed").inc()
                     return error(502, f"no backend could take the request ({len(tried)} tried)", "backends_failed")
@@ -168,18 +188,13 @@ class Proxy:
                         self.backends.mark_down(b, "answered 503")
                     self.metrics.retries.labels(b.url, f"http_{upstream.status_code}").inc()
                     continue
-                chunks = upstream.aiter_raw()
-                first = await anext(chunks, b"")
-                release.started()
+                got = await receive(upstream, kind, sse, {BACKEND_HEADER: b.url}, release.started,
+                                    lambda reason, label, b=b: self._broken(b, reason, label), release)
             except RETRYABLE as e:
                 if upstream is not None:
                     await upstream.aclose()
                 release()
-                if isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)):
-                    # NOTE: only a connection that cannot be made takes a backend out at once; a
-                    # dropped one may be a keep-alive race with a live backend (health decides).
-                    self.backends.mark_down(b, f"{type(e).__name__}: {e}")
-                self.metrics.retries.labels(b.url, type(e).__name__).inc()
+                self._transport_failed(b, e)
                 log.warning("router: %s %s on %s failed before any byte was sent (%s: %s); trying another backend",
                             method, path, b.url, type(e).__name__, e)
                 continue
@@ -188,31 +203,47 @@ class Proxy:
                     await upstream.aclose()
                 release()
                 raise
-            self.metrics.requests.labels(b.url, str(upstream.status_code)).inc()
-            if blocks is not None and upstream.status_code == 200:
+            if isinstance(got, Refused):
+                self._refused(b, got.reason, got.label)
+                continue
+            status = upstream.status_code
+            if status == 503:               # shutting down, and no other backend is left to try
+                self.backends.mark_down(b, "answered 503")
+            elif status >= 500:
+                # A good error body, but a 5xx: the backend is in trouble; another may answer.
+                last_error = got
+                self._refused(b, f"answered {status}", f"http_{status}")
+                continue
+            b.dropped = b.refused_in_row = 0
+            self.metrics.requests.labels(b.url, str(status)).inc()
+            if blocks is not None and status == 200:
                 self.metrics.prompt_tokens.labels(b.url).inc(blocks.prompt_tokens)
                 self.metrics.predicted_hit_tokens.labels(b.url).inc(choice.hit_tokens)
-            answer = {k: v for k, v in upstream.headers.items() if k.lower() not in DROP_FROM_ANSWER}
-            answer[BACKEND_HEADER] = b.url
-            return StreamingResponse(self._relay(b, upstream, first, chunks, release, sse),
-                                     status_code=upstream.status_code, headers=answer)
+            return got
 
     def _others_up(self, tried: set[str]) -> bool:
         return any(b.name not in tried for b in self.backends.healthy())
 
-    async def _relay(self, b: Backend, upstream: httpx.Response, first: bytes, chunks: AsyncIterator[bytes],
-                     release: InFlight, sse: bool) -> AsyncIterator[bytes]:
-        try:
-            if first:
-                yield first
-            async for chunk in chunks:
-                yield chunk
-        except httpx.HTTPError as e:
-            log.warning("router: backend %s failed mid-answer: %s: %s", b.url, type(e).__name__, e)
-            if sse:
-                body = {"error": {"message": f"the backend failed mid-stream: {type(e).__name__}",
-                                  "type": "server_error", "param": None, "code": "backend_failed"}}
-                yield f"data: {json.dumps(body)}\n\n".encode()
-        finally:
-            release()
-            await upstream.aclose()
+    def _refused(self, b: Backend, reason: str, label: str) -> None:
+        """`b`'s answer is not passed on: ejected (ejection.py), the request tried elsewhere."""
+        log.warning("router: backend %s: refused its answer (%s); trying another backend", b.url, reason)
+        self.backends.eject(b, reason, label, request=True)
+        self.metrics.retries.labels(b.url, label).inc()
+
+    def _broken(self, b: Backend, reason: str, label: str) -> None:
+        """A stream broke after its first event reached the client: too late to retry."""
+        log.warning("router: backend %s broke a stream: %s", b.url, reason)
+        self.backends.eject(b, reason, label, request=True)
+
+    def _transport_failed(self, b: Backend, e: Exception) -> None:
+        reason = f"{type(e).__name__}: {e}"
+        if isinstance(e, DROPPED):
+            b.dropped += 1
+            if b.dropped >= DROPS_TO_EJECT:
+                self.backends.eject(b, f"{b.dropped} connections dropped in a row: {reason}", "dropped", request=True)
+        elif isinstance(e, httpx.TimeoutException) and not isinstance(e, httpx.ConnectTimeout):
+            self.backends.eject(b, reason, "timeout", request=True)
+        else:                       # no connection: not the request's doing, so even the last backend goes
+            b.was_down = True       # it may come back a new process
+            self.backends.eject(b, reason, "connect")
+        self.metrics.retries.labels(b.url, type(e).__name__).inc()
