@@ -4,9 +4,9 @@ Knows: request intake and validation, the step loop on its own thread (schedule 
 sample -> outputs), detokenization and stop conditions, usage and billing per request, and
 the cache's lifecycle (flush on close so a restart keeps the cache). Doesn't know: HTTP.
 
-Threading: `generate`/`stream`/`chat` may be called from many threads. They put sequences on
-an inbox and wait on the sequence's event queue; only the engine thread touches the scheduler
-and runs the model. `lookup`, `cache_status`, `flush` and `drop_tier` go straight to the
+Threading: `generate`/`stream`/`chat` (and an AbortHandle's abort) may be called from many
+threads. They put sequences on an inbox and wait on the sequence's event queue; only the engine
+thread touches the scheduler and runs the model. `lookup`, `cache_status`, `flush` and `drop_tier` go straight to the
 TieredKVCache, whose lock makes them safe beside the engine thread.
 """
 from __future__ import annotations
@@ -197,9 +197,7 @@ class Engine:
     def generate(self, prompt: Prompt | list[Prompt], params: SamplingParams | None = None,
                  tenant: str = "default", abort: AbortHandle | None = None) -> CompletionOutput | list[CompletionOutput]:
         """One prompt -> one output; a list of prompts -> a list of outputs, run concurrently.
-        (A list of ints is one prompt of token ids.) `abort`: a handle that stops the request
-        from another thread (engine/abort.py); its output then has finish_reason "abort" and the
-        usage billed."""
+        (A list of ints is one prompt of token ids.) `abort` stops it from any thread (engine/abort.py)."""
         batch = isinstance(prompt, list) and prompt and not all(isinstance(t, int) for t in prompt)
         if batch and abort is not None:
             raise ValueError("abort: an AbortHandle stops one request; give one prompt")
@@ -373,8 +371,7 @@ class Engine:
                     self._fail(seq, RuntimeError(f"engine step failed: {e}"))
 
     def _apply_aborts(self) -> None:
-        """End every sequence whose caller asked for an abort (engine thread, between steps): its
-        pages go back now, and it is billed as output_stream.completion_of says for "abort"."""
+        """End the sequences whose callers left (between steps): pages back, billed as usage_of says.""""""
         for seq, reason, delivered in self._aborts.take():
             if seq.status is SeqStatus.FINISHED:
                 continue         # it finished (or failed) first: that outcome and its bill stand
