@@ -371,7 +371,7 @@ class Engine:
                     self._fail(seq, RuntimeError(f"engine step failed: {e}"))
 
     def _apply_aborts(self) -> None:
-        """End the sequences whose callers left (between steps): pages back, billed as usage_of says.""""""
+        """End the sequences whose callers left (between steps): pages back, billed as usage_of says."""
         for seq, reason, delivered in self._aborts.take():
             if seq.status is SeqStatus.FINISHED:
                 continue         # it finished (or failed) first: that outcome and its bill stand
