@@ -4,9 +4,9 @@ Knows: request intake and validation, the step loop on its own thread (schedule 
 sample -> outputs), detokenization and stop conditions, usage and billing per request, and
 the cache's lifecycle (flush on close so a restart keeps the cache). Doesn't know: HTTP.
 
-Threading: `generate`/`stream`/`chat` may be called from many threads. They put sequences on
-an inbox and wait on the sequence's event queue; only the engine thread touches the scheduler
-and runs the model. `lookup`, `cache_status`, `flush` and `drop_tier` go straight to the
+Threading: `generate`/`stream`/`chat` (and an AbortHandle's abort) may be called from many
+threads. They put sequences on an inbox and wait on the sequence's event queue; only the engine
+thread touches the scheduler and runs the model. `lookup`, `cache_status`, `flush` and `drop_tier` go straight to the
 TieredKVCache, whose lock makes them safe beside the engine thread.
 """
 from __future__ import annotations
@@ -22,11 +22,14 @@ from typing import Iterator, Sequence as Seq
 
 import torch
 
+from engine.abort import CALLER_CLOSED, AbortHandle, Aborts
 from engine.billing import Ledger, Prices, validate_tenant
 from engine.billing_writer import ON_FAILURE, BillingWriter
 from engine.calibration import calibrate_at_start
 from engine.load_deadline import LoadDeadlines
+from engine.context_length import context_length
 from engine.prefill_model import PrefillModel
+from engine.prefix_view import prefix_tree
 from engine.restore_planner import RestorePlanner
 from engine.errors import EngineClosedError, QueueFullError
 from engine.model import LoadedModel, kv_layout, load_model
@@ -42,30 +45,10 @@ from engine.sequence import Sequence, SeqStatus
 from storage.config import CacheConfig
 from storage.tiered_cache import TIERS, FlushResult, TieredKVCache
 from storage.hashing import BlockKey, block_keys, namespace_digest, tenant_salt
-from storage.prefix_tree import build_forest, node_to_dict
 
 log = logging.getLogger("tieredkv.engine")
 
 Prompt = str | Seq[int]
-
-
-def context_length(model_max: int, pool_pages: int, block_size: int,
-                   max_model_len: int | None = None) -> tuple[int, str]:
-    """The longest sequence (prompt + output) the engine runs, and what set it: "max_model_len"
-    (asked for), "model" (its max_position_embeddings) or "device_pool" (what the pool holds)."""
-    pool_tokens = pool_pages * block_size
-    if max_model_len is not None:
-        if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or max_model_len < 2:
-            raise ValueError(f"max_model_len: expected an int >= 2, got {max_model_len!r}")
-        if max_model_len > model_max:
-            raise ValueError(f"max_model_len: {max_model_len:,} tokens is more than the model's context of "
-                             f"{model_max:,} (max_position_embeddings)")
-        if max_model_len > pool_tokens:
-            raise ValueError(f"max_model_len: {max_model_len:,} tokens do not fit the device pool, which holds "
-                             f"{pool_tokens:,} ({pool_pages:,} pages of {block_size}); give it more device memory "
-                             "or ask for fewer tokens")
-        return max_model_len, "max_model_len"
-    return (model_max, "model") if model_max <= pool_tokens else (pool_tokens, "device_pool")
 
 
 class Engine:
@@ -84,6 +67,7 @@ class Engine:
         self.model_name = loaded.identity.name
         self.block_size = cache.block_size
         self.max_queue = max_queue
+        self.max_seqs = max_seqs      # sequences in one batch (the service's per-tenant bound derives from it)
         if sync_debug not in (None, "warn", "error"):
             raise ValueError(f"sync_debug: expected None, 'warn' or 'error', got {sync_debug!r}")
         # CUDA only: the device part of every step (metadata upload, forward, sampling) runs
@@ -128,6 +112,7 @@ class Engine:
             eos = self.tokenizer.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else ([eos] if eos is not None else []))
         self._inbox: queue.Queue[Sequence] = queue.Queue()
+        self._aborts = Aborts()   # asked on any thread, applied at the top of the engine's next step
         self._inflight = 0        # submitted and not finished (waiting or running)
         self._inflight_lock = threading.Lock()
         self._closed = False
@@ -181,7 +166,8 @@ class Engine:
                              f"{self.max_context} tokens")
         return ids
 
-    def _submit(self, prompt: Prompt, params: SamplingParams | None, tenant: str) -> Sequence:
+    def _submit(self, prompt: Prompt, params: SamplingParams | None, tenant: str,
+                abort: AbortHandle | None = None) -> Sequence:
         if self._closed:
             raise EngineClosedError("engine is closed")
         params = params or SamplingParams()
@@ -200,30 +186,50 @@ class Engine:
             if self._inflight - len(self.scheduler.running) >= self.max_queue:
                 raise QueueFullError(f"engine queue is full ({self.max_queue} requests waiting); retry later")
             self._inflight += 1
+        if abort is not None:
+            try:      # an abort asked already is applied now (the engine thread skips it in the inbox)
+                abort.bind(lambda reason, delivered: self._request_abort(seq, reason, delivered))
+            except ValueError:
+                self._done(seq)
+                raise
         # Its disk blocks start moving to the host tier now, so its wait in the queue overlaps
         # the drive (storage/loader.py; reads only memory here).
         seq.prefetch = self.cache.prefetch(seq.prefix_keys())
         self._inbox.put(seq)
         return seq
 
+    def _request_abort(self, seq: Sequence, reason: str, delivered: int | None) -> None:
+        self._aborts.request(seq, reason, delivered)
+        self._inbox.put(None)        # wakes an idle engine thread
+
     # ---- public API -------------------------------------------------------------------------
     def generate(self, prompt: Prompt | list[Prompt], params: SamplingParams | None = None,
-                 tenant: str = "default") -> CompletionOutput | list[CompletionOutput]:
+                 tenant: str = "default", abort: AbortHandle | None = None) -> CompletionOutput | list[CompletionOutput]:
         """One prompt -> one output; a list of prompts -> a list of outputs, run concurrently.
-        (A list of ints is one prompt of token ids.)"""
+        (A list of ints is one prompt of token ids.) `abort` stops it from any thread (engine/abort.py)."""
         batch = isinstance(prompt, list) and prompt and not all(isinstance(t, int) for t in prompt)
+        if batch and abort is not None:
+            raise ValueError("abort: an AbortHandle stops one request; give one prompt")
         prompts = prompt if batch else [prompt]
-        seqs = [self._submit(p, params, tenant) for p in prompts]
+        seqs = [self._submit(p, params, tenant, abort) for p in prompts]
         outs = [self._wait(seq) for seq in seqs]
         return outs if batch else outs[0]
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None,
-               tenant: str = "default") -> Iterator[StreamChunk]:
-        """Chunks with only the new text/token ids; the last has finish_reason, usage, metrics."""
-        seq = self._submit(prompt, params, tenant)
-        for kind, payload in self._events(seq):
-            if kind == "delta":
-                yield payload
+               tenant: str = "default", abort: AbortHandle | None = None) -> Iterator[StreamChunk]:
+        """Chunks with only the new text/token ids; the last has finish_reason, usage, metrics.
+        Closing the iterator early aborts the request (billed for the chunks it yielded)."""
+        abort = abort if abort is not None else AbortHandle()
+        seq = self._submit(prompt, params, tenant, abort)
+        yielded = 0
+        try:
+            for kind, payload in self._events(seq):
+                if kind == "delta":
+                    yielded += len(payload.token_ids)
+                    yield payload
+        except GeneratorExit:
+            abort.abort(CALLER_CLOSED, yielded)
+            raise
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
@@ -254,30 +260,9 @@ class Engine:
 
     def prefix_tree(self, tenants: Seq[str] | None = None, depth: int = 8, width: int = 8,
                     max_disk_blocks: int = 20_000) -> dict:
-        """The prefixes cached for these tenants (None: those of every tenant the ledger knows,
-        and "default", that have any) in the device pool, host slab and disk, as trees with
-        their text: one per tenant, chains of single children folded (storage/prefix_tree.py).
-        Tenants sharing a namespace (isolate_tenants=False) are shown once, as "*". Reads the
-        disk's block records (at most `max_disk_blocks`): call it off the engine thread."""
-        every = tenants is None
-        if every:
-            tenants = sorted(set(self.ledger.tenants() if self.ledger is not None else ()) | {"default"})
-        by_ns = {}
-        for t in tenants:
-            by_ns.setdefault(self.namespace(t), "*" if not self.config.isolate_tenants else t)
-        blocks, truncated = self.cache.cached_blocks(frozenset(by_ns), max_disk_blocks)
-        forest = build_forest(blocks)
-        decode = None if self.tokenizer is None else (lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False))
-        out = {}
-        for ns, tenant in by_ns.items():
-            nodes = forest.get(ns, [])
-            if every and not nodes:
-                continue           # every tenant asked for: only those with something cached
-            shown, more = nodes[:width], nodes[width:]
-            out[tenant] = {"namespace": ns.hex(), "blocks": sum(n.total_blocks for n in nodes),
-                           "tree": [node_to_dict(n, decode, depth, width, preview_chars=160) for n in shown],
-                           "more_roots": len(more)}
-        return {"block_size": self.block_size, "truncated": truncated, "tenants": out}
+        """The prefixes cached for these tenants as trees with their text (engine/prefix_view.py);
+        reads the disk's block records: call it off the engine thread."""
+        return prefix_tree(self, tenants, depth, width, max_disk_blocks)
 
     def alive(self) -> bool:
         """Whether the step loop runs (False once it stopped: closed, or died)."""
@@ -308,7 +293,8 @@ class Engine:
                 "engine": {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                            "loading": len(self.scheduler.loading),
                            "attention": self.runner.backend.name, "sync_debug": self.sync_debug,
-                           "preemptions": self.scheduler.preemptions}}
+                           "preemptions": self.scheduler.preemptions, "max_seqs": self.max_seqs,
+                           "aborted": self._aborts.counts()}}
 
     def flush(self) -> FlushResult:
         """Push every cached block down to disk (or host without a disk tier). `.complete` is
@@ -383,7 +369,7 @@ class Engine:
         try:
             item = self._inbox.get(block=block)
             while True:
-                if item is not None:
+                if item is not None and item.status is not SeqStatus.FINISHED:   # aborted before it got here
                     self.scheduler.add(item)
                 item = self._inbox.get_nowait()
         except queue.Empty:
@@ -392,6 +378,7 @@ class Engine:
     def _loop(self) -> None:
         while not self._stop.is_set():
             self._take_inbox(block=not self.scheduler.has_work())
+            self._apply_aborts()
             if not self.scheduler.has_work():
                 continue
             try:
@@ -402,6 +389,19 @@ class Engine:
                 log.exception("engine step failed")
                 for seq in list(self.scheduler.running):
                     self._fail(seq, RuntimeError(f"engine step failed: {e}"))
+
+    def _apply_aborts(self) -> None:
+        """End the sequences whose callers left (between steps): pages back, billed as usage_of says."""
+        for seq, reason, delivered in self._aborts.take():
+            if seq.status is SeqStatus.FINISHED:
+                continue         # it finished (or failed) first: that outcome and its bill stand
+            self._aborts.counted(reason)
+            seq.delivered_tokens = delivered
+            log.info("request %s aborted (%s) after %d generated tokens", seq.request_id, reason, len(seq.output_ids))
+            try:
+                self._finish(seq, "abort")
+            except Exception as e:
+                self._fail(seq, e)
 
     def _done(self, seq: Sequence) -> None:
         with self._inflight_lock:

@@ -69,12 +69,26 @@ def emit(seq: Sequence, final: bool) -> None:
         seq.pending_final = (text, ids)
 
 
-def completion_of(seq: Sequence, reason: str, with_text: bool) -> tuple[CompletionOutput, StreamChunk]:
-    """A finished sequence's output (usage by token origin, timings) and its final stream chunk.
-    NOTE: hit + miss == prompt tokens is checked where the Usage is built (Usage.__post_init__)."""
+def usage_of(seq: Sequence, reason: str) -> Usage:
+    """What a finished sequence is billed. NOTE billing of an aborted one (reason "abort": its
+    caller left, engine/abort.py): the prompt as served -- every prompt token, by the origin
+    decided at its first admission, once it was admitted (its hits held or loading, its prefill
+    begun), none before --, and the completion tokens that reached the caller (never more than
+    were generated). hit + miss == prompt holds either way (checked in Usage.__post_init__)."""
     hits = seq.hit_tokens_by_tier or dict.fromkeys(TIERS, 0)
-    usage = Usage(prompt_tokens=len(seq.prompt_ids), completion_tokens=len(seq.output_ids),
-                  hit_tokens_by_tier=dict(hits), prompt_cache_miss_tokens=len(seq.prompt_ids) - sum(hits.values()))
+    prompt, completion = len(seq.prompt_ids), len(seq.output_ids)
+    if reason == "abort":
+        if seq.hit_tokens_by_tier is None:
+            prompt = 0              # never admitted: nothing was served
+        if seq.delivered_tokens is not None:
+            completion = min(completion, seq.delivered_tokens)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, hit_tokens_by_tier=dict(hits),
+                 prompt_cache_miss_tokens=prompt - sum(hits.values()))
+
+
+def completion_of(seq: Sequence, reason: str, with_text: bool) -> tuple[CompletionOutput, StreamChunk]:
+    """A finished sequence's output (usage as billed, timings) and its final stream chunk."""
+    usage = usage_of(seq, reason)
     now = time.perf_counter()
     metrics = RequestMetrics(ttft_s=(seq.first_token_at or now) - seq.arrival, restore_s=seq.restore_s,
                              total_s=now - seq.arrival, queue_s=(seq.admitted_at or now) - seq.arrival,

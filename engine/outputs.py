@@ -58,7 +58,7 @@ class CompletionOutput:
     request_id: str
     text: str
     token_ids: list[int]
-    finish_reason: str       # "stop" | "length"
+    finish_reason: str       # "stop" | "length" | "abort" (its caller left: engine/abort.py)
     usage: Usage
     metrics: RequestMetrics
     prompt_token_ids: list[int] = field(default_factory=list)

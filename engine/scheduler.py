@@ -30,9 +30,9 @@ engine to fail and release, and the step goes on for the others.
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 from engine.load_deadline import LoadDeadlines
 from engine.restore_planner import RestorePlanner, Split
@@ -75,6 +75,9 @@ class Scheduler:
         self.deadlines = deadlines
         self.clock = clock
         self.preemptions = 0
+        # Fair share (_admission_order): each tenant's latest admission, numbered (engine thread).
+        self._admissions = 0
+        self._last_admitted: dict[str, int] = {}
         self._failed: list[tuple[Sequence, Exception]] = []   # engine thread only
 
     def take_failed(self) -> list[tuple[Sequence, Exception]]:
@@ -139,27 +142,55 @@ class Scheduler:
         # In-batch dedup: a waiting request whose next uncached block is being computed by a
         # running prefill waits one step, then hits the registered block instead of computing it.
         pending = self._pending_prompt_blocks()
-        skipped: list[Sequence] = []
-        while self.waiting and budget > 0 and len(self.running) + len(self.loading) < self.max_seqs:
-            seq = self.waiting.popleft()
+        for seq in self._admission_order():
+            if budget <= 0 or len(self.running) + len(self.loading) >= self.max_seqs:
+                break
+            at = self.waiting.index(seq)
+            del self.waiting[at]
             try:
                 admitted = self._admit(seq, budget, pending)
             except Exception as e:
                 self._failed.append((seq, e))
                 continue
-            if admitted is None:
-                skipped.append(seq)
+            if admitted is None or admitted is False:
+                if seq.status is SeqStatus.WAITING and seq not in self.waiting:
+                    self.waiting.insert(at, seq)     # its place in line kept
+                if admitted is False:
+                    break
                 continue
-            if admitted is False:
-                self.waiting.appendleft(seq)
-                break
             if admitted is True:
                 continue    # now loading: no budget taken
             out.append(admitted)
             budget -= admitted.num_tokens
             pending |= {k.hash for k in seq.prefix_keys()[seq.registered:]}
-        self.waiting.extendleft(reversed(skipped))
         return out
+
+    def _admission_order(self) -> Iterator[Sequence]:
+        """The waiting sequences in the order admission tries them, each at most once a step.
+        Re-admissions first, in line (preempted, or given back after a load: admitted before,
+        billed already). Then the tenants take turns: next is the tenant with the fewest
+        sequences running or loading, ties to the one admitted least recently, then to the one
+        whose first waiting sequence is first in line; FIFO within a tenant. The counts are live
+        (an admission is counted before the next pick), so one tenant's flood of waiting
+        requests delays another tenant's request by at most one admission per other tenant."""
+        yield from [s for s in self.waiting if s.hit_tokens_by_tier is not None]
+        queues: dict[str, deque[tuple[int, Sequence]]] = {}
+        for pos, s in enumerate(self.waiting):
+            if s.hit_tokens_by_tier is None:
+                queues.setdefault(s.tenant, deque()).append((pos, s))
+        active = Counter(s.tenant for s in (*self.running, *self.loading))
+        if len(self._last_admitted) > 4 * (len(queues) + len(active)) + 64:   # tenants long gone
+            self._last_admitted = {t: n for t, n in self._last_admitted.items() if t in queues or t in active}
+        while queues:
+            tenant = min(queues, key=lambda t: (active[t], self._last_admitted.get(t, -1), queues[t][0][0]))
+            _, seq = queues[tenant].popleft()
+            if not queues[tenant]:
+                del queues[tenant]
+            yield seq
+            if seq.status in (SeqStatus.RUNNING, SeqStatus.LOADING):
+                active[tenant] += 1
+                self._admissions += 1
+                self._last_admitted[tenant] = self._admissions
 
     def _pending_prompt_blocks(self) -> set[bytes]:
         pending = set()

@@ -55,6 +55,8 @@ class Sequence:
     admitted_at: float | None = None
     first_token_at: float | None = None
     finish_reason: str | None = None
+    # Aborted (engine/abort.py): completion tokens that reached the caller; None: all generated.
+    delivered_tokens: int | None = None
     # Output plumbing: the engine thread puts events here, the caller's thread reads them.
     events: "queue.Queue" = field(default_factory=queue.Queue)
     text: str = ""                                # detokenized output so far

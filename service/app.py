@@ -33,7 +33,7 @@ from service.metrics import ServiceMetrics
 from service.openapi import install_openapi
 from service.request_log import RequestLog, scope_record
 from service.schemas import IGNORED_HEADER, ignored_header_value
-from service.settings import ServiceSettings
+from service.settings import ServiceSettings, per_tenant_bound
 
 log = logging.getLogger("tieredkv.service")
 
@@ -51,7 +51,8 @@ __version__ = _installed_version()
 
 def create_app(engine: Any, settings: ServiceSettings = ServiceSettings()) -> FastAPI:
     keys = ApiKeys.from_file(settings.api_keys_file, settings.admin_tenants) if settings.api_keys_file else None
-    dispatcher = Dispatcher(settings.max_queue)
+    dispatcher = Dispatcher(settings.max_queue, per_tenant_bound(settings.max_inflight_per_tenant,
+                                                                 getattr(engine, "max_seqs", None), settings.max_queue))
     metrics = ServiceMetrics(engine.cache_status, lambda: dispatcher.in_flight)
     context = AppContext(engine, settings, keys, dispatcher, metrics)
 

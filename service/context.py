@@ -58,6 +58,22 @@ class AppContext:
         self.metrics.observe_request(usage, metrics)
         record(request).finished(request_id, usage, metrics)
 
+    def aborted(self, request: Request, out: Any, why: str) -> str:
+        """A generation request abandoned (its client gone, or past its timeout), as its log line
+        says it (returned): its bill's tokens are counted (its latencies are not: it did not
+        finish). `out`: the engine's output once aborted (None when it did not end in time; one
+        that had finished first is counted as finished)."""
+        rec = record(request)
+        if out is not None and out.finish_reason != "abort":
+            self.finished(request, out.request_id, out.usage, out.metrics)
+            rec.reason = f"{why} (it had finished)"
+            return rec.reason
+        rec.reason = f"{why}; the request was aborted"
+        if out is not None:
+            self.metrics.observe_request(out.usage, None)
+            rec.finished(out.request_id, out.usage, None)
+        return rec.reason
+
     @property
     def max_prompt_bytes(self) -> int:
         return self.settings.max_prompt_bytes or PROMPT_BYTES_PER_TOKEN * self.engine.max_context

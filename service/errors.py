@@ -22,27 +22,35 @@ log = logging.getLogger("tieredkv.service")
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
           415: "invalid_request_error",
-          429: "rate_limit_error", 500: "server_error", 503: "service_unavailable", 504: "timeout"}
+          429: "rate_limit_error", 499: "client_closed_request", 500: "server_error", 503: "service_unavailable",
+          504: "timeout"}
+# A 429's Retry-After: a slot opens when one of the requests in flight ends, which is usually
+# within a second or two of a busy server's decoding; the client backs off that long first.
+RETRY_AFTER_S = 1
 
 
 class APIError(Exception):
     """A failure the client is told about: HTTP status plus OpenAI's error fields."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 type: str | None = None) -> None:
+                 type: str | None = None, retry_after_s: int | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
         self.type = type or _TYPES.get(status, "invalid_request_error")
+        # Seconds a client should wait before trying again (the Retry-After header): every 429 has it.
+        self.retry_after_s = retry_after_s if retry_after_s is not None or status != 429 else RETRY_AFTER_S
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else {}
+        if self.retry_after_s is not None:
+            headers["Retry-After"] = str(self.retry_after_s)
+        return JSONResponse(self.body(), status_code=self.status, headers=headers or None)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:

@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from engine.abort import ABORT_REASONS
 from engine.outputs import TIERS
 
 log = logging.getLogger("tieredkv.service")
@@ -140,6 +141,16 @@ class CacheCollector:
         if _is_number(cost.get("prefill", {}).get("prefill_2048_s")):
             yield _single(GaugeMetricFamily, "tieredkv_prefill_2048_seconds", "Predicted time to compute 2048 new "
                           "tokens, from the engine's step times", cost["prefill"]["prefill_2048_s"])
+        aborted = status.get("engine", {}).get("aborted")
+        if isinstance(aborted, dict):
+            # engine/abort.py: requests whose caller left (client_disconnected), that ran past the
+            # service's timeout (timeout), or whose library caller closed its stream (caller_closed).
+            fam = CounterMetricFamily("tieredkv_requests_aborted", "Generation requests aborted before they "
+                                      "finished, by reason (their pages released, billed for what was sent)",
+                                      labels=["reason"])
+            for reason in sorted(set(ABORT_REASONS) | set(aborted)):
+                fam.add_metric([reason], float(aborted.get(reason, 0)))
+            yield fam
         remote = tiers.get("remote", {})
         if remote.get("enabled"):
             yield from _remote_metrics(remote)

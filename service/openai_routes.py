@@ -7,19 +7,26 @@ event loop -- and how engine output becomes a JSON response or an SSE stream. A 
 errors the engine raises up front (bad prompt, queue full, closed) get their real HTTP status;
 an error after that is sent as a last `data: {"error": ...}` event.
 The engine bills a request before it returns its last output, so a response (or a stream's
-final chunk) is only sent after the request is durable in the ledger.
+final chunk) is only sent after the request is durable in the ledger. A client that disconnects
+(awaiting its response, its stream's first chunk, or mid-stream) or a request past its timeout
+aborts the engine's request (engine/abort.py): it is billed for the prompt as served and the
+completion tokens sent, and its log line says why.
 Doesn't know: the cache routes, auth's keys file, or metric names.
 """
 from __future__ import annotations
 
+import asyncio
 import time
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Iterator
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from engine.abort import CLIENT_DISCONNECTED, TIMEOUT, AbortHandle
 from engine.sampling_params import SamplingParams
 from service.context import AppContext, ctx
+from service.disconnect import ClosingStreamingResponse, until_disconnected
+from service.dispatch import Abandoned
 from service.errors import APIError, from_engine_error
 from service.request_log import record
 from service.responses import SSE_DONE, ChunkWriter, Logprobs, chat_body, completion_body, sse
@@ -71,11 +78,22 @@ async def _generate(c: AppContext, request: Request, req: Any, prompt_ids: Calla
     """The request run: streamed as SSE, or generated off the event loop and answered in one body.
     `prompt_ids` runs on the worker thread (tokenizing a long prompt is real work)."""
     engine = c.engine
+    abort = AbortHandle()      # aborts the engine's request when its client goes or it times out
     if req.stream:
-        return await _stream(c, request, lambda: engine.stream(prompt_ids(), params, tenant=tenant), chat=chat,
-                             include_usage=req.include_usage, logprobs=logprobs)
-    out, lp = await c.dispatcher.call(lambda: _with_logprobs(engine.generate(prompt_ids(), params, tenant=tenant),
-                                                             logprobs), timeout=c.settings.request_timeout_s)
+        return await _stream(c, request, lambda: _counting_aborts(c, engine.stream(prompt_ids(), params, tenant=tenant,
+                                                                                   abort=abort)),
+                             tenant, abort, chat=chat, include_usage=req.include_usage, logprobs=logprobs)
+    try:
+        out, lp = await c.dispatcher.call(
+            lambda: _with_logprobs(engine.generate(prompt_ids(), params, tenant=tenant, abort=abort), logprobs),
+            tenant=tenant, timeout=c.settings.request_timeout_s, abort=abort, gone=lambda: until_disconnected(request))
+    except Abandoned as gone:
+        out = gone.result[0] if gone.result is not None else None
+        if gone.reason == TIMEOUT:
+            why = f"the request took longer than {c.settings.request_timeout_s:g}s"
+            raise APIError(504, c.aborted(request, out, why), code="timeout") from None
+        c.aborted(request, out, "the client disconnected before its response")
+        return APIError(499, "the client closed its connection", code=CLIENT_DISCONNECTED).response()
     c.finished(request, out.request_id, out.usage, out.metrics)
     body = chat_body if chat else completion_body
     return JSONResponse(body(out, c.model_name, int(time.time()), lp), headers={"x-request-id": out.request_id})
@@ -127,23 +145,26 @@ def _params(req: Any, default_max_tokens: int) -> Any:
         raise from_engine_error(e) from None
 
 
-async def _stream(c: AppContext, request: Request, make_iter: Any, chat: bool, include_usage: bool,
-                  logprobs: Logprobs | None) -> StreamingResponse:
-    events = await c.dispatcher.stream(make_iter, timeout=c.settings.request_timeout_s)
-    first = await anext(events, None)       # errors before the first chunk raise here: real statuses
-    if first is None:
-        raise APIError(500, "the engine's stream ended without output", code="internal_error")
+async def _stream(c: AppContext, request: Request, make_iter: Any, tenant: str, abort: AbortHandle, chat: bool,
+                  include_usage: bool, logprobs: Logprobs | None) -> StreamingResponse:
+    events = await c.dispatcher.stream(make_iter, tenant=tenant, timeout=c.settings.request_timeout_s)
+    first = await _first_chunk(c, request, events, abort)    # errors before it raise here: real statuses
     record(request).request_id = first.request_id
     writer = ChunkWriter(first.request_id, c.model_name, int(time.time()), chat=chat, include_usage=include_usage)
 
     async def body() -> AsyncIterator[bytes]:
-        if chat:
-            yield writer.role()
-        chunk = first
+        # NOTE abort: the engine's request ends within a step of the client leaving (this
+        # generator is then closed at a yield, or cancelled while it awaits a chunk), billed for
+        # the completion tokens whose chunks were sent; a chunk counts once its yield returns.
+        sent, ended = 0, False
         try:
+            if chat:
+                yield writer.role()
+            chunk = first
             while chunk is not None:
                 lp = None if logprobs is None else logprobs.of(chunk)
                 if chunk.finish_reason is not None:
+                    ended = True         # finished and billed by the engine
                     if chat and chunk.text:
                         yield writer.text(chunk.text, logprobs=lp)
                         yield writer.text("", chunk.finish_reason)
@@ -155,13 +176,55 @@ async def _stream(c: AppContext, request: Request, make_iter: Any, chat: bool, i
                     break
                 if chunk.text or lp:
                     yield writer.text(chunk.text, logprobs=lp)
+                sent += len(chunk.token_ids)
                 chunk = await anext(events, None)
         except APIError as e:
-            record(request).reason = f"after the stream started: {e.message}"
+            ended = True             # failed in the engine, or aborted here (504)
+            if e.status == 504 and abort.abort(TIMEOUT, sent):
+                record(request).reason = f"after the stream started: {e.message}; aborted after {sent} tokens"
+            else:
+                record(request).reason = f"after the stream started: {e.message}"
             yield sse(e.body())
             return
+        finally:
+            if not ended and abort.abort(CLIENT_DISCONNECTED, sent):
+                record(request).reason = f"the client disconnected after {sent} completion tokens; aborted"
         yield SSE_DONE
 
-    return StreamingResponse(body(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
-                                      "x-request-id": first.request_id})
+    return ClosingStreamingResponse(body(), media_type="text/event-stream",
+                                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                                             "x-request-id": first.request_id})
+
+
+def _counting_aborts(c: AppContext, chunks: Iterator[Any]) -> Iterator[Any]:
+    """A stream's chunks, on its worker thread; an aborted stream's bill (its last chunk, which
+    nobody reads) is counted in the metrics here, as a finished one's is when it is sent."""
+    for chunk in chunks:
+        if chunk.finish_reason == "abort":
+            c.metrics.observe_request(chunk.usage, None)
+        yield chunk
+
+
+async def _first_chunk(c: AppContext, request: Request, events: Any, abort: AbortHandle) -> Any:
+    """A stream's first chunk (it may wait in the queue); the request is aborted when the client
+    leaves meanwhile (a 499 nobody reads, for the log) or the wait times out (504)."""
+    first = asyncio.ensure_future(anext(events, None))
+    gone = asyncio.ensure_future(until_disconnected(request))
+    try:
+        await asyncio.wait({first, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if first.done():
+        try:
+            chunk = first.result()
+        except APIError as e:
+            if e.status == 504:
+                abort.abort(TIMEOUT, 0)
+            raise
+        if chunk is None:
+            raise APIError(500, "the engine's stream ended without output", code="internal_error")
+        return chunk
+    first.cancel()
+    abort.abort(CLIENT_DISCONNECTED, 0)
+    record(request).reason = "the client disconnected before the first chunk; aborted"
+    raise APIError(499, "the client closed its connection", code=CLIENT_DISCONNECTED)

@@ -27,8 +27,12 @@ class ServiceSettings:
     # Generation requests admitted at once (running or waiting in the engine); more get 429.
     # Each admitted request holds one worker thread, so this also sizes the service's pool.
     max_queue: int = 256
+    # Generation requests one tenant may have admitted at once (running or waiting); more get 429
+    # with Retry-After. None: three quarters of the engine's batch (max_seqs), at least 1 --
+    # so a quarter of the batch is always open to the other tenants (`per_tenant_bound`).
+    max_inflight_per_tenant: int | None = None
     # Seconds a non-streaming request may take, or a stream may wait for its next chunk; the
-    # client then gets 504 (the engine still finishes the request, and bills it). None: no limit.
+    # client then gets 504 and the engine's request is aborted (billed for what was sent). None: no limit.
     request_timeout_s: float | None = 600.0
     # On SIGTERM/SIGINT: seconds to wait for in-flight requests before closing the engine.
     shutdown_timeout_s: float = 30.0
@@ -62,6 +66,10 @@ class ServiceSettings:
         object.__setattr__(self, "admin_tenants", tuple(self.admin_tenants))
         if isinstance(self.max_queue, bool) or not isinstance(self.max_queue, int) or self.max_queue < 1:
             raise ValueError(f"max_queue: expected an int >= 1, got {self.max_queue!r}")
+        if self.max_inflight_per_tenant is not None and (isinstance(self.max_inflight_per_tenant, bool) or not
+                                                         isinstance(self.max_inflight_per_tenant, int) or
+                                                         self.max_inflight_per_tenant < 1):
+            raise ValueError(f"max_inflight_per_tenant: expected an int >= 1 or None, got {self.max_inflight_per_tenant!r}")
         _positive(self.request_timeout_s, "request_timeout_s", allow_none=True)
         _positive(self.shutdown_timeout_s, "shutdown_timeout_s")
         if isinstance(self.default_chat_max_tokens, bool) or not isinstance(self.default_chat_max_tokens, int) \
@@ -96,3 +104,16 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False      # any other name may resolve to a public address
+
+
+def per_tenant_bound(setting: int | None, max_seqs: int | None, max_queue: int) -> int:
+    """One tenant's bound on requests in flight: the setting, else three quarters of the engine's
+    batch (max_seqs; at least 1), so one tenant's flood leaves a quarter of the batch to the
+    others and their requests start within a step or two (the scheduler takes tenants in
+    turns). Never more than max_queue, the bound on all of them. An engine that does not say
+    its batch size: max_queue (no bound of its own)."""
+    if setting is not None:
+        return min(setting, max_queue)
+    if max_seqs is None:
+        return max_queue
+    return min(max(1, max_seqs * 3 // 4), max_queue)

@@ -134,6 +134,9 @@ def serve(
     access_log: bool = typer.Option(False, "--access-log", help="Also uvicorn's access line per request (off: "
                                     "the tieredkv.requests line has the same and tokens, hits and TTFT)."),
     max_body: str = typer.Option("8MiB", help="Largest request body accepted (413 past it)."),
+    max_inflight_per_tenant: Optional[int] = typer.Option(None, min=1, help="Requests one tenant may have running "
+                                                          "or queued; more get 429 with Retry-After (default: 3/4 "
+                                                          "of the batch, 48, so others always find room)."),
     protect_metrics: bool = typer.Option(False, "--protect-metrics",
                                          help="/metrics needs an admin key (with --api-keys)."),
     lenient_fields: bool = typer.Option(False, "--lenient-fields",
@@ -210,7 +213,7 @@ def serve(
     from service.settings import ServiceSettings
     settings = ServiceSettings(api_keys_file=api_keys, host=host, port=port, max_body_bytes=parse_size(max_body, "--max-body"),
                                protect_metrics=protect_metrics, unknown_fields="ignore" if lenient_fields else "reject",
-                               served_model_name=served_model_name)
+                               served_model_name=served_model_name, max_inflight_per_tenant=max_inflight_per_tenant)
     check_bind(host, settings)
     if api_keys:
         ApiKeys.from_file(api_keys)            # a bad keys file fails now, not after the model loads
