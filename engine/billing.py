@@ -6,6 +6,9 @@ cost, and how it is stored -- one LMDB environment in its own directory with thr
             key and the audit trail (`check()` recomputes every sum from these records)
   totals    tenant -> running totals since the ledger was created
   days      tenant NUL YYYY-MM-DD (UTC) -> that day's totals
+A writable open first commits the bills an earlier process left beside the ledger (the
+reserve's journal and spill files: engine/billing_spill.py), and raises when it cannot (a full,
+read-only or unwritable directory: the billing writer then runs without a ledger).
 Doesn't know: engines, storage tiers or HTTP (dependencies point the other way); tier names
 are the project's vocabulary ("device", "host", "disk", "remote").
 
