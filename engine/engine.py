@@ -22,7 +22,7 @@ from typing import Iterator, Sequence as Seq
 
 import torch
 
-from engine.billing import Ledger, Prices, validate_tenant
+from engine.billing import Prices, validate_tenant
 from engine.billing_writer import ON_FAILURE, BillingWriter
 from engine.prefill_model import PrefillModel
 from engine.restore_planner import RestorePlanner
