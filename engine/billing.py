@@ -6,6 +6,9 @@ cost, and how it is stored -- one LMDB environment in its own directory with thr
             key and the audit trail (`check()` recomputes every sum from these records)
   totals    tenant -> running totals since the ledger was created
   days      tenant NUL YYYY-MM-DD (UTC) -> that day's totals
+A writable open first commits the bills an earlier process left beside the ledger (the
+reserve's journal and spill files: engine/billing_spill.py), and raises when it cannot (a full,
+read-only or unwritable directory: the billing writer then runs without a ledger).
 Doesn't know: engines, storage tiers or HTTP (dependencies point the other way); tier names
 are the project's vocabulary ("device", "host", "disk", "remote").
 
@@ -19,7 +22,6 @@ micro-dollar in total, however many requests there are.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -31,7 +33,8 @@ from typing import Any, Iterator
 
 import lmdb
 
-from storage.disk.environment import DiskUnavailable, free_bytes, reserve_lock_file
+from engine.billing_spill import forget_pending, read_pending
+from storage.disk.environment import reserve_lock_file
 
 log = logging.getLogger("tieredkv.billing")
 
@@ -40,12 +43,6 @@ PICO_PER_MICRO = 10**6
 PICO_PER_USD = 10**12
 _MAX_KEY_BYTES = 400          # LMDB keys are at most 511 bytes; leave room for the day suffix
 _DEFAULT_MAP_SIZE = 4 << 30   # a sparse file: the address space, not the disk used
-# The ledger's own room on a filling disk: a file of this size beside it, given up the moment a
-# commit finds the filesystem full, so billing never runs out of space first; made again once the
-# space is back. 16 MiB is some 50,000 requests' records.
-DEFAULT_RESERVE_BYTES = 16 << 20
-RESERVE_FILE = "reserve.bin"
-SPILL_PREFIX = "unwritten-"     # entries a closing process could not commit, read back at the next open
 
 
 @dataclass(frozen=True)
@@ -225,6 +222,39 @@ class Entry:
         return cls(request_key, tenant_key, tenant_key + b"\x00" + day.encode(), record, bucket)
 
 
+def prepare(prices: Prices, tenant: str, request_id: str, prompt_tokens: int, completion_tokens: int,
+            hit_tokens_by_tier: dict[str, int], miss_tokens: int, when: datetime | None = None) -> Entry:
+    """Validate and price one request's usage (ValueError naming the field); nothing is written.
+    Needs no ledger: a request is priced even while the ledger cannot be opened."""
+    _check_name(tenant, "tenant")          # Entry.of makes the key from it
+    rid_key = _check_name(request_id, "request_id")
+    _check_count(prompt_tokens, "prompt_tokens")
+    _check_count(completion_tokens, "completion_tokens")
+    _check_count(miss_tokens, "miss_tokens")
+    if not isinstance(hit_tokens_by_tier, dict):
+        raise ValueError(f"hit_tokens_by_tier: expected a dict of tier -> tokens, got {hit_tokens_by_tier!r}")
+    unknown = sorted(set(hit_tokens_by_tier) - set(BILLED_TIERS))
+    if unknown:
+        raise ValueError(f"hit_tokens_by_tier: unknown tier {unknown[0]!r} (expected {BILLED_TIERS})")
+    hits = {t: _check_count(hit_tokens_by_tier.get(t, 0), f"hit_tokens_by_tier[{t!r}]") for t in BILLED_TIERS}
+    # NOTE invariant: every prompt token is billed exactly once, by its origin.
+    if sum(hits.values()) + miss_tokens != prompt_tokens:
+        raise ValueError(f"hit_tokens_by_tier + miss_tokens: hit {sum(hits.values())} + miss {miss_tokens} "
+                         f"!= prompt_tokens {prompt_tokens}")
+    day = _utc_day(when)
+    cost = (miss_tokens * prices.miss + completion_tokens * prices.completion
+            + sum(n * prices.hit(t) for t, n in hits.items()))
+    one = Bucket(1, prompt_tokens, completion_tokens, hits, miss_tokens, cost)
+    record = json.dumps({"tenant": tenant, "day": day, **one._stored()}, separators=(",", ":")).encode()
+    return Entry.of(rid_key, tenant, day, record, one)
+
+
+def entry_of(request_id: bytes, record: bytes) -> Entry:
+    """An entry again from its record, as the reserve's journal and spill files keep it."""
+    rec = json.loads(record)
+    return Entry.of(request_id, rec["tenant"], rec["day"], record, Bucket._decode(record))
+
+
 class Ledger:
     """Per-tenant billing in an LMDB environment at `path` (a directory of its own).
 
@@ -234,7 +264,7 @@ class Ledger:
     """
 
     def __init__(self, path: str | os.PathLike, prices: Prices = Prices(), readonly: bool = False,
-                 map_size: int = _DEFAULT_MAP_SIZE, reserve_bytes: int = DEFAULT_RESERVE_BYTES) -> None:
+                 map_size: int = _DEFAULT_MAP_SIZE) -> None:
         if not isinstance(prices, Prices):
             raise ValueError(f"prices: expected a Prices, got {prices!r}")
         self.path = os.path.abspath(os.fspath(path))
@@ -245,16 +275,10 @@ class Ledger:
                 raise FileNotFoundError(f"no billing ledger at {self.path}")
         else:
             os.makedirs(self.path, exist_ok=True)
-        self.reserve_bytes = reserve_bytes
         if not readonly:
-            # NOTE: before LMDB maps lock.mdb (a full filesystem would make that a SIGBUS); the
-            # ledger's reserve is what gives it room on a full disk.
-            try:
-                reserve_lock_file(self.path)
-            except DiskUnavailable:
-                if not self.release_reserve():
-                    raise
-                reserve_lock_file(self.path)
+            # NOTE: before LMDB maps lock.mdb (a full filesystem would make that a SIGBUS).
+            # DiskUnavailable when it cannot be had: the billing writer then runs without a ledger.
+            reserve_lock_file(self.path)
         # NOTE durability: LMDB's defaults (sync=True, metasync=True) are kept on purpose: a
         # record() that returned has been fsync'ed, so a crash never loses a billed request.
         self._env = lmdb.open(self.path, map_size=map_size, max_dbs=4, readonly=readonly,
@@ -269,83 +293,23 @@ class Ledger:
             raise
         self._write_lock = threading.Lock()
         if not readonly:
-            self._read_spills()
-            self.restore_reserve()
-
-    # -- the reserve: room for the ledger on a full disk -----------------------------------
-
-    def _reserve_path(self) -> str:
-        return os.path.join(self.path, RESERVE_FILE)
-
-    def release_reserve(self) -> bool:
-        """Give the reserve's space to the ledger (a commit found the filesystem full). True when
-        there was a reserve to give."""
-        try:
-            os.unlink(self._reserve_path())
-        except FileNotFoundError:
-            return False
-        log.warning(
-            "billing: the filesystem of %s is full; its %d-byte reserve is released for the ledger", self.path,
-            self.reserve_bytes)
-        return True
-
-    def restore_reserve(self) -> bool:
-        """Make the reserve again when the filesystem has room for it (and as much again to spare).
-        True when the reserve is in place."""
-        if self.readonly or self.reserve_bytes <= 0:
-            return True
-        path = self._reserve_path()
-        if os.path.exists(path):
-            return True
-        try:
-            if free_bytes(self.path) < 2 * self.reserve_bytes:
-                return False
-            fd = os.open(path + ".tmp", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
-                os.posix_fallocate(fd, 0, self.reserve_bytes)
-            finally:
-                os.close(fd)
-            os.replace(path + ".tmp", path)
-            return True
-        except OSError:
-            with contextlib.suppress(OSError):
-                os.unlink(path + ".tmp")
-            return False
+                self._commit_pending()
+            except BaseException:
+                self._env.close()
+                raise
 
-    def spill(self, entries: list["Entry"]) -> str:
-        """Write entries that cannot be committed to a file beside the ledger (JSON lines), read back
-        and committed by the next open (idempotent: request ids). Returns the file's path; raises
-        OSError when even that cannot be written."""
-        name = os.path.join(self.path, f"{SPILL_PREFIX}{datetime.now(timezone.utc):%Y%m%dT%H%M%S%f}-{os.getpid()}.jsonl")
-        try:
-            with open(name + ".tmp", "w") as f:
-                for e in entries:
-                    f.write(json.dumps({"request_id": e.request_key.decode(), "record": e.record.decode()}) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(name + ".tmp", name)
-        except OSError:
-            with contextlib.suppress(OSError):
-                os.unlink(name + ".tmp")
-            raise
-        return name
-
-    def _read_spills(self) -> None:
-        """Commit the entries an earlier process spilled (then delete its file)."""
-        for name in sorted(os.listdir(self.path)):
-            if not (name.startswith(SPILL_PREFIX) and name.endswith(".jsonl")):
-                continue
-            path = os.path.join(self.path, name)
-            entries = []
-            with open(path) as f:
-                for line in f:
-                    row = json.loads(line)
-                    record = row["record"].encode()
-                    rec = json.loads(record)
-                    entries.append(Entry.of(row["request_id"].encode(), rec["tenant"], rec["day"], record,
-                                            Bucket._decode(record)))
-            self.record_many(entries)
-            os.unlink(path)
+    def _commit_pending(self) -> None:
+        """Commit the bills an earlier process left beside the ledger (the reserve's journal,
+        spill files: engine/billing_spill.py), then forget them. Raises when they cannot be
+        committed (they stay where they are, for the next open)."""
+        rows, files = read_pending(self.path)
+        if rows:
+            done = self.record_many([entry_of(rid, record) for rid, record in rows])
+            log.warning("billing: %d bills an earlier process could not commit are in the ledger now (%d were "
+                        "already)", sum(done), len(done) - sum(done))
+        if rows or files:
+            forget_pending(self.path, files)
 
     # -- writing ---------------------------------------------------------------------------
 
@@ -361,27 +325,8 @@ class Ledger:
         """Validate and price one request's usage (ValueError naming the field); nothing is written."""
         if self.readonly:
             raise PermissionError(f"ledger at {self.path} was opened read-only")
-        _check_name(tenant, "tenant")          # Entry.of makes the key from it
-        rid_key = _check_name(request_id, "request_id")
-        _check_count(prompt_tokens, "prompt_tokens")
-        _check_count(completion_tokens, "completion_tokens")
-        _check_count(miss_tokens, "miss_tokens")
-        if not isinstance(hit_tokens_by_tier, dict):
-            raise ValueError(f"hit_tokens_by_tier: expected a dict of tier -> tokens, got {hit_tokens_by_tier!r}")
-        unknown = sorted(set(hit_tokens_by_tier) - set(BILLED_TIERS))
-        if unknown:
-            raise ValueError(f"hit_tokens_by_tier: unknown tier {unknown[0]!r} (expected {BILLED_TIERS})")
-        hits = {t: _check_count(hit_tokens_by_tier.get(t, 0), f"hit_tokens_by_tier[{t!r}]") for t in BILLED_TIERS}
-        # NOTE invariant: every prompt token is billed exactly once, by its origin.
-        if sum(hits.values()) + miss_tokens != prompt_tokens:
-            raise ValueError(f"hit_tokens_by_tier + miss_tokens: hit {sum(hits.values())} + miss {miss_tokens} "
-                             f"!= prompt_tokens {prompt_tokens}")
-        day = _utc_day(when)
-        cost = (miss_tokens * self.prices.miss + completion_tokens * self.prices.completion
-                + sum(n * self.prices.hit(t) for t, n in hits.items()))
-        one = Bucket(1, prompt_tokens, completion_tokens, hits, miss_tokens, cost)
-        record = json.dumps({"tenant": tenant, "day": day, **one._stored()}, separators=(",", ":")).encode()
-        return Entry.of(rid_key, tenant, day, record, one)
+        return prepare(self.prices, tenant, request_id, prompt_tokens, completion_tokens, hit_tokens_by_tier,
+                       miss_tokens, when)
 
     def record_many(self, entries: list["Entry"]) -> list[bool]:
         """Bill several prepared requests in one write transaction: one fsync for all of them

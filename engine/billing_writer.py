@@ -4,9 +4,10 @@ Knows: a queue of finished requests' ledger entries, and the one thread that own
 write transactions: it takes everything queued, commits it in one transaction (one fsync for
 the whole group, however many requests finished meanwhile), then runs each entry's callback
 with its outcome. The engine thread only enqueues, so a slow fsync (0.5-10 ms) never delays
-another request's next token.
+another request's next token. Also what happens when the ledger cannot be written or opened.
 Doesn't know: requests or responses -- a callback decides what the caller sees. The thread, its
-loop and the stop are storage/background_writer.py's skeleton.
+loop and the stop are storage/background_writer.py's skeleton; the reserve and spill files are
+engine/billing_spill.py's.
 
 NOTE invariant (exactly once, committed before the caller sees the result): an entry's callback
 runs only after the transaction holding it committed (or failed); the engine completes the
@@ -14,56 +15,88 @@ caller's response inside that callback. A crash before the commit loses a reques
 never got an answer; a crash after it keeps a request the caller may not have seen, and the
 request id keeps a retry from counting it twice.
 
-When the ledger cannot be written (issue 17: a full filesystem), `on_failure` decides:
-  "serve" (the default): the request is answered, its entry kept in memory and retried every
-    RETRY_S until it commits; the operator sees it (status(): degraded, with the count; /ready
-    503; /metrics), and an entry still unwritten when the process closes is spilled to a file
-    beside the ledger (or, failing that, logged whole) -- never lost silently. The next open
-    commits spilled entries (Ledger._read_spills). A kill -9 while degraded loses what is only
-    in memory: that is the price of serving on.
+When the ledger cannot be written (a full filesystem) or opened at all (a full, read-only or
+unwritable cache dir at start: the server runs with the ledger off, and tries to open it every
+RETRY_S), `on_failure` decides:
+  "serve" (the default): the request is answered once its bill is *held*: written into the
+    reserve (billing/reserve.bin, made before the first request: its blocks are the bills' room
+    on a full disk), fsynced, then kept in memory and retried every RETRY_S until the ledger
+    takes it. The next open of the ledger commits what the reserve holds, so neither a full disk
+    at shutdown nor a kill -9 loses a held bill. Without a reserve (none could be made: status
+    says so, with why), bills are held in memory only, up to the reserve's wanted size of them,
+    and spilled to a file at close (or logged whole when even that fails). A bill that cannot be
+    held (the reserve is full) fails its request, as "refuse" would: NOTE no request is answered
+    with a bill that has nowhere to go. The operator sees it all (status(): degraded, with the
+    count and why; /ready 503; /metrics).
   "refuse": the request fails ("billing failed"), as a ledger that must never lag demands.
-Before either, a commit that finds the filesystem full gives the ledger its reserve
-(Ledger.release_reserve) and tries again at once.
+status() counts every bill answered and not yet committed -- those being retried included -- so
+"ok" means every answered request is in the ledger.
 """
 from __future__ import annotations
 
 import errno
 import logging
+import os
 import time
 from collections import deque
 from typing import Callable
 
-from engine.billing import Entry, Ledger
+from engine.billing import Entry, Ledger, Prices, entry_of, prepare
+from engine.billing_spill import DEFAULT_RESERVE_BYTES, Reserve, ReserveFull, encode, write_spill_file
 from storage.background_writer import BackgroundWriter
-from storage.disk.environment import LOW_SPACE_BYTES, free_bytes, is_no_space
+from storage.disk.environment import LOW_SPACE_BYTES, free_bytes
 
 log = logging.getLogger("tieredkv.billing")
 
 Done = Callable[[bool | None, Exception | None], None]   # (recorded, error)
 ON_FAILURE = ("serve", "refuse")
-RETRY_S = 2.0             # how often entries the ledger could not take are tried again
+RETRY_S = 2.0             # how often entries the ledger could not take (or its open) are tried again
 
 
 class BillingWriter(BackgroundWriter[list[tuple[Entry, Done | None]]]):
-    def __init__(self, ledger: Ledger, max_group: int = 256, on_failure: str = "serve") -> None:
+    """`ledger`: an open ledger; or None with `path` (and `prices`): the writer opens it, and runs
+    without it while it cannot (it retries). `reserve_bytes`: the reserve wanted beside it."""
+
+    def __init__(self, ledger: Ledger | None = None, max_group: int = 256, on_failure: str = "serve", *,
+                 path: str | os.PathLike | None = None, prices: Prices | None = None,
+                 reserve_bytes: int = DEFAULT_RESERVE_BYTES) -> None:
         if on_failure not in ON_FAILURE:
             raise ValueError(f"on_failure: expected one of {ON_FAILURE}, got {on_failure!r}")
+        if ledger is None and path is None:
+            raise ValueError("BillingWriter: give an open ledger or the path of one")
         super().__init__("tieredkv-billing")
-        self.ledger = ledger
+        self.path = ledger.path if ledger is not None else os.path.abspath(os.fspath(path))
+        self.prices = ledger.prices if ledger is not None else (prices or Prices())
         self.max_group = max_group
         self.on_failure = on_failure
         self._queue: deque[tuple[Entry, Done | None]] = deque()   # guarded by _cond
-        # Entries whose commit failed and whose request was answered ("serve"): retried. Under _cond.
+        # Entries answered ("serve") and not committed: held (in the reserve, or in memory when there
+        # is none), retried. Under _cond; `_retrying` is the part the writer has in hand now.
         self._unwritten: list[Entry] = []
-        self._retry_at = 0.0                  # under _cond: when the next retry is due
+        self._retrying: list[Entry] = []
+        self._memory_bytes = 0                # under _cond: held bills' lines, when held in memory only
+        self._retry_at = 0.0                  # under _cond: when the next retry (or open) is due
         self._final_try = False               # under _cond: stopping, the unwritten were tried once more
-        self._failed: list[Entry] = []        # writer thread: the batch just failed, for _after
         self.error: str | None = None         # under _cond: the last failure, while degraded
-        self.degraded_since: float | None = None   # under _cond: wall time the ledger first failed
+        self.degraded_since: float | None = None   # under _cond: wall time billing first failed
         self._last_logged_error: str | None = None   # writer thread: one log line per distinct failure
         self.spilled = 0                      # entries written to a spill file at close
+        self.refused = 0                      # "serve" requests failed: their bill had nowhere to go
         self.groups = 0                       # commits made (for tests and stats)
         self.entries = 0
+        # NOTE: the reserve first, while the filesystem may still have room, and before the first
+        # request; it reads the bills a killed process left in it (committed by the ledger's open).
+        self.reserve = Reserve(self.path, reserve_bytes)
+        # Without a reserve, bills are held in memory up to this many bytes of their lines.
+        self.memory_bound = reserve_bytes if reserve_bytes > 0 else DEFAULT_RESERVE_BYTES
+        if self.reserve.error:
+            log.warning("billing: the reserve beside the ledger: %s", self.reserve.error)
+        self.ledger: Ledger | None = ledger   # set once, on the writer thread (or here); read anywhere
+        self.ledger_error: str | None = None
+        if ledger is None:
+            self._unwritten = [entry_of(rid, rec) for rid, rec in self.reserve.pending]
+            self._open_ledger()
+        self.reserve.pending = []
         self.start()
 
     def submit(self, entry: Entry, done: Done) -> None:
@@ -74,104 +107,203 @@ class BillingWriter(BackgroundWriter[list[tuple[Entry, Done | None]]]):
             self._queue.append((entry, done))
             self._cond.notify_all()
 
+    def prepare(self, tenant: str, request_id: str, prompt_tokens: int, completion_tokens: int,
+                hit_tokens_by_tier: dict[str, int], miss_tokens: int) -> Entry:
+        """One request's entry, priced (engine/billing.py's prepare): needs no open ledger."""
+        return prepare(self.prices, tenant, request_id, prompt_tokens, completion_tokens, hit_tokens_by_tier,
+                       miss_tokens)
+
     def close(self) -> None:
-        """Commit everything queued, then stop the thread."""
+        """Commit everything queued (or leave it held where the next open finds it), then stop."""
         self.stop()
+        self.reserve.close()
 
     def status(self) -> dict:
-        """What the operator sees: "ok", or "degraded" with how many entries wait in memory and why."""
+        """What the operator sees: "ok" (the ledger is open and holds every answered request), or
+        "degraded" with how many bills wait, where, and why. `reserve` is the reserve's real size
+        on disk (0: there is none; `reserve_error` says why)."""
         with self._cond:
-            return {"state": "degraded" if self._unwritten else "ok", "on_failure": self.on_failure,
-                    "unwritten": len(self._unwritten), "error": self.error if self._unwritten else None,
-                    "degraded_since": self.degraded_since if self._unwritten else None,
-                    "reserve": self.ledger.reserve_bytes}
+            held = len(self._unwritten) + len(self._retrying)
+            ok = held == 0 and self.ledger is not None
+            return {"state": "ok" if ok else "degraded", "on_failure": self.on_failure,
+                    "ledger": "open" if self.ledger is not None else "unavailable",
+                    "unwritten": held, "held_in": "reserve" if self.reserve.ready else "memory",
+                    "refused": self.refused,
+                    "error": None if ok else (self.error or self.ledger_error),
+                    "degraded_since": None if ok else self.degraded_since,
+                    "reserve": self.reserve.size, "reserve_wanted": self.reserve.wanted,
+                    "reserve_used": self.reserve.used, "reserve_error": self.reserve.error}
 
     def _has_work(self) -> bool:
         if self._queue:
             return True
-        if not self._unwritten:
-            return False
         if self._stopping:
-            return not self._final_try
-        return time.monotonic() >= self._retry_at
+            return bool(self._unwritten) and not self._final_try
+        due = time.monotonic() >= self._retry_at
+        return due and (bool(self._unwritten) or self.ledger is None)
 
     def _idle_timeout(self) -> float | None:
-        return max(0.0, self._retry_at - time.monotonic()) if self._unwritten else None
+        if self._unwritten or self.ledger is None:
+            return max(0.0, self._retry_at - time.monotonic())
+        return None
 
     def _take(self) -> list[tuple[Entry, Done | None]]:
         group: list[tuple[Entry, Done | None]] = []
         if self._unwritten and (self._stopping or time.monotonic() >= self._retry_at):
-            group = [(e, None) for e in self._unwritten]     # oldest first: their requests were answered
-            self._unwritten = []
+            # NOTE: still counted by status() while in hand: "ok" only once they are committed.
+            self._retrying, self._unwritten = self._unwritten, []
+            group = [(e, None) for e in self._retrying]     # oldest first: their requests were answered
             self._final_try = self._stopping
         n = min(self.max_group, len(self._queue))
         return group + [self._queue.popleft() for _ in range(n)]
 
+    def _open_ledger(self) -> None:
+        """Try to open the ledger (at start, then every RETRY_S while it cannot be): its open
+        commits what the reserve and spill files hold."""
+        try:
+            ledger = Ledger(self.path, self.prices)
+        except Exception as e:
+            why = f"the ledger at {self.path} cannot be opened ({type(e).__name__}: {e})"
+            if why != self.ledger_error:
+                log.error("billing: %s; %s", why, "requests are answered and their bills held until it opens"
+                          if self.on_failure == "serve" else "requests fail (--on-billing-failure refuse)")
+            with self._cond:
+                self.ledger_error = why
+                if self.degraded_since is None:
+                    self.degraded_since = time.time()
+                self._retry_at = time.monotonic() + RETRY_S
+            return
+        self.reserve.clear()     # the open committed the journal (and marked it empty)
+        with self._cond:
+            self.ledger, self.ledger_error = ledger, None
+            self._retry_at = 0.0     # the held bills are in it now: their retry only finds them there
+        if self.degraded_since is not None:
+            log.warning("billing: the ledger at %s is open again", self.path)
+
     def _write(self, group: list[tuple[Entry, Done | None]]) -> bool:
+        if self.ledger is None:
+            self._open_ledger()
         entries = [e for e, _ in group]
-        outcomes, error = self._commit(entries)
+        if not entries:
+            return self.ledger is not None
+        if self.ledger is None:
+            outcomes, error = [None] * len(entries), OSError(self.ledger_error)
+        else:
+            outcomes, error = self._commit(entries)
         self.groups += 1
         self.entries += len(group)
-        serve = error is not None and self.on_failure == "serve"
-        self._failed = entries if serve else [e for e, d in group if d is None and error is not None]
+        fresh = [(e, d) for e, d in group if d is not None]
+        if error is None:
+            with self._cond:
+                retried, self._retrying = self._retrying, []
+                empty = not self._unwritten
+                if empty:
+                    self._memory_bytes = 0
+            if retried and empty:
+                self._forget_reserve()
+            if empty and not self.reserve.ready:
+                self.reserve.make()      # there was no room for one before
+            self._answer(fresh, outcomes[len(group) - len(fresh):], None)
+            return True
+        held, refused = self._hold(fresh) if self.on_failure == "serve" else ([], fresh)
+        with self._cond:
+            # NOTE: held before the callbacks run: a request answered is counted until committed.
+            self._unwritten = self._retrying + [e for e, _ in held] + self._unwritten
+            self._retrying = []
+            self.refused += len(refused) if self.on_failure == "serve" else 0
+        self._answer(held, [None] * len(held), None)
+        self._answer(refused, [None] * len(refused), error)
+        return False
+
+    def _hold(self, fresh: list[tuple[Entry, Done | None]]) -> tuple[list, list]:
+        """Serve: the bills that can be held (written into the reserve, or within the memory bound
+        without one) and those that cannot (their requests fail)."""
+        if not fresh:
+            return [], []
+        if self.reserve.ready:
+            fits, room = 0, self.reserve.room()
+            for e, _ in fresh:
+                room -= len(encode([(e.request_key, e.record)]))
+                if room < 0:
+                    break
+                fits += 1
+            try:
+                self.reserve.append([(e.request_key, e.record) for e, _ in fresh[:fits]])
+            except (ReserveFull, OSError) as e:
+                log.error("billing: writing %d bills into the reserve failed (%s): their requests fail", fits, e)
+                fits = 0
+            return fresh[:fits], fresh[fits:]
+        held = []
+        with self._cond:
+            for e, d in fresh:
+                size = len(encode([(e.request_key, e.record)]))
+                if self._memory_bytes + size > self.memory_bound:
+                    break
+                self._memory_bytes += size
+                held.append((e, d))
+        return held, fresh[len(held):]
+
+    def _answer(self, group: list[tuple[Entry, Done | None]], outcomes: list, error: Exception | None) -> None:
         for (_, done), recorded in zip(group, outcomes):
             if done is None:
                 continue
             try:
-                # "serve": answered now, billed when the ledger takes it (the entry is kept).
-                done(recorded, None if serve else error)
+                done(recorded, error)
             except Exception:
                 log.exception("billing: a completion callback failed")
-        if error is None:
-            self.ledger.restore_reserve()
-        return error is None
+
+    def _forget_reserve(self) -> None:
+        try:
+            self.reserve.clear()
+        except OSError as e:        # harmless: its bills are committed, and a read back is idempotent
+            log.warning("billing: emptying the reserve's journal failed (%s)", e)
 
     def _commit(self, entries: list[Entry]) -> tuple[list[bool | None], Exception | None]:
-        if self._stopping and self._final_try and free_bytes(self.ledger.path) < LOW_SPACE_BYTES:
-            # Closing on a disk still full: a commit would fail after taking the last pages, which
-            # the spill file needs. Straight to the spill.
+        if self._final_try and not self.reserve.ready and free_bytes(self.path) < LOW_SPACE_BYTES:
+            # Closing on a disk still full, bills in memory only: a commit would fail after taking
+            # the last pages, which the spill file needs. Straight to the spill.
             return [None] * len(entries), OSError(errno.ENOSPC, "the filesystem is still full at close")
-        for attempt in range(2):
-            try:
-                return self.ledger.record_many(entries), None
-            except Exception as e:     # the whole group failed to commit (it is one transaction)
-                if attempt == 0 and is_no_space(e, self.ledger.path) and self.ledger.release_reserve():
-                    continue           # the reserve is the ledger's room on a full disk: now use it
-                if self._last_logged_error != str(e):
-                    log.error("billing: committing %d entries failed (%s: %s); %s", len(entries), type(e).__name__, e,
-                              "answering and keeping them in memory, retried every %.0f s" % RETRY_S
-                              if self.on_failure == "serve" else "their requests fail (--on-billing-failure refuse)")
-                    self._last_logged_error = str(e)
-                return [None] * len(entries), e
-        raise AssertionError("unreachable")
+        try:
+            return self.ledger.record_many(entries), None
+        except Exception as e:     # the whole group failed to commit (it is one transaction)
+            if self._last_logged_error != str(e):
+                log.error("billing: committing %d entries failed (%s: %s); %s", len(entries), type(e).__name__, e,
+                          "answering the requests whose bills the reserve holds, retried every %.0f s" % RETRY_S
+                          if self.on_failure == "serve" else "their requests fail (--on-billing-failure refuse)")
+                self._last_logged_error = str(e)
+            return [None] * len(entries), e
 
     def _after(self, group: list[tuple[Entry, Done | None]], ok: bool) -> None:
-        failed, self._failed = self._failed, []
         if ok:
-            if self.degraded_since is not None and not self._unwritten:
-                log.warning("billing: the ledger is written again; every entry kept in memory is committed")
+            if self.degraded_since is not None and not self._unwritten and self.ledger is not None:
+                log.warning("billing: the ledger is written again; every bill held is committed")
                 self.degraded_since, self.error, self._last_logged_error = None, None, None
             return
-        if not failed:
-            return
+        if self._retrying:          # _write raised midway: they are still held
+            self._unwritten, self._retrying = self._retrying + self._unwritten, []
         if self.degraded_since is None:
             self.degraded_since = time.time()
-        self.error = self._last_logged_error
-        if self._stopping and self._final_try:
-            self._spill(failed)
-            return
-        self._unwritten = failed + self._unwritten
+        self.error = self._last_logged_error or self.ledger_error
         self._retry_at = time.monotonic() + RETRY_S
 
-    def _spill(self, entries: list[Entry]) -> None:
-        """Closing with entries the ledger never took: to a file the next open commits, or the log."""
+    def _on_exit(self) -> None:
+        """Closing with bills the ledger never took: in the reserve already (the next open commits
+        them), else to a spill file, else the log."""
+        with self._cond:
+            left = self._unwritten + self._retrying
+        if not left:
+            return
+        if self.reserve.ready:
+            log.error("billing: %d bills could not be committed before closing; they are in %s (committed at the "
+                      "next start)", len(left), self.reserve.file)
+            return
         try:
-            where = self.ledger.spill(entries)
-            self.spilled += len(entries)
-            log.error("billing: %d entries could not be committed before closing; written to %s (committed at the "
-                      "next start)", len(entries), where)
+            where = write_spill_file(self.path, [(e.request_key, e.record) for e in left])
+            self.spilled += len(left)
+            log.error("billing: %d bills could not be committed before closing; written to %s (committed at the "
+                      "next start)", len(left), where)
         except OSError as e:
-            log.error("billing: %d entries could not be committed nor spilled (%s); their records follow, to be "
-                      "billed by hand", len(entries), e)
-            for entry in entries:
+            log.error("billing: %d bills could not be committed nor spilled (%s); their records follow, to be "
+                      "billed by hand", len(left), e)
+            for entry in left:
                 log.error("billing: unwritten %s %s", entry.request_key.decode(), entry.record.decode())

@@ -23,7 +23,7 @@ from typing import Iterator, Sequence as Seq
 import torch
 
 from engine.abort import CALLER_CLOSED, AbortHandle, Aborts
-from engine.billing import Ledger, Prices, validate_tenant
+from engine.billing import Prices, validate_tenant
 from engine.billing_writer import ON_FAILURE, BillingWriter
 from engine.calibration import calibrate_at_start
 from engine.load_deadline import LoadDeadlines
@@ -100,12 +100,11 @@ class Engine:
         self.calibration, self.link_calibration = calibrate_at_start(self) if cache.calibrate else (None, None)
         if ledger_dir is None and cache.disk_path is not None:
             ledger_dir = os.path.join(os.path.dirname(cache.disk_path), "billing")
-        self.ledger = Ledger(ledger_dir, prices or Prices()) if ledger_dir is not None else None
-        # Owns the ledger's writes: the engine thread never waits for an fsync.
-        # billing_failure: what a request gets when the ledger cannot be written (a full disk):
-        # "serve" (answered, billed from memory when the ledger takes it; /ready says degraded)
-        # or "refuse" (the request fails). engine/billing_writer.py.
-        self.billing = BillingWriter(self.ledger, on_failure=billing_failure) if self.ledger is not None else None
+        # Opens and owns the ledger and its writes (the engine thread never waits for an fsync);
+        # runs without it while it cannot be opened. billing_failure: what a request gets then, or
+        # when it cannot be written: "serve" or "refuse" (engine/billing_writer.py).
+        self.billing = (BillingWriter(path=ledger_dir, prices=prices or Prices(), on_failure=billing_failure)
+                        if ledger_dir is not None else None)
         self.vocab_size = loaded.model.config.vocab_size
         eos = loaded.model.config.eos_token_id
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -119,6 +118,8 @@ class Engine:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="tieredkv-engine", daemon=True)
         self._thread.start()
+
+    ledger = property(lambda self: self.billing and self.billing.ledger, doc="The open ledger (None: none, or not yet)")
 
     @classmethod
     def from_pretrained(cls, model: str | None = None, cache: CacheConfig | None = None, device: str = "auto",
@@ -335,9 +336,8 @@ class Engine:
         except Exception:
             log.exception("engine close: closing the cache failed")
         if self.billing is not None:
-            self.billing.close()        # commits every finished request's bill, then stops
-        if self.ledger is not None:
-            self.ledger.close()
+            self.billing.close()        # commits (or holds) every finished request's bill, then stops
+            self.ledger is not None and self.ledger.close()
         return flushed
 
     def __enter__(self) -> "Engine":
@@ -523,8 +523,8 @@ class Engine:
             complete()
             return
         try:
-            entry = self.ledger.prepare(seq.tenant, seq.request_id, usage.prompt_tokens, usage.completion_tokens,
-                                        usage.hit_tokens_by_tier, usage.prompt_cache_miss_tokens)
+            entry = self.billing.prepare(seq.tenant, seq.request_id, usage.prompt_tokens, usage.completion_tokens,
+                                         usage.hit_tokens_by_tier, usage.prompt_cache_miss_tokens)
             self.billing.submit(entry, complete)
         except Exception as e:
             log.exception("billing failed for %s", seq.request_id)

@@ -151,7 +151,12 @@ def readiness(status: dict, draining: bool, alive: bool) -> dict:
     if not alive:
         reasons.append("the engine loop has stopped")
     if billing.get("state") == "degraded":
-        reasons.append(f"billing cannot be written ({billing.get('unwritten')} bills in memory: {billing.get('error')})")
+        held = f"{billing.get('unwritten')} bills held in {billing.get('held_in', 'memory')}"
+        if billing.get("ledger") == "unavailable":
+            reasons.append(f"billing: the ledger is unavailable ({billing.get('error')}); " + (
+                f"{held}" if billing.get("on_failure") == "serve" else "requests are refused"))
+        else:
+            reasons.append(f"billing cannot be written ({held}: {billing.get('error')})")
     return {"ready": not reasons, "reasons": reasons,
             "tiers": {"device": "ok", "host": "ok" if host.get("enabled", True) else "off",
                       "disk": disk_state, "remote": remote_state},

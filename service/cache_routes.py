@@ -125,6 +125,8 @@ async def billing(request: Request, tenant: str | None = None) -> Any:
     c = ctx(request)
     caller = c.caller(request)
     ledger = getattr(c.engine, "ledger", None)
+    if ledger is None and getattr(c.engine, "billing", None) is not None:
+        raise APIError(503, "the billing ledger cannot be opened now (see /ready)", code="ledger_unavailable")
     if ledger is None:
         raise APIError(404, "billing is not enabled on this server (the engine has no ledger)", code="billing_disabled")
     if tenant is not None:

@@ -56,10 +56,23 @@ def startup_summary(engine: Any, url: str, served_model_name: str | None = None)
     events = getattr(engine.cache, "events_publisher", None)
     rows.append(("kv events", "off" if events is None else
                  f"{events.endpoint} (replay {events.replay_endpoint}; vLLM's KV events format)"))
-    ledger = getattr(engine, "ledger", None)
-    rows.append(("billing", "off" if ledger is None else ledger.path))
+    rows.append(("billing", _billing(engine, status.get("billing", {"state": "off"}))))
     rows.append(("listen", f"{url} (OpenAI API under {url}/v1; {url}/docs)"))
     return rows
+
+
+def _billing(engine: Any, billing: dict) -> str:
+    writer = getattr(engine, "billing", None)
+    if billing.get("state") == "off" or writer is None:
+        return "off"
+    reserve = billing.get("reserve", 0)
+    text = f"{writer.path}, reserve {format_size(reserve)}" if reserve else f"{writer.path}, no reserve"
+    if billing.get("reserve_error"):
+        text += f" ({billing['reserve_error']})"
+    if billing.get("ledger") == "unavailable":
+        text += (f" [unavailable: {billing.get('error')}; " + ("requests served, bills held until it opens"
+                 if billing.get("on_failure") == "serve" else "requests refused") + "]")
+    return text
 
 
 def format_summary(rows: list[tuple[str, str]]) -> str:

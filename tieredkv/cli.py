@@ -121,9 +121,10 @@ def serve(
                               "1.15-1.45x fewer bytes) or raw (the bytes as they are, checked the same way, "
                               "several times faster to decode: better where the drive or network is faster "
                               "than decoding). Either reads what the other wrote."),
-    on_billing_failure: str = typer.Option("serve", help="When the billing ledger cannot be written (a full "
-                                           "disk): serve (answer; keep bills in memory, written when space "
-                                           "returns; /ready says 503) or refuse (the request fails)."),
+    on_billing_failure: str = typer.Option("serve", help="When the billing ledger cannot be written or opened "
+                                           "(a full or read-only disk): serve (answer once the bill is held in "
+                                           "billing/reserve.bin, written when space returns; /ready says 503) or "
+                                           "refuse (the request fails)."),
     api_keys: Optional[str] = typer.Option(None, help='JSON file {"sk-...": {"tenant": ..., "role": "admin"|"user"}}.'),
     block_size: int = typer.Option(16, help="Tokens per cached block."),
     prices: Optional[str] = typer.Option(None, help="Prices file (JSON or .toml), micro-dollars per 1M tokens."),
@@ -413,8 +414,9 @@ def status(
                       f"{recomputed:,} hit tokens recomputed by choice", soft_wrap=True)
     billing = body.get("billing", {})
     if billing.get("state") == "degraded":
-        out.print(f"[bold red]billing: degraded[/]: {billing.get('unwritten', 0)} bills in memory, not yet in the "
-                  f"ledger ({escape(str(billing.get('error')))}); written when the disk has room", soft_wrap=True)
+        out.print(f"[bold red]billing: degraded[/]: {billing.get('unwritten', 0)} bills held in "
+                  f"{billing.get('held_in', 'memory')}, not yet in the ledger ({escape(str(billing.get('error')))}); "
+                  "written when the ledger can be", soft_wrap=True)
     remote = tiers.get("remote", {})
     if remote.get("enabled"):
         breaker = remote.get("breaker", "?")

@@ -1,9 +1,10 @@
 """Issue 17, item 2: a full filesystem is never a failed request, and billing is never lost silently.
 
-On a real tmpfs filled to the last byte: the ledger's reserve gives it room first; past that the
-default policy answers the request, keeps its bill in memory (status: degraded), and commits it
-when space returns; "refuse" fails the request instead; a process closing while degraded spills
-the bills to a file that the next open commits. Counters and events, no wall-clock bounds.
+On a real tmpfs filled to the last byte: the default policy answers the request once its bill is
+held in the ledger's reserve (status: degraded, counting every bill not yet committed), and
+commits it when space returns; "refuse" fails the request instead; a process closing without a
+reserve spills the bills it held in memory to a file that the next open commits. Counters and
+events, no wall-clock bounds.
 """
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.billing import Ledger, RESERVE_FILE, SPILL_PREFIX
+from engine.billing import Ledger
+from engine.billing_spill import RESERVE_FILE, SPILL_PREFIX
 from engine.billing_writer import BillingWriter
 from tests.engine.conftest import make_engine, random_prompt
 from tieredkv import SamplingParams
@@ -67,39 +69,68 @@ def submit_and_wait(writer: BillingWriter, e):
     return result
 
 
-def test_the_reserve_gives_the_ledger_room_then_serve_keeps_bills_in_memory_until_space_returns(small_fs: Path) -> None:
-    ledger = Ledger(small_fs / "billing", reserve_bytes=2 << 20)
-    assert (small_fs / "billing" / RESERVE_FILE).stat().st_size == 2 << 20
-    writer = BillingWriter(ledger)
+def test_serve_holds_bills_in_the_reserve_until_space_returns_and_ok_means_every_one_is_committed(small_fs: Path) -> None:
+    """Formerly test_the_reserve_gives_the_ledger_room_then_serve_keeps_bills_in_memory_until_space_returns,
+    which failed 1 of 5 runs beside two CPU burners: the retry took the held bills out of the
+    count before committing them, so status said "ok" with 180 bills still unwritten."""
+    ledger = Ledger(small_fs / "billing")
+    writer = BillingWriter(ledger, reserve_bytes=2 << 20)
     try:
-        filler = fill(small_fs)
-        # The filesystem is full: the first commit that fails gives the ledger its reserve.
+        assert (small_fs / "billing" / RESERVE_FILE).stat().st_size == writer.status()["reserve"] == 2 << 20
         for i in range(20):
             assert submit_and_wait(writer, entry(ledger, i)) == {"recorded": True, "error": None}
-        assert not (small_fs / "billing" / RESERVE_FILE).exists()
-        assert writer.status()["state"] == "ok"
-        # Fill what the reserve gave back: now no commit fits. The requests are answered (no error)
-        # and their bills wait in memory; the operator sees it.
-        filler2 = fill(small_fs)
+        filler = fill(small_fs)
+        # No commit fits now. The requests are answered (no error) once their bills are in the
+        # reserve; the operator sees every one of them.
         answered = [submit_and_wait(writer, entry(ledger, i)) for i in range(20, 200)]
         assert all(a["error"] is None for a in answered)
         status = writer.status()
-        assert status["state"] == "degraded" and status["unwritten"] > 0 and status["error"], status
+        assert status["state"] == "degraded" and status["unwritten"] == 180 and status["error"], status
+        assert status["held_in"] == "reserve" and status["reserve_used"] > 0
         # Space returns: every bill is committed by the writer's retry, exactly once.
         filler.unlink()
-        filler2.unlink()
         assert wait_until(lambda: writer.status()["state"] == "ok")
         assert ledger.tenant("acme").requests == 200
         ledger.check()
-        assert wait_until(lambda: (small_fs / "billing" / RESERVE_FILE).exists())   # made again
+        assert writer.status()["reserve_used"] == 0        # its journal emptied
     finally:
         writer.close()
         ledger.close()
 
 
+def test_status_counts_the_bills_a_retry_has_in_hand_until_they_are_committed(small_fs: Path) -> None:
+    """The race behind the flaky test, made certain: the retry's commit is held open (the real
+    commit runs once it is let go); meanwhile status must not say "ok"."""
+    ledger = Ledger(small_fs / "billing")
+    writer = BillingWriter(ledger, reserve_bytes=1 << 20)
+    commit, in_commit, go = ledger.record_many, threading.Event(), threading.Event()
+    try:
+        filler = fill(small_fs)
+        for i in range(10):
+            assert submit_and_wait(writer, entry(ledger, i))["error"] is None
+        assert writer.status()["unwritten"] == 10
+
+        def held_commit(entries):
+            in_commit.set()
+            assert go.wait(60)
+            return commit(entries)
+        ledger.record_many = held_commit
+        filler.unlink()                  # the next retry (RETRY_S) commits them
+        assert in_commit.wait(60)
+        status = writer.status()
+        assert status["state"] == "degraded" and status["unwritten"] == 10, status
+        go.set()
+        assert wait_until(lambda: writer.status()["state"] == "ok")
+        assert ledger.tenant("acme").requests == 10
+    finally:
+        go.set()
+        writer.close()
+        ledger.close()
+
+
 def test_refuse_fails_the_request_when_the_ledger_cannot_be_written(small_fs: Path) -> None:
-    ledger = Ledger(small_fs / "billing", reserve_bytes=0)
-    writer = BillingWriter(ledger, on_failure="refuse")
+    ledger = Ledger(small_fs / "billing")
+    writer = BillingWriter(ledger, on_failure="refuse", reserve_bytes=0)
     try:
         fill(small_fs)
         results = [submit_and_wait(writer, entry(ledger, i)) for i in range(200)]
@@ -112,9 +143,9 @@ def test_refuse_fails_the_request_when_the_ledger_cannot_be_written(small_fs: Pa
         ledger.close()
 
 
-def test_closing_while_degraded_spills_the_bills_and_the_next_open_commits_them(small_fs: Path) -> None:
-    ledger = Ledger(small_fs / "billing", reserve_bytes=0)
-    writer = BillingWriter(ledger)
+def test_closing_without_a_reserve_spills_the_bills_held_in_memory_and_the_next_open_commits_them(small_fs: Path) -> None:
+    ledger = Ledger(small_fs / "billing")
+    writer = BillingWriter(ledger, reserve_bytes=0)       # none: bills are held in memory only
     crumb = small_fs / "crumb"
     crumb.write_bytes(b"\1" * 8192)      # freed before closing: room for a spill file, not a commit
     filler = fill(small_fs)
@@ -123,7 +154,7 @@ def test_closing_while_degraded_spills_the_bills_and_the_next_open_commits_them(
             submit_and_wait(writer, entry(ledger, i))
             if writer.status()["state"] == "degraded":
                 break
-        assert writer.status()["state"] == "degraded"
+        assert writer.status()["state"] == "degraded" and writer.status()["held_in"] == "memory"
         crumb.unlink()
     finally:
         writer.close()
@@ -143,15 +174,9 @@ def test_an_engine_on_a_full_filesystem_answers_every_request_and_bills_them_whe
     prompts = [random_prompt(24, seed) for seed in range(8)]
     try:
         filler = fill(small_fs)
-        ledger_reserve = eng.ledger.path + "/" + RESERVE_FILE
-        outs = [eng.generate(p, SamplingParams(max_tokens=4)) for p in prompts]   # none raises
+        outs = [eng.generate(p, SamplingParams(max_tokens=4)) for p in prompts * 2]   # none raises
         assert all(len(o.token_ids) == 4 for o in outs)
-        filler2 = fill(small_fs) if not os.path.exists(ledger_reserve) else None
-        more = [eng.generate(p, SamplingParams(max_tokens=4)) for p in prompts]
-        assert all(len(o.token_ids) == 4 for o in more)
         filler.unlink()
-        if filler2 is not None:
-            filler2.unlink()
         assert wait_until(lambda: eng.cache_status()["billing"]["state"] == "ok")
         assert wait_until(lambda: eng.ledger.tenant("default").requests == 16), eng.ledger.summary()
         eng.ledger.check()

@@ -246,7 +246,7 @@ def test_the_startup_summary_names_every_fact_an_operator_checks_first(tmp_path:
     assert rows["disk tier"].startswith(f"{tmp_path / 'kv'}, capacity 64.0MiB")
     assert rows["remote tier"] == f"valkey://:***@127.0.0.1:{port} (write_back)"
     assert rows["restores"].startswith("compute or load: auto ") and "stored zstd (zstd level 3)" in rows["restores"]
-    assert rows["billing"] == str(tmp_path / "billing")
+    assert rows["billing"] == f"{tmp_path / 'billing'}, reserve 16.0MiB"
     assert rows["listen"].startswith("http://127.0.0.1:8123 ")
     assert "pw-not-shown" not in text and all(label in text for label in rows)
 
