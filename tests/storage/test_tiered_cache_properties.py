@@ -52,6 +52,7 @@ class TieredCacheMachine(RuleBasedStateMachine):
     @initialize(host_slots=st.sampled_from([6, 2, 0]), disk_blocks=st.sampled_from([3, 8]),
                 write_policy=st.sampled_from(["write_back", "write_through"]))
     def open_cache(self, host_slots: int, disk_blocks: int, write_policy: str) -> None:
+        self.disk_blocks = disk_blocks
         config = CacheConfig(block_size=TINY.block_size, device_memory=PAGES * TINY.nbytes,
                              host_memory=host_slots * TINY.nbytes, disk_dir=self.dir,
                              disk_capacity=disk_blocks * BLOCK_ON_DISK, write_policy=write_policy)
@@ -137,7 +138,14 @@ class TieredCacheMachine(RuleBasedStateMachine):
         missing = {k.hash for k in above if not disk.contains(k)}
         result = c.flush(timeout=30)
         written = result.written
-        assert result.complete        # every block fits (the disk holds whole blocks), nothing dropped
+        # complete means every block above is on disk now; a disk too small for them says so.
+        assert result.blocks == len(above) and result.complete == (result.held == result.blocks)
+        # A block left out was evicted to make room (a disk smaller than the cache, or one the
+        # disk held already pushed out by this flush's writes): never dropped unreported.
+        held_now = sum(disk.contains(k) for k in above)
+        assert result.held == held_now and (result.complete or result.evicted > 0)
+        if len(above) <= self.disk_blocks and result.evicted == 0:
+            assert result.complete    # every block fits (the disk holds whole blocks), nothing dropped
         # Each block missing below is written once; one the disk evicts meanwhile may go twice.
         assert len(missing) <= written <= len(missing) + len(above)
         assert disk.check() == []
