@@ -1,9 +1,9 @@
 """The engine's figures measured at start, so that its first request is planned from them.
 
 Knows: the compute calibration -- one real prefill chunk (CALIBRATION_TOKENS, or the scheduler's
-chunk if smaller, or what the pool and context hold) and a decode step after it (the better of
-two), of the real model in the real paged pool, after two small warm-up passes (a first call's
-one-time costs are not a step's); its pages are allocated from the
+chunk if smaller, or what the pool and context hold) and a decode step after it (each the better
+of two), of the real model in the real paged pool, after warm-up passes of each shape (a first
+call's one-time costs are not a step's); its pages are allocated from the
 pool and released after, never registered (no block of it is findable), and nothing is billed
 -- fed to the prefill model (engine/prefill_model.py) -- and, with a remote tier, the link probe
 (storage/remote/link_probe.py: a round trip and a block-sized read of the real store) fed to the
@@ -71,8 +71,15 @@ def calibrate_compute(runner, cache: TieredKVCache, model: PrefillModel, timer: 
             runner.forward([Scheduled(seq, count)]).float().sum().item()   # waits for the pass
         run(0, 1)                                 # warm-up: first-call costs of a decode's path...
         run(0, min(n, WARMUP_TOKENS))             # ...and of a prefill's (its groups, masks)
-        prefill_s = timer.measure(lambda: run(0, n))
-        decode_s = min(timer.measure(lambda: run(n, 1)) for _ in range(2))    # cheap: the better of two
+        # ...and of the chunk's own shapes: the first pass of a size pays once for what a step
+        # never pays again (weights faulted in from their mmap'd file, bf16 kernels generated
+        # for the shape: 10-30x a step on a CPU, measured with the default model).
+        run(0, n)
+        # The better of two: a busy machine only ever makes a pass slower, and a figure too
+        # pessimistic sends every hit to a load (and stretches its deadline) until the steps
+        # correct it.
+        prefill_s = min(timer.measure(lambda: run(0, n)) for _ in range(2))
+        decode_s = min(timer.measure(lambda: run(n, 1)) for _ in range(2))
     finally:
         cache.release(pages)                                    # free again: never registered
     model.calibrate(n, prefill_s, n + 1, decode_s)

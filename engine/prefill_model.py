@@ -5,7 +5,8 @@ new_tokens * the context after them (the quadratic part of prefill); the fit ove
 WINDOW prefill steps -- non-negative coefficients, relative errors (a 5 ms step counts as much
 as a 2 s one), Huber-weighted and refitted (IRLS) so a few outliers (a loaded machine, a GC
 pause) barely move it --, the calibration at start (engine/calibration.py: one prefill chunk and
-one decode step, so there is a fit before the first request), the prediction for a prefill of n
+one decode step, so there is a fit before the first request, scaled by the first real prefill
+steps until the window is fitted), the prediction for a prefill of n
 new tokens over a context, and the last ERRORS (predicted, observed) pairs of prefill steps.
 Only prefill work is fitted: a step is kept when exactly one sequence prefills in it and decode
 tokens (a sequence's one new token) are at most a DECODE_SHARE of its tokens; steps dominated by
@@ -44,6 +45,8 @@ class PrefillModel:
         self._errors: deque[tuple[float, float]] = deque(maxlen=ERRORS)
         self._calibration: dict | None = None
         self._fitted = False               # fitted from the window (not only the calibration)
+        self._calibrated: tuple[float, float, float] | None = None   # the calibration's own figures
+        self._ratios: list[float] = []     # observed / calibrated, per prefill step before the fit
 
     def observe(self, work: list[tuple[int, int]], seconds: float) -> None:
         """One step: (new tokens, context after the step) per sequence, and its time. A
@@ -64,6 +67,8 @@ class PrefillModel:
             self._since_fit += 1
             if len(self._steps) >= MIN_STEPS and (not self._fitted or self._since_fit >= REFIT_EVERY):
                 self._fit()
+            elif not self._fitted and self._calibrated is not None:
+                self._rescale(_seconds(self._calibrated, new, ctx), seconds)
 
     def calibrate(self, prefill_tokens: int, prefill_s: float, decode_context: int, decode_s: float) -> None:
         """The figures before any request: a step's overhead from one decode step (its one
@@ -77,9 +82,17 @@ class PrefillModel:
         with self._lock:
             self._steps.append((float(prefill_tokens), float(prefill_tokens * prefill_tokens), prefill_s))
             self._steps.append((1.0, float(decode_context), decode_s))
-            self._coef = (a, b, 0.0)
+            self._coef = self._calibrated = (a, b, 0.0)
             self._calibration = {"prefill_tokens": prefill_tokens, "prefill_s": round(prefill_s, 6),
                                  "decode_context": decode_context, "decode_s": round(decode_s, 6)}
+
+    def _rescale(self, predicted: float, observed: float) -> None:
+        """Before the window is fitted, the calibration's figures scaled by the median of what
+        the real prefill steps took over what they predicted: one factor (all the few steps can
+        tell), so a calibration a loaded start made 10x too slow is right from its first step."""
+        self._ratios.append(observed / predicted if predicted > 0 else 1.0)
+        factor = float(np.median(self._ratios))
+        self._coef = tuple(c * factor for c in self._calibrated)
 
     def _fit(self) -> None:
         rows = np.array(self._steps)

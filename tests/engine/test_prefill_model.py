@@ -127,3 +127,16 @@ def test_the_calibration_fits_the_model_before_any_step() -> None:
     for work, seconds in prefill_steps(random.Random(3), 40):
         m.observe(work, seconds)
     assert m.predict(2048, 2048) == pytest.approx(prefill_s(2048, 2048), rel=0.05)
+
+
+def test_a_calibration_a_loaded_start_made_slow_is_corrected_by_the_first_real_step() -> None:
+    # Measured with the default model on a busy 2-core machine: the calibration's chunk took 10 s
+    # where a real 256-token prefill took 0.36 s. Until the window has MIN_STEPS prefill steps the
+    # figures are the calibration's, scaled by what the real steps took over what they predicted.
+    m = PrefillModel()
+    m.calibrate(256, 30 * prefill_s(256, 256), 257, 30 * prefill_s(1, 257))
+    assert m.predict(256, 256) == pytest.approx(30 * prefill_s(256, 256), rel=1e-6)      # 30x too slow
+    m.observe([(256, 512)], prefill_s(256, 512))      # one real step
+    for n, ctx in QUERIES:
+        assert m.predict(n, ctx) == pytest.approx(prefill_s(n, ctx), rel=0.5)
+    assert not m.snapshot()["recent"][0]["predicted_s"] < 10 * prefill_s(256, 512)   # its error is tracked
