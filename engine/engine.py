@@ -92,7 +92,8 @@ class Engine:
                                    max_loading=max_loading, decode_step_tokens=decode_step_tokens,
                                    planner=self.planner, deadlines=LoadDeadlines(
                                        self.planner.compute_seconds, cache.load_deadline_margin,
-                                       cache.load_deadline_slack_s, fallback_s=cache.remote_timeout_s))
+                                       cache.load_deadline_slack_s, fallback_s=cache.remote_timeout_s,
+                                       load_seconds=self.planner.load_seconds))
         self.runner = ModelRunner(loaded.model, self.cache.pool.kv, self.block_size, attention)
         # Step times (CUDA events on CUDA) fit the prefill model; with calibrate, one chunk and a
         # decode step fit it now and a thread probes the remote's link (engine/calibration.py).
@@ -290,7 +291,8 @@ class Engine:
                 "cost_model": {"restore_bytes_per_s": self.cache.tiers.rates.snapshot(),
                                "prefill": self.prefill_model.snapshot(),
                                "planner": self.planner.snapshot(),
-                               "load_deadline": self.scheduler.deadlines.snapshot()},
+                               "load_deadline": {**self.scheduler.deadlines.snapshot(),
+                                                 "probes_abandoned": self.scheduler.probes_abandoned}},
                 "engine": {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                            "loading": len(self.scheduler.loading),
                            "attention": self.runner.backend.name, "sync_debug": self.sync_debug,

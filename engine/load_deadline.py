@@ -3,17 +3,23 @@
 Knows: the rule. A load planned at time t (a load-only plan, or the back part of a compute-or-load
 split) has its deadline at
 
-    t + margin x compute(blocks it brings) + slack
+    t + min(margin x compute(blocks it brings), LOAD_MARGIN x load(those blocks)) + slack
 
 where compute() is the predicted time to prefill those blocks in the scheduler's chunks
 (RestorePlanner.compute_seconds over the engine's prefill model) -- when recomputing them would
-have finished -- `margin` (>= 1) covers the prediction's error and `slack` a scheduling hiccup
-(CacheConfig.load_deadline_margin, load_deadline_slack_s). Before the prefill model has a
-figure, the predicted time is `fallback_s`: the remote store's per-call timeout
-(CacheConfig.remote_timeout_s), the longest a single read of the slowest tier is allowed to take.
-A stalled store thus costs a request at most about one recompute plus the margin, after which it
-computes what did not arrive (SGLang HiCache's "timeout" prefetch policy; Cake's compute-or-load
-split, revised at runtime).
+have finished -- and load() the predicted time to load them from their tiers (the restore
+rates: a latency, then the bytes); `margin` (>= 1) covers the prediction's error and `slack` a
+scheduling hiccup (CacheConfig.load_deadline_margin, load_deadline_slack_s). A load running
+LOAD_MARGIN times longer than its tiers' figures say is not a slow load but a sick store: it is
+given up then, not at the full recompute, so a stall costs its request LOAD_MARGIN x a load it
+was planned for (cheaper than the recompute, or the planner would not have loaded) on top of
+computing what did not arrive. Before the prefill model has a figure, the predicted compute is
+`fallback_s`: the remote store's per-call timeout (CacheConfig.remote_timeout_s).
+The same rule bounds a request's wait for its remote probe (which blocks the shared store holds,
+asked at submit): past `probe_seconds` it is admitted as if the store held none of them.
+A stalled store thus costs a request at most about one recompute plus the margin, and usually
+far less (SGLang HiCache's "timeout" prefetch policy; Cake's compute-or-load split, revised at
+runtime). The late fills end on their own pages, and their times teach the rates.
 Doesn't know: clocks (the scheduler owns one, injectable, and checks deadlines in schedule(), so
 the engine thread never waits for a load), pages or fills (storage/load_outcome.py keeps what
 arrived), or billing (a block that did not arrive is billed as computed).
@@ -23,7 +29,10 @@ Engine thread only; the figures it reads are thread-safe.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
+
+# A load this many times slower than its tiers' figures predict is given up (see above).
+LOAD_MARGIN = 3.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +41,9 @@ class LoadDeadlines:
     margin: float = 1.25
     slack_s: float = 0.1
     fallback_s: float = 0.5           # the predicted time while there is no prefill figure
+    # Predicted load time of blocks held in these tiers (RestorePlanner.load_seconds; None: no
+    # figure for one of them). None: deadlines from the compute alone.
+    load_seconds: Callable[[Sequence[str]], float | None] | None = None
 
     def __post_init__(self) -> None:
         for name, low in (("margin", 1.0), ("slack_s", 0.0), ("fallback_s", 0.0)):
@@ -39,10 +51,25 @@ class LoadDeadlines:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= low:
                 raise ValueError(f"{name}: expected a number >= {low}, got {v!r}")
 
-    def seconds(self, start: int, end: int) -> float:
-        """How long after it is planned a load of blocks [start, end) of a prompt may take."""
+    def seconds(self, start: int, end: int, tiers: Sequence[str] = ()) -> float:
+        """How long after it is planned a load of blocks [start, end) of a prompt, held in
+        `tiers` (one per block; "device" ones cost nothing), may take."""
         predicted = self.compute_seconds(start, end)
-        return self.margin * (self.fallback_s if predicted is None else predicted) + self.slack_s
+        bound = self.margin * (self.fallback_s if predicted is None else predicted)
+        return min(bound, self._load_bound(tiers)) + self.slack_s
+
+    def probe_seconds(self, blocks: int) -> float:
+        """How long a request of `blocks` full blocks waits for its remote probe (a round trip
+        of the store) before it is admitted without the store's answer."""
+        return self.seconds(0, blocks, ("remote",))
+
+    def _load_bound(self, tiers: Sequence[str]) -> float:
+        loading = [t for t in tiers if t != "device"]
+        if not loading or self.load_seconds is None:
+            return float("inf")
+        predicted = self.load_seconds(loading)
+        return float("inf") if predicted is None else LOAD_MARGIN * predicted
 
     def snapshot(self) -> dict:
-        return {"margin": self.margin, "slack_s": self.slack_s, "fallback_s": self.fallback_s}
+        return {"margin": self.margin, "load_margin": LOAD_MARGIN, "slack_s": self.slack_s,
+                "fallback_s": self.fallback_s}

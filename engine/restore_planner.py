@@ -121,6 +121,12 @@ class RestorePlanner:
             total, pos = total + t, pos + chunk
         return total
 
+    def load_seconds(self, tiers: Sequence[str]) -> float | None:
+        """Predicted time to load blocks held in `tiers` (prefix order), or None when one of
+        the tiers has no figure yet."""
+        costs = self._load_costs(tiers)
+        return None if costs is None else self._load_seconds(costs, 0, len(costs))
+
     def _load_costs(self, tiers: Sequence[str]) -> list[str] | None:
         """The prefix's tiers, or None when a tier below the device in it has no figure yet."""
         for t in set(tiers) - {"device"}:

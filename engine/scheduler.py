@@ -75,6 +75,7 @@ class Scheduler:
         self.deadlines = deadlines
         self.clock = clock
         self.preemptions = 0
+        self.probes_abandoned = 0     # requests admitted without their overdue remote probe
         # Fair share (_admission_order): each tenant's latest admission, numbered (engine thread).
         self._admissions = 0
         self._last_admitted: dict[str, int] = {}
@@ -203,10 +204,14 @@ class Scheduler:
         """Match, then plan the prefix and either start the first chunk or wait for the loader.
         Scheduled: running now; True: loading; None: wait (a block another request computes
         now, or too many loads in flight); False: not enough pages now (stop admitting)."""
+        remote = seq.prefetch.remote_hashes() if seq.prefetch is not None else None
         if seq.prefetch is not None and seq.prefetch.remote_pending():
-            return None     # its remote probe is out (bounded by the store's timeout): others go first
+            if not self._probe_overdue(seq):
+                return None     # its remote probe is out: others go first
+            # Overdue (a stalled or sick store): admitted as if the store held none of it.
+            remote, self.probes_abandoned = frozenset(), self.probes_abandoned + 1
         keys = seq.prefix_keys()
-        match = self.cache.match(keys, seq.prefetch.remote_hashes() if seq.prefetch is not None else None)
+        match = self.cache.match(keys, remote)
         if len(match) < len(keys) and keys[len(match)].hash in pending:
             return None
         needs_load = any(tier != "device" for _, tier in match.blocks)
@@ -225,7 +230,7 @@ class Scheduler:
         load = self.cache.plan(match, seq.prefetch)
         if load.pending:
             first = next(i for i, f in enumerate(load.fills) if f is not None)
-            seq.load_deadline = self._deadline(first, len(load.fills))
+            seq.load_deadline = self._deadline(first, len(load.fills), load.tiers[first:])
             seq.load, seq.status = load, SeqStatus.LOADING
             self.loading.append(seq)
             return True
@@ -251,7 +256,7 @@ class Scheduler:
         recomputed = self.cache.recomputed(match.blocks[split.device:split.start], seq.prefetch)
         back = self.cache.plan(CacheMatch(match.blocks[split.start:]), seq.prefetch) if split.loaded else None
         if back is not None:
-            seq.load_deadline = self._deadline(split.start, split.start + len(back.fills))
+            seq.load_deadline = self._deadline(split.start, split.start + len(back.fills), back.tiers)
         seq.recomputed_hit_tokens = len(recomputed) * self.block_size
         return self._start(seq, front, budget, recomputed, back)
 
@@ -313,9 +318,20 @@ class Scheduler:
         seq.num_computed += len(acquired.pages) * self.block_size
         seq.restore_s = acquired.restore_s
 
-    def _deadline(self, start: int, end: int) -> float | None:
-        """When a load of blocks [start, end) of a prompt, planned now, stops being waited for."""
-        return None if self.deadlines is None else self.clock() + self.deadlines.seconds(start, end)
+    def _deadline(self, start: int, end: int, tiers) -> float | None:
+        """When a load of blocks [start, end) of a prompt (held in `tiers`), planned now, stops
+        being waited for."""
+        return None if self.deadlines is None else self.clock() + self.deadlines.seconds(start, end, tiers)
+
+    def _probe_overdue(self, seq: Sequence) -> bool:
+        """A remote probe still out: True once the request has waited for it as long as the
+        load rule allows (engine/load_deadline.py), from its first turn at admission."""
+        if self.deadlines is None:
+            return False
+        now = self.clock()
+        if seq.probe_deadline is None:
+            seq.probe_deadline = now + self.deadlines.probe_seconds(len(seq.prefix_keys()))
+        return now >= seq.probe_deadline
 
     def _past_deadline(self, seq: Sequence) -> bool:
         return seq.load_deadline is not None and self.clock() >= seq.load_deadline

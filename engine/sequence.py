@@ -48,6 +48,7 @@ class Sequence:
     load: Load | None = None                      # its prefix being filled: while LOADING, or its back
                                                   # part while RUNNING its front (compute-or-load)
     load_deadline: float | None = None            # when waiting for `load` stops (the scheduler's clock)
+    probe_deadline: float | None = None           # when waiting for the remote probe stops (likewise)
     compute_until: int = 0                        # with a back part loading: where its front ends
     recomputed_hit_tokens: int = 0                # hit tokens it recomputed by choice (billed as hits)
     prefetch: Prefetch | None = None              # its disk -> host prefetch, started at submit

@@ -19,7 +19,7 @@ import time
 import pytest
 import torch
 
-from engine.load_deadline import LoadDeadlines
+from engine.load_deadline import LOAD_MARGIN, LoadDeadlines
 from engine.model import model_from_config
 from storage.config import CacheConfig
 from storage.hashing import block_keys
@@ -151,6 +151,19 @@ def test_the_deadline_is_the_predicted_recompute_with_a_margin() -> None:
     for bad in ({"margin": 0.9}, {"slack_s": -1.0}, {"fallback_s": float("nan")}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             LoadDeadlines(lambda s, e: None, **bad)
+
+
+def test_a_load_far_slower_than_its_tiers_figures_is_given_up_before_the_recompute() -> None:
+    # The recompute of blocks [0, 8) is predicted at 2 s; their load from the remote at 0.1 s. A
+    # load running 3x its figure is a sick store, not a slow load: it is given up at 0.3 s, not 2.5.
+    rule = LoadDeadlines(lambda start, end: 2.0, margin=1.25, slack_s=0.05,
+                         load_seconds=lambda tiers: 0.1 if "remote" in tiers else None)
+    assert rule.seconds(0, 8, ["remote"] * 8) == pytest.approx(LOAD_MARGIN * 0.1 + 0.05)
+    assert rule.seconds(0, 8, ["disk"] * 8) == pytest.approx(1.25 * 2.0 + 0.05)    # no figure: the compute
+    assert rule.seconds(0, 8, ["device"] * 8) == pytest.approx(1.25 * 2.0 + 0.05)  # nothing loads
+    assert rule.probe_seconds(8) == pytest.approx(LOAD_MARGIN * 0.1 + 0.05)
+    slow_link = LoadDeadlines(lambda start, end: 0.2, load_seconds=lambda tiers: 5.0)
+    assert slow_link.seconds(0, 8, ["remote"]) == pytest.approx(1.25 * 0.2 + 0.1)   # never past the compute
 
 
 def test_a_load_past_its_deadline_is_abandoned_and_computed(tmp_path) -> None:
@@ -353,3 +366,45 @@ def test_a_stalled_remote_read_is_abandoned_and_its_breaker_learns(tmp_path, val
     assert (status["remote"]["abandoned"], status["remote"]["abandoned_loads"]) == (4, 1)
     assert status["disk"]["abandoned"] == 0
     assert status["remote"]["breaker"] == "open" and status["remote"]["breaker_opened"] == 1
+
+
+def test_a_request_stops_waiting_for_a_stalled_remote_probe_and_computes(tmp_path, valkey) -> None:
+    """The shared store holds the prompt, but its probe (which blocks it holds, asked at submit)
+    stalls: past the probe's deadline the request is admitted as if the store held nothing,
+    computes every token (billed as computed: nothing was served), and the tokens are a cold run's."""
+    tenant = "deadline-probe"
+    prompt = random_prompt(8 * BS + 1, seed=53)
+    with engine(tmp_path / "cold", disk_dir=None) as cold:
+        cold.generate(prompt, GREEDY, tenant=tenant)
+        blocks = [cold.cache.pool.kv[cold.cache.pool.page_of(k)].clone() for k in keys_of(cold, prompt, tenant)]
+    with engine(tmp_path, disk_dir=None, remote_url=valkey.url, remote_timeout_s=GUARD_S) as eng:
+        keys = keys_of(eng, prompt, tenant)
+        for k, block in zip(keys, blocks):
+            assert eng.cache.remote.put(k, block, wait=True)
+        assert eng.cache.remote.flush()
+        remote = eng.cache.remote
+        release, reached = threading.Event(), threading.Event()
+        real_probe = remote.probe
+
+        def stalled_probe(*args, **kw):
+            reached.set()
+            release.wait(GUARD_S)
+            return real_probe(*args, **kw)
+        remote.probe = stalled_probe
+        eng.scheduler.clock = clock = Clock()
+        try:
+            t, got = in_background(lambda: eng.generate(prompt, GREEDY, tenant=tenant))
+            wait_until(lambda: reached.is_set() and eng.scheduler.waiting, "the probe is stalled")
+            wait_until(lambda: eng.scheduler.waiting[0].probe_deadline is not None, "its first turn")
+            assert "result" not in got and eng.scheduler.probes_abandoned == 0   # waits while in time
+            clock.now += 3600.0
+            t.join(GUARD_S)
+            done_while_stalled = "result" in got and not release.is_set()
+        finally:
+            release.set()
+        wait_until(lambda: drained(eng), "every page comes back")
+        abandoned = eng.scheduler.probes_abandoned
+    assert done_while_stalled and abandoned == 1
+    out = got["result"]
+    assert out.token_ids == reference_greedy(None, prompt, GREEDY.max_tokens)
+    check_usage(out, prompt, {})
