@@ -9,11 +9,11 @@ imports it: the engine thread writes the signal, pools read it) nor what a pool'
 Why: the write path encodes on a pool of one thread per core (storage/disk/writer.py,
 storage/remote/writer.py). At nice +10 (storage/priority.py) those threads still take time slices
 from the decoders' forward passes, and each holds the GIL for part of every block, which the
-engine thread needs for every op it dispatches: with a pool as wide as the machine, a flush
-tripled the decoders' p99 inter-token latency (tools/bench_interference.py, flush case; 1.1x when
-the writer encoded on its own thread). While sequences run a pool works `yielding` tasks at a
-time; with none it is as wide as before, so a flush with nothing decoding keeps its throughput
-(tools/bench_write_pool.py). A narrower pool while decoding means a flush or a write-back burst
+engine thread needs for every op it dispatches. While sequences run a pool works `yielding`
+tasks at a time; with none it is as wide as before, so a flush with nothing decoding keeps its
+throughput. NOTE: on the 2-core VM this did not move the flush case of
+tools/bench_interference.py (docs/BENCHMARKS.md, "Interference"): there even a flush without
+compression slows the decoders ~2x, so the rest of a flush's work is what costs there. A narrower pool while decoding means a flush or a write-back burst
 takes longer then; a full writer queue drops (counted), it never stalls a step.
 
 Threads: `hold` from the owners' threads (the engine thread); `PoolWidth` from the pool's tasks.
