@@ -43,6 +43,7 @@ from engine.scheduler import Scheduler
 from engine.step_timer import StepTimer
 from engine.sequence import Sequence, SeqStatus
 from storage.config import CacheConfig
+from storage.foreground import FOREGROUND
 from storage.tiered_cache import TIERS, FlushResult, TieredKVCache
 from storage.hashing import BlockKey, block_keys, namespace_digest, tenant_salt
 
@@ -378,19 +379,24 @@ class Engine:
             pass
 
     def _loop(self) -> None:
-        while not self._stop.is_set():
-            self._take_inbox(block=not self.scheduler.has_work())
-            self._apply_aborts()
-            if not self.scheduler.has_work():
-                continue
-            try:
-                self._step()
-            except Exception as e:
-                # Last resort only: _step isolates each sequence's admission, forward and token
-                # handling, so reaching here is a bug outside any one request. Keep serving.
-                log.exception("engine step failed")
-                for seq in list(self.scheduler.running):
-                    self._fail(seq, RuntimeError(f"engine step failed: {e}"))
+        try:
+            while not self._stop.is_set():
+                # Background pools narrow while sequences run (storage/foreground.py).
+                FOREGROUND.hold(self, bool(self.scheduler.running))
+                self._take_inbox(block=not self.scheduler.has_work())
+                self._apply_aborts()
+                if not self.scheduler.has_work():
+                    continue
+                try:
+                    self._step()
+                except Exception as e:
+                    # Last resort only: _step isolates each sequence's admission, forward and token
+                    # handling, so reaching here is a bug outside any one request. Keep serving.
+                    log.exception("engine step failed")
+                    for seq in list(self.scheduler.running):
+                        self._fail(seq, RuntimeError(f"engine step failed: {e}"))
+        finally:
+            FOREGROUND.hold(self, False)
 
     def _apply_aborts(self) -> None:
         """End the sequences whose callers left (between steps): pages back, billed as usage_of says."""

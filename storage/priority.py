@@ -2,7 +2,9 @@
 
 Knows: how a thread lowers its own scheduling priority (Linux: a thread's niceness is its own,
 set through setpriority on its native id). Doesn't know: which threads are background -- the
-disk writer (compression), the disk decode pool and the loader (restores) call it as they start.
+disk and remote writers and their encode pools, the disk decode pool and the loader (restores)
+call it as they start. Niceness alone did not keep a pool as wide as the machine off the decoders
+(it holds the GIL for part of every block): storage/foreground.py narrows it while they run.
 
 Why: on a CPU-only host every restore and every compression competes with the decoders for the
 same cores; at nice +10 they get what the forward passes leave (tools/bench_interference.py). A

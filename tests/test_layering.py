@@ -52,8 +52,9 @@ ROOMS = {"codec": set(), "disk": {"codec"}, "remote": {"codec"}}
 # kv_events: the event sink every tier calls (storage/kv_events/sink.py; no zmq behind it).
 # pool_drain: spreading a batch over a thread pool (knows no tier).
 # malloc_tuning: glibc told to keep block-sized memory (knows no tier; the tiers call it when built).
+# foreground: whether sequences run, which the writers' encode pools narrow to (knows no tier).
 SHARED = {"hashing", "layout", "priority", "pinned", "background_writer", "lower_tier", "kv_events", "pool_drain",
-          "malloc_tuning"}
+          "malloc_tuning", "foreground"}
 
 
 def _storage_imports(path: Path) -> set[str]:

@@ -12,7 +12,8 @@ storage/background_writer.py): while batch k commits -- LMDB's copy into the map
 one thread --, the pool encodes batch k+1; no more than that one batch is ever encoded ahead, and
 batches commit one at a time in the order they were taken. On this 2-core CPU the gain is the
 fsync and commit hidden behind encoding; on the 16-core GPU machines users run, the encodes of a
-batch also run 16 at a time (tools/bench_write_pool.py measures both).
+batch also run 16 at a time (tools/bench_write_pool.py measures both) -- while no sequence runs:
+while one does, one encode at a time (storage/foreground.py: the decoders keep their cores).
 Doesn't know: the read path or verification (storage/disk/tier.py, storage/disk/integrity.py),
 or the byte layout of the records beyond storage/disk/records.py's functions.
 
@@ -38,6 +39,7 @@ import lmdb
 import torch
 
 from storage.background_writer import BackgroundWriter
+from storage.foreground import PoolWidth
 from storage.pool_drain import drain_on
 from storage.priority import background_priority
 from storage.codec.payload import Codec
@@ -101,6 +103,7 @@ class DiskWriter(BackgroundWriter[_Batch]):
         # same hash replaced it): checked inside the commit's transaction.
         self._encode_threads = encode_threads or os.cpu_count() or 1
         self._encoder: ThreadPoolExecutor | None = None  # writer thread only; built at the first encode
+        self.encode_width = PoolWidth(self._encode_threads)   # one encoder at a time while sequences run
         self._dropped = 0                               # blocks ever dropped (never committed)
         self._last_reader_check, self._warned_capacity = 0.0, False   # writer thread only
         # Called on the writer thread after each commit with (key, payload, raw size) of every block
@@ -267,7 +270,7 @@ class DiskWriter(BackgroundWriter[_Batch]):
             if self._encoder is None:
                 self._encoder = ThreadPoolExecutor(self._encode_threads, thread_name_prefix="tieredkv-disk-encode",
                                                    initializer=background_priority)
-            batch.tasks = drain_on(self._encoder, self._encode_threads, todo, encode)
+            batch.tasks = drain_on(self._encoder, self._encode_threads, todo, encode, self.encode_width)
         except RuntimeError:                 # no new threads (the interpreter is exiting): _ready
             pass                             # encodes what no task took, on the writer thread
 

@@ -8,7 +8,8 @@ Doesn't know: the store, keys or the value format: it hands each batch to `send(
 `encode(item)` (the tier's: fills in a raw block's payload, and the value it stores), which runs
 on the writer's encode pool (`tieredkv-remote-encode`, os.cpu_count() threads by default; zstd
 releases the GIL) one batch ahead of the sends (storage/background_writer.py's look-ahead): batch
-k+1 encodes while batch k is on the wire, one task per pool thread (storage/pool_drain.py); an
+k+1 encodes while batch k is on the wire, one task per pool thread (storage/pool_drain.py; one at
+a time while sequences run: storage/foreground.py); an
 item whose value was made at put() skips it. A block that fails to encode is counted
 (write_errors) and not sent.
 
@@ -32,6 +33,7 @@ import torch
 
 from storage.background_writer import BackgroundWriter
 from storage.hashing import BlockKey
+from storage.foreground import PoolWidth
 from storage.pool_drain import drain_on
 from storage.priority import background_priority
 
@@ -70,6 +72,7 @@ class RemoteWriter(BackgroundWriter[_Batch]):
         self._encode = encode
         self._encode_threads = encode_threads or os.cpu_count() or 1
         self._encoder: ThreadPoolExecutor | None = None    # writer thread only; built at the first raw block
+        self.encode_width = PoolWidth(self._encode_threads)  # one encoder at a time while sequences run
         self._count = count
         self._queue_blocks = queue_blocks
         self._batch_blocks = batch_blocks
@@ -145,7 +148,8 @@ class RemoteWriter(BackgroundWriter[_Batch]):
             if self._encoder is None:
                 self._encoder = ThreadPoolExecutor(self._encode_threads, thread_name_prefix="tieredkv-remote-encode",
                                                    initializer=background_priority)
-            batch.tasks = drain_on(self._encoder, self._encode_threads, batch.todo, lambda j: self._encode_one(batch, j))
+            batch.tasks = drain_on(self._encoder, self._encode_threads, batch.todo, lambda j: self._encode_one(batch, j),
+                                   self.encode_width)
         except RuntimeError:        # no new threads (the interpreter is exiting): _ready encodes
             pass                    # them on the writer thread
 
