@@ -1,0 +1,201 @@
+"""The engine thread's loop: take new requests, apply aborts, schedule, run the forward, sample,
+hand each sequence its token, finish and bill it.
+
+Knows: one step's order and its isolation -- an admission, a forward, a sample or a token's
+handling that fails fails its own sequence(s), never the step; the foreground signal background
+pools narrow for (storage/foreground.py); how a finished request reaches its caller only after its
+bill is committed. Doesn't know: request intake or validation, status, or the cache's lifecycle
+(engine/engine.py, whose Engine this is a part of: it owns every attribute used here).
+
+Engine thread only: every method here runs on `tieredkv-engine` (Engine._loop's thread).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import time
+
+import torch
+
+from engine.output_stream import completion_of, emit, take_token_text
+from engine.sampler import RowResult, SamplingError, sample_batch
+from engine.sequence import Sequence, SeqStatus
+from storage.foreground import FOREGROUND
+
+log = logging.getLogger("tieredkv.engine")
+
+
+class StepLoop:
+    """The step loop of an Engine (a base class of it: the state is the Engine's)."""
+
+    def _take_inbox(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(block=block)
+            while True:
+                if item is not None and item.status is not SeqStatus.FINISHED:   # aborted before it got here
+                    self.scheduler.add(item)
+                item = self._inbox.get_nowait()
+        except queue.Empty:
+            pass
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                # Background pools narrow while sequences run (storage/foreground.py).
+                FOREGROUND.hold(self, bool(self.scheduler.running))
+                self._take_inbox(block=not self.scheduler.has_work())
+                self._apply_aborts()
+                if not self.scheduler.has_work():
+                    continue
+                try:
+                    self._step()
+                except Exception as e:
+                    # Last resort only: _step isolates each sequence's admission, forward and token
+                    # handling, so reaching here is a bug outside any one request. Keep serving.
+                    log.exception("engine step failed")
+                    for seq in list(self.scheduler.running):
+                        self._fail(seq, RuntimeError(f"engine step failed: {e}"))
+        finally:
+            FOREGROUND.hold(self, False)
+
+    def _apply_aborts(self) -> None:
+        """End the sequences whose callers left (between steps): pages back, billed as usage_of says."""
+        for seq, reason, delivered in self._aborts.take():
+            if seq.status is SeqStatus.FINISHED:
+                continue         # it finished (or failed) first: that outcome and its bill stand
+            self._aborts.counted(reason)
+            seq.delivered_tokens = delivered
+            log.info("request %s aborted (%s) after %d generated tokens", seq.request_id, reason, len(seq.output_ids))
+            try:
+                self._finish(seq, "abort")
+            except Exception as e:
+                self._fail(seq, e)
+
+    def _done(self, seq: Sequence) -> None:
+        with self._inflight_lock:
+            self._inflight -= 1
+
+    def _fail(self, seq: Sequence, error: Exception) -> None:
+        """Fail one request: its pages go back, its caller gets the error, nothing else changes.
+        A failed request is not billed (it produced nothing the caller can use)."""
+        log.error("request %s failed: %s: %s", seq.request_id, type(error).__name__, error)
+        if seq.status is not SeqStatus.FINISHED:
+            self.scheduler.finish(seq)
+            self._done(seq)
+        seq.events.put(("error", error))
+
+    def _step(self) -> None:
+        # NOTE invariant: one request's failure fails that request alone. Admission failures
+        # come back from the scheduler per sequence; a failed forward is retried one sequence at
+        # a time to find the one that fails (re-running a chunk rewrites the same KV slots with
+        # the same values); sampling and token handling are guarded per sequence.
+        scheduled = self.scheduler.schedule()
+        for seq, error in self.scheduler.take_failed():
+            self._fail(seq, error)
+        if not scheduled:
+            time.sleep(0.001)
+            return
+        work = [(s.num_tokens, s.seq.num_computed + s.num_tokens) for s in scheduled]
+        self.step_timer.collect()        # earlier CUDA steps whose end event completed (no wait)
+        try:
+            started = self.step_timer.start()
+            with self._sync_check():
+                rows = list(self.runner.forward(scheduled))
+            self.step_timer.stop(started, work)
+        except Exception as batch_error:
+            log.exception("a forward pass of %d sequences failed", len(scheduled))
+            rows = []
+            for s in list(scheduled):
+                try:
+                    if len(scheduled) == 1:
+                        raise batch_error
+                    rows.append(self.runner.forward([s])[0])
+                except Exception as e:
+                    self._fail(s.seq, RuntimeError(f"forward pass failed: {e}"))
+                    scheduled.remove(s)
+        self.scheduler.after_step(scheduled)
+        for seq, error in self.scheduler.take_failed():
+            self._fail(seq, error)
+        now = time.perf_counter()
+        producing = [(s.seq, row) for s, row in zip(scheduled, rows)
+                     # failed above, or a prefill chunk that is not the last: no token yet
+                     if s.seq.status is not SeqStatus.FINISHED and s.seq.num_computed >= s.seq.num_tokens]
+        if not producing:
+            return
+        try:
+            with self._sync_check():
+                step = sample_batch(torch.stack([row for _, row in producing]), [q.params for q, _ in producing],
+                                    [q.generator for q, _ in producing],
+                                    [(q.prompt_ids, q.output_ids) for q, _ in producing], self.eos_ids)
+            results = step.read()        # the step's one wait for the device
+            self.step_timer.collect()    # this step's GPU time, readable now (CUDA events)
+        except Exception as e:
+            log.exception("sampling a step of %d sequences failed", len(producing))
+            for seq, _ in producing:
+                self._fail(seq, RuntimeError(f"sampling failed: {e}"))
+            return
+        for (seq, _), result in zip(producing, results):
+            try:
+                self._take_token(seq, result, now)
+            except Exception as e:
+                self._fail(seq, e if isinstance(e, SamplingError) else RuntimeError(f"handling a token failed: {e}"))
+
+    @contextlib.contextmanager
+    def _sync_check(self):
+        if self.sync_debug is None:
+            yield
+            return
+        torch.cuda.set_sync_debug_mode(self.sync_debug)
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+
+    def _take_token(self, seq: Sequence, result: RowResult, now: float) -> None:
+        if result.nan:
+            raise SamplingError("the model produced NaN logits for this request")
+        token = result.token
+        if seq.params.logprobs:
+            seq.logprobs.append(result.top)
+            seq.token_logprobs.append(result.token_logprob)
+        seq.output_ids.append(token)
+        if seq.first_token_at is None:
+            seq.first_token_at = now
+        self._after_token(seq, token)
+
+    def _after_token(self, seq: Sequence, token: int) -> None:
+        reason = take_token_text(seq, token, self.eos_ids, self.tokenizer)
+        emit(seq, final=reason is not None)
+        if reason is not None:
+            self._finish(seq, reason)
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq)
+        # Right after finish: a FINISHED sequence has always left the in-flight count, so _fail
+        # (if anything below raises) neither counts it twice nor leaves it counted.
+        self._done(seq)
+        seq.finish_reason = reason
+        out, last = completion_of(seq, reason, with_text=self.tokenizer is not None)
+        usage = out.usage
+
+        def complete(recorded: bool | None = True, error: Exception | None = None) -> None:
+            # NOTE: runs after the ledger committed this request (billing thread), so a caller
+            # never sees a result that is not billed; a bill that cannot be written fails the
+            # request instead of serving it unbilled.
+            if error is not None:
+                seq.events.put(("error", RuntimeError(f"billing failed: {error}")))
+                return
+            seq.events.put(("delta", last))
+            seq.events.put(("final", out))
+        if self.billing is None:
+            complete()
+            return
+        try:
+            entry = self.billing.prepare(seq.tenant, seq.request_id, usage.prompt_tokens, usage.completion_tokens,
+                                         usage.hit_tokens_by_tier, usage.prompt_cache_miss_tokens)
+            self.billing.submit(entry, complete)
+        except Exception as e:
+            log.exception("billing failed for %s", seq.request_id)
+            complete(None, e)
+
