@@ -9,9 +9,9 @@ where compute() is the predicted time to prefill those blocks in the scheduler's
 (RestorePlanner.compute_seconds over the engine's prefill model) -- when recomputing them would
 have finished -- and load() the predicted time to load them from their tiers (the restore
 rates: a latency, then the bytes); `margin` (>= 1) covers the prediction's error and `slack` a
-scheduling hiccup (CacheConfig.load_deadline_margin, load_deadline_slack_s). A load running
-LOAD_MARGIN times longer than its tiers' figures say is not a slow load but a sick store: it is
-given up then, not at the full recompute, so a stall costs its request LOAD_MARGIN x a load it
+scheduling hiccup (CacheConfig.load_deadline_margin, load_deadline_slack_s). A load from the
+shared store running LOAD_MARGIN times longer than the link's figures say is not a slow load but
+a sick store (a local disk or host load is bounded by the recompute alone): it is given up then, not at the full recompute, so a stall costs its request LOAD_MARGIN x a load it
 was planned for (cheaper than the recompute, or the planner would not have loaded) on top of
 computing what did not arrive. Before the prefill model has a figure, the predicted compute is
 `fallback_s`: the remote store's per-call timeout (CacheConfig.remote_timeout_s).
@@ -31,8 +31,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-# A load this many times slower than its tiers' figures predict is given up (see above).
+# A load from the shared store this many times slower than its figures predict is given up (see
+# above). Loads from this machine's own tiers are bounded by the recompute alone: their figures
+# come from a codec decode and warm page cache (a cold read on a busy machine takes several times
+# that, and is still far quicker than recomputing), and no network stands between them.
 LOAD_MARGIN = 3.0
+LOCAL = ("host", "disk")
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +69,7 @@ class LoadDeadlines:
 
     def _load_bound(self, tiers: Sequence[str]) -> float:
         loading = [t for t in tiers if t != "device"]
-        if not loading or self.load_seconds is None:
+        if not loading or self.load_seconds is None or all(t in LOCAL for t in loading):
             return float("inf")
         predicted = self.load_seconds(loading)
         return float("inf") if predicted is None else LOAD_MARGIN * predicted

@@ -159,7 +159,10 @@ def test_a_load_far_slower_than_its_tiers_figures_is_given_up_before_the_recompu
     rule = LoadDeadlines(lambda start, end: 2.0, margin=1.25, slack_s=0.05,
                          load_seconds=lambda tiers: 0.1 if "remote" in tiers else None)
     assert rule.seconds(0, 8, ["remote"] * 8) == pytest.approx(LOAD_MARGIN * 0.1 + 0.05)
-    assert rule.seconds(0, 8, ["disk"] * 8) == pytest.approx(1.25 * 2.0 + 0.05)    # no figure: the compute
+    assert rule.seconds(0, 8, ["disk"] * 8) == pytest.approx(1.25 * 2.0 + 0.05)    # local: the compute alone
+    assert rule.seconds(0, 8, ["disk"] * 4 + ["remote"] * 4) == pytest.approx(LOAD_MARGIN * 0.1 + 0.05)
+    no_figure = LoadDeadlines(lambda start, end: 2.0, margin=1.25, slack_s=0.05, load_seconds=lambda tiers: None)
+    assert no_figure.seconds(0, 8, ["remote"] * 8) == pytest.approx(1.25 * 2.0 + 0.05)   # no figure: the compute
     assert rule.seconds(0, 8, ["device"] * 8) == pytest.approx(1.25 * 2.0 + 0.05)  # nothing loads
     assert rule.probe_seconds(8) == pytest.approx(LOAD_MARGIN * 0.1 + 0.05)
     slow_link = LoadDeadlines(lambda start, end: 0.2, load_seconds=lambda tiers: 5.0)
