@@ -94,6 +94,20 @@ def engine(tmp_path, **kw) -> Engine:
     return Engine(model_from_config(tiny_llama_config(), seed=0), cache)
 
 
+def stall_method(obj, name: str) -> tuple[threading.Event, threading.Event]:
+    """`obj.name` (a real store call) waits, once called, until the first event is set; the
+    second says it was reached."""
+    release, reached = threading.Event(), threading.Event()
+    real = getattr(obj, name)
+
+    def stalled(*args, **kw):
+        reached.set()
+        release.wait(GUARD_S)
+        return real(*args, **kw)
+    setattr(obj, name, stalled)
+    return release, reached
+
+
 def stall_disk(eng) -> StalledDrive:
     drive = StalledDrive(eng.cache.disk._gate._env)      # every transaction of the tier begins here
     eng.cache.disk._gate._env = drive
@@ -340,14 +354,7 @@ def test_a_stalled_remote_read_is_abandoned_and_its_breaker_learns(tmp_path, val
         assert eng.cache.disk.flush() and eng.cache.remote.flush()
         remote = eng.cache.remote
         remote.breaker.config = BreakerConfig(failures_to_open=1, cooldown_s=3600)
-        release, reached = threading.Event(), threading.Event()
-        real_get_many = remote.get_many
-
-        def stalled_get_many(*args, **kw):
-            reached.set()
-            release.wait(GUARD_S)
-            return real_get_many(*args, **kw)
-        remote.get_many = stalled_get_many
+        release, reached = stall_method(remote, "get_many")
         eng.scheduler.clock = clock = Clock()
         try:
             t, got = in_background(lambda: eng.generate(prompt, GREEDY, tenant=tenant))
@@ -386,14 +393,7 @@ def test_a_request_stops_waiting_for_a_stalled_remote_probe_and_computes(tmp_pat
             assert eng.cache.remote.put(k, block, wait=True)
         assert eng.cache.remote.flush()
         remote = eng.cache.remote
-        release, reached = threading.Event(), threading.Event()
-        real_probe = remote.probe
-
-        def stalled_probe(*args, **kw):
-            reached.set()
-            release.wait(GUARD_S)
-            return real_probe(*args, **kw)
-        remote.probe = stalled_probe
+        release, reached = stall_method(remote, "probe")
         eng.scheduler.clock = clock = Clock()
         try:
             t, got = in_background(lambda: eng.generate(prompt, GREEDY, tenant=tenant))
