@@ -277,12 +277,15 @@ class DiskTier:
         # get_many keeps alive per block is one more for Python's collector to promote and walk,
         # and on a process holding a model a full collection costs tens of ms):
         idx: list[int] = []                       # each one's index in `keys`
-        stored: list[memoryview | None] = []      # its payload, read in place from the map
+        stored: list[bytes | None] = []           # its payload, copied out of the map
         metas: list[bytes | None] = []            # its metadata record (copied: ~100 bytes)
-        # NOTE: buffers=True reads payloads in place from the map: no copy into fresh memory per
-        # block (~8-10% of a get_many, tools/bench_tiers.py). They are valid only inside the
-        # transaction, so decoding happens inside it too; decoded tensors never alias them, and
-        # close() waits for every _begin() so the map is never unmapped under a decode.
+        # NOTE: each payload is copied out of the map as it is found (~8-10% of a get_many,
+        # tools/bench_tiers.py), and verified and decoded from the copy. Decoding in place from
+        # the map was cheaper, but a data.mdb truncated under the server while a restore decoded
+        # from it faulted a page past the file's new end: SIGBUS, the process gone (3 of 18
+        # trials, tools/live_drill.py). The liveness check before the transaction
+        # (storage/disk/liveness.py) cannot cover a truncate that lands after it; with copies
+        # the window is the copies' memcpy, not every block's decode.
         with self._begin(buffers=True) as txn:
             payload_db, meta_db = self._payload, self._meta
             for i, (key, p) in enumerate(zip(keys, pending)):
@@ -300,7 +303,7 @@ class DiskTier:
                     gone.append(key.hash)     # evicted by another process, or never stored
                 else:
                     idx.append(i)
-                    stored.append(payload)
+                    stored.append(None if payload is None else bytes(payload))
                     metas.append(None if meta is None else bytes(meta))
             tensors: list[torch.Tensor | None] = [None] * len(idx)
             reasons: list[str | None] = [None] * len(idx)
@@ -322,11 +325,11 @@ class DiskTier:
                 for j in range(len(idx)):
                     check(j)
             sizes = [0 if payload is None else len(payload) for payload in stored]
-            if payloads is not None:     # copied while the map's views are valid
+            if payloads is not None:     # the copies themselves: no second copy
                 for j, tensor in enumerate(tensors):
                     if tensor is not None:
-                        payloads[idx[j]] = bytes(stored[j])
-            stored.clear()               # the map's views end with the transaction
+                        payloads[idx[j]] = stored[j]
+            stored.clear()
         self._index.discard(gone)
         damaged, touched, bytes_read = [], [], 0
         for i, size, tensor, reason in zip(idx, sizes, tensors, reasons):
