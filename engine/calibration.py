@@ -13,9 +13,10 @@ Doesn't know: scheduling, billing, or what the figures decide (engine/restore_pl
 
 Threads: `calibrate_compute` runs on the thread building the engine, before the engine thread
 starts (it owns the runner and the pool's pages then). The link probe runs on its own thread
-(`tieredkv-link-probe`): each of its calls is bounded by the store's timeout, and a store that
-does not answer leaves the remote without a figure (its first hits load: "no figures") rather
-than holding the engine's start. It touches only the remote tier and the rates (both
+(`tieredkv-link-probe`): each of its calls is bounded by the store's timeout, and the start
+waits for it at most LINK_WAIT_CALLS timeouts; a store that does not answer by then leaves the
+remote without a figure (its hits are recomputed: "no figures") until the probe's answer lands,
+rather than holding the engine's start longer. It touches only the remote tier and the rates (both
 thread-safe); `join` waits for it (bounded).
 """
 from __future__ import annotations
@@ -37,6 +38,7 @@ from storage.tiered_cache import TieredKVCache
 log = logging.getLogger("tieredkv.calibration")
 
 CALIBRATION_TOKENS = 256
+LINK_WAIT_CALLS = 4        # the start waits for the link probe at most this many store timeouts
 WARMUP_TOKENS = 16
 
 
@@ -88,11 +90,18 @@ def calibrate_compute(runner, cache: TieredKVCache, model: PrefillModel, timer: 
 
 def calibrate_at_start(engine) -> tuple[ComputeCalibration | None, "LinkCalibration | None"]:
     """An engine's calibration, before its thread starts: the compute now, the link (with a
-    remote tier) on a thread of its own."""
+    remote tier) on a thread of its own, waited for a bounded time."""
     compute = calibrate_compute(engine.runner, engine.cache, engine.prefill_model, engine.step_timer,
                                 vocab_size=engine.loaded.model.config.vocab_size, chunk_tokens=engine.planner.chunk_tokens,
                                 max_context=engine.max_context)
-    return compute, LinkCalibration(engine.cache) if engine.cache.remote is not None else None
+    link = LinkCalibration(engine.cache) if engine.cache.remote is not None else None
+    if link is not None:
+        # Waited for, bounded: without the link's figure a remote hit is recomputed (the
+        # planner never loads blind), so a start that returns before it answers gives its first
+        # requests a miss's time. A few calls each bounded by the store's timeout; a dead store
+        # holds the start that long at most, and its figure lands whenever it answers.
+        link.join(timeout=LINK_WAIT_CALLS * engine.config.remote_timeout_s)
+    return compute, link
 
 
 class LinkCalibration:

@@ -15,8 +15,9 @@ Doesn't know: pages, fills or sequences (the scheduler carries the split out), o
 block the cache held is billed from the tier that held it whichever way it reached the pool).
 
 A part's load time is per tier one latency plus its blocks' bytes over the bandwidth (a fill
-reads a request's blocks of one tier together). Without a figure for a tier in the loaded part,
-or without a prefill figure, "auto" loads ("no figures"); the engine's calibration at start
+reads a request's blocks of one tier together). Without a prefill figure "auto" loads ("no
+figures"); with one but without a figure for a tier in the prefix it recomputes (a load of
+unknown cost may be far slower than the miss, a recompute never is); the engine's calibration at start
 (engine/calibration.py) gives both figures before the first request, so that happens only with
 it turned off (CacheConfig.calibrate) or for a remote tier whose store did not answer the probe.
 
@@ -85,8 +86,13 @@ class RestorePlanner:
         if self.policy == "recompute":
             return self._decided(Split(d, n, n, None, None, "policy"))
         costs = self._load_costs(tiers)
-        if costs is None or self.compute_seconds(d, d + 1) is None:
+        if self.compute_seconds(d, d + 1) is None:
             return self._decided(Split(d, d, n, None, None, "no figures"))
+        if costs is None:
+            # The compute has a figure and a tier does not (a remote store whose link probe has
+            # not answered yet): a load of unknown cost could take far longer than the miss it
+            # replaces (a first hit over a 30 Mbit link took 5.7x its miss), a recompute cannot.
+            return self._decided(Split(d, n, n, self.compute_seconds(d, n), None, "no figures"))
         load_all = self._load_seconds(costs, d, n)
         # compute(d..s) grows with s and load(s..n) shrinks: the best max is where they cross.
         lo, hi = d, n

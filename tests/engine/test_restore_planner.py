@@ -37,11 +37,13 @@ def test_policies_load_and_recompute_ignore_the_figures():
     assert (s.device, s.start, s.n, s.recomputed, s.loaded) == (2, 5, 5, 3, False)
 
 
-def test_without_figures_auto_loads():
-    tiers = ["disk"] * 6
-    assert planner(rates={"disk": 1e6}, token_s=None).split(tiers).start == 0     # no prefill fit yet
-    assert planner(rates={}, token_s=1.0).split(tiers).start == 0                 # no disk rate yet
-    assert planner(rates={"disk": 1e6}, token_s=None).split(tiers).reason == "no figures"
+def test_without_a_prefill_figure_auto_loads_and_without_a_tiers_it_recomputes():
+    tiers = ["device"] + ["remote"] * 6
+    assert planner(rates={"remote": 1e6}, token_s=None).split(tiers).start == 1   # no prefill fit yet: load
+    assert planner(rates={"remote": 1e6}, token_s=None).split(tiers).reason == "no figures"
+    # A fitted prefill and a tier with no figure yet (a link probe still out): never a blind load.
+    blind = planner(rates={}, token_s=1.0).split(tiers)
+    assert (blind.start, blind.recomputed, blind.loaded, blind.reason) == (7, 6, False, "no figures")
 
 
 def test_a_fast_tier_is_loaded_and_a_slow_one_recomputed():
