@@ -66,6 +66,9 @@ def add_arguments(ap) -> None:
                          "stalled: a valkey-server of its own, SIGSTOPped for each timed hit); default all")
     ap.add_argument("--remote-timeout", type=float, default=REMOTE_TIMEOUT_S,
                     help=f"with --restore-policy: the engines' remote_timeout_s (default {REMOTE_TIMEOUT_S:g})")
+    ap.add_argument("--load-deadline-slack", type=float, default=None,
+                    help="with --restore-policy: the engines' load_deadline_slack_s (default: the engine's); "
+                         "a large one keeps every load however slow the machine (tests of the bench itself)")
     ap.add_argument("--stall-guard", type=float, default=STALL_GUARD_S,
                     help="with --restore-policy: seconds after which a stalled store is resumed anyway, so a "
                          f"request stuck on it finishes (its sample is marked; default {STALL_GUARD_S:g})")
@@ -140,9 +143,11 @@ class PolicyBench:
         return out, stall.fired > fired
 
     def record(self, kind: str, n: int, column: str, out, guarded: bool = False) -> None:
+        # A hit short of n tokens is recorded, not refused: the prefix was placed in its tier
+        # (place() checked), and what did not come from it was a store that timed out or a load
+        # the engine gave up at its deadline (engine/load_deadline.py) and computed -- the table
+        # marks such samples "*".
         hit = out.usage.hit_tokens_by_tier[self.source.tier]
-        if column not in ("miss", "device") and hit != n and self.source.tier != "remote":
-            raise RuntimeError(f"{self.source.label}: expected {n} {self.source.tier} hit tokens, got {out.usage}")
         self.samples.setdefault((kind, n, column), []).append(
             (out.metrics.ttft_s, out.metrics.recomputed_hit_tokens, hit, guarded))
 

@@ -161,7 +161,7 @@ def print_table(report: dict) -> None:
     print("floor: a split's least TTFT (the device hit's, i.e. the suffix step, + one step's fitted fixed cost for "
           f"the front) over min(load, recompute); above {SPLIT_TARGET}x, (b) cannot be met by any split")
     print("auto split r/l: hit tokens recomputed / loaded per request; * some hit came partly or not at all from "
-          f"the source (a stalled or timed-out store); ! the stall guard ({report['stall_guard_s']:g} s) resumed "
+          f"the source (a stalled or timed-out store, or a load past its deadline, computed); ! the stall guard ({report['stall_guard_s']:g} s) resumed "
           f"the store ({report['stall_guard_fired']} times in all)")
     for label, cm in report["cost_model"].items():
         print(f"cost model ({label}, after its rounds): restore B/s {cm['restore_bytes_per_s']}, "

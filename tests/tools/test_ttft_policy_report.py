@@ -98,6 +98,10 @@ def test_the_guard_resumes_a_store_a_request_still_waits_on(own_server) -> None:
     stall = Stall(own_server, guard_s=0.2)
     with stall.stalled():
         deadline = time.monotonic() + 60          # a hang guard, not a bound on the timer
+        # Resumed by the guard, never by us: wait for the guard to fire (SIGSTOP is delivered
+        # asynchronously, so "not stopped yet" and "resumed" look alike to a poll of the state).
+        while stall.fired == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
         while _state(own_server.proc.pid) == "T" and time.monotonic() < deadline:
             time.sleep(0.05)
         assert _state(own_server.proc.pid) != "T"
