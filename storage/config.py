@@ -28,6 +28,18 @@ RESTORE_POLICIES = ("auto", "load", "recompute")
 CODECS = ("zstd", "raw")          # storage/codec/payload.py's Codec.kind
 
 
+def _env_seconds(name: str, default: float) -> float:
+    """A number of seconds from the environment (unset or empty: `default`); a bad one is a clear
+    error naming the variable."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"${name}: expected seconds (a number), got {raw!r}") from None
+
+
 def default_cache_root() -> "Path":
     """$TIEREDKV_HOME, else $XDG_CACHE_HOME/tieredkv, else ~/.cache/tieredkv."""
     from pathlib import Path
@@ -117,7 +129,9 @@ class CacheConfig:
     # predicted prefill time + slack -- keeps the leading blocks that arrived and computes the
     # rest. margin >= 1 covers the prediction's error, slack a scheduling hiccup.
     load_deadline_margin: float = 1.25
-    load_deadline_slack_s: float = 0.1
+    # Default: $TIEREDKV_LOAD_DEADLINE_SLACK_S, else 0.1 (a deployment on a busy or slow host, or
+    # a test suite on a loaded machine, raises it without touching code; an explicit value wins).
+    load_deadline_slack_s: float = field(default_factory=lambda: _env_seconds("TIEREDKV_LOAD_DEADLINE_SLACK_S", 0.1))
     # At start, measure what "auto" decides from before the first request (engine/calibration.py):
     # one prefill chunk and one decode step of the model, and a remote tier's link (a round trip
     # and a block-sized read of the store). False: the figures come from the first requests only

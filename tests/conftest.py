@@ -10,6 +10,12 @@ import pytest
 # (.venv/bin); put that folder first on PATH so subprocesses find them even when the venv was
 # not activated (the README runs `.venv/bin/python -m pytest`).
 os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+# Load deadlines (engine/load_deadline.py) give a load up once recomputing would have finished:
+# for the tests' tiny models that is milliseconds, and a busy CI machine can take longer than that
+# to schedule a loader thread at nice +10, so a test asserting a tier's hit (in this process or in
+# a `tieredkv serve`/`demo` subprocess, which inherit this) would see it computed instead. Every
+# test is patient; the deadline's own tests move the scheduler's clock past any slack.
+os.environ.setdefault("TIEREDKV_LOAD_DEADLINE_SLACK_S", "60")
 
 
 @pytest.fixture(scope="session")

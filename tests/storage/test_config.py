@@ -56,3 +56,14 @@ def test_the_codecs_offered_are_the_ones_the_codec_knows():
 def test_frozen():
     with pytest.raises(Exception):
         CacheConfig().block_size = 8
+
+
+def test_the_load_deadline_slack_defaults_from_the_environment(monkeypatch) -> None:
+    monkeypatch.setenv("TIEREDKV_LOAD_DEADLINE_SLACK_S", "2.5")
+    assert CacheConfig().load_deadline_slack_s == 2.5
+    assert CacheConfig(load_deadline_slack_s=0.3).load_deadline_slack_s == 0.3      # an explicit value wins
+    monkeypatch.setenv("TIEREDKV_LOAD_DEADLINE_SLACK_S", "")
+    assert CacheConfig().load_deadline_slack_s == 0.1
+    monkeypatch.setenv("TIEREDKV_LOAD_DEADLINE_SLACK_S", "soon")
+    with pytest.raises(ValueError, match="TIEREDKV_LOAD_DEADLINE_SLACK_S"):
+        CacheConfig()
