@@ -89,6 +89,9 @@ def test_a_stalled_store_is_resumed_when_the_block_raises(own_server) -> None:
     stall = Stall(own_server, guard_s=3600)
     with pytest.raises(KeyboardInterrupt):
         with stall.stalled():
+            deadline = time.monotonic() + 60      # a hang guard: SIGSTOP is delivered asynchronously
+            while _state(own_server.proc.pid) != "T" and time.monotonic() < deadline:
+                time.sleep(0.01)
             assert _state(own_server.proc.pid) == "T"
             raise KeyboardInterrupt
     assert _state(own_server.proc.pid) != "T" and stall.fired == 0
