@@ -27,11 +27,11 @@ from service import cache_routes, dashboard, openai_routes, tokenize_routes
 from service.auth import ApiKeys, require_admin
 from service.context import AppContext, ctx
 from service.dispatch import Dispatcher
-from service.errors import APIError, install_error_handlers
+from service.errors import APIError, CatchAll, install_error_handlers
 from service.http_middleware import HTTPMiddleware, StatusSend
 from service.metrics import ServiceMetrics
 from service.openapi import install_openapi
-from service.request_log import RequestLog, scope_record
+from service.request_log import RequestLog
 from service.schemas import IGNORED_HEADER, ignored_header_value
 from service.settings import ServiceSettings, per_tenant_bound
 
@@ -194,24 +194,6 @@ def closed_line(flushed: Any) -> str:
         line += (f"; the disk holds {held} of {flushed.blocks} cached blocks ({flushed.evicted} evicted to make "
                  "room)")
     return line + "; incomplete (lost writes are the disk's write_errors)"
-
-
-class CatchAll(HTTPMiddleware):
-    """Any exception a route lets escape becomes a 500 with OpenAI's body, and the connection
-    stays open. (A FastAPI handler for Exception runs in Starlette's outermost middleware, which
-    re-raises after answering; uvicorn then drops the keep-alive connection.)"""
-
-    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
-        sent = StatusSend(send)
-        try:
-            await self.app(scope, receive, sent)
-        except Exception:
-            log.exception("unhandled error in %s %s", scope.get("method"), scope.get("path"))
-            if sent.started:
-                raise      # a response is under way: nothing well-formed can be sent now
-            err = APIError(500, "internal server error", code="internal_error")
-            scope_record(scope).reason = err.message
-            await err.response()(scope, receive, send)
 
 
 class IgnoredFieldsHeader(HTTPMiddleware):

@@ -13,9 +13,11 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine.errors import EngineClosedError, QueueFullError
-from service.request_log import record
+from service.http_middleware import HTTPMiddleware, StatusSend
+from service.request_log import record, scope_record
 
 log = logging.getLogger("tieredkv.service")
 
@@ -136,3 +138,31 @@ def install_error_handlers(app: FastAPI) -> None:
         return answer(request, from_engine_error(exc))
 
     # Anything else is answered by service.app.CatchAll (a 500 that keeps the connection open).
+
+
+class CatchAll(HTTPMiddleware):
+    """Any exception a route lets escape becomes a 500 with OpenAI's body (never Starlette's plain
+    text), logged, and the connection stays open. (A FastAPI handler for Exception runs in
+    Starlette's outermost middleware, which re-raises after answering; uvicorn then drops the
+    keep-alive connection.) Once a response has started nothing well-formed can be sent, so the
+    error propagates. `what` names the process in the body ("server", "router") and `logger`
+    (with `log_prefix`) is where it is logged; `record_reason`: the request log's record takes the error's message
+    (the server's request log; the router keeps none)."""
+
+    def __init__(self, app: ASGIApp, what: str = "server", logger: logging.Logger = log, log_prefix: str = "",
+                 record_reason: bool = True) -> None:
+        super().__init__(app)
+        self.what, self.log, self.log_prefix, self.record_reason = what, logger, log_prefix, record_reason
+
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        sent = StatusSend(send)
+        try:
+            await self.app(scope, receive, sent)
+        except Exception:
+            self.log.exception("%sunhandled error in %s %s", self.log_prefix, scope.get("method"), scope.get("path"))
+            if sent.started:
+                raise      # a response is under way: nothing well-formed can be sent now
+            err = APIError(500, f"internal {self.what} error", code="internal_error")
+            if self.record_reason:
+                scope_record(scope).reason = err.message
+            await err.response()(scope, receive, send)

@@ -23,10 +23,8 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
-from starlette.types import Receive, Scope, Send
 
-from service.errors import APIError, install_error_handlers
-from service.http_middleware import HTTPMiddleware, StatusSend
+from service.errors import APIError, CatchAll, install_error_handlers
 from service.request_body import read_limited
 from service.router.backends import BackendSet
 from service.router.index import PrefixIndex
@@ -77,7 +75,7 @@ def create_router_app(settings: RouterSettings) -> FastAPI:
     app = FastAPI(title="tieredkv router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.router = router
     install_error_handlers(app)             # 404/405 and the like in OpenAI's body
-    app.add_middleware(CatchAll)
+    app.add_middleware(CatchAll, what="router", logger=log, log_prefix="router: ", record_reason=False)
 
     async def generation(request: Request, chat: bool) -> Response:
         try:
@@ -123,17 +121,3 @@ def create_router_app(settings: RouterSettings) -> FastAPI:
 
     return app
 
-
-class CatchAll(HTTPMiddleware):
-    """An exception a route lets escape is a 500 with OpenAI's body (never Starlette's plain text),
-    logged; once a response has started nothing well-formed can be sent, so it propagates."""
-
-    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
-        sent = StatusSend(send)
-        try:
-            await self.app(scope, receive, sent)
-        except Exception:
-            log.exception("router: unhandled error in %s %s", scope.get("method"), scope.get("path"))
-            if sent.started:
-                raise
-            await APIError(500, "internal router error", code="internal_error").response()(scope, receive, send)
