@@ -6,6 +6,8 @@ like (the service raises its 413 error, the router answers its own).
 """
 from __future__ import annotations
 
+from typing import AsyncIterator
+
 from starlette.requests import Request
 
 
@@ -14,8 +16,13 @@ async def read_limited(request: Request, limit: int) -> bytes | None:
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         return None
+    return await read_bounded(request.stream(), limit)
+
+
+async def read_bounded(chunks: AsyncIterator[bytes], limit: int) -> bytes | None:
+    """The chunks joined, or None once they pass `limit` bytes (the rest left unread)."""
     parts, size = [], 0
-    async for chunk in request.stream():
+    async for chunk in chunks:
         size += len(chunk)
         if size > limit:
             return None

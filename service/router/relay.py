@@ -22,6 +22,7 @@ from typing import AsyncIterator, Callable
 import httpx
 from fastapi.responses import Response, StreamingResponse
 
+from service.request_body import read_bounded
 from service.router import answers
 from service.router.answers import EventStream
 
@@ -44,13 +45,7 @@ def error_event(message: str) -> bytes:
 
 
 async def _read_whole(upstream: httpx.Response) -> bytes | None:
-    parts, size = [], 0
-    async for chunk in upstream.aiter_bytes():
-        size += len(chunk)
-        if size > MAX_ANSWER_BYTES:
-            return None
-        parts.append(chunk)
-    return b"".join(parts)
+    return await read_bounded(upstream.aiter_bytes(), MAX_ANSWER_BYTES)
 
 
 async def receive(upstream: httpx.Response, kind: str, sse: bool, headers: dict[str, str],
