@@ -7,11 +7,6 @@ from engine.model import model_from_config
 from tieredkv import CacheConfig, Engine
 
 VOCAB = 128
-# A load's deadline (engine/load_deadline.py) is a tiny model's recompute time (~30 ms) plus a
-# 0.1 s slack: a busy CI machine can take that long to schedule a loader thread at nice +10, and
-# a test asserting a tier's hit would see it abandoned and billed as computed. Tests are patient
-# unless they test the deadline (tests/engine/test_load_deadline.py sets its own).
-PATIENT_SLACK_S = 60.0
 
 
 def tiny_llama_config(**kw) -> LlamaConfig:
@@ -33,8 +28,9 @@ def make_engine(tmp_path=None, config=None, *, block_size=4, device_memory="256K
     loaded = model_from_config(config or tiny_llama_config(), seed=0)
     cache = CacheConfig(block_size=block_size, device_memory=device_memory, host_memory=host_memory,
                         disk_dir=str(tmp_path / "kv") if (disk and tmp_path is not None) else None,
-                        disk_capacity="64MiB", load_deadline_slack_s=kw.pop("load_deadline_slack_s", PATIENT_SLACK_S),
-                        **{k: kw.pop(k) for k in list(kw) if k in ("write_policy", "isolate_tenants", "restore_policy", "calibrate")})
+                        disk_capacity="64MiB",
+                        **{k: kw.pop(k) for k in list(kw) if k in ("write_policy", "isolate_tenants", "restore_policy", "calibrate",
+                                                                       "load_deadline_slack_s")})
     return Engine(loaded, cache, **kw)
 
 

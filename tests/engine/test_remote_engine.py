@@ -137,9 +137,10 @@ def test_a_hung_store_delays_only_the_request_that_asks_it(tmp_path) -> None:
         url = f"valkey://127.0.0.1:{listener.getsockname()[1]}"
         # A 3 s timeout, so "while the other kept decoding" has room on a loaded machine (20
         # tokens of a tiny model in 2.8 s).
-        # A patient probe deadline: this test is about the engine thread never waiting (the
-        # deadline that stops a request waiting for a stalled probe: test_load_deadline.py).
-        with engine(tmp_path / "kv", url, remote_timeout_s=3.0, load_deadline_slack_s=60.0) as eng:
+        # A patient probe deadline ($TIEREDKV_LOAD_DEADLINE_SLACK_S, tests/conftest.py): this test is
+        # about the engine thread never waiting (the deadline that stops a request waiting for a
+        # stalled probe: test_load_deadline.py).
+        with engine(tmp_path / "kv", url, remote_timeout_s=3.0) as eng:
             first = random_prompt(9, seed=400)
             times: list[float] = []
             done = threading.Event()
