@@ -55,6 +55,7 @@ class HostTier:
         self._readers: list[int] = [0] * self.num_slots      # per slot: pins not yet unpinned
         self._pinned = 0                   # slots with readers
         self._orphans: set[int] = set()    # slots whose block left while read: free at the last unpin
+        self._gen = [0] * self.num_slots   # per slot: bumped whenever its block leaves it
         self.evictions = 0
 
     @property
@@ -98,6 +99,12 @@ class HostTier:
                 self._orphans.discard(slot)
                 self._free.append(slot)
 
+    def generation(self, slot: int) -> int:
+        """A number that changes whenever the slot's block leaves it (evicted, removed): a reader
+        that copied the slot with no lock held and no pin keeps its copy only if the slot still
+        holds the same block with the same generation afterwards (storage/host_writeback.py)."""
+        return self._gen[slot]
+
     def readers(self, slot: int) -> int:
         return self._readers[slot]
 
@@ -137,6 +144,7 @@ class HostTier:
         if self.on_evict is not None:
             self.on_evict(key, slot)     # the slot's bytes are intact until this returns
         self._keys[slot] = None
+        self._gen[slot] += 1
         self._free.append(slot)
         self.evictions += 1
         return True
@@ -147,6 +155,7 @@ class HostTier:
         if slot is None:
             return False
         self._keys[slot] = None
+        self._gen[slot] += 1
         if self._readers[slot]:
             self._orphans.add(slot)
         else:

@@ -329,7 +329,6 @@ class TieredKVCache:
         with self._lock:
             pages = self.pool.allocate(n)
             self.transfer.fence()  # evicted pages finished copying out before they are rewritten
-            self.cascade.drain_through()
             return pages
 
     def register(self, page: int, key: BlockKey) -> bool:
@@ -344,7 +343,6 @@ class TieredKVCache:
                 self.tiers.events.stored([key], GPU)
             if ok:
                 self.cascade.registered(key, page)
-            self.cascade.drain_through()
             return ok
 
     def release(self, pages: Sequence[int]) -> None:
@@ -369,8 +367,8 @@ class TieredKVCache:
         self._closing.set()
         if self._announcer is not None:
             self._announcer.join()     # it reads the disk
-        with self._lock:
-            self.cascade.drain_through(wait=True)   # write-through blocks reach the writers' queues
+        self.cascade.writeback.wait_idle()   # write-through blocks reach the writers' queues
+        self.cascade.writeback.close()
         self.loader.close()        # fills and prefetches read the disk: they end first
         self.transfer.close()      # every copy into the host slab is complete...
         self.host.close()          # ...before it is unpinned
@@ -404,7 +402,9 @@ class TieredKVCache:
             h = self.host.stats()
             out["host"].capacity_bytes, out["host"].used_bytes = h.capacity_bytes, h.used_bytes
             out["host"].blocks, out["host"].evictions = h.blocks, h.evictions
-            out["host"].extra = {"pinned": h.pinned, "enabled": self.host.enabled}
+            out["host"].extra = {"pinned": h.pinned, "enabled": self.host.enabled,
+                                 "written_behind": self.cascade.writeback.written,
+                                 "inline_writes": self.cascade.inline_writes}
             if disk is not None:
                 d = disk
                 o = out["disk"]
