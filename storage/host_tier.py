@@ -39,12 +39,13 @@ class HostStats:
 
 class HostTier:
     def __init__(self, layout: BlockLayout, capacity_bytes: int, pin: bool | None = None,
-                 on_evict: Callable[[BlockKey, int], None] | None = None) -> None:
+                 on_evict: Callable[[BlockKey, int], None] | None = None,
+                 device: torch.device | None = None) -> None:
         self.layout = layout
         self.num_slots = layout.blocks_in(capacity_bytes)
         if pin is None:
             pin = torch.cuda.is_available()
-        self._buffer = host_buffer(self.num_slots * layout.nbytes, bool(pin and self.num_slots > 0))
+        self._buffer = host_buffer(self.num_slots * layout.nbytes, bool(pin and self.num_slots > 0), device)
         self.pinned = self._buffer.pinned
         self.pinned_bytes = self._buffer.pinned_bytes
         self.slab = self._buffer.tensor.view(layout.dtype).view(self.num_slots, *layout.shape)

@@ -343,7 +343,7 @@ class Loader:
         if stage is None:
             layout = self.t.layout
             part = max(1, min(STAGE_BLOCKS, STAGE_BYTES // (2 * layout.nbytes)))
-            buf = host_buffer(2 * part * layout.nbytes, pin=self._stream is not None)
+            buf = host_buffer(2 * part * layout.nbytes, pin=self._stream is not None, device=self.t.pool.device)
             self._buffers.append(buf)
             stage = self._local.stage = buf.tensor.view(layout.dtype).view(2, part, *layout.shape)
         return stage
@@ -502,16 +502,18 @@ class Loader:
                         del self.prefetching[k.hash]
             chunk.done.set()
 
-    def close(self) -> None:
+    def close(self, release_memory: bool = True) -> None:
+        """Stop the workers; `release_memory=False` leaves the staging halves pinned and mapped."""
         self._prefetches.shutdown(wait=True)
         self._fills.shutdown(wait=True)
         if self._remote is not None:
             self._remote.shutdown(wait=True)
         if self._late is not None:
             self._late.shutdown(wait=True)
-        for buf in self._buffers:      # every copy out of them was waited for by its fill
-            buf.close()
-        self._buffers.clear()
+        if release_memory:
+            for buf in self._buffers:      # every copy out of them was waited for by its fill
+                buf.close()
+            self._buffers.clear()
 
 
 def _late_copy(copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

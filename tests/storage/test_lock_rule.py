@@ -133,3 +133,20 @@ def test_a_flush_never_keeps_a_page_copied_while_it_was_reused(tmp_path) -> None
     finally:
         cascade_module.Cascade._copy_pages_out = real
         cache.close()
+
+
+def test_a_cache_closed_under_a_running_step_leaves_its_host_memory_mapped(tmp_path) -> None:
+    """Engine.close past its deadline with the step still running closes the cache with
+    release_memory=False: the slab a queued copy may still write stays mapped and intact."""
+    ks = keys(4)
+    cache = deferred_cache(tmp_path / "disk", pages=4, host_slots=4)
+    compute(cache, ks)
+    cache.demote("device")
+    slab = cache.host.slab
+    cache.close(release_memory=False)
+    assert cache.host.slab is slab and slab.numel() > 0
+    with cache.tiers.lock:
+        slots = [cache.host.slot_of(k) for k in ks]
+    for slot, k in zip(slots, ks):                  # still readable memory, still the blocks
+        assert same_bits(slab[slot], block_data(k))
+    slab[slots[0]].copy_(block_data(ks[1]))         # and writable: nothing was unmapped
