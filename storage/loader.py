@@ -28,8 +28,8 @@ Threads (NOTE: who owns what):
   remote block is also written into the local tiers (host, and disk) once registered.
 - a prefetch runs on a `tieredkv-prefetch` worker, a chunk of blocks at a time: decoded with no
   lock held; then its host slots are reserved and pinned under the lock (each announced to
-  readers as a pending copy, Transfer.writing), written with no lock held, committed under it. A fill waits for a chunk being read
-  and claims the blocks of chunks not started; prefetches never wait on fills (separate pools,
+  readers as a pending copy, Transfer.writing), written with no lock held, committed under it.
+  A fill waits for a chunk being read and claims the blocks of chunks not started; prefetches never wait on fills (separate pools,
   so a full pool of waiting fills cannot starve the prefetches they wait for).
 
 KV events (storage/kv_events/sink.py): a filled page registered is BlockStored GPU, a block a
