@@ -322,6 +322,13 @@ class Engine(StepLoop):
         self._stop.set()
         self._inbox.put(None)
         self._thread.join(timeout=max(1.0, deadline - time.monotonic()))
+        # NOTE (issue 30): a step still running past the deadline may have copies queued into the
+        # host slab: the cache closes with its memory left pinned and mapped (the OS frees it at
+        # exit), never unmapped under a copy.
+        step_running = self._thread.is_alive()
+        if step_running:
+            log.error("engine close: the step loop is still running after %.0f s; closing the cache with "
+                      "its host memory left mapped", timeout)
         try:
             flushed = self.cache.flush()
         except Exception:       # a tier in trouble: the cache and the ledger still close below
@@ -331,7 +338,7 @@ class Engine(StepLoop):
             log.error("engine close: the final flush is incomplete (%s: lost writes are the disk's write_errors); "
                       "the blocks not held will miss after a restart", flushed.to_dict())
         try:
-            self.cache.close()
+            self.cache.close(release_memory=not step_running)
         except Exception:
             log.exception("engine close: closing the cache failed")
         if self.billing is not None:

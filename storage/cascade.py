@@ -3,7 +3,7 @@
 Knows: each edge a block travels down -- device -> host (`device_to_host`, one batch of copies
 per allocation's victims), host -> the next tier below (`host_to_lower`), a block into the next
 tier below (`to_lower`), disk -> remote (`disk_to_remote`, the disk writer's commits forwarded) --,
-write-through (register copies at once, queued down once the copy is done: `drain_through`),
+write-through (register copies at once; written down behind the engine by storage/host_writeback.py),
 and the operator's moves: `flush` (every block to the lowest tier, waiting for the writers),
 `demote` (one tier's blocks one step down) and `drop` (forget a tier's blocks).
 Doesn't know: matching, planning, fills (storage/tiered_cache.py, storage/loader.py), or how a
@@ -15,11 +15,15 @@ BlockRemoved CPU -- said after the block reached its next tier's queue or slot, 
 sees a block held nowhere that is still held. The tiers below say their own.
 
 Threads: the pressure edges run on the engine thread under the tiers' lock (the pool and the
-host slab call them while evicting); the operator's moves run on the caller's thread.
-NOTE invariant: the lock is never held while waiting on a writer. Under pressure a block is
-queued with wait=False (a full queue drops it, counted); flush and demote copy blocks out under
-the lock in batches of _FLUSH_BATCH and queue them with no lock held, so the engine's next
-allocate or register never waits for a flush.
+host slab call them while evicting): they issue device -> host copies (asynchronous on CUDA) and
+queue host blocks on the write-behind, never waiting. The operator's moves run on the caller's
+thread. NOTE invariant (the lock rule, issue 30): the lock is never held while waiting on a
+writer, a device copy or a memcpy of a block. Under pressure a block is queued with wait=False
+(a full queue drops it, counted); flush and demote reserve a batch of _FLUSH_BATCH blocks under
+the lock, copy them out with no lock held, commit under it, and queue them with no lock held,
+so the engine's next allocate or register never waits for a flush. What is left on the spot:
+a host eviction of a block the write-behind has not reached yet (`inline_writes`, counted), and
+device blocks sent down with no host slot to take them (no host tier, or every slot pinned).
 """
 from __future__ import annotations
 
@@ -31,10 +35,13 @@ from typing import Callable, Iterator
 import torch
 
 from storage.hashing import BlockKey
+from storage.host_writeback import HostWriteBack
 from storage.kv_events.sink import CPU, GPU
+from storage.lower_tier import private_copy
 from storage.tiers import TIERS, Tiers
+from storage.transfer import Transfer
 
-_FLUSH_BATCH = 32     # blocks copied out per hold of the lock by flush/demote
+_FLUSH_BATCH = 32     # blocks reserved, copied out, then committed per batch by flush/demote
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,9 +74,10 @@ class Cascade:
         self.write_through = write_through
         self.remote_through = remote_through and tiers.remote is not None
         self.remote_timeout_s = remote_timeout_s
-        # Write-through blocks copied to host whose write down waits for that copy (engine thread,
-        # under the lock): queued once their copy is done, never waited for on a step.
-        self._through: deque[tuple[BlockKey, int]] = deque()
+        # Host blocks written down behind the engine (write-through blocks, a full slab's LRU end).
+        self.writeback = HostWriteBack(tiers)
+        self.inline_writes = 0      # host evictions that had to copy their block down on the spot
+        self._out_stream = None     # CUDA: the stream flush/demote copy device pages out on
         # The pool and the host slab hand their victims here, while the bytes are intact.
         tiers.pool.on_evict = self.device_evicted
         tiers.host.on_evict = self.host_evicted
@@ -88,8 +96,14 @@ class Cascade:
         self.t.events.removed([key.hash for key, _ in blocks], GPU)
 
     def host_evicted(self, key: BlockKey, slot: int) -> None:
-        """The host tier evicts this slot's block: down to the next tier, and gone from the host."""
-        self.host_to_lower(key, slot)
+        """The host tier evicts this slot's block: down to the next tier, and gone from the host.
+        A block already below (written through) costs nothing here; any other is copied down on
+        the spot, on the evicting thread (counted: `inline_writes`). NOTE (issue 30, open): a
+        write-back eviction still memcpys its block under the lock; writing a full slab's LRU end
+        down ahead (storage/host_writeback.py can) would make a small disk hold host blocks twice
+        and evict its own older blocks for them, so it is not done."""
+        if self.host_to_lower(key, slot):
+            self.inline_writes += 1
         self.t.events.removed([key.hash], CPU)
 
     def device_to_host(self, blocks: list[tuple[BlockKey, int]], through: bool = False) -> None:
@@ -102,9 +116,9 @@ class Cascade:
             return
         copied = self._copy_to_host(blocks)
         if through:
-            # NOTE: not host_to_lower now: its wait for the copy would wait for the forward that
-            # wrote the page (issue 9, item 6). drain_through queues it once the copy is done.
-            self._through.extend(copied)
+            # NOTE: written down behind us (storage/host_writeback.py): its worker waits for the
+            # copy, which waits for the forward that wrote the page (issue 9, item 6).
+            self.writeback.submit(key for key, _ in copied)
 
     def _copy_to_host(self, blocks: list[tuple[BlockKey, int]]) -> list[tuple[BlockKey, int]]:
         """Copy device blocks (key, page) the host lacks into host slots, a batch of copies at a
@@ -141,19 +155,9 @@ class Cascade:
             start += step
         return copied
 
-    def drain_through(self, wait: bool = False) -> None:
-        """Queue down the write-through blocks whose host copy is done (all, if `wait`)."""
-        while self._through:
-            key, slot = self._through[0]
-            if not wait and not self.t.transfer.ready(slot):
-                return              # copies complete in order: the rest are not done either
-            self._through.popleft()
-            if self.t.host.slot_of(key) == slot:    # else evicted meanwhile, and its eviction queued it
-                self.host_to_lower(key, slot)
-
     def host_to_lower(self, key: BlockKey, slot: int) -> bool:
-        """A host slot's block to the next tier below (called by the host tier before the slot
-        is reused, and by drain_through)."""
+        """A host slot's block to the next tier below, on the caller's thread (the host tier's
+        eviction of a block the write-behind has not taken down). True when it was queued."""
         below = self.t.next_down
         if below is None or below.contains(key):
             return False
@@ -186,30 +190,83 @@ class Cascade:
     # ---- the operator's moves (caller's thread) ---------------------------------------------
     def _copies_out(self, host_only: bool = False, skip: Callable[[BlockKey], bool] = lambda key: False,
                     seen: list[BlockKey] | None = None) -> Iterator[list[tuple[BlockKey, torch.Tensor]]]:
-        """Every cached block (device pages unless host_only, then host slots) copied to the CPU
-        under the lock a batch at a time, each batch yielded with no lock held (the caller may
-        wait on a writer). A block that moved or left meanwhile is taken from where it is now, or
+        """Every cached block (device pages unless host_only, then host slots) copied to private
+        CPU tensors a batch at a time, each batch yielded with no lock held (the caller may wait
+        on a writer). A block that moved or left meanwhile is taken from where it is now, or
         skipped (its own eviction queued it), as is one `skip(key)` (asked under the lock) names.
-        `seen` receives every block taken into account."""
+        `seen` receives every block taken into account.
+
+        NOTE (the lock rule): each batch is reserve / copy / commit. Under the lock the batch's
+        host slots are pinned (never evicted or reused while pinned) with their pending copies
+        in, and its device pages noted with their generation; with no lock held the copies in
+        are waited for and every block is copied out (device pages on a stream of their own on
+        CUDA, ordered after the forwards so far); under the lock again the slots are unpinned
+        and a device copy is kept only if its page still holds the block it held (else the
+        block was evicted meanwhile -- to a host slot: taken from there in a later batch). Pages
+        are not held by a reference: the engine's check-then-allocate must never find a page
+        gone, so a flush never takes one from it."""
         t = self.t
         with t.lock:
             todo = [] if host_only else [t.pool.key_of(p) for p in t.pool.cached_pages()]
             todo += [key for _, key in t.host.blocks()]
         if seen is not None:
             seen.extend(todo)
-        for start in range(0, len(todo), _FLUSH_BATCH):
-            copies = []
-            with t.lock:
-                t.transfer.sync_host()
-                for key in todo[start:start + _FLUSH_BATCH]:
+        queue, moved = deque(todo), set()
+        while queue:
+            batch = [queue.popleft() for _ in range(min(_FLUSH_BATCH, len(queue)))]
+            pages, slots, copies, device = [], [], [], []
+            with t.lock:                                  # reserve
+                for key in batch:
                     if skip(key):
                         continue
                     page = None if host_only else t.pool.page_of(key)
-                    slot = t.host.slot_of(key) if page is None else None
-                    src = t.pool.kv[page] if page is not None else (None if slot is None else t.host.slab[slot])
-                    if src is not None:
-                        copies.append((key, src.to("cpu", copy=True)))
+                    if page is not None:
+                        pages.append((key, page, t.pool.generation(page)))
+                        continue
+                    slot = t.host.slot_of(key)
+                    if slot is not None:
+                        t.host.pin(slot)
+                        slots.append((key, slot, t.transfer.pending(slot)))
+            try:                                          # copy, no lock held
+                for _, _, copy_in in slots:
+                    Transfer.wait(copy_in)
+                copies = [(key, private_copy(t.host.slab[slot])) for key, slot, _ in slots]
+                device = self._copy_pages_out([page for _, page, _ in pages])
+            finally:
+                with t.lock:                              # commit
+                    for _, slot, _ in slots:
+                        t.host.unpin(slot)
+                    for (key, page, gen), block in zip(pages, device):
+                        if t.pool.page_of(key) == page and t.pool.generation(page) == gen:
+                            copies.append((key, block))
+                        elif key.hash not in moved:       # evicted meanwhile: from where it is now
+                            moved.add(key.hash)
+                            queue.append(key)
             yield copies
+
+    def _copy_pages_out(self, pages: list[int]) -> list[torch.Tensor]:
+        """Private CPU copies of device pages, made with no lock held; the caller checks afterwards
+        that each page still holds its block. On CUDA: one batch on a stream of our own, ordered
+        after the compute stream's work so far (the default stream, which the engine computes on:
+        the pages' forwards), into pinned memory, waited for by this thread alone -- the engine's
+        next kernels do not queue behind it."""
+        if not pages:
+            return []
+        kv = self.t.pool.kv
+        if kv.device.type != "cuda":
+            return [private_copy(kv[page]) for page in pages]
+        if self._out_stream is None:
+            self._out_stream = torch.cuda.Stream(device=kv.device)
+        stream = self._out_stream
+        out = torch.empty((len(pages), *kv.shape[1:]), dtype=kv.dtype, pin_memory=True)
+        stream.wait_stream(torch.cuda.current_stream(kv.device))
+        with torch.cuda.stream(stream):
+            for i, page in enumerate(pages):
+                out[i].copy_(kv[page], non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+        done.synchronize()
+        return list(out.unbind(0))
 
     def copy_down(self, host_only: bool = False, seen: list[BlockKey] | None = None) -> int:
         """Every cached block the next tier below lacks (device pages unless host_only, then host
@@ -239,12 +296,13 @@ class Cascade:
         # this flush waits for it: the mark makes such a loss count too.
         remote_mark = None if t.remote is None else t.remote.write_failures()
         disk_mark = None if t.disk is None else t.disk.write_failures()   # likewise the disk's drops
-        with t.lock:
-            self.drain_through(wait=True)
+        behind = self.writeback.written
+        self.writeback.wait_idle()     # write-through blocks reach the writers' queues (no lock held)
+        behind = self.writeback.written - behind      # ...counted as this flush's writes
         complete, evicted, held, seen = True, 0, None, []
         if t.next_down is not None:
             evictions = None if t.disk is None else t.disk.stats().evictions
-            written = self.copy_down(seen=seen)
+            written = behind + self.copy_down(seen=seen)
             if t.disk is not None:
                 complete = t.disk.flush(timeout, since=disk_mark)
                 # NOTE: complete means on disk now -- the writer done is not enough: a disk smaller
@@ -256,9 +314,12 @@ class Cascade:
         elif not t.host.enabled:
             return FlushResult(0, True)
         else:
-            with t.lock:   # nothing below the host: device blocks into the host slab (memcpy, no waiting)
-                written = len(self._copy_to_host([(t.pool.key_of(page), page) for page in t.pool.cached_pages()]))
-                t.transfer.sync_host()
+            with t.lock:   # nothing below the host: device blocks into the host slab (copies issued)
+                copied = self._copy_to_host([(t.pool.key_of(page), page) for page in t.pool.cached_pages()])
+                copies = [t.transfer.pending(slot) for _, slot in copied]
+            for done in copies:     # complete before the flush answers: waited for with no lock held
+                Transfer.wait(done)
+            written = len(copied)
         remote = None if t.remote is None else t.remote.flush(timeout, since=remote_mark)
         return FlushResult(written, complete, remote, evicted, held, len(seen))
 

@@ -49,6 +49,7 @@ class DevicePool:
         self._index: dict[bytes, int] = {}
         self._free: deque[int] = deque(range(num_pages))
         self._evictable: OrderedDict[int, None] = OrderedDict()
+        self._gen = [0] * num_pages        # per page: bumped whenever its block leaves it
         self.evictions = 0
 
     # ---- queries -------------------------------------------------------------------------
@@ -64,6 +65,12 @@ class DevicePool:
 
     def refcount(self, page: int) -> int:
         return self._ref[page]
+
+    def generation(self, page: int) -> int:
+        """A number that changes whenever the page's block leaves it (evicted, dropped): a reader
+        that copied the page with no lock held (Cascade's copies out) keeps its copy only if the
+        page still holds the same block with the same generation afterwards."""
+        return self._gen[page]
 
     @property
     def num_free(self) -> int:
@@ -114,6 +121,7 @@ class DevicePool:
         for key, page in victims:
             del self._index[key.hash]
             self._key[page] = None
+            self._gen[page] += 1
         self.evictions += len(victims)
 
     def acquire(self, page: int) -> None:
@@ -169,6 +177,7 @@ class DevicePool:
         del self._evictable[page]
         del self._index[self._key[page].hash]
         self._key[page] = None
+        self._gen[page] += 1
         self._free.append(page)
 
     # ---- reporting -----------------------------------------------------------------------

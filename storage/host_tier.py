@@ -39,12 +39,13 @@ class HostStats:
 
 class HostTier:
     def __init__(self, layout: BlockLayout, capacity_bytes: int, pin: bool | None = None,
-                 on_evict: Callable[[BlockKey, int], None] | None = None) -> None:
+                 on_evict: Callable[[BlockKey, int], None] | None = None,
+                 device: torch.device | None = None) -> None:
         self.layout = layout
         self.num_slots = layout.blocks_in(capacity_bytes)
         if pin is None:
             pin = torch.cuda.is_available()
-        self._buffer = host_buffer(self.num_slots * layout.nbytes, bool(pin and self.num_slots > 0))
+        self._buffer = host_buffer(self.num_slots * layout.nbytes, bool(pin and self.num_slots > 0), device)
         self.pinned = self._buffer.pinned
         self.pinned_bytes = self._buffer.pinned_bytes
         self.slab = self._buffer.tensor.view(layout.dtype).view(self.num_slots, *layout.shape)
@@ -55,6 +56,7 @@ class HostTier:
         self._readers: list[int] = [0] * self.num_slots      # per slot: pins not yet unpinned
         self._pinned = 0                   # slots with readers
         self._orphans: set[int] = set()    # slots whose block left while read: free at the last unpin
+        self._gen = [0] * self.num_slots   # per slot: bumped whenever its block leaves it
         self.evictions = 0
 
     @property
@@ -98,6 +100,12 @@ class HostTier:
                 self._orphans.discard(slot)
                 self._free.append(slot)
 
+    def generation(self, slot: int) -> int:
+        """A number that changes whenever the slot's block leaves it (evicted, removed): a reader
+        that copied the slot with no lock held and no pin keeps its copy only if the slot still
+        holds the same block with the same generation afterwards (storage/host_writeback.py)."""
+        return self._gen[slot]
+
     def readers(self, slot: int) -> int:
         return self._readers[slot]
 
@@ -137,6 +145,7 @@ class HostTier:
         if self.on_evict is not None:
             self.on_evict(key, slot)     # the slot's bytes are intact until this returns
         self._keys[slot] = None
+        self._gen[slot] += 1
         self._free.append(slot)
         self.evictions += 1
         return True
@@ -147,6 +156,7 @@ class HostTier:
         if slot is None:
             return False
         self._keys[slot] = None
+        self._gen[slot] += 1
         if self._readers[slot]:
             self._orphans.add(slot)
         else:

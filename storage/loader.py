@@ -27,12 +27,14 @@ Threads (NOTE: who owns what):
   planned from the remote, read and verified with no lock held like disk blocks. A restored
   remote block is also written into the local tiers (host, and disk) once registered.
 - a prefetch runs on a `tieredkv-prefetch` worker, a chunk of blocks at a time: decoded with no
-  lock held, then put into the host tier under the lock. A fill waits for a chunk being read
-  and claims the blocks of chunks not started; prefetches never wait on fills (separate pools,
+  lock held; then its host slots are reserved and pinned under the lock (each announced to
+  readers as a pending copy, Transfer.writing), written with no lock held, committed under it.
+  A fill waits for a chunk being read and claims the blocks of chunks not started; prefetches never wait on fills (separate pools,
   so a full pool of waiting fills cannot starve the prefetches they wait for).
 
 KV events (storage/kv_events/sink.py): a filled page registered is BlockStored GPU, a block a
-prefetch put in a host slot BlockStored CPU (one at a time: the next reserve may evict it).
+prefetch put in a host slot BlockStored CPU (once its bytes are in; pinned until then, so no
+reserve evicts it first).
 
 NOTE invariant: a page being filled holds a reference of its own (the fill's) from its
 allocation until the fill ends, and is registered only once its bytes are complete: it is never
@@ -46,7 +48,7 @@ import logging
 import random
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -341,7 +343,7 @@ class Loader:
         if stage is None:
             layout = self.t.layout
             part = max(1, min(STAGE_BLOCKS, STAGE_BYTES // (2 * layout.nbytes)))
-            buf = host_buffer(2 * part * layout.nbytes, pin=self._stream is not None)
+            buf = host_buffer(2 * part * layout.nbytes, pin=self._stream is not None, device=self.t.pool.device)
             self._buffers.append(buf)
             stage = self._local.stage = buf.tensor.view(layout.dtype).view(2, part, *layout.shape)
         return stage
@@ -459,6 +461,9 @@ class Loader:
             # up first, the fill comes from the host, and the disk would otherwise go unmeasured.
             c.rates.observe("disk", sum(b is not None for b in blocks) * c.layout.nbytes,
                             time.perf_counter() - started)
+            # Reserve under the lock (each slot pinned, its copy announced: a fill planned from it
+            # meanwhile waits for our Future), copy with no lock held, commit under the lock.
+            taken: list[tuple[BlockKey, int, torch.Tensor, object, Future]] = []
             with c.lock:
                 for key, block in zip(keys, blocks):
                     if block is None or c.pool.page_of(key) is not None or c.host.slot_of(key) is not None:
@@ -466,12 +471,28 @@ class Loader:
                     slot = c.host.reserve(key)
                     if slot is None:               # every slot is being read by a fill now
                         continue
-                    c.transfer.wait_host(slot)     # a dropped block's late copy must not land on ours
-                    c.host.slab[slot].copy_(block.view(c.layout.shape))
+                    c.host.pin(slot)
+                    before, mine = c.transfer.writing(slot)
+                    taken.append((key, slot, block, before, mine))
                     into.moved.add(key.hash)
-                    # One at a time: the next reserve may evict this one (BlockRemoved after).
-                    c.events.stored([key], CPU)
-                    self.prefetched_blocks += 1
+            try:
+                for key, slot, block, before, mine in taken:
+                    Transfer.wait(before)          # a dropped block's late copy must not land on ours
+                    c.host.slab[slot].copy_(block.view(c.layout.shape))
+                    mine.set_result(None)
+            finally:
+                with c.lock:
+                    stored = []
+                    for key, slot, _, _, mine in taken:
+                        if not mine.done():        # the copy failed: the slot holds no block
+                            if c.host.slot_of(key) == slot:
+                                c.host.remove(key.hash)
+                            mine.set_result(None)
+                        elif c.host.slot_of(key) == slot:
+                            stored.append(key)
+                            self.prefetched_blocks += 1
+                        c.host.unpin(slot)
+                    c.events.stored(stored, CPU)
         except Exception:
             log.exception("prefetching %d disk blocks failed: their requests read them later", len(keys))
         finally:
@@ -481,16 +502,18 @@ class Loader:
                         del self.prefetching[k.hash]
             chunk.done.set()
 
-    def close(self) -> None:
+    def close(self, release_memory: bool = True) -> None:
+        """Stop the workers; `release_memory=False` leaves the staging halves pinned and mapped."""
         self._prefetches.shutdown(wait=True)
         self._fills.shutdown(wait=True)
         if self._remote is not None:
             self._remote.shutdown(wait=True)
         if self._late is not None:
             self._late.shutdown(wait=True)
-        for buf in self._buffers:      # every copy out of them was waited for by its fill
-            buf.close()
-        self._buffers.clear()
+        if release_memory:
+            for buf in self._buffers:      # every copy out of them was waited for by its fill
+                buf.close()
+            self._buffers.clear()
 
 
 def _late_copy(copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

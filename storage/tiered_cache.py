@@ -99,7 +99,8 @@ class TieredKVCache:
         self._closing = threading.Event()
         self.tiers = Tiers(layout=layout,
                            pool=DevicePool(layout, num_pages, self.device),
-                           host=HostTier(layout, config.host_bytes, pin=self.device.type == "cuda"),
+                           host=HostTier(layout, config.host_bytes, pin=self.device.type == "cuda",
+                                         device=self.device),
                            transfer=transfer or Transfer(self.device),   # tests pass Transfer(deferred=True)
                            lower=tuple(t for t in (disk, remote) if t is not None))
         self._lock = self.tiers.lock
@@ -329,7 +330,6 @@ class TieredKVCache:
         with self._lock:
             pages = self.pool.allocate(n)
             self.transfer.fence()  # evicted pages finished copying out before they are rewritten
-            self.cascade.drain_through()
             return pages
 
     def register(self, page: int, key: BlockKey) -> bool:
@@ -344,7 +344,6 @@ class TieredKVCache:
                 self.tiers.events.stored([key], GPU)
             if ok:
                 self.cascade.registered(key, page)
-            self.cascade.drain_through()
             return ok
 
     def release(self, pages: Sequence[int]) -> None:
@@ -365,15 +364,20 @@ class TieredKVCache:
         """Forget every cached block of one tier (Cascade.drop)."""
         return self.cascade.drop(tier)
 
-    def close(self) -> None:
+    def close(self, release_memory: bool = True) -> None:
+        """Stop every thread and write what is queued. `release_memory=False` (an engine whose
+        step is still running past its close deadline) leaves the host slab and the loader's
+        staging pinned and mapped: a running step's copies may still target them, and unmapping
+        memory a queued device copy writes is a crash; the OS takes them back at exit."""
         self._closing.set()
         if self._announcer is not None:
             self._announcer.join()     # it reads the disk
-        with self._lock:
-            self.cascade.drain_through(wait=True)   # write-through blocks reach the writers' queues
-        self.loader.close()        # fills and prefetches read the disk: they end first
-        self.transfer.close()      # every copy into the host slab is complete...
-        self.host.close()          # ...before it is unpinned
+        self.cascade.writeback.wait_idle()   # write-through blocks reach the writers' queues
+        self.cascade.writeback.close()
+        self.loader.close(release_memory)   # fills and prefetches read the disk: they end first
+        self.transfer.close()      # every copy into the host slab issued so far is complete...
+        if release_memory:
+            self.host.close()      # ...before it is unpinned
         if self.disk is not None:
             self.disk.close()      # its last commits are forwarded to the remote writer...
         if self.remote is not None:
@@ -404,7 +408,9 @@ class TieredKVCache:
             h = self.host.stats()
             out["host"].capacity_bytes, out["host"].used_bytes = h.capacity_bytes, h.used_bytes
             out["host"].blocks, out["host"].evictions = h.blocks, h.evictions
-            out["host"].extra = {"pinned": h.pinned, "enabled": self.host.enabled}
+            out["host"].extra = {"pinned": h.pinned, "enabled": self.host.enabled,
+                                 "written_behind": self.cascade.writeback.written,
+                                 "inline_writes": self.cascade.inline_writes}
             if disk is not None:
                 d = disk
                 o = out["disk"]

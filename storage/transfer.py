@@ -84,6 +84,17 @@ class Transfer:
         waits with `wait` once it let the tiers' lock go. Under the tiers' lock."""
         return self._host_pending.get(slot)
 
+    def writing(self, slot: int) -> tuple[object | None, Future]:
+        """A CPU-side writer (a prefetch copying a decoded block into `slot`, the slot pinned)
+        announces its copy: returns the slot's previous pending copy (to `wait` for before
+        writing: a dropped block's late copy must not land on ours) and the Future it resolves
+        once its own bytes are in. Until then every reader of the slot finds that Future as the
+        slot's pending copy and waits for it. Under the tiers' lock; the copy is made without it."""
+        before = self._host_pending.get(slot)
+        mine: Future = Future()
+        self._host_pending[slot] = mine
+        return before, mine
+
     @staticmethod
     def wait(done: object | None, stream: "torch.cuda.Stream | None" = None) -> None:
         """Wait for a completion from `pending` with no lock held: the CPU waits (a Future; an

@@ -128,6 +128,7 @@ def test_write_through_sends_each_block_when_it_is_computed(tmp_path, caches, va
     ks = keys(5, ns=os.urandom(32))
     a = caches(tmp_path / "a", valkey.url, remote_write="write_through")
     a.release(fill(a, ks))                        # no eviction, no flush
+    assert a.cascade.writeback.wait_idle(30)      # written down behind the engine (host_writeback.py)
     assert a.disk.flush(10) and a.remote.flush(10)
     assert a.stats()["remote"].demotions == 5
     b = caches(tmp_path / "b", valkey.url)

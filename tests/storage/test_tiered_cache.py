@@ -205,6 +205,8 @@ def test_write_through_writes_host_and_disk_at_register(caches) -> None:
     cache = caches(pages=2, host_slots=2, write_policy="write_through")
     pages = fill(cache, ks)
     assert on_host(cache, ks) == ["k0", "k1"]
+    # Written down behind the engine (storage/host_writeback.py): queued once its worker ran.
+    assert cache.cascade.writeback.wait_idle(30)
     assert all(cache.disk.contains(k) for k in ks)
     assert on_disk(cache, ks) == ["k0", "k1"]
     for k in ks:
