@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+from pathlib import Path
 from dataclasses import dataclass, field
 
 from storage.kv_events.endpoints import check_endpoint, default_replay
@@ -40,9 +41,8 @@ def _env_seconds(name: str, default: float) -> float:
         raise ValueError(f"${name}: expected seconds (a number), got {raw!r}") from None
 
 
-def default_cache_root() -> "Path":
+def default_cache_root() -> Path:
     """$TIEREDKV_HOME, else $XDG_CACHE_HOME/tieredkv, else ~/.cache/tieredkv."""
-    from pathlib import Path
     if os.environ.get("TIEREDKV_HOME"):
         return Path(os.environ["TIEREDKV_HOME"]).expanduser()
     if os.environ.get("XDG_CACHE_HOME"):

