@@ -20,6 +20,7 @@ from typing import Callable
 
 import lmdb
 
+from storage.disk.map_faults import MapWatch
 from storage.disk.pagewalk import check_pages
 from storage.disk.preflight import DamagedEnvironment, check_environment, move_aside, opening
 from storage.disk.records import (Databases, FormatMismatch, StoreDamaged, load_capacity, open_databases,
@@ -87,9 +88,11 @@ def open_env(path: str, map_size: int, readonly: bool) -> tuple[lmdb.Environment
     env = lmdb.open(path, map_size=map_size, max_dbs=4, readonly=readonly, readahead=True, max_readers=_MAX_READERS)
     try:
         # NOTE: before any read through the map -- a damaged page pointer past the file's end
-        # makes LMDB's first read of it a SIGBUS (storage/disk/pagewalk.py).
-        check_pages(env, path)
-        return env, open_databases(env, path, readonly)
+        # makes LMDB's first read of it a SIGBUS (storage/disk/pagewalk.py). A file truncated
+        # meanwhile reads as zeros, and the open fails as damage (storage/disk/map_faults.py).
+        with MapWatch(path):
+            check_pages(env, path)
+            return env, open_databases(env, path, readonly)
     except BaseException as e:
         release(env, e)
         raise
@@ -122,7 +125,8 @@ def open_for_writing(path: str, map_size: int, capacity_bytes: int, reason: str 
         try:
             env, dbs = open_env(path, map_size, readonly=False)
             try:
-                return Opened(env, dbs, _prepare(env, dbs, path, capacity_bytes))
+                with MapWatch(path):      # _prepare reads every block's record through the map
+                    return Opened(env, dbs, _prepare(env, dbs, path, capacity_bytes))
             except BaseException as e:
                 release(env, e)
                 raise
@@ -146,7 +150,8 @@ def open_for_writing(path: str, map_size: int, capacity_bytes: int, reason: str 
     log.error("disk tier %s is unusable (%s): moved aside to %s; starting an empty disk tier", path, reason, aside)
     try:
         env, dbs = open_env(path, map_size, readonly=False)
-        hashes = _prepare(env, dbs, path, capacity_bytes)
+        with MapWatch(path):
+            hashes = _prepare(env, dbs, path, capacity_bytes)
     except DiskUnavailable:
         raise
     except (OSError, lmdb.Error) as e:

@@ -27,6 +27,7 @@ import lmdb
 
 from storage.disk.environment import _ABANDONED, DiskUnavailable
 from storage.disk.liveness import StoreFiles
+from storage.disk.map_faults import MapWatch
 from storage.disk.records import Databases, StoreDamaged
 from storage.disk.verdicts import is_damage
 
@@ -57,6 +58,10 @@ class EnvGate:
         # (storage/disk/liveness.py): a shrunk, unlinked or overwritten file is damage, found
         # before LMDB touches a page past its end.
         self.files = StoreFiles(path)
+        # NOTE invariant (issue 28): a truncate that lands inside a transaction, after that check,
+        # reads as zeros instead of a SIGBUS (storage/disk/map_faults.py); the watch is checked
+        # before and after every transaction, and a fault is damage.
+        self.maps = MapWatch(path)
         # Called (error, generation) on the thread that saw a DAMAGE_ERRORS error, after its
         # transaction closed; the tier replaces the store. None: nothing is done (readonly).
         self.on_damage: Callable[[BaseException, int], None] | None = None
@@ -88,6 +93,7 @@ class EnvGate:
             damage = None
             try:
                 self.files.check()
+                self.maps.check()
                 try:
                     txn = self._env.begin(**kw)
                 except lmdb.MapResizedError:
@@ -97,9 +103,15 @@ class EnvGate:
                 if txn is not None:
                     with txn:
                         yield txn
+                        # NOTE: before a commit: a write that read zeros is aborted, a read's
+                        # results are thrown away (the caller takes its miss).
+                        self.maps.check()
+                    self.maps.check()          # the commit's own reads (its free-page list)
                     return
             except Exception as e:
-                damage = e if is_damage(e) else None
+                # A fault absorbed during the transaction is damage, whatever the zeros made
+                # LMDB or the caller raise (and the reason the store is moved aside).
+                damage = self.maps.damage() or (e if is_damage(e) else None)
                 raise
             finally:
                 with self._cond:
@@ -132,7 +144,10 @@ class EnvGate:
         def run() -> object:
             try:
                 self.files.check()
-                return fn()
+                self.maps.check()
+                out = fn()
+                self.maps.check()
+                return out
             finally:
                 with self._cond:
                     self._in_txn -= 1
@@ -201,6 +216,7 @@ class EnvGate:
         try:
             if self.generation != generation or self._stopping or self._down is not None:
                 return False
+            self.maps.close()
             if damaged:
                 _ABANDONED.append(self._env)
             else:
@@ -213,6 +229,7 @@ class EnvGate:
                 raise
             self.generation += 1
             self.files = StoreFiles(self._path)
+            self.maps = MapWatch(self._path)
             return True
         finally:
             self._release()
@@ -253,6 +270,7 @@ class EnvGate:
             self._cond.notify_all()
             while self._in_txn or self._resizing:
                 self._cond.wait()
+        self.maps.close()
         if self._down is None:          # a tier that went down abandoned its damaged environment
             self._env.close()
             self.files.close()

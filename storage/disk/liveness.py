@@ -21,13 +21,11 @@ The check is an fstat of each file and one pread of the two meta pages (never th
 about 7 us on this shared 2-core machine (measured under load), against a get of one block's
 ~280 us; a get_many of many blocks pays it once.
 
-NOTE the residual window (issue 28): a truncate that lands after the check and before the
-transaction's last touch of a page past the new end still ends in SIGBUS. The check runs before
-every transaction (EnvGate.begin: reads, deletes, commits, stats) and at the writer's tick, and
-LMDB itself never follows a page number beyond the snapshot's last page, so a page past the end is
-reached only by a file truncated inside that window: one transaction long (a get_many's reads and
-decodes, a commit). No user-space check closes it -- LMDB maps the file, and another process may
-truncate it at any instant; only keeping other writers away from the cache directory does.
+NOTE the window this check cannot close (issue 28): a truncate that lands after the check and before
+the transaction's last touch of a page past the new end. LMDB maps the file and another process may
+truncate it at any instant, so no check before a transaction covers it: storage/disk/map_faults.py
+does (the touch reads zeros, the transaction's results are thrown away, the store is damage). This
+check still finds almost every change first, with no fault at all.
 """
 from __future__ import annotations
 

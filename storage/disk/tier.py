@@ -283,9 +283,8 @@ class DiskTier:
         # tools/bench_tiers.py), and verified and decoded from the copy. Decoding in place from
         # the map was cheaper, but a data.mdb truncated under the server while a restore decoded
         # from it faulted a page past the file's new end: SIGBUS, the process gone (3 of 18
-        # trials, tools/live_drill.py). The liveness check before the transaction
-        # (storage/disk/liveness.py) cannot cover a truncate that lands after it; with copies
-        # the window is the copies' memcpy, not every block's decode.
+        # trials, tools/live_drill.py). A truncate that lands inside the transaction now reads
+        # zeros instead (storage/disk/map_faults.py) and the gate throws the whole read away.
         with self._begin(buffers=True) as txn:
             payload_db, meta_db = self._payload, self._meta
             for i, (key, p) in enumerate(zip(keys, pending)):
