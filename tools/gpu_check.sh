@@ -63,13 +63,16 @@ if [ -n "$CARRY" ]; then
     export PYTHONPATH=$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}   # the repo itself is not pip-installed there
     export PATH=$SITE/bin:$PATH
 fi
-# The byte-plane codec's C extension (storage/codec/_byte_planes.c) is built by `pip install` here;
-# a copy on a lent machine has none for its Python, and the numpy fallback is several times slower
-# on a disk or remote restore: build it in place with the machine's cc when it is missing.
-if [ $DRY -eq 0 ] && ! $PY -c "import storage.codec._byte_planes" 2>/dev/null; then
+# The C extensions (pyproject.toml's ext-modules: the byte-plane codec, the disk tier's SIGBUS
+# guard) are built by `pip install` here; a copy on a lent machine has none for its Python (the
+# numpy byte planes are several times slower on a disk or remote restore, and without the guard a
+# truncated store is a crash): build them in place with the machine's cc when they are missing.
+if [ $DRY -eq 0 ]; then
     read -r inc suffix < <($PY -c "import sysconfig as s; print(s.get_paths()['include'], s.get_config_var('EXT_SUFFIX'))")
-    ${CC:-cc} -O3 -shared -fPIC -I"$inc" storage/codec/_byte_planes.c -o "storage/codec/_byte_planes$suffix" \
-        || echo "gpu_check: building storage/codec/_byte_planes.c failed: the numpy byte planes are used" >&2
+    for mod in storage/codec/_byte_planes storage/disk/_map_faults; do
+        [ -f "$mod$suffix" ] || ${CC:-cc} -O3 -shared -fPIC -I"$inc" "$mod.c" -o "$mod$suffix" \
+            || echo "gpu_check: building $mod.c failed" >&2
+    done
 fi
 STEP_TIMEOUT=${STEP_TIMEOUT:-540}
 if [ $DRY -eq 1 ]; then
@@ -125,10 +128,11 @@ EOF
 
 env_json() {
     $PY - <<'EOF'
-import json, os, time, torch, transformers
+import importlib.util, json, os, time, torch, transformers
 from storage.codec import byte_planes
 out = {"torch": torch.__version__, "transformers": transformers.__version__, "commit": os.environ.get("COMMIT"),
-       "cuda": torch.cuda.is_available(), "byte_planes": "compiled" if byte_planes._compiled else "numpy"}
+       "cuda": torch.cuda.is_available(), "byte_planes": "compiled" if byte_planes._compiled else "numpy",
+       "map_faults": importlib.util.find_spec("storage.disk._map_faults") is not None}
 if torch.cuda.is_available():
     p = torch.cuda.get_device_properties(0)
     out.update(device=p.name, sms=p.multi_processor_count, memory_gib=round(p.total_memory / 2**30, 1))
