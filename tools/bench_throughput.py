@@ -236,9 +236,12 @@ class Runner:
         gc = GenerationConfig(max_new_tokens=m, do_sample=False, eos_token_id=None,
                               pad_token_id=self.tok.pad_token_id or 0)
         cb = None
-        if self.args.peer_page_size:
+        if self.args.peer_page_size or self.args.peer_num_blocks:
             from transformers import ContinuousBatchingConfig
-            cb = ContinuousBatchingConfig(page_size=self.args.peer_page_size)
+            kw = {"num_blocks": self.args.peer_num_blocks} if self.args.peer_num_blocks else {}
+            if self.args.peer_page_size:
+                kw["page_size"] = self.args.peer_page_size
+            cb = ContinuousBatchingConfig(**kw)
         if w.warm is not None:     # the same untimed warm-up prompt tieredkv is served
             self.plain.generate_batch(inputs=[w.warm], generation_config=GenerationConfig(
                 max_new_tokens=1, do_sample=False, eos_token_id=None, pad_token_id=self.tok.pad_token_id or 0),
@@ -278,6 +281,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peer-rates", default="all",
                     help="hit rates at which transformers_batch runs ('all' = --rates)")
     ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"subset of {SYSTEMS}")
+    ap.add_argument("--peer-num-blocks", type=int, default=None,
+                    help="transformers_batch's KV blocks (default: sized by transformers from free memory, which "
+                         "on a CPU is most of the machine's RAM)")
     ap.add_argument("--peer-page-size", type=int, default=None,
                     help="transformers_batch's page size in tokens, its prefix-sharing granularity "
                          "(default: transformers' own, 256; our block size is 16)")

@@ -79,12 +79,13 @@ if [ $DRY -eq 1 ]; then
     OUT_DIR=${OUT_DIR:-${TMPDIR:-/tmp}/gpu_check_dry}
     SHAPES=${SHAPES:-tiny-llama}
     LENGTHS=64,128; N=2; LEN=128; MAXTOK=4; POOL=64MiB; REPEAT=1; TPOOL=64MiB; SYNCPOOL=64MiB
+    PEER="--peer-num-blocks 64"   # transformers sizes its CPU cache from free RAM: ~10-20 GB
     ATTNS=${ATTNS:-gather_sdpa}   # flex_paged uncompiled on a CPU is eager over the pool: hours
     export CUDA_VISIBLE_DEVICES=""
 else
     OUT_DIR=${OUT_DIR:-${OUT:-gpu_results}}
     SHAPES=${SHAPES:-smollm2-135m llama-3.1-8b}
-    LENGTHS=2048,8000; N=32; LEN=4096; MAXTOK=128; POOL=6GiB; REPEAT=${REPEAT:-3}; TPOOL=24GiB; SYNCPOOL=2GiB
+    LENGTHS=2048,8000; N=32; LEN=4096; MAXTOK=128; POOL=6GiB; REPEAT=${REPEAT:-3}; TPOOL=24GiB; SYNCPOOL=2GiB; PEER=""
     ATTNS=${ATTNS:-gather_sdpa flex_paged}
     $PY -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'" || exit 2
 fi
@@ -192,7 +193,7 @@ for step in $STEPS; do
         throughput) for s in $SHAPES; do
                   part throughput "$s" $PY tools/bench_throughput.py --model tools/model_shapes/$s --n $N --length $LEN \
                       --max-tokens $MAXTOK --rates 0,1 --peer-rates 0 --systems tieredkv,transformers_batch \
-                      --repeat-zero 1 --device-memory $TPOOL --json
+                      --repeat-zero 1 --device-memory $TPOOL $PEER --json
               done ;;
         *) echo "gpu_check: unknown step $step" >&2; status=1; continue ;;
     esac
