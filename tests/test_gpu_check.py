@@ -45,7 +45,7 @@ def test_dry_run_runs_every_step_and_writes_its_json(tmp_path) -> None:
     log = (out / "gpu_check.log").read_text() if (out / "gpu_check.log").exists() else ""
     assert proc.returncode == 0, proc.stdout + proc.stderr + log[-4000:]
     steps = {p.stem: json.loads(p.read_text()) for p in out.glob("*.json")}
-    assert set(steps) == {"env", "tests", "sync", "ttft", "policies", "throughput"}
+    assert set(steps) == {"env", "tests", "sync", "ttft", "decode", "throughput", "policies"}
     assert all(part["rc"] == 0 for step in steps.values() for part in step.values())
     assert steps["env"]["machine"]["result"]["cuda"] is False
     counts = steps["tests"]["cuda"]["result"]["counts"]
@@ -57,5 +57,7 @@ def test_dry_run_runs_every_step_and_writes_its_json(tmp_path) -> None:
     assert all(c["ttft_s"] > 0 for c in cases)
     rows = steps["policies"]["tiny-llama"]["result"]["rows"]
     assert {r["source"] for r in rows} >= {"host", "disk"}
+    decode = steps["decode"]["tiny-llama"]["result"]
+    assert decode["n"] == 2 and decode["decode_step_s"] > 0 and decode["floor_s"] > 0
     systems = {r["system"] for r in steps["throughput"]["tiny-llama"]["result"]["rows"]}
     assert systems == {"tieredkv", "transformers_batch"}

@@ -16,7 +16,7 @@
 # lengths (tests/test_gpu_check.py runs it, so the script cannot rot between GPU runs).
 # --carry DIR (default .whl when it exists): install the carried wheels into a private
 # site dir first (pip --no-index --no-deps) and put it on PYTHONPATH.
-# STEPS="env tests sync ttft policies throughput": a subset, in this order; ATTNS the attention backends.
+# STEPS="env tests sync ttft decode throughput policies": a subset, in this order; ATTNS the attention backends.
 # COMMIT=<hash>: recorded in env.json (the copy on a lent machine has no .git).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -79,17 +79,18 @@ if [ $DRY -eq 1 ]; then
     OUT_DIR=${OUT_DIR:-${TMPDIR:-/tmp}/gpu_check_dry}
     SHAPES=${SHAPES:-tiny-llama}
     LENGTHS=64,128; N=2; LEN=128; MAXTOK=4; POOL=64MiB; REPEAT=1; TPOOL=64MiB; SYNCPOOL=64MiB
+    DECODE="--steps 4 --repeat 1 --copy-bytes 67108864"
     PEER="--peer-num-blocks 64"   # transformers sizes its CPU cache from free RAM: ~10-20 GB
     ATTNS=${ATTNS:-gather_sdpa}   # flex_paged uncompiled on a CPU is eager over the pool: hours
     export CUDA_VISIBLE_DEVICES=""
 else
     OUT_DIR=${OUT_DIR:-${OUT:-gpu_results}}
     SHAPES=${SHAPES:-smollm2-135m llama-3.1-8b}
-    LENGTHS=2048,8000; N=32; LEN=4096; MAXTOK=128; POOL=6GiB; REPEAT=${REPEAT:-3}; TPOOL=24GiB; SYNCPOOL=2GiB; PEER=""
+    LENGTHS=2048,8000; N=32; LEN=4096; MAXTOK=128; POOL=6GiB; REPEAT=${REPEAT:-3}; TPOOL=24GiB; SYNCPOOL=2GiB; PEER=""; DECODE="--steps 32 --repeat 3"
     ATTNS=${ATTNS:-gather_sdpa flex_paged}
     $PY -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'" || exit 2
 fi
-STEPS=${STEPS:-env tests sync ttft policies throughput}
+STEPS=${STEPS:-env tests sync ttft decode throughput policies}
 mkdir -p "$OUT_DIR"
 export PARTS=$(mktemp -d) LOG=$OUT_DIR/gpu_check.log PY
 status=0
@@ -189,6 +190,10 @@ for step in $STEPS; do
                   part policies "$s" $PY tools/bench_ttft.py --model tools/model_shapes/$s --restore-policy auto,load,recompute \
                       --prefix-lengths $LENGTHS --sources host,disk,remote --remote-mbit '' --no-first \
                       --device-memory $POOL --host-memory $POOL --json
+              done ;;
+        decode) for s in $SHAPES; do
+                  part decode "$s" $PY tools/bench_decode_step.py --model tools/model_shapes/$s --n $N --context $LEN \
+                      --device-memory $TPOOL $DECODE --json
               done ;;
         throughput) for s in $SHAPES; do
                   part throughput "$s" $PY tools/bench_throughput.py --model tools/model_shapes/$s --n $N --length $LEN \
