@@ -53,25 +53,27 @@ class AppContext:
         record(request).tenant = caller.tenant
         return caller
 
-    def finished(self, request: Request, request_id: str, usage: Any, metrics: Any) -> None:
-        """A generation request's result: counted in the metrics, written in its log line."""
-        self.metrics.observe_request(usage, metrics)
+    def finished(self, request: Request, request_id: str, usage: Any, metrics: Any, finish_reason: str | None = None,
+                 intervals: list[float] | None = None) -> None:
+        """A generation request's result: counted in the metrics, written in its log line.
+        `request_id`: the id its body and x-request-id carry (`cmpl-...`, `chatcmpl-...`)."""
+        self.metrics.observe_request(usage, metrics, finish_reason, intervals)
         record(request).finished(request_id, usage, metrics)
 
-    def aborted(self, request: Request, out: Any, why: str) -> str:
+    def aborted(self, request: Request, out: Any, why: str, request_id: str | None = None) -> str:
         """A generation request abandoned (its client gone, or past its timeout), as its log line
         says it (returned): its bill's tokens are counted (its latencies are not: it did not
         finish). `out`: the engine's output once aborted (None when it did not end in time; one
         that had finished first is counted as finished)."""
         rec = record(request)
         if out is not None and out.finish_reason != "abort":
-            self.finished(request, out.request_id, out.usage, out.metrics)
+            self.finished(request, request_id or out.request_id, out.usage, out.metrics, out.finish_reason)
             rec.reason = f"{why} (it had finished)"
             return rec.reason
         rec.reason = f"{why}; the request was aborted"
         if out is not None:
-            self.metrics.observe_request(out.usage, None)
-            rec.finished(out.request_id, out.usage, None)
+            self.metrics.observe_request(out.usage, None, "abort")
+            rec.finished(request_id or out.request_id, out.usage, None)
         return rec.reason
 
     @property

@@ -34,7 +34,8 @@
   }
 
   async function getJSON(path) {
-    const r = await fetch(path, { headers: authHeaders(), cache: "no-store" });
+    // X-Tieredkv-Client: the server keeps these polls off its request log (DEBUG; serve --log-probes).
+    const r = await fetch(path, { headers: { ...authHeaders(), "X-Tieredkv-Client": "dashboard" }, cache: "no-store" });
     let body = null;
     try { body = await r.json(); } catch (_) { /* not JSON: reported below */ }
     const message = body && body.error ? body.error.message : `HTTP ${r.status}`;
