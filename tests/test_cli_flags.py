@@ -80,3 +80,16 @@ def test_serve_with_vllm_and_llama_server_flags(tmp_path: Path, tiny_model_dir: 
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
     assert "tieredkv.requests:" not in "".join(lines.lines)      # --disable-log-requests
+
+
+def test_status_disk_line_never_says_bounded_above_the_capacity() -> None:
+    from tieredkv.cli import disk_space_line
+    gib = 1 << 30
+    roomy = disk_space_line({"space_bound_bytes": 69 * gib, "capacity_bytes": 50 * gib, "used_bytes": gib,
+                             "free_bytes": 70 * gib})
+    assert roomy == "disk: 1.0GiB used of its 50.0GiB capacity (70.0GiB free on its filesystem: room for all of it)"
+    tight = disk_space_line({"space_bound_bytes": 3 * gib, "capacity_bytes": 50 * gib, "used_bytes": gib,
+                             "free_bytes": 4 * gib})
+    assert "bounded by free space" in tight and "the capacity is 50.0GiB but 4.0GiB free holds the store file at " \
+        "3.0GiB" in tight
+    assert disk_space_line({"capacity_bytes": 50 * gib}) is None

@@ -59,6 +59,20 @@ def narrow_table(**kw: Any) -> Table:
     return Table(box=box.SIMPLE_HEAD, padding=(0, 0, 0, 1), pad_edge=False, **kw)
 
 
+def disk_space_line(disk: dict) -> str | None:
+    """The disk's capacity, the free space's bound on it and its use, in one line that does not
+    contradict itself: "bounded" only when the free space holds the store below its capacity."""
+    bound, capacity = disk.get("space_bound_bytes"), disk.get("capacity_bytes")
+    if not bound or not capacity:
+        return None
+    used, free = format_size(disk.get("used_bytes") or 0), format_size(disk.get("free_bytes") or 0)
+    if bound < capacity:
+        return (f"[bold yellow]disk: bounded by free space[/]: {used} used; the capacity is "
+                f"{format_size(capacity)} but {free} free holds the store file at {format_size(bound)}")
+    return (f"disk: {used} used of its {format_size(capacity)} capacity ({free} free on its filesystem: "
+            "room for all of it)")
+
+
 # ---- serve, route: tieredkv/cli_serve.py ---------------------------------------------
 
 app.command()(cli_serve.serve)
@@ -148,9 +162,9 @@ def status(
     if disk.get("unavailable"):
         out.print(f"[bold red]disk: unavailable[/] ({escape(str(disk['unavailable']))}); serving without it",
                   soft_wrap=True)
-    if disk.get("space_bound_bytes"):
-        out.print(f"[bold yellow]disk: bounded by free space[/]: {format_size(disk.get('free_bytes') or 0)} free, "
-                  f"store file held at {format_size(disk['space_bound_bytes'])}", soft_wrap=True)
+    line = disk_space_line(disk)
+    if line:
+        out.print(line, soft_wrap=True)
     cost = body.get("cost_model", {})
     rates = cost.get("restore_bytes_per_s", {})
     if rates:

@@ -35,6 +35,22 @@ REMOTE_HELP = ("A Valkey/Redis store shared by every server, below disk: valkey:
                "rediss://:PASSWORD@host:6380 (TLS), valkey://h1:7000,h2:7001,h3:7002 or ?cluster=1 (a cluster) "
                "(default $TIEREDKV_REMOTE_URL; none: no remote tier).")
 
+
+def command_name() -> str:
+    """How to type `tieredkv` in hints: the bare name when the shell finds this install's command
+    by it, else its path (a .venv not activated: a bare `tieredkv` is "command not found")."""
+    import shutil
+    mine = Path(sys.executable).parent / "tieredkv"
+    found = shutil.which("tieredkv")
+    if found is not None and (not mine.exists() or Path(found).resolve() == mine.resolve()):
+        return "tieredkv"
+    if not mine.exists():
+        return "tieredkv"
+    try:
+        return os.path.relpath(mine)
+    except ValueError:
+        return str(mine)
+
 out = Console(highlight=False)
 err = Console(stderr=True, highlight=False)
 
