@@ -61,8 +61,12 @@ def create_app(engine: Any, settings: ServiceSettings = ServiceSettings()) -> Fa
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        yield
-        await shutdown(context)
+        sampler = asyncio.create_task(context.history.run(engine.cache_status))
+        try:
+            yield
+        finally:
+            sampler.cancel()
+            await shutdown(context)
 
     # The OpenAPI document is served (clients and fuzzers read it), and drawn at /docs by
     # service.openapi (FastAPI's own pages load their scripts from a CDN: blank offline).

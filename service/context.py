@@ -18,6 +18,7 @@ from fastapi import Request
 from service.auth import ApiKeys, Caller, resolve_caller
 from service.dispatch import Dispatcher
 from service.errors import APIError, bad_request
+from service.hit_history import HitHistory
 from service.metrics import ServiceMetrics
 from service.request_log import record
 from service.settings import ServiceSettings
@@ -37,6 +38,8 @@ class AppContext:
     # This process's run, in /health: a router sees a restarted backend by it (its caches are new).
     instance: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
     engine_closed: bool = False
+    # Hit tokens by tier over the last minutes, for the dashboard's first paint (service/hit_history.py).
+    history: HitHistory = field(default_factory=HitHistory)
 
     @property
     def model_name(self) -> str:

@@ -241,7 +241,7 @@ class ServiceMetrics:
             self.ttft.observe(metrics.ttft_s)
             source = ttft_source(usage)
             self.ttft_by_source.labels(source).observe(metrics.ttft_s)
-            self.recent_ttft.add(source, metrics.ttft_s)
+            self.recent_ttft.add(source, metrics.ttft_s, usage.prompt_tokens if usage is not None else 0)
             self.latency.observe(metrics.total_s)
             restored = usage is not None and any(usage.hit_tokens_by_tier.get(t, 0) for t in ("host", "disk", "remote"))
             if restored:
@@ -266,28 +266,34 @@ def ttft_source(usage: Any) -> str:
 
 class RecentTTFT:
     """The last `window` TTFTs of each source, for /v1/cache/status's quantiles (the histogram's
-    buckets are too coarse to read a median from, and Prometheus is not always there)."""
+    buckets are too coarse to read a median from, and Prometheus is not always there). Also per
+    1,000 prompt tokens: sources compared on prompts of different lengths otherwise read as
+    "hits are slow" when the hits were the long prompts."""
 
     def __init__(self, window: int = 256) -> None:
         self._lock = threading.Lock()
         self._recent = {s: deque(maxlen=window) for s in TTFT_SOURCES}
+        self._per_1k = {s: deque(maxlen=window) for s in TTFT_SOURCES}
         self._count = dict.fromkeys(TTFT_SOURCES, 0)
 
-    def add(self, source: str, seconds: float) -> None:
+    def add(self, source: str, seconds: float, prompt_tokens: int = 0) -> None:
         with self._lock:
             self._recent[source].append(seconds)
+            if prompt_tokens > 0:
+                self._per_1k[source].append(seconds * 1000 / prompt_tokens)
             self._count[source] += 1
 
     def summary(self) -> dict[str, dict[str, Any]]:
-        """Per source: requests since start, and over the recent window: p50, p90, last (seconds)."""
+        """Per source: requests since start, and over the recent window: p50, p90, last (seconds),
+        and p50, p90 of seconds per 1,000 prompt tokens."""
         with self._lock:
-            snap = {s: (self._count[s], list(self._recent[s])) for s in TTFT_SOURCES}
+            snap = {s: (self._count[s], list(self._recent[s]), sorted(self._per_1k[s])) for s in TTFT_SOURCES}
         out = {}
-        for s, (count, xs) in snap.items():
+        for s, (count, xs, per) in snap.items():
             last = xs[-1] if xs else None
             xs.sort()
             out[s] = {"requests": count, "window": len(xs), "p50_s": _quantile(xs, 0.5), "p90_s": _quantile(xs, 0.9),
-                      "last_s": last}
+                      "last_s": last, "p50_per_1k_s": _quantile(per, 0.5), "p90_per_1k_s": _quantile(per, 0.9)}
         return out
 
 
