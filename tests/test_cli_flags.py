@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 
 from tests.test_cli import ENV, REPO, Lines, assert_one_line_error, tkv
-from tieredkv.cli_flags import ALIASES, REFUSED, translate
+from tieredkv.cli_flags import ALIASES, FLAG_TABLE, REFUSED, translate
 
 
 def test_aliases_are_rewritten_and_only_on_serve() -> None:
@@ -34,6 +34,9 @@ def test_flags_serve_cannot_honour_are_refused_naming_what_to_use(tmp_path: Path
     assert_one_line_error(tkv("serve", "--chat-template", str(tmp_path / "none.jinja"), "--cache-dir", root), 2,
                           "--chat-template", "no such file")
     assert_one_line_error(tkv("serve", "--api-key", "short", "--cache-dir", root), 2, "8+ characters")
+    assert_one_line_error(tkv("serve", "--no-enable-prefix-caching", "--cache-dir", root,
+                              TIEREDKV_REMOTE_URL="valkey://127.0.0.1:1"), 2, "--no-enable-prefix-caching",
+                          "TIEREDKV_REMOTE_URL")
     assert not Path(root).exists()
     for flag, why in REFUSED.items():          # every refusal says what to do instead
         assert len(why) > 10 and flag.startswith("-"), flag
@@ -93,3 +96,12 @@ def test_status_disk_line_never_says_bounded_above_the_capacity() -> None:
     assert "bounded by free space" in tight and "the capacity is 50.0GiB but 4.0GiB free holds the store file at " \
         "3.0GiB" in tight
     assert disk_space_line({"capacity_bytes": 50 * gib}) is None
+
+
+def test_the_flag_table_says_refused_exactly_for_the_refused_flags() -> None:
+    for flags, _source, meaning in FLAG_TABLE:
+        names = [f.split()[0] for f in flags.split(", ")]
+        refused = [n for n in names if n in REFUSED]
+        assert (meaning.startswith("refused:") == bool(refused)), flags
+        if refused:
+            assert refused == names, flags       # a row is all refused or all taken

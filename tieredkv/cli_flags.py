@@ -66,7 +66,7 @@ FLAG_TABLE = (
      "`--api-keys FILE` gives tenants and roles"),
     ("--disable-log-requests", "vLLM", "no line per request (a 5xx still logs)"),
     ("--threads, -t", "llama-server", "CPU threads for the model (`torch.set_num_threads`)"),
-    ("--kv-events-config", "vLLM", "`--kv-events [ENDPOINT]` (the same wire format)"),
+    ("--kv-events-config", "vLLM", "refused: `--kv-events [ENDPOINT]` (the same wire format)"),
     ("--tensor-parallel-size, --pipeline-parallel-size", "vLLM", "refused: one server per GPU behind `tieredkv route`"),
     ("--swap-space", "vLLM", "refused: `--host-memory` (the host tier)"),
     ("--kv-cache-dtype, --quantization, --cpu-offload-gb", "vLLM", "refused: `--dtype`, `--device cpu`"),

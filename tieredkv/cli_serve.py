@@ -17,7 +17,7 @@ from rich.markup import escape
 
 from storage.config import parse_size
 from tieredkv.cli_common import (CACHE_HELP, FIRST_LOAD, REMOTE_HELP, CLIError, api_key_of, cache_root, err,
-                                 friendly, remote_options, spinner)
+                                 friendly, remote_options, remote_url_of, spinner)
 from tieredkv.cli_flags import pool_size, read_chat_template
 
 
@@ -179,8 +179,9 @@ def serve(
     if restore_policy not in RESTORE_POLICIES:
         raise CLIError(f"--restore-policy: expected one of {', '.join(RESTORE_POLICIES)}, got {restore_policy!r}",
                        code=2)
-    if not enable_prefix_caching and remote_url:
-        raise CLIError("--no-enable-prefix-caching turns the remote tier off: drop --remote-url", code=2)
+    if not enable_prefix_caching and remote_url_of(remote_url):
+        raise CLIError("--no-enable-prefix-caching turns the remote tier off: drop --remote-url (or unset "
+                       "$TIEREDKV_REMOTE_URL)", code=2)
     root = cache_root(cache_dir)
     # --no-enable-prefix-caching: nothing kept below the device pool (host, disk and remote off).
     tiers = dict(host_memory=host_memory, disk_dir=str(root / "kv")) if enable_prefix_caching else \
