@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
+from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service import cache_routes, dashboard, openai_routes, tokenize_routes
@@ -50,16 +51,22 @@ __version__ = _installed_version()
 
 
 def create_app(engine: Any, settings: ServiceSettings = ServiceSettings()) -> FastAPI:
-    keys = ApiKeys.from_file(settings.api_keys_file, settings.admin_tenants) if settings.api_keys_file else None
+    keys = ApiKeys.of(settings.api_keys_file, settings.api_keys, settings.admin_tenants)
     dispatcher = Dispatcher(settings.max_queue, per_tenant_bound(settings.max_inflight_per_tenant,
                                                                  getattr(engine, "max_seqs", None), settings.max_queue))
-    metrics = ServiceMetrics(engine.cache_status, lambda: dispatcher.in_flight)
+    metrics = ServiceMetrics(engine.cache_status, lambda: dispatcher.in_flight,
+                             model_name=settings.served_model_name or engine.model_name,
+                             max_model_len=getattr(engine, "max_context", None) or 8192)
     context = AppContext(engine, settings, keys, dispatcher, metrics)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        yield
-        await shutdown(context)
+        sampler = asyncio.create_task(context.history.run(engine.cache_status))
+        try:
+            yield
+        finally:
+            sampler.cancel()
+            await shutdown(context)
 
     # The OpenAPI document is served (clients and fuzzers read it), and drawn at /docs by
     # service.openapi (FastAPI's own pages load their scripts from a CDN: blank offline).
@@ -119,7 +126,7 @@ def create_app(engine: Any, settings: ServiceSettings = ServiceSettings()) -> Fa
     app.add_middleware(IgnoredFieldsHeader)
     app.add_middleware(CatchAll)
     app.add_middleware(CountRequests, metrics=metrics)
-    app.add_middleware(RequestLog)        # outermost: its line has the status the client got
+    app.add_middleware(RequestLog, log_probes=settings.log_probes)   # outermost: its line has the client's status
     return app
 
 
@@ -216,7 +223,8 @@ class IgnoredFieldsHeader(HTTPMiddleware):
 
 class CountRequests(HTTPMiddleware):
     """Counts every HTTP response by route template and status (unmatched paths share one label,
-    so a scanner cannot blow up the label set)."""
+    so a scanner cannot blow up the label set). FastAPI's own routes (/v1/...) name themselves in
+    the scope; plain Starlette ones (/openapi.json) and mounts do not, so they are matched here."""
 
     def __init__(self, app: ASGIApp, metrics: ServiceMetrics) -> None:
         super().__init__(app)
@@ -227,6 +235,19 @@ class CountRequests(HTTPMiddleware):
         try:
             await self.app(scope, receive, sent)
         finally:
-            route = getattr(scope.get("route"), "path", None) or "unmatched"
+            route = getattr(scope.get("route"), "path", None) or route_template(scope.get("app"), scope)
             self.metrics.requests.labels(route, str(sent.status)).inc()
+
+
+def route_template(app: Any, scope: Scope) -> str:
+    """The template of the app's route that matches `scope` (a path or a method match), or
+    "unmatched"."""
+    for route in getattr(getattr(app, "router", None), "routes", ()):
+        try:
+            match, _ = route.matches(scope)
+        except Exception:      # a route that cannot judge this scope is not it
+            continue
+        if match != Match.NONE:
+            return getattr(route, "path", None) or "unmatched"
+    return "unmatched"
 

@@ -77,6 +77,23 @@ class ApiKeys:
             entries[key] = Caller(tenant, role == "admin" or tenant in admin_tenants)
         return cls(entries)
 
+    @classmethod
+    def of(cls, path: str | os.PathLike | None, inline: tuple[str, ...] = (),
+           admin_tenants: tuple[str, ...] = ()) -> "ApiKeys | None":
+        """The server's keys: a keys file's, and keys given one by one (vLLM's `--api-key`: each
+        an admin of the default tenant, as a vLLM key may do anything); None when there are none."""
+        if path is None and not inline:
+            return None
+        keys = cls.from_file(path, admin_tenants) if path is not None else cls({})
+        if inline:
+            given = cls.from_dict({k: {"tenant": DEFAULT_TENANT, "role": "admin"} for k in inline},
+                                  admin_tenants, source="--api-key")
+            both = set(keys._by_digest) & set(given._by_digest)
+            if both:
+                raise ValueError("--api-key: a key given there is also in the keys file; give it once")
+            keys._by_digest.update(given._by_digest)
+        return keys
+
     def caller(self, authorization: str | None) -> Caller:
         """The caller behind an `Authorization` header; APIError 401 when there is none."""
         if not authorization:

@@ -55,14 +55,17 @@ async def _tier_call(fn: Any, what: str) -> Any:
 
 
 @router.get("/status")
-async def status(request: Request) -> Any:
+async def status(request: Request, history: bool = False) -> Any:
     c = ctx(request)
     caller = c.caller(request)
     if caller.admin:
         status = await _tier_call(c.engine.cache_status, "cache status")
-        # The service's side of the same moment: requests admitted, and TTFT by where prompts came from.
-        return {**status, "service": {"in_flight": c.dispatcher.in_flight,
-                                      "ttft_by_source": c.metrics.recent_ttft.summary()}}
+        # The service's side of the same moment: requests admitted, and TTFT by where prompts came
+        # from; with ?history=1 also the hit tokens of the last minutes (the dashboard's first paint).
+        service = {"in_flight": c.dispatcher.in_flight, "ttft_by_source": c.metrics.recent_ttft.summary()}
+        if history:
+            service["hit_history"] = c.history.snapshot()
+        return {**status, "service": service}
     ledger = getattr(c.engine, "ledger", None)
     usage = None if ledger is None else (await run_in_threadpool(ledger.tenant, caller.tenant)).to_dict()
     return {"tenant": caller.tenant, "usage": usage,

@@ -18,6 +18,7 @@ from fastapi import Request
 from service.auth import ApiKeys, Caller, resolve_caller
 from service.dispatch import Dispatcher
 from service.errors import APIError, bad_request
+from service.hit_history import HitHistory
 from service.metrics import ServiceMetrics
 from service.request_log import record
 from service.settings import ServiceSettings
@@ -37,6 +38,8 @@ class AppContext:
     # This process's run, in /health: a router sees a restarted backend by it (its caches are new).
     instance: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
     engine_closed: bool = False
+    # Hit tokens by tier over the last minutes, for the dashboard's first paint (service/hit_history.py).
+    history: HitHistory = field(default_factory=HitHistory)
 
     @property
     def model_name(self) -> str:
@@ -53,25 +56,27 @@ class AppContext:
         record(request).tenant = caller.tenant
         return caller
 
-    def finished(self, request: Request, request_id: str, usage: Any, metrics: Any) -> None:
-        """A generation request's result: counted in the metrics, written in its log line."""
-        self.metrics.observe_request(usage, metrics)
+    def finished(self, request: Request, request_id: str, usage: Any, metrics: Any, finish_reason: str | None = None,
+                 intervals: list[float] | None = None) -> None:
+        """A generation request's result: counted in the metrics, written in its log line.
+        `request_id`: the id its body and x-request-id carry (`cmpl-...`, `chatcmpl-...`)."""
+        self.metrics.observe_request(usage, metrics, finish_reason, intervals)
         record(request).finished(request_id, usage, metrics)
 
-    def aborted(self, request: Request, out: Any, why: str) -> str:
+    def aborted(self, request: Request, out: Any, why: str, request_id: str | None = None) -> str:
         """A generation request abandoned (its client gone, or past its timeout), as its log line
         says it (returned): its bill's tokens are counted (its latencies are not: it did not
         finish). `out`: the engine's output once aborted (None when it did not end in time; one
         that had finished first is counted as finished)."""
         rec = record(request)
         if out is not None and out.finish_reason != "abort":
-            self.finished(request, out.request_id, out.usage, out.metrics)
+            self.finished(request, request_id or out.request_id, out.usage, out.metrics, out.finish_reason)
             rec.reason = f"{why} (it had finished)"
             return rec.reason
         rec.reason = f"{why}; the request was aborted"
         if out is not None:
-            self.metrics.observe_request(out.usage, None)
-            rec.finished(out.request_id, out.usage, None)
+            self.metrics.observe_request(out.usage, None, "abort")
+            rec.finished(request_id or out.request_id, out.usage, None)
         return rec.reason
 
     @property

@@ -1,7 +1,8 @@
 """/dashboard: a live page of the cache, served as static files shipped in the package.
 
 Knows: where the page's files are (service/static/, package data), and how they are served: the
-HTML, script and stylesheet hold no secret and no data, so they are served to anyone, under a
+script and stylesheet hold no secret and no data, the HTML none on a server with keys (without
+keys, where every caller is an admin, it carries the cache status for the first paint), so they are served to anyone, under a
 Content-Security-Policy that allows this origin only (no CDN, no inline script, no other host),
 which also keeps any prompt text the page shows from running as script. The data comes from the
 JSON routes (/v1/cache/status, /tree, /billing, /health), each authenticated as it always is: on
@@ -11,10 +12,13 @@ Doesn't know: what the page draws (service/static/dashboard.js does).
 """
 from __future__ import annotations
 
+import json
 from importlib import resources
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
+from starlette.concurrency import run_in_threadpool
 
 from service.context import ctx
 
@@ -38,9 +42,28 @@ def _read(name: str) -> bytes:
 async def dashboard(request: Request) -> Response:
     # The page is told whether to ask for a key before its first fetch (a fetch refused 401 is
     # an error in the browser's console); which keys exist is not said.
-    auth = "none" if ctx(request).keys is None else "keys"
+    c = ctx(request)
+    auth = "none" if c.keys is None else "keys"
     html = _read("dashboard.html").replace(b"{{AUTH}}", auth.encode())
-    return Response(html, media_type="text/html; charset=utf-8", headers=_HEADERS)
+    return Response(html.replace(b"{{INITIAL}}", await _initial(c)), media_type="text/html; charset=utf-8",
+                    headers=_HEADERS)
+
+
+async def _initial(c: Any) -> bytes:
+    """The page's first paint: without keys (every caller is an admin, on loopback), the cache
+    status /v1/cache/status?history=1 would give, as JSON data inside the page (a script of
+    type application/json is data, never run; "</" escaped so it cannot close its element). With
+    keys: nothing (the page asks for a key first), and on a failed status read: nothing (the
+    page polls)."""
+    if c.keys is not None:
+        return b""
+    try:
+        status = await run_in_threadpool(c.engine.cache_status)
+    except Exception:
+        return b""
+    body = {**status, "service": {"in_flight": c.dispatcher.in_flight, "ttft_by_source": c.metrics.recent_ttft.summary(),
+                                  "hit_history": c.history.snapshot()}}
+    return json.dumps(body).replace("</", "<\\/").encode()
 
 
 @router.get("/dashboard/{name}", include_in_schema=False)

@@ -19,6 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from engine.abort import ABORT_REASONS
 from engine.outputs import TIERS
+from service.vllm_metrics import VllmMetrics, status_metrics
 
 log = logging.getLogger("tieredkv.service")
 
@@ -63,8 +64,9 @@ _STORE_OWN = frozenset({"capacity_bytes", "used_bytes", "blocks", "evictions"})
 class CacheCollector:
     """Reads engine.cache_status() on every scrape and reports each tier's numbers."""
 
-    def __init__(self, cache_status: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, cache_status: Callable[[], dict[str, Any]], vllm_labels: tuple[str, str]) -> None:
         self._cache_status = cache_status
+        self._vllm_labels = vllm_labels
 
     def describe(self) -> Iterable[Metric]:
         return []      # no scrape at registration time; names are fixed and cannot collide
@@ -75,6 +77,7 @@ class CacheCollector:
         except Exception:      # a closed engine or a bug must not break the rest of /metrics
             log.warning("cache_status() failed during a metrics scrape", exc_info=True)
             return
+        yield from status_metrics(status, self._vllm_labels)
         tiers = status.get("tiers", {})
         for key, suffix, help_text, running_total in _TIER_FIELDS:
             name = f"tieredkv_cache_{suffix}"
@@ -191,9 +194,15 @@ def _is_number(value: object) -> bool:
 
 
 class ServiceMetrics:
-    def __init__(self, cache_status: Callable[[], dict[str, Any]], in_flight: Callable[[], int]) -> None:
+    """Our series (tieredkv_*) and vLLM's (vllm:*, service/vllm_metrics.py) in one registry.
+    `model_name`: the served name (vLLM's model_name label); `max_model_len`: the context, which
+    bounds vLLM's token-count buckets."""
+
+    def __init__(self, cache_status: Callable[[], dict[str, Any]], in_flight: Callable[[], int],
+                 model_name: str = "unknown", max_model_len: int = 8192) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         r = self.registry
+        self.vllm = VllmMetrics(r, model_name, max_model_len)
         self.requests = Counter("tieredkv_http_requests", "HTTP requests by route and status",
                                 ["route", "status"], registry=r)
         self.ttft = Histogram("tieredkv_ttft_seconds", "Submit to first token, per generation request",
@@ -215,10 +224,14 @@ class ServiceMetrics:
         self.completion_tokens = Counter("tieredkv_completion_tokens", "Generated tokens", registry=r)
         Gauge("tieredkv_requests_in_flight", "Generation requests admitted and not finished",
               registry=r).set_function(in_flight)
-        r.register(CacheCollector(cache_status))
+        r.register(CacheCollector(cache_status, self.vllm.labels))
 
-    def observe_request(self, usage: Any, metrics: Any) -> None:
-        """One finished generation: its usage (engine.outputs.Usage) and timings (RequestMetrics)."""
+    def observe_request(self, usage: Any, metrics: Any, finish_reason: str | None = None,
+                        intervals: list[float] | None = None) -> None:
+        """One generation that ended: its usage (engine.outputs.Usage), timings (RequestMetrics;
+        None for an aborted one), finish reason, and inter-token intervals where they were seen
+        (a stream's; service/vllm_metrics.py)."""
+        self.vllm.observe(usage, metrics, finish_reason, intervals)
         if usage is not None:
             for tier, n in usage.hit_tokens_by_tier.items():
                 self.prompt_tokens.labels(tier).inc(n)
@@ -228,7 +241,7 @@ class ServiceMetrics:
             self.ttft.observe(metrics.ttft_s)
             source = ttft_source(usage)
             self.ttft_by_source.labels(source).observe(metrics.ttft_s)
-            self.recent_ttft.add(source, metrics.ttft_s)
+            self.recent_ttft.add(source, metrics.ttft_s, usage.prompt_tokens if usage is not None else 0)
             self.latency.observe(metrics.total_s)
             restored = usage is not None and any(usage.hit_tokens_by_tier.get(t, 0) for t in ("host", "disk", "remote"))
             if restored:
@@ -253,28 +266,34 @@ def ttft_source(usage: Any) -> str:
 
 class RecentTTFT:
     """The last `window` TTFTs of each source, for /v1/cache/status's quantiles (the histogram's
-    buckets are too coarse to read a median from, and Prometheus is not always there)."""
+    buckets are too coarse to read a median from, and Prometheus is not always there). Also per
+    1,000 prompt tokens: sources compared on prompts of different lengths otherwise read as
+    "hits are slow" when the hits were the long prompts."""
 
     def __init__(self, window: int = 256) -> None:
         self._lock = threading.Lock()
         self._recent = {s: deque(maxlen=window) for s in TTFT_SOURCES}
+        self._per_1k = {s: deque(maxlen=window) for s in TTFT_SOURCES}
         self._count = dict.fromkeys(TTFT_SOURCES, 0)
 
-    def add(self, source: str, seconds: float) -> None:
+    def add(self, source: str, seconds: float, prompt_tokens: int = 0) -> None:
         with self._lock:
             self._recent[source].append(seconds)
+            if prompt_tokens > 0:
+                self._per_1k[source].append(seconds * 1000 / prompt_tokens)
             self._count[source] += 1
 
     def summary(self) -> dict[str, dict[str, Any]]:
-        """Per source: requests since start, and over the recent window: p50, p90, last (seconds)."""
+        """Per source: requests since start, and over the recent window: p50, p90, last (seconds),
+        and p50, p90 of seconds per 1,000 prompt tokens."""
         with self._lock:
-            snap = {s: (self._count[s], list(self._recent[s])) for s in TTFT_SOURCES}
+            snap = {s: (self._count[s], list(self._recent[s]), sorted(self._per_1k[s])) for s in TTFT_SOURCES}
         out = {}
-        for s, (count, xs) in snap.items():
+        for s, (count, xs, per) in snap.items():
             last = xs[-1] if xs else None
             xs.sort()
             out[s] = {"requests": count, "window": len(xs), "p50_s": _quantile(xs, 0.5), "p90_s": _quantile(xs, 0.9),
-                      "last_s": last}
+                      "last_s": last, "p50_per_1k_s": _quantile(per, 0.5), "p90_per_1k_s": _quantile(per, 0.9)}
         return out
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 from typing import Any, AsyncIterator, Callable, Iterator
 
 from fastapi import APIRouter, Request
@@ -29,7 +30,7 @@ from service.disconnect import ClosingStreamingResponse, until_disconnected
 from service.dispatch import Abandoned
 from service.errors import APIError, from_engine_error
 from service.request_log import record
-from service.responses import SSE_DONE, ChunkWriter, Logprobs, chat_body, completion_body, sse
+from service.responses import SSE_DONE, ChunkWriter, Logprobs, chat_body, completion_body, completion_id, sse
 from service.schemas import ChatRequest, CompletionRequest, parse_body
 
 router = APIRouter()
@@ -43,7 +44,7 @@ async def completions(request: Request) -> Any:
     req = await parse_body(request, CompletionRequest)
     caller = c.caller(request, req.user)
     c.check_model(req.model)
-    params = _params(req, COMPLETIONS_DEFAULT_MAX_TOKENS)
+    params = _params(req, COMPLETIONS_DEFAULT_MAX_TOKENS, c.settings.default_seed)
     c.check_prompt_size(prompt=req.prompt)      # before anything tokenizes it
     engine, tenant, prompt = c.engine, caller.tenant, req.prompt
     logprobs = _logprobs(engine, req, chat=False)
@@ -60,7 +61,7 @@ async def chat_completions(request: Request) -> Any:
     req = await parse_body(request, ChatRequest)
     caller = c.caller(request, req.user)
     c.check_model(req.model)
-    params = _params(req, c.settings.default_chat_max_tokens)
+    params = _params(req, c.settings.default_chat_max_tokens, c.settings.default_seed)
     c.check_prompt_size(messages=req.messages)
     engine, tenant = c.engine, caller.tenant
     messages = [m.to_dict() for m in req.messages]
@@ -80,23 +81,27 @@ async def _generate(c: AppContext, request: Request, req: Any, prompt_ids: Calla
     engine = c.engine
     abort = AbortHandle()      # aborts the engine's request when its client goes or it times out
     if req.stream:
-        return await _stream(c, request, lambda: _counting_aborts(c, engine.stream(prompt_ids(), params, tenant=tenant,
-                                                                                   abort=abort)),
-                             tenant, abort, chat=chat, include_usage=req.include_usage, logprobs=logprobs)
+        gaps = TokenGaps()
+        return await _stream(c, request, lambda: _timed(c, engine.stream(prompt_ids(), params, tenant=tenant,
+                                                                         abort=abort), gaps),
+                             tenant, abort, chat=chat, include_usage=req.include_usage, logprobs=logprobs, gaps=gaps)
     try:
         out, lp = await c.dispatcher.call(
             lambda: _with_logprobs(engine.generate(prompt_ids(), params, tenant=tenant, abort=abort), logprobs),
             tenant=tenant, timeout=c.settings.request_timeout_s, abort=abort, gone=lambda: until_disconnected(request))
     except Abandoned as gone:
         out = gone.result[0] if gone.result is not None else None
+        rid = completion_id(out.request_id, chat) if out is not None else None
         if gone.reason == TIMEOUT:
             why = f"the request took longer than {c.settings.request_timeout_s:g}s"
-            raise APIError(504, c.aborted(request, out, why), code="timeout") from None
-        c.aborted(request, out, "the client disconnected before its response")
+            raise APIError(504, c.aborted(request, out, why, rid), code="timeout") from None
+        c.aborted(request, out, "the client disconnected before its response", rid)
         return APIError(499, "the client closed its connection", code=CLIENT_DISCONNECTED).response()
-    c.finished(request, out.request_id, out.usage, out.metrics)
+    # NOTE: one id per request: the body's `id`, x-request-id and the log line's id are the same string.
+    rid = completion_id(out.request_id, chat)
+    c.finished(request, rid, out.usage, out.metrics, out.finish_reason)
     body = chat_body if chat else completion_body
-    return JSONResponse(body(out, c.model_name, int(time.time()), lp), headers={"x-request-id": out.request_id})
+    return JSONResponse(body(out, c.model_name, int(time.time()), lp), headers={"x-request-id": rid})
 
 
 @router.get("/v1/models")
@@ -138,18 +143,21 @@ def _with_logprobs(out: Any, logprobs: Logprobs | None) -> tuple[Any, dict[str, 
     return out, None if logprobs is None else logprobs.of(out)
 
 
-def _params(req: Any, default_max_tokens: int) -> Any:
+def _params(req: Any, default_max_tokens: int, default_seed: int | None = None) -> Any:
+    """The request's SamplingParams; one without a seed takes the server's default seed (--seed), if any."""
     try:
-        return req.sampling_params(default_max_tokens)
+        params = req.sampling_params(default_max_tokens)
     except ValueError as e:
         raise from_engine_error(e) from None
+    return params if default_seed is None or params.seed is not None else replace(params, seed=default_seed)
 
 
 async def _stream(c: AppContext, request: Request, make_iter: Any, tenant: str, abort: AbortHandle, chat: bool,
-                  include_usage: bool, logprobs: Logprobs | None) -> StreamingResponse:
+                  include_usage: bool, logprobs: Logprobs | None, gaps: "TokenGaps") -> StreamingResponse:
     events = await c.dispatcher.stream(make_iter, tenant=tenant, timeout=c.settings.request_timeout_s)
     first = await _first_chunk(c, request, events, abort)    # errors before it raise here: real statuses
-    record(request).request_id = first.request_id
+    rid = completion_id(first.request_id, chat)
+    record(request).request_id = rid
     writer = ChunkWriter(first.request_id, c.model_name, int(time.time()), chat=chat, include_usage=include_usage)
 
     async def body() -> AsyncIterator[bytes]:
@@ -170,7 +178,7 @@ async def _stream(c: AppContext, request: Request, make_iter: Any, tenant: str, 
                         yield writer.text("", chunk.finish_reason)
                     else:
                         yield writer.text(chunk.text, chunk.finish_reason, lp)
-                    c.finished(request, chunk.request_id, chunk.usage, chunk.metrics)
+                    c.finished(request, rid, chunk.usage, chunk.metrics, chunk.finish_reason, gaps.intervals)
                     if include_usage and chunk.usage is not None:
                         yield writer.usage(chunk.usage)
                     break
@@ -193,15 +201,34 @@ async def _stream(c: AppContext, request: Request, make_iter: Any, tenant: str, 
 
     return ClosingStreamingResponse(body(), media_type="text/event-stream",
                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
-                                             "x-request-id": first.request_id})
+                                             "x-request-id": rid})
 
 
-def _counting_aborts(c: AppContext, chunks: Iterator[Any]) -> Iterator[Any]:
-    """A stream's chunks, on its worker thread; an aborted stream's bill (its last chunk, which
-    nobody reads) is counted in the metrics here, as a finished one's is when it is sent."""
+class TokenGaps:
+    """A stream's inter-token intervals, as its chunks came from the engine. Written by the
+    stream's worker thread only, before it hands the chunk on; read by the event loop once it
+    has the last chunk (handed over after the last write)."""
+
+    def __init__(self) -> None:
+        self.intervals: list[float] = []
+        self._last: float | None = None
+
+    def chunk(self, tokens: int) -> None:
+        now = time.perf_counter()
+        if tokens and self._last is not None:
+            self.intervals.extend([(now - self._last) / tokens] * tokens)
+        if tokens:
+            self._last = now
+
+
+def _timed(c: AppContext, chunks: Iterator[Any], gaps: TokenGaps) -> Iterator[Any]:
+    """A stream's chunks, on its worker thread: each one's arrival noted (inter-token latency);
+    an aborted stream's bill (its last chunk, which nobody reads) is counted in the metrics here,
+    as a finished one's is when it is sent."""
     for chunk in chunks:
+        gaps.chunk(len(chunk.token_ids))
         if chunk.finish_reason == "abort":
-            c.metrics.observe_request(chunk.usage, None)
+            c.metrics.observe_request(chunk.usage, None, "abort")
         yield chunk
 
 

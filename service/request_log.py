@@ -7,8 +7,10 @@ on the request (`record(request)`, kept in the ASGI scope's state), and `Request
 outermost middleware, writes the line once the response is sent (a stream: after its last
 chunk). Every line also carries its fields as the log record's `request_fields` (a dict), for
 structured handlers.
-Levels: INFO, WARNING for a 5xx; the probes' successful answers (/health, /ready, /metrics)
-are DEBUG, so a load balancer's polling does not bury the traffic.
+Levels: INFO, WARNING for a 5xx. Polling is DEBUG when it succeeds, so it does not bury the
+traffic: probes (/health, /ready, /metrics), the router's own calls (/v1/cache/block_hashes, asked
+once per routed request) and the /dashboard page's fetches (they say `X-Tieredkv-Client:
+dashboard`). `RequestLog(log_probes=True)` (`serve --log-probes`) writes them at INFO too.
 Doesn't know: routes, the engine, or how errors are shaped.
 """
 from __future__ import annotations
@@ -29,6 +31,10 @@ log = logging.getLogger("tieredkv.requests")
 
 _STATE_KEY = "tieredkv_request"
 PROBES = frozenset({"/health", "/ready", "/metrics"})
+# Paths only machines poll: load balancers and Prometheus (PROBES), the router (block hashes).
+QUIET_PATHS = PROBES | {"/v1/cache/block_hashes"}
+CLIENT_HEADER = b"x-tieredkv-client"          # the dashboard's fetches send "dashboard"
+QUIET_CLIENTS = frozenset({b"dashboard"})
 _MAX_SHOWN = 200        # characters of a client-chosen string (path, request id, tenant) in a line
 
 
@@ -99,8 +105,18 @@ def format_line(fields: dict[str, Any]) -> str:
     return " ".join(parts)
 
 
+def is_polling(path: str, headers: dict[bytes, bytes]) -> bool:
+    """A machine's polling: a probe, the router's own call, the dashboard's refresh."""
+    return path in QUIET_PATHS or headers.get(CLIENT_HEADER, b"").lower() in QUIET_CLIENTS
+
+
 class RequestLog(HTTPMiddleware):
-    """ASGI middleware: the line for every HTTP request, written once its response has been sent."""
+    """ASGI middleware: the line for every HTTP request, written once its response has been sent.
+    `log_probes`: polling's successful answers at INFO too (else DEBUG)."""
+
+    def __init__(self, app: Any, log_probes: bool = False) -> None:
+        super().__init__(app)
+        self.log_probes = log_probes
 
     async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = time.perf_counter()
@@ -109,10 +125,11 @@ class RequestLog(HTTPMiddleware):
             await self.app(scope, receive, sent)
         finally:
             rec = scope_record(scope)
-            header_id = dict(scope.get("headers") or ()).get(b"x-request-id")
+            headers = dict(scope.get("headers") or ())
+            header_id = headers.get(b"x-request-id")
             fields = fields_of(scope.get("method", "?"), scope.get("path", "?"), sent.status, rec,
                                header_id.decode("latin-1") if header_id else None, time.perf_counter() - started)
-            level = logging.WARNING if sent.status >= 500 else \
-                logging.DEBUG if scope.get("path") in PROBES and sent.status < 400 else logging.INFO
+            quiet = not self.log_probes and sent.status < 400 and is_polling(scope.get("path", ""), headers)
+            level = logging.WARNING if sent.status >= 500 else logging.DEBUG if quiet else logging.INFO
             if log.isEnabledFor(level):
                 log.log(level, "%s", format_line(fields), extra={"request_fields": fields})

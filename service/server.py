@@ -44,9 +44,9 @@ class _Server(uvicorn.Server):
 
 
 def check_bind(host: str, settings: ServiceSettings) -> None:
-    if settings.api_keys_file is None and not is_loopback(host):
+    if settings.api_keys_file is None and not settings.api_keys and not is_loopback(host):
         raise ValueError(f"host: refusing to serve on {host!r} without API keys: anyone who can reach it would be an "
-                         "admin of every tenant. Pass an API keys file, or bind 127.0.0.1")
+                         "admin of every tenant. Pass an API keys file (--api-keys) or a key (--api-key), or bind 127.0.0.1")
 
 
 def serve(engine: Any, settings: ServiceSettings = ServiceSettings(), host: str | None = None,

@@ -22,6 +22,8 @@ class ServiceSettings:
     # JSON file {"sk-...": {"tenant": "acme", "role": "admin" | "user"}}; None: no auth, every
     # caller is an admin and names its tenant in `user` (the server then binds loopback only).
     api_keys_file: str | None = None
+    # Keys given one by one (vLLM's --api-key): each an admin of the default tenant.
+    api_keys: tuple[str, ...] = ()
     # Tenants whose keys are admins whatever their role says.
     admin_tenants: tuple[str, ...] = ()
     # Generation requests admitted at once (running or waiting in the engine); more get 429.
@@ -57,6 +59,11 @@ class ServiceSettings:
     # The model's name as clients see it (/v1/models lists it, responses echo it); requests may
     # name it or the engine's own model name. None: the engine's name.
     served_model_name: str | None = None
+    # Write polling's successful answers in the request log at INFO (probes, the router's block
+    # hashes, the dashboard's fetches: service/request_log.py); False: DEBUG only.
+    log_probes: bool = False
+    # The seed of a request that gives none (vLLM's --seed); None: each such request draws its own.
+    default_seed: int | None = None
 
     def __post_init__(self) -> None:
         if self.api_keys_file is not None and not isinstance(self.api_keys_file, (str, os.PathLike)):
@@ -64,6 +71,12 @@ class ServiceSettings:
         if isinstance(self.admin_tenants, str) or not all(isinstance(t, str) and t for t in self.admin_tenants):
             raise ValueError(f"admin_tenants: expected a sequence of tenant names, got {self.admin_tenants!r}")
         object.__setattr__(self, "admin_tenants", tuple(self.admin_tenants))
+        if isinstance(self.api_keys, str) or not all(isinstance(k, str) and k for k in self.api_keys):
+            raise ValueError(f"api_keys: expected a sequence of keys, got {self.api_keys!r}")
+        object.__setattr__(self, "api_keys", tuple(self.api_keys))
+        if self.default_seed is not None and (isinstance(self.default_seed, bool) or not isinstance(self.default_seed, int)
+                                              or self.default_seed < 0):
+            raise ValueError(f"default_seed: expected an int >= 0 or None, got {self.default_seed!r}")
         if isinstance(self.max_queue, bool) or not isinstance(self.max_queue, int) or self.max_queue < 1:
             raise ValueError(f"max_queue: expected an int >= 1, got {self.max_queue!r}")
         if self.max_inflight_per_tenant is not None and (isinstance(self.max_inflight_per_tenant, bool) or not
@@ -92,6 +105,8 @@ class ServiceSettings:
                                                    or not self.served_model_name.strip()
                                                    or not self.served_model_name.isprintable()):
             raise ValueError(f"served_model_name: expected a non-empty printable name, got {self.served_model_name!r}")
+        if not isinstance(self.log_probes, bool):
+            raise ValueError(f"log_probes: expected True or False, got {self.log_probes!r}")
         if not isinstance(self.close_engine_on_shutdown, bool):
             raise ValueError(f"close_engine_on_shutdown: expected True or False, got {self.close_engine_on_shutdown!r}")
 

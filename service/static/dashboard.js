@@ -34,7 +34,8 @@
   }
 
   async function getJSON(path) {
-    const r = await fetch(path, { headers: authHeaders(), cache: "no-store" });
+    // X-Tieredkv-Client: the server keeps these polls off its request log (DEBUG; serve --log-probes).
+    const r = await fetch(path, { headers: { ...authHeaders(), "X-Tieredkv-Client": "dashboard" }, cache: "no-store" });
     let body = null;
     try { body = await r.json(); } catch (_) { /* not JSON: reported below */ }
     const message = body && body.error ? body.error.message : `HTTP ${r.status}`;
@@ -187,7 +188,9 @@
       const k = (f) => `status.service.ttft_by_source.${s}.${f}`;
       body.append(el("tr", {}, el("td", {}, el("span", { class: "swatch t-" + s }), s),
         el("td", {}, num(k("requests"), r.requests)), el("td", {}, num(k("p50_s"), r.p50_s, fmtMs)),
-        el("td", {}, num(k("p90_s"), r.p90_s, fmtMs)), el("td", {}, num(k("last_s"), r.last_s, fmtMs))));
+        el("td", {}, num(k("p90_s"), r.p90_s, fmtMs)), el("td", {}, num(k("last_s"), r.last_s, fmtMs)),
+        el("td", {}, num(k("p50_per_1k_s"), r.p50_per_1k_s, fmtMs)),
+        el("td", {}, num(k("p90_per_1k_s"), r.p90_per_1k_s, fmtMs))));
     }
   }
 
@@ -209,19 +212,20 @@
       const y = T + (H - T - B) * (1 - f);
       chart.append(svg("line", { x1: L, x2: W, y1: y, y2: y, class: "grid" }));
       const label = svg("text", { x: L - 6, y: y + 4, class: "axis", "text-anchor": "end" });
-      label.textContent = fmtInt(Math.round(top * f));
+      const v = top * f;             // top is 1, 2, 5 x 10^k: its half is distinct from 0 and top
+      label.textContent = Number.isInteger(v) ? fmtInt(v) : v.toFixed(1);
       chart.append(label);
     }
     const now = samples.length ? samples[samples.length - 1].t : 0;
-    // The x axis spans the samples taken (at least a minute), up to HISTORY of them.
-    const span = Math.min((HISTORY - 1) * (POLL_MS / 1000), Math.max(60, samples.length ? now - samples[0].t : 0));
+    // The x axis is always the heading's window: the last HISTORY samples' span (5 minutes).
+    const span = HISTORY * (POLL_MS / 1000);
     const x = (t) => L + (W - L) * (1 - (now - t) / span);
     const y = (v) => T + (H - T - B) * (1 - v / top);
     const xlabel = svg("text", { x: W, y: H - 4, class: "axis", "text-anchor": "end" });
     xlabel.textContent = "now";
     chart.append(xlabel);
     const xstart = svg("text", { x: L + 4, y: H - 4, class: "axis" });
-    xstart.textContent = span >= 90 ? `-${Math.round(span / 60)} min` : `-${Math.round(span)} s`;
+    xstart.textContent = `-${Math.round(span / 60)} min`;
     chart.append(xstart);
     if (rates.length < 1) {
       const wait = svg("text", { x: (W + L) / 2, y: H / 2, class: "axis", "text-anchor": "middle" });
@@ -317,7 +321,8 @@
   async function poll() {
     timer = null;
     try {
-      const status = await getJSON("/v1/cache/status");
+      // The first poll also asks for the server's recent hit history: the chart starts filled.
+      const status = await getJSON(samples.length ? "/v1/cache/status" : "/v1/cache/status?history=1");
       const admin = Boolean(status.tiers);
       const wantTree = polls % TREE_EVERY === 0;
       const [billing, tree] = await Promise.all([optionalJSON("/v1/cache/billing"),
@@ -343,7 +348,12 @@
     if (admin) {
       note.hidden = true;
       $("model").textContent = `${status.model} · ${status.dtype} · block ${status.block_size} tokens · ${status.engine.attention}`;
-      samples.push({ t: performance.now() / 1000, hits: Object.fromEntries(TIERS.map((t) => [t, status.tiers[t].hit_tokens || 0])) });
+      const now = performance.now() / 1000;
+      const past = (status.service || {}).hit_history;
+      if (!samples.length && past) {
+        for (const [ago, hits] of past.samples) samples.push({ t: now - ago, hits });
+      }
+      samples.push({ t: now, hits: Object.fromEntries(TIERS.map((t) => [t, status.tiers[t].hit_tokens || 0])) });
       while (samples.length > HISTORY) samples.shift();
       drawHealth(status);
       drawTiers(status);
@@ -355,7 +365,7 @@
       note.hidden = false;
       $("model").textContent = "tenant " + status.tenant;
     }
-    drawTenants(billing, !admin || !billing.tenants);
+    if (billing) drawTenants(billing, !admin || !billing.tenants);
     if (tree) drawTree(tree);
   }
 
@@ -379,8 +389,15 @@
       $("login").hidden = true;
       poll();
     });
-    if (needsKey && !sessionStorage.getItem(KEY)) askForKey("");
-    else poll();
+    if (needsKey && !sessionStorage.getItem(KEY)) { askForKey(""); return; }
+    // A server without keys puts its status (with the recent hit history) in the page itself, so
+    // the first paint shows the cache, not "connecting"; the polls take over from there.
+    const initial = $("initial") && $("initial").textContent.trim();
+    if (initial) {
+      render(JSON.parse(initial), true, null, null);
+      $("updated").textContent = "as of " + new Date().toLocaleTimeString();
+    }
+    poll();
   }
 
   start();

@@ -211,7 +211,7 @@ def test_with_keys_the_page_asks_for_one_and_shows_what_it_may_see(keyed, browse
         assert set(c.get("/v1/cache/tree", headers=beta).json()["tenants"]) == {"beta"}
         tree = w.page.inner_text("#tree")
         assert "Tenants never share blocks" in tree and "tiered KV cache" not in tree
-        sent = [h.get("authorization") for u, h in w.requests if u.endswith("/v1/cache/status")]
+        sent = [h.get("authorization") for u, h in w.requests if "/v1/cache/status" in u]
         assert sent and all(s == f"Bearer {BETA}" for s in sent)
 
         # Forget it, then an admin key: the whole cache.
@@ -234,3 +234,33 @@ def test_with_keys_the_page_asks_for_one_and_shows_what_it_may_see(keyed, browse
         w.page.wait_for_selector("#login-error:has-text('invalid API key')")
         assert w.foreign == []
         w.page.close()
+
+
+def test_the_first_paint_is_filled_from_the_servers_history(server, engine, browser, tmp_path) -> None:
+    """Issue 31: a screenshot at load shows the cache, not "connecting...": without keys the page
+    carries the status and the server's recent hit history; its own fetches are held back here,
+    so what is drawn came with the page. The chart's axes read at a glance."""
+    with server.client() as c:
+        complete(c, engine, PROMPT, user="acme")
+        complete(c, engine, PROMPT, user="acme")            # device hits
+        deadline = time.monotonic() + 60
+        while len(c.get("/v1/cache/status", params={"history": 1}).json()["service"]["hit_history"]["samples"]) < 3:
+            assert time.monotonic() < deadline, "the server kept no hit history"
+            time.sleep(0.2)
+    w = Watched(browser, server.url)
+    w.page.route("**/v1/cache/**", lambda route: None)     # never answered: the page has only itself
+    w.page.goto(server.url + "/dashboard")
+    shot = tmp_path / "first.png"
+    w.page.screenshot(path=str(shot), full_page=True)
+    assert shot.stat().st_size > 0
+    assert "connecting" not in w.page.inner_text("#updated")
+    assert w.page.is_visible("#tiers") and w.polls() == 0
+    assert w.page.eval_on_selector_all("#chart polyline", "els => els.length") == 4
+    labels = w.page.eval_on_selector_all("#chart text.axis", "els => els.map(e => e.textContent)")
+    assert "-5 min" in labels and "now" in labels
+    ticks = labels[:3]
+    assert len(set(ticks)) == 3, ticks                     # distinct y ticks (it read "1, 1, 0")
+    assert "(the last 5 minutes" in w.page.inner_text("#main")
+    assert w.page.is_visible('[data-k="status.service.ttft_by_source.device.p50_per_1k_s"]')
+    assert w.errors == [] and w.foreign == [], (w.errors, w.foreign)
+    w.page.close()
