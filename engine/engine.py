@@ -91,7 +91,8 @@ class Engine(StepLoop):
                                        self.planner.compute_seconds, cache.load_deadline_margin,
                                        cache.load_deadline_slack_s, fallback_s=cache.remote_timeout_s,
                                        load_seconds=self.planner.load_seconds))
-        self.runner = ModelRunner(loaded.model, self.cache.pool.kv, self.block_size, attention)
+        self.runner = ModelRunner(loaded.model, self.cache.pool.kv, self.block_size, attention,
+                                  max_query=max(max_batch_tokens, decode_step_tokens or 0))
         # Step times (CUDA events on CUDA) fit the prefill model; with calibrate, one chunk and a
         # decode step fit it now and a thread probes the remote's link (engine/calibration.py).
         self.step_timer = StepTimer(loaded.device, self.prefill_model.observe)

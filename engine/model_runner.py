@@ -16,12 +16,19 @@ from engine.staging import StepUpload
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv: torch.Tensor, block_size: int,
-                 attention: str | None = None) -> None:
+                 attention: str | None = None, max_query: int = 512) -> None:
         self.model = model
         self.kv = kv
         self.block_size = block_size
         self.device = kv.device
         self.backend: AttentionBackend = make_backend(attention, kv.device, block_size)
+        warm_up = getattr(self.backend, "warm_up", None)
+        if warm_up is not None:
+            # Compiled now, every shape class a pass up to `max_query` new tokens takes: never on a
+            # first request (engine/flex_paged.py).
+            config = model.config
+            warm_up(kv, block_size, config.num_attention_heads, next(model.parameters()).dtype, max_query,
+                    attention_scaling(model))
         self.staging = StepUpload(kv.device)    # owned by the engine thread, like the runner
         # A 4-D attention_mask makes transformers take it as prepared and skip building one:
         # our attention reads its masks from the PagedBatch, and the mask builder's check for
@@ -48,3 +55,12 @@ class ModelRunner:
                          attention_mask=self._prepared_mask, use_cache=False, logits_to_keep=batch.extra["last"],
                          tkv_batch=batch)
         return out.logits[0]
+
+
+def attention_scaling(model: torch.nn.Module) -> float | None:
+    """The scale the model's attention modules pass to the attention function (a constant of the
+    compiled kernels: the warm-up must compile with the same one)."""
+    for m in model.modules():
+        if hasattr(m, "layer_idx") and isinstance(getattr(m, "scaling", None), float):
+            return m.scaling
+    return None
