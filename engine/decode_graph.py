@@ -216,7 +216,8 @@ class DecodeGraphs:
                         self._step(S)
                 torch.cuda.current_stream(self.device).wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
+                # thread_local: the loader's threads may use CUDA meanwhile; only this thread must not.
+                with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                     out = self._step(S)
                 pool = graph.pool()
                 self.graphs[S] = (graph, out)

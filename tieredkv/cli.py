@@ -167,6 +167,10 @@ def serve(
                                                    "host, port + 1)."),
     kv_events_no_tokens: bool = typer.Option(False, "--kv-events-no-tokens",
                                              help="Leave token ids out of BlockStored events."),
+    enforce_eager: bool = typer.Option(False, "--enforce-eager",
+                                       help="Run every step eagerly: no CUDA graphs for decode steps (as vLLM's "
+                                       "flag; default on CUDA with flex_paged: one graph per batch bucket, "
+                                       "captured at start)."),
 ) -> None:
     """Run the OpenAI-compatible HTTP service on a model with the tiered KV cache.
 
@@ -225,7 +229,8 @@ def serve(
             try:
                 engine = Engine.from_pretrained(model, cache, device=device, dtype=dtype,
                                                 ledger_dir=str(root / "billing"), prices=price_table,
-                                                billing_failure=on_billing_failure, max_model_len=max_model_len)
+                                                billing_failure=on_billing_failure, max_model_len=max_model_len,
+                                                enforce_eager=enforce_eager)
             except ValueError as e:
                 if not str(e).startswith("max_model_len:"):
                     raise

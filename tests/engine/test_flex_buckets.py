@@ -57,7 +57,7 @@ def _run(backend, kv, specs, seed):
         for q_len, ctx, pages in specs:
             seqs.append(SeqSlice(at, q_len, ctx, pages))
             at += q_len
-        q_all = torch.randn((at, HEADS, D), generator=gen)
+        q_all = torch.randn((at, HEADS, D), generator=gen).to(kv.device, kv.dtype)
         batch = PagedBatch(kv, seqs, B, backend)
         return _outputs(batch, kv, q_all)
 
