@@ -6,13 +6,10 @@ Knows: two ways to compute attention for a group (S sequences, Q queries padded,
   but it copies the whole context per layer per step. On CUDA it calls SDPA in a form a fused
   kernel accepts (`fused`): torch 2.13 runs a boolean mask with enable_gqa only in its math
   kernel (flash takes no mask, memory-efficient no GQA), which materializes fp32 scores.
-- `flex_paged` (`torch.nn.attention.flex_attention`): reads the pool in place. The pool
-  [page, layer, k/v, slot, head, dim] is viewed as one long sequence of slots; for layer l, K is
-  the view starting at that layer's first K slot and V the one a block further, so the rows of
-  page p are p * 2L * B .. + B in both. A block mask lists each sequence's pages (one mask block
-  per page) and a mask_mod maps a physical row back to its logical position for causality. No
-  gather, no padding of the context. Compiled once (dynamic shapes); on CPU it runs too (slower
-  than gather_sdpa there, so it is never the CPU default).
+- `flex_paged` (`torch.nn.attention.flex_attention`, engine/flex_paged.py): reads the pool in
+  place through a block mask of each sequence's pages; compiled on CUDA for a bounded set of
+  shapes at engine start. On CPU it runs too (eagerly, slower than gather_sdpa there, so it is
+  never the CPU default).
 Each backend's `prepare` runs once per forward pass (device ops only, no host sync) and its
 `attend` once per layer per group. Doesn't know: scheduling, tiers, or how groups are formed
 (engine/paged_batch.py).
@@ -28,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from engine.flex_paged import FlexPaged
 from engine.paged_batch import Group, PagedBatch
 
 log = logging.getLogger(__name__)
@@ -147,101 +145,7 @@ class GatherSDPA:
         return m
 
 
-@dataclass(frozen=True)
-class _Flex:
-    block_mask: Any
-
-
-class FlexPaged:
-    """flex_attention over the pool in place (see the module docstring for the row mapping)."""
-    name = "flex_paged"
-
-    def __init__(self, device: torch.device) -> None:
-        from torch.nn.attention.flex_attention import flex_attention
-        # On CUDA one compiled (Triton) kernel for every shape: dynamic, so new batch sizes and
-        # context lengths do not recompile; the first call compiles. On CPU flex runs eagerly
-        # (its reference path: dense scores over the whole view, fine for the tiny test models
-        # it is there for); inductor's CPU template fails to build with dynamic shapes in
-        # torch 2.13, and a static compile per shape costs ~20 s each.
-        self._flex = torch.compile(flex_attention, dynamic=True) if device.type == "cuda" else flex_attention
-
-    @staticmethod
-    def _rows(kv: torch.Tensor) -> tuple[int, int, int]:
-        P, L, _, B = kv.shape[:4]
-        stride = 2 * L * B                      # rows from one page's slots to the next page's
-        return P, stride, (P - 1) * stride + B  # ... and the length every layer's view has
-
-    def prepare(self, batch: PagedBatch, g: Group) -> _Flex:
-        from torch.nn.attention.flex_attention import BlockMask
-        kv, B = batch.kv, batch.block_size
-        P, stride, M = self._rows(kv)
-        S, nb = g.block_table.shape
-        dev = kv.device
-        blocks = torch.arange(nb, device=dev)
-        used = blocks[None, :] < (g.context_len[:, None] + B - 1) // B          # [S, nb]
-        # physical page -> its logical block, one row for the group: NOTE invariant: a page holds
-        # K/V with RoPE applied at one block's positions, so every sequence that maps it maps it
-        # at the same logical index (shared prefix pages included). -1: no sequence's page;
-        # column P takes the padding entries of the table. The mask_mod checks the page is the
-        # row's own (its table at that index holds it); padding pages fail `k_pos < ctx`.
-        p2l = torch.full((P + 1,), -1, dtype=torch.int32, device=dev)
-        p2l.scatter_(0, torch.where(used, g.block_table, P).view(-1),
-                     torch.where(used, blocks[None, :], -1).to(torch.int32).view(-1))
-        # One mask block per page: the block index of page p's rows is p * 2L (rows / B). The
-        # kernels read only the first kv_num entries of a row (flex_attention.py.jinja: the loop
-        # stops at kv_num; utilities.py.jinja get_offset_for_next_block masks the next load by
-        # kv_num; flex_decode.py.jinja indexes modulo the width), and the eager path reads only
-        # mask_mod: so the width is the group's blocks, not the view's (M // B + 1 columns: 5.6
-        # MB a row for an 8 GiB SmolLM2-135M pool). Rounded up to a power of two >= 2: few
-        # distinct widths, never the size 1 that dynamic shapes specialize on, and the same width
-        # for the table the mask_mod captures (one symbol under torch.compile(dynamic=True)).
-        width = max(2, 1 << (nb - 1).bit_length())
-        table = torch.zeros((S, width), dtype=torch.int32, device=dev)      # padded with page 0
-        table[:, :nb] = g.block_table
-        n_q_blocks = -(-g.max_q // self._q_block(g.max_q))
-        kv_indices = (table * (stride // B))[:, None, None, :].expand(S, 1, n_q_blocks, width).contiguous()
-        kv_num = ((g.context_len + B - 1) // B).to(torch.int32).view(S, 1, 1).expand(S, 1, n_q_blocks).contiguous()
-        q_first, ctx, q_len = g.q_first, g.context_len, g.q_len
-
-        def mask_mod(b, h, q_idx, kv_idx):
-            page, row = kv_idx // stride, kv_idx % stride
-            logical = p2l[page]
-            mine = (logical >= 0) & (table[b, logical.clamp(min=0)] == page)
-            k_pos = logical * B + row
-            # row < B: this layer's K (V) slots of the page, not another layer's (the block mask
-            # already says so; the mask says it again for partial and unfused evaluation).
-            return (row < B) & mine & (k_pos <= q_first[b] + q_idx) & (k_pos < ctx[b]) & (q_idx < q_len[b])
-
-        block_mask = BlockMask.from_kv_blocks(
-            kv_num, kv_indices, BLOCK_SIZE=(self._q_block(g.max_q), B), mask_mod=mask_mod, seq_lengths=(g.max_q, M),
-            compute_q_blocks=False)     # forward only: no transposed (backward) index, no full_kv_*
-        return _Flex(block_mask)
-
-    @staticmethod
-    def _q_block(max_q: int) -> int:
-        return 128 if max_q > 128 else max(16, 1 << (max_q - 1).bit_length())
-
-    def attend(self, q_all, kv, layer, g, prepared: _Flex, scaling):
-        P, stride, M = self._rows(kv)
-        _, L, _, B, H_kv, D = kv.shape
-        flat = kv.view(-1, H_kv, D)
-        k = flat[layer * 2 * B: layer * 2 * B + M]              # [M, kv_heads, D], a view
-        v = flat[layer * 2 * B + B: layer * 2 * B + B + M]
-        S = g.size
-        q = q_all[g.q_index].transpose(1, 2)                    # [S, heads, Q, D]
-        k = k.permute(1, 0, 2).unsqueeze(0).expand(S, H_kv, M, D)
-        v = v.permute(1, 0, 2).unsqueeze(0).expand(S, H_kv, M, D)
-        # One mask block per page: the kernel's key tile is the page (Triton needs >= 16, a
-        # power of two; make_backend checks), its query tile at most the group's padded Q.
-        q_block = self._q_block(g.max_q)
-        o = self._flex(q, k.to(q.dtype), v.to(q.dtype), block_mask=prepared.block_mask, scale=scaling,
-                       enable_gqa=True, kernel_options={"BLOCK_M": min(q_block, 64), "BLOCK_N": B})   # [S, heads, Q, D]
-        S, H, Q, D = o.shape
-        return o.transpose(1, 2).reshape(S * Q, H, D)
-
-
 GATHER_SDPA = _GATHER = GatherSDPA()
-_FLEX: dict[str, FlexPaged] = {}
 
 
 def make_backend(name: str | None, device: torch.device, block_size: int = 16) -> AttentionBackend:
@@ -261,6 +165,5 @@ def make_backend(name: str | None, device: torch.device, block_size: int = 16) -
                              f"got {block_size}")
         log.warning("attention: block size %d does not suit flex_paged; using gather_sdpa", block_size)
         return _GATHER
-    if device.type not in _FLEX:
-        _FLEX[device.type] = FlexPaged(device)
-    return _FLEX[device.type]
+    # One per runner: its compiled shapes, counted and sealed after its warm-up, are its own.
+    return FlexPaged(device)

@@ -33,6 +33,8 @@ from engine.restore_planner import RestorePlanner
 from engine.errors import EngineClosedError, QueueFullError
 from engine.model import LoadedModel, kv_layout, load_model
 from engine.model_runner import ModelRunner
+from engine.attention_backends import make_backend
+from engine.decode_graph import MODES as DECODE_MODES
 from engine.outputs import CompletionOutput, LookupResult, StreamChunk
 from engine.paged_attention import ATTN_NAME, register
 from engine.sampler import make_generator
@@ -62,13 +64,31 @@ def default_batch_tokens(device: torch.device) -> int:
     return DEFAULT_BATCH_TOKENS.get(device.type, 512)
 
 
+def decode_mode(decode_step: str, enforce_eager: bool, device, attention: str) -> str:
+    """How decode-only steps run (engine/decode_graph.py): "auto" is CUDA graphs on CUDA with
+    flex_paged (gather_sdpa's step would gather the longest context for every row: eager),
+    eager elsewhere; enforce_eager (vLLM's flag) turns every graph off."""
+    if decode_step not in ("auto", "off") + DECODE_MODES:
+        raise ValueError(f"decode_step: expected 'auto', 'off' or one of {DECODE_MODES}, got {decode_step!r}")
+    if not isinstance(enforce_eager, bool):
+        raise ValueError(f"enforce_eager: expected true or false, got {enforce_eager!r}")
+    if enforce_eager:
+        if decode_step not in ("auto", "off"):
+            raise ValueError(f"decode_step: {decode_step!r} contradicts enforce_eager")
+        return "off"
+    if decode_step == "auto":
+        return "cuda_graph" if device.type == "cuda" and attention == "flex_paged" else "off"
+    return decode_step
+
+
 class Engine(StepLoop):
     def __init__(self, loaded: LoadedModel, cache: CacheConfig | None = None, *, max_batch_tokens: int | None = None,
                  max_seqs: int = 64, max_queue: int = 256, max_loading: int = 8,
                  decode_step_tokens: int | None = None, ledger_dir: str | None = None,
                  num_pages: int | None = None, prices: Prices | None = None, sync_debug: str | None = None,
                  attention: str | None = None, billing_failure: str = "serve",
-                 max_model_len: int | None = None) -> None:
+                 max_model_len: int | None = None, enforce_eager: bool = False,
+                 decode_step: str = "auto") -> None:
         cache = cache or CacheConfig()
         max_batch_tokens = max_batch_tokens or default_batch_tokens(loaded.device)
         if billing_failure not in ON_FAILURE:      # before any thread starts
@@ -91,8 +111,12 @@ class Engine(StepLoop):
         # A sequence never outgrows the pool (else it could neither run nor be preempted).
         # Checked before the cache opens anything: a max_model_len too big is refused cleanly.
         pool_pages = num_pages if num_pages is not None else self.layout.blocks_in(cache.device_bytes)
-        self.max_context, self.max_context_source = context_length(loaded.max_context, pool_pages, cache.block_size,
-                                                                   max_model_len)
+        attention = make_backend(attention, loaded.device, cache.block_size).name
+        self.decode_step = decode_mode(decode_step, enforce_eager, loaded.device, attention)
+        # A graph-safe decode step's padding rows write into a page of their own (engine/decode_graph.py).
+        sink_pages = 0 if self.decode_step == "off" else 1
+        self.max_context, self.max_context_source = context_length(loaded.max_context, pool_pages - sink_pages,
+                                                                   cache.block_size, max_model_len)
         self.cache = TieredKVCache(self.layout, cache, loaded.device, num_pages=num_pages)
         # The engine's compute rate, fitted from its own steps (engine/prefill_model.py), and what
         # decides from it and the tiers' restore rates whether a hit is loaded or recomputed.
@@ -106,7 +130,10 @@ class Engine(StepLoop):
                                        self.planner.compute_seconds, cache.load_deadline_margin,
                                        cache.load_deadline_slack_s, fallback_s=cache.remote_timeout_s,
                                        load_seconds=self.planner.load_seconds))
-        self.runner = ModelRunner(loaded.model, self.cache.pool.kv, self.block_size, attention)
+        sink = self.cache.allocate(1)[0] if sink_pages else None     # held for good: never registered or evicted
+        self.runner = ModelRunner(loaded.model, self.cache.pool.kv, self.block_size, attention,
+                                  max_query=max(max_batch_tokens, decode_step_tokens or 0), decode=self.decode_step,
+                                  max_seqs=max_seqs, max_context=self.max_context, sink=sink)
         # Step times (CUDA events on CUDA) fit the prefill model; with calibrate, one chunk and a
         # decode step fit it now and a thread probes the remote's link (engine/calibration.py).
         self.step_timer = StepTimer(loaded.device, self.prefill_model.observe)
@@ -307,7 +334,8 @@ class Engine(StepLoop):
                                                  "probes_abandoned": self.scheduler.probes_abandoned}},
                 "engine": {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                            "loading": len(self.scheduler.loading),
-                           "attention": self.runner.backend.name, "sync_debug": self.sync_debug,
+                           "attention": self.runner.backend.name, "decode_step": self.decode_step,
+                           "sync_debug": self.sync_debug,
                            "preemptions": self.scheduler.preemptions, "max_seqs": self.max_seqs,
                            "aborted": self._aborts.counts()}}
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from engine.attention_backends import AttentionBackend, make_backend
+from engine.decode_graph import DecodeGraphs, DecodeRow
 from engine.paged_batch import PagedBatch, SeqSlice
 from engine.scheduler import Scheduled
 from engine.staging import StepUpload
@@ -16,12 +17,26 @@ from engine.staging import StepUpload
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv: torch.Tensor, block_size: int,
-                 attention: str | None = None) -> None:
+                 attention: str | None = None, max_query: int = 512, decode: str = "off",
+                 max_seqs: int = 64, max_context: int = 0, sink: int | None = None) -> None:
         self.model = model
         self.kv = kv
         self.block_size = block_size
         self.device = kv.device
         self.backend: AttentionBackend = make_backend(attention, kv.device, block_size)
+        warm_up = getattr(self.backend, "warm_up", None)
+        if warm_up is not None:
+            # Compiled now, every shape class a pass up to `max_query` new tokens takes: never on a
+            # first request (engine/flex_paged.py).
+            config = model.config
+            warm_up(kv, block_size, config.num_attention_heads, next(model.parameters()).dtype, max_query,
+                    attention_scaling(model))
+        # Decode-only steps through the graph-safe step (engine/decode_graph.py), unless "off".
+        self.decode: DecodeGraphs | None = None
+        if decode != "off":
+            self.decode = DecodeGraphs(model, kv, block_size, self.backend, max_seqs=max_seqs,
+                                       max_context=max_context, sink=sink, mode=decode)
+            self.decode.capture()
         self.staging = StepUpload(kv.device)    # owned by the engine thread, like the runner
         # A 4-D attention_mask makes transformers take it as prepared and skip building one:
         # our attention reads its masks from the PagedBatch, and the mask builder's check for
@@ -31,6 +46,10 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, scheduled: list[Scheduled]) -> torch.Tensor:
         """Logits [len(scheduled), vocab] of the last new token of each scheduled sequence."""
+        if self.decode is not None and all(s.num_tokens == 1 for s in scheduled) and self.decode.accepts(
+                len(scheduled), max(s.seq.num_computed + 1 for s in scheduled)):
+            return self.decode.run([DecodeRow(s.seq.tokens[s.seq.num_computed], s.seq.num_computed + 1,
+                                              tuple(s.seq.pages)) for s in scheduled])
         ids: list[int] = []
         positions: list[int] = []
         slices: list[SeqSlice] = []
@@ -48,3 +67,12 @@ class ModelRunner:
                          attention_mask=self._prepared_mask, use_cache=False, logits_to_keep=batch.extra["last"],
                          tkv_batch=batch)
         return out.logits[0]
+
+
+def attention_scaling(model: torch.nn.Module) -> float | None:
+    """The scale the model's attention modules pass to the attention function (a constant of the
+    compiled kernels: the warm-up must compile with the same one)."""
+    for m in model.modules():
+        if hasattr(m, "layer_idx") and isinstance(getattr(m, "scaling", None), float):
+            return m.scaling
+    return None

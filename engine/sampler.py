@@ -9,7 +9,10 @@ logits is the model's fault, not the request's params: SamplingError, which fail
 
 NOTE invariant (issue 9): nothing here waits for the device. Every row's choice, NaN flag and
 logprobs stay on the device until `SampledStep.read()`, which copies them all back at once (one
-transfer into pinned memory and one event wait per step, not one `.item()` per sequence).
+packed transfer into pinned memory and one event wait per step, not one `.item()` per sequence).
+Sampling is batched over rows (issue 30): temperature, min-p, top-k, top-p and logprobs are
+tensor ops over every row that needs them, a few dozen kernels a step whatever its size; only
+each sampled row's noise is its own kernel, drawn from its request's generator.
 A draw is an exponential race (argmax of p / Exp(1) noise, a multinomial draw without the
 host-side checks `torch.multinomial` makes).
 Penalties (repetition, frequency, presence) and min_tokens' ban on end/stop ids change the logits
@@ -60,43 +63,42 @@ class RowResult:
 
 
 class SampledStep:
-    """One step's choices, still on the device; `read()` brings them all back with one wait."""
+    """One step's choices, still on the device; `read()` brings them all back with one wait.
 
-    def __init__(self, tokens: torch.Tensor, nan: torch.Tensor, lp_index: torch.Tensor | None,
-                 lp_value: torch.Tensor | None, widths: list[int]) -> None:
+    Everything the host needs -- each row's token and NaN flag, and for the rows that asked, the
+    chosen token's logprob and the top (index, logprob) pairs -- is packed into one float64 tensor
+    (token ids are exact in float64), so a step is one device -> host copy."""
+
+    def __init__(self, packed: torch.Tensor, widths: list[int], top_width: int) -> None:
         self._widths = widths                    # logprobs asked per row (0: none)
-        packed = [tokens, nan.long()] + ([lp_index] if lp_index is not None else [])
-        ints = torch.cat(packed)
-        if ints.is_cuda:
-            # Pinned destinations, so the copies are truly asynchronous and the one event wait
-            # below is the step's only synchronisation.
-            self._ints = torch.empty(ints.shape, dtype=ints.dtype, pin_memory=True)
-            self._ints.copy_(ints, non_blocking=True)
-            self._floats = None
-            if lp_value is not None:
-                self._floats = torch.empty(lp_value.shape, dtype=lp_value.dtype, pin_memory=True)
-                self._floats.copy_(lp_value, non_blocking=True)
+        self._top = top_width                    # the width of every asked row's top list
+        if packed.is_cuda:
+            # A pinned destination, so the copy is truly asynchronous and the one event wait below
+            # is the step's only synchronisation.
+            self._packed = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            self._packed.copy_(packed, non_blocking=True)
             self._done = torch.cuda.Event()
             self._done.record()
         else:
-            self._ints, self._floats, self._done = ints, lp_value, None
+            self._packed, self._done = packed, None
 
     def read(self) -> list[RowResult]:
         if self._done is not None:
             self._done.synchronize()
-        n = len(self._widths)
-        ints = self._ints.tolist()
-        floats = self._floats.tolist() if self._floats is not None else []
-        tokens, nans, lp_index = ints[:n], ints[n:2 * n], ints[2 * n:]
-        out, at = [], 0
-        for i, w in enumerate(self._widths):
-            if w:
-                # Per asked row: its chosen token's logprob, then its top-w (index, logprob).
-                top = list(zip(lp_index[at + 1:at + 1 + w], floats[at + 1:at + 1 + w]))
-                out.append(RowResult(tokens[i], bool(nans[i]), top, floats[at]))
-                at += w + 1
+        n, w = len(self._widths), self._top
+        flat = self._packed.tolist()
+        tokens, nans = flat[:n], flat[n:2 * n]
+        asked = sum(1 for x in self._widths if x)
+        chosen = flat[2 * n:2 * n + asked]
+        idx_at, val_at = 2 * n + asked, 2 * n + asked + asked * w
+        out, a = [], 0
+        for i, width in enumerate(self._widths):
+            if width:
+                top = [(int(flat[idx_at + a * w + j]), flat[val_at + a * w + j]) for j in range(width)]
+                out.append(RowResult(int(tokens[i]), bool(nans[i]), top, chosen[a]))
+                a += 1
             else:
-                out.append(RowResult(tokens[i], bool(nans[i]), None, None))
+                out.append(RowResult(int(tokens[i]), bool(nans[i]), None, None))
         return out
 
 
@@ -105,28 +107,29 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams], generators:
                  eos_ids: Collection[int] = ()) -> SampledStep:
     """logits [N, vocab] (any dtype, any device), one params and generator per row; `history`:
     each row's (prompt ids, output ids so far), needed only by rows with penalties or min_tokens;
-    `eos_ids`: the ids min_tokens keeps from being sampled (besides the row's stop_token_ids)."""
+    `eos_ids`: the ids min_tokens keeps from being sampled (besides the row's stop_token_ids).
+    Every stage is one set of tensor ops over the rows it concerns; the only per-row kernel is
+    each sampled row's noise, drawn from its own generator (so a seeded request draws exactly
+    what it drew alone)."""
     nan = torch.isnan(logits).any(dim=-1)
     scores = _processed(logits, params, history, eos_ids)
     tokens = torch.argmax(scores, dim=-1)
-    for i, (p, g) in enumerate(zip(params, generators)):
-        if not is_greedy(p) and g is not None:
-            tokens[i] = _draw(scores[i], p, g)
+    drawn = [i for i, (p, g) in enumerate(zip(params, generators)) if not is_greedy(p) and g is not None]
+    if drawn:
+        rows = _upload([drawn], torch.long, scores.device)[0]
+        choice = _draw([params[i] for i in drawn], [generators[i] for i in drawn], scores.index_select(0, rows))
+        tokens = tokens.index_copy(0, rows, choice)
     widths = [p.logprobs or 0 for p in params]
-    lp_index = lp_value = None
-    if any(widths):
-        idx, val = [], []
-        for i, w in enumerate(widths):
-            if not w:
-                continue
-            lp = torch.log_softmax(logits[i].float(), dim=-1)
-            top = lp.topk(w)
-            # Padded for the index list so a row's ints line up with its floats (see read()).
-            idx += [top.indices[:1], top.indices]
-            val += [lp.gather(0, tokens[i:i + 1]), top.values]     # (lp[tokens[i]] would sync)
-        lp_index = torch.cat(idx)
-        lp_value = torch.cat(val)
-    return SampledStep(tokens, nan, lp_index, lp_value, widths)
+    parts = [tokens.double(), nan.double()]
+    top_width = max(widths)
+    if top_width:
+        asked = [i for i, w in enumerate(widths) if w]
+        rows = _upload([asked], torch.long, logits.device)[0]
+        lp = torch.log_softmax(logits.index_select(0, rows).float(), dim=-1)      # the model's own
+        top = lp.topk(top_width, dim=-1)                                          # [A, top_width]
+        parts += [lp.gather(1, tokens.index_select(0, rows)[:, None]).view(-1).double(),
+                  top.indices.reshape(-1).double(), top.values.reshape(-1).double()]
+    return SampledStep(torch.cat(parts), widths, top_width)
 
 
 def _banned(p: SamplingParams, output_len: int, eos_ids: Collection[int]) -> list[int]:
@@ -196,33 +199,48 @@ def _upload(rows: list[list], dtype: torch.dtype, device: torch.device) -> torch
     return t.to(device)
 
 
-def _draw(row: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> torch.Tensor:
-    """A 0-d device tensor: the token drawn from temperature + min-p + top-k + top-p over `row`."""
-    x = row.double()
-    x = (x - x.max()) / params.temperature          # finite: the max is 0, the rest <= 0 or -inf
-    if params.min_p > 0:
+def _draw(params: list[SamplingParams], generators: list[torch.Generator], rows: torch.Tensor) -> torch.Tensor:
+    """[R] device tensor: each row's token drawn from temperature + min-p + top-k + top-p over
+    its scores `rows` [R, vocab], as tensor ops over all R rows at once (float64)."""
+    R, vocab = rows.shape
+    device = rows.device
+    # [4, R]: temperature, min_p, top-k (0: off), top-p.
+    knobs = _upload([[p.temperature for p in params], [p.min_p for p in params],
+                     [p.top_k if 0 < p.top_k < vocab else 0 for p in params],
+                     [p.top_p for p in params]], torch.float64, device)
+    temperature, min_p, top_p = knobs[0, :, None], knobs[1, :, None], knobs[3, :, None]
+    x = rows.double()
+    x = (x - x.amax(dim=-1, keepdim=True)) / temperature   # finite: the max is 0, the rest <= 0 or -inf
+    if any(p.min_p > 0 for p in params):
         # vLLM's order: min_p on the tempered distribution, then top-k and top-p. The top token
-        # always stays (its probability is the max).
+        # always stays (its probability is the max); min_p 0 drops nothing.
         p = torch.softmax(x, dim=-1)
-        x = x.masked_fill(p < params.min_p * p.max(), float("-inf"))
-    if params.top_k and params.top_k < x.numel():
-        kth = torch.topk(x, params.top_k).values[-1]
+        x = x.masked_fill(p < min_p * p.amax(dim=-1, keepdim=True), float("-inf"))
+    ks = [p.top_k for p in params if 0 < p.top_k < vocab]
+    if ks:
+        k = knobs[2].long()[:, None]
+        # The k-th largest value of each row (its last kept); a row without top-k cuts nothing.
+        values = torch.topk(x, max(ks), dim=-1).values
+        kth = torch.where(k > 0, values.gather(1, (k - 1).clamp(min=0)), float("-inf"))
         x = x.masked_fill(x < kth, float("-inf"))
     probs = torch.softmax(x, dim=-1)
-    if params.top_p < 1.0:
-        sorted_p, idx = torch.sort(probs, descending=True)
+    if any(p.top_p < 1.0 for p in params):
+        sorted_p, idx = torch.sort(probs, dim=-1, descending=True)
         cum = torch.cumsum(sorted_p, dim=-1)
         # Keep the smallest prefix whose mass reaches top_p. NOTE: the top token is always kept:
-        # its preceding mass is exactly 0.0 (cum[0] - sorted_p[0]) and top_p > 0, however small
-        # (no `drop[0] = False`: a store of a host scalar is a host -> device copy, a sync).
-        drop = cum - sorted_p >= params.top_p
+        # its preceding mass is exactly 0.0 (cum[0] - sorted_p[0]) and top_p > 0, however small.
+        # A row with top_p 1 keeps everything (its cut is off, not "mass >= 1", which rounding
+        # could reach before the last tokens).
+        drop = (cum - sorted_p >= top_p) & (top_p < 1.0)
         sorted_p = sorted_p.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p)
-    noise = torch.empty_like(probs).exponential_(generator=generator)
-    drawn = torch.argmax(probs / noise)
-    total = probs.sum()
+        probs = torch.zeros_like(probs).scatter_(1, idx, sorted_p)
+    noise = torch.empty_like(probs)
+    for j, g in enumerate(generators):
+        noise[j].exponential_(generator=g)        # each request's own stream, as when drawn alone
+    drawn = torch.argmax(probs / noise, dim=-1)
+    total = probs.sum(dim=-1)
     # No mass left (or NaN): the top token. Chosen on the device, so no host check is needed.
-    return torch.where(total > 0, drawn, torch.argmax(x))
+    return torch.where(total > 0, drawn, torch.argmax(x, dim=-1))
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:

@@ -57,7 +57,8 @@ def test_dry_run_runs_every_step_and_writes_its_json(tmp_path) -> None:
     assert all(c["ttft_s"] > 0 for c in cases)
     rows = steps["policies"]["tiny-llama"]["result"]["rows"]
     assert {r["source"] for r in rows} >= {"host", "disk"}
-    decode = steps["decode"]["tiny-llama"]["result"]
-    assert decode["n"] == 2 and decode["decode_step_s"] > 0 and decode["floor_s"] > 0
+    (decode,) = steps["decode"]["tiny-llama"]["result"]["rows"]
+    assert decode["batch"] == 2 and decode["floor_ms"] > 0
+    assert decode["eager_ms"] > 0 and decode["static_ms"] > 0 and decode["transformers_ms"] > 0
     systems = {r["system"] for r in steps["throughput"]["tiny-llama"]["result"]["rows"]}
     assert systems == {"tieredkv", "transformers_batch"}

@@ -123,6 +123,10 @@ def serve(
                                                    "host, port + 1)."),
     kv_events_no_tokens: bool = typer.Option(False, "--kv-events-no-tokens",
                                              help="Leave token ids out of BlockStored events."),
+    enforce_eager: bool = typer.Option(False, "--enforce-eager",
+                                       help="Run every step eagerly: no CUDA graphs for decode steps (as vLLM's "
+                                       "flag; default on CUDA with flex_paged: one graph per batch bucket, "
+                                       "captured at start)."),
     log_probes: bool = typer.Option(False, "--log-probes", help="Write polling in the request log too: /health, "
                                     "/ready, /metrics, the router's block-hash calls and the dashboard's fetches "
                                     "(off: DEBUG lines only)."),
@@ -220,7 +224,8 @@ def serve(
                 engine = Engine.from_pretrained(model, cache, device=device, dtype=dtype,
                                                 ledger_dir=str(root / "billing"), prices=price_table,
                                                 billing_failure=on_billing_failure, max_model_len=max_model_len,
-                                                max_seqs=max_num_seqs, max_batch_tokens=max_num_batched_tokens)
+                                                max_seqs=max_num_seqs, max_batch_tokens=max_num_batched_tokens,
+                                                enforce_eager=enforce_eager)
             except ValueError as e:
                 if not str(e).startswith("max_model_len:"):
                     raise

@@ -1,16 +1,20 @@
-"""One decode step of a full batch against its floor: the bytes a step must read, over the memory
-bandwidth a copy reaches in the same run.
+"""One decode step's time: the engine's eager path, the graph-safe step eager, compiled, and (CUDA)
+replayed as a CUDA graph, beside transformers' own decode step and the step's floor.
 
-Knows: issue 30's decode target -- 32 sequences at 4k context (Llama-3.1-8B shape) within 2x of
-the floor, where floor = (weight bytes + every sequence's KV bytes) / copy bandwidth (bytes read +
-written by a device-to-device copy of 1 GiB, the same way tools/gpu_check.sh's env step counts).
-How a step is isolated: the prompts are served once (prefill, untimed), then served again with
-max_tokens=1 (every block a device hit: the suffix-free rerun costs one step of the last
-token plus the first sample) and with max_tokens=1+M; the difference over M is one decode step
-of the whole batch, wall time, the engine's own scheduling and sampling included.
-Doesn't know: which kernels run (tools/cuda_sync_report.py says where a step syncs).
+Knows: a SmolLM2-135M-shaped model (random weights from its config: time depends on shapes, not
+values; or --model DIR), a pool of random KV, N sequences of C tokens of context each on their own
+pages, and four ways to run the step that gives each its next token:
+    eager        ModelRunner's PagedBatch path (what every step ran before issue 30)
+    static       engine/decode_graph.py's step over its persistent buffers, run eagerly
+    compile      the same step under torch.compile(fullgraph=True) (inductor), one graph per bucket
+    cuda_graph   the same step captured as a CUDA graph and replayed (CUDA only)
+and the peer: transformers' forward of one token per sequence over its DynamicCache of C tokens
+(SDPA). The floor: the bytes a step must read (weights + the sequences' KV) over the memory
+bandwidth a copy measures in the same run. Each figure is the median of --steps timed steps after
+warm-up (a device sync after each).
 
-    python tools/bench_decode_step.py --model tools/model_shapes/llama-3.1-8b --n 32 --context 4096 [--json]
+    python tools/bench_decode_step.py [--batch 1,8,32] [--context 512] [--steps 20]
+        [--modes eager,static,compile,cuda_graph] [--attention auto] [--json]
 """
 from __future__ import annotations
 
@@ -20,89 +24,133 @@ import os
 import statistics
 import sys
 import time
+from types import SimpleNamespace
 
-import torch
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_report import emit, machine_note  # noqa: E402
+import torch  # noqa: E402
+from transformers import DynamicCache, LlamaConfig  # noqa: E402
 
-from engine.engine import Engine  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from storage.config import CacheConfig  # noqa: E402
+from engine.decode_graph import DecodeGraphs, DecodeRow  # noqa: E402
+from engine.model import load_model, model_from_config, resolve_device  # noqa: E402
+from engine.model_runner import ModelRunner  # noqa: E402
+from engine.paged_attention import ATTN_NAME, register  # noqa: E402
+
+SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                    num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192, rms_norm_eps=1e-5,
+                    rope_theta=100000.0, tie_word_embeddings=True, bos_token_id=None, eos_token_id=None,
+                    pad_token_id=None)
 
 
-def copy_bandwidth(device: torch.device, nbytes: int) -> float:
-    """Bytes read + written per second by a copy of `nbytes` on `device` (best of 5)."""
-    x = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    y = torch.empty_like(x)
-    y.copy_(x)
-    best = float("inf")
-    for _ in range(5):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time(fn, steps: int, device) -> float:
+    for _ in range(2):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(steps):
         t = time.perf_counter()
-        y.copy_(x)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t)
-    return 2 * nbytes / best
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
 
 
-def timed(engine: Engine, prompts: list[list[int]], max_tokens: int) -> float:
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    t = time.perf_counter()
-    outs = engine.generate(prompts, params)
-    wall = time.perf_counter() - t
-    bad = [len(o.token_ids) for o in outs if len(o.token_ids) != max_tokens]
-    if bad:
-        raise RuntimeError(f"expected {max_tokens} tokens per sequence, got {bad}")
-    return wall
+def copy_bandwidth(device, nbytes: int = 256 << 20) -> float:
+    a = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    return 2 * nbytes / _time(lambda: b.copy_(a), 5, device)        # read + write
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=None, help="model or shape directory (tools/model_shapes/)")
-    ap.add_argument("--n", type=int, default=32, help="sequences in the batch")
-    ap.add_argument("--context", type=int, default=4096, help="prompt tokens per sequence")
-    ap.add_argument("--steps", type=int, default=32, help="decode steps M timed per round")
-    ap.add_argument("--repeat", type=int, default=3, help="rounds (median)")
-    ap.add_argument("--device-memory", default="24GiB")
-    ap.add_argument("--copy-bytes", default=2**30, type=int, help="the bandwidth probe's copy size")
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="a model directory (default: SmolLM2-135M's shape, random)")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--batch", default="1,8,32")
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--modes", default=None, help="default: eager,static,compile (+cuda_graph on CUDA)")
+    ap.add_argument("--attention", default=None)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    cfg = CacheConfig(device_memory=args.device_memory, host_memory=0, disk_dir=None)
-    with Engine.from_pretrained(args.model, cache=cfg, max_seqs=max(args.n, 1)) as engine:
-        device = engine.loaded.device
-        vocab = engine.loaded.model.config.vocab_size
-        # distinct first tokens: no two sequences share a block, so each reads its own KV
-        prompts = [[(i * 7919 + j * 104729) % (vocab - 1) + 1 for j in range(args.context)] for i in range(args.n)]
-        timed(engine, prompts, 1)                                   # prefill, untimed
-        steps = []
-        for _ in range(args.repeat):
-            base = timed(engine, prompts, 1)
-            full = timed(engine, prompts, 1 + args.steps)
-            steps.append(max(full - base, 0.0) / args.steps)
-        step_s = statistics.median(steps)
-        weights = sum(p.numel() * p.element_size() for p in engine.loaded.model.parameters())
-        kv = args.n * (args.context + args.steps // 2) * engine.layout.nbytes // engine.block_size
-        attention = engine.runner.backend.name
-    bw = copy_bandwidth(device, args.copy_bytes)
-    floor = (weights + kv) / bw
-    result = {"model": engine.model_name, "device": str(device), "attention": attention, "n": args.n,
-              "context": args.context, "decode_step_s": round(step_s, 6), "samples_s": [round(s, 6) for s in steps],
-              "weight_bytes": weights, "kv_bytes": kv, "copy_gbps": round(bw / 1e9, 1),
-              "floor_s": round(floor, 6), "ratio": round(step_s / floor, 2), "target_ratio": 2.0,
-              "tokens_per_s": round(args.n / step_s, 1), "machine": machine_note()}
+    register()
+    device = resolve_device(args.device)
+    if args.model:
+        loaded = load_model(args.model, device=device, dtype=args.dtype, attn_implementation=ATTN_NAME)
+    else:
+        loaded = model_from_config(LlamaConfig(**SMOLLM2_135M), device=device, dtype=args.dtype,
+                                   attn_implementation=ATTN_NAME)
+    model, cfg = loaded.model, loaded.model.config
+    modes = (args.modes or "eager,static,compile" + (",cuda_graph" if device.type == "cuda" else "")).split(",")
+    batches = [int(b) for b in args.batch.split(",")]
+    B, C = args.block_size, args.context
+    L, H_kv = cfg.num_hidden_layers, cfg.num_key_value_heads
+    D = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    blocks = -(-(C + args.steps + 8) // B)
+    pages = max(batches) * blocks + 1
+    kv = torch.randn((pages, L, 2, B, H_kv, D), device=device, dtype=loaded.dtype)   # no fp32 copy: 16 GiB at 8B x 32 x 4k
+    sink = pages - 1
+    bw = copy_bandwidth(device)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    rows_out = []
+    for N in batches:
+        rows = [DecodeRow(7, C, tuple(range(i * blocks, (i + 1) * blocks))) for i in range(N)]
+        kv_bytes = N * C * L * 2 * H_kv * D * kv.element_size()
+        row = {"batch": N, "context": C, "floor_ms": 1e3 * (weight_bytes + kv_bytes) / bw}
+        runner = ModelRunner(model, kv, B, args.attention, max_query=1)
+        for mode in modes:
+            if mode == "eager":
+                sched = [SimpleNamespace(num_tokens=1, seq=SimpleNamespace(tokens=[7] * C, num_computed=C - 1,
+                                                                            pages=list(r.pages))) for r in rows]
+                row["eager_ms"] = 1e3 * _time(lambda: runner.forward(sched), args.steps, device)
+                continue
+            if mode == "cuda_graph" and device.type != "cuda":
+                continue
+            step = DecodeGraphs(model, kv, B, runner.backend, max_seqs=N, max_context=blocks * B, sink=sink, mode=mode)
+            if mode == "cuda_graph":
+                step.buckets = [N]
+                step.capture()
+            t = time.perf_counter()
+            step.run(rows)                        # compile: this bucket's graph now
+            _sync(device)
+            if mode == "compile":
+                row["compile_s"] = time.perf_counter() - t
+            row[f"{mode}_ms"] = 1e3 * _time(lambda: step.run(rows), args.steps, device)
+        # The peer: transformers' own step over a DynamicCache of C tokens per sequence (SDPA).
+        peer = model_from_config(cfg, device=device, dtype=loaded.dtype, attn_implementation="sdpa").model \
+            if not args.model else load_model(args.model, device=device, dtype=args.dtype).model
+        with torch.inference_mode():
+            cache = DynamicCache()
+            ids = torch.randint(0, cfg.vocab_size, (N, C), device=device)
+            peer(input_ids=ids, past_key_values=cache, use_cache=True)
+            one = torch.randint(0, cfg.vocab_size, (N, 1), device=device)
 
-    def table(r: dict) -> None:
-        print(f"{r['model']} on {r['device']} ({r['attention']}): {r['n']} sequences x {r['context']} context")
-        print(f"  decode step {r['decode_step_s'] * 1e3:.2f} ms ({r['tokens_per_s']:.0f} tokens/s)")
-        print(f"  floor       {r['floor_s'] * 1e3:.2f} ms = ({r['weight_bytes'] / 1e9:.2f} GB weights + "
-              f"{r['kv_bytes'] / 1e9:.2f} GB KV) / {r['copy_gbps']} GB/s copy")
-        print(f"  ratio       {r['ratio']}x (target <= {r['target_ratio']}x)")
-    emit(result, args.json, table)
-    return 0
+            def peer_step():
+                peer(input_ids=one, past_key_values=cache, use_cache=True)
+                cache.crop(-1)                    # the same context every step
+            row["transformers_ms"] = 1e3 * _time(peer_step, args.steps, device)
+        rows_out.append(row)
+    result = {"device": str(device), "dtype": str(loaded.dtype), "bandwidth_GBs": bw / 1e9,
+              "weights_MB": weight_bytes / 1e6, "attention": runner.backend.name, "rows": rows_out}
+    if args.json:
+        print(json.dumps(result))
+        return
+    print(f"decode step, {result['device']} {result['dtype']}, attention {result['attention']}, copy "
+          f"{result['bandwidth_GBs']:.1f} GB/s, weights {result['weights_MB']:.0f} MB")
+    cols = ["floor_ms"] + [f"{m}_ms" for m in modes] + ["transformers_ms"]
+    print("batch context " + " ".join(f"{c:>15}" for c in cols))
+    for r in rows_out:
+        print(f"{r['batch']:5d} {r['context']:7d} " + " ".join(
+            f"{r[c]:15.2f}" if c in r else f"{'-':>15}" for c in cols))
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
