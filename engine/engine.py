@@ -34,6 +34,7 @@ from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, LookupResult, StreamChunk
 from engine.paged_attention import ATTN_NAME, register
 from engine.sampler import make_generator
+from engine.request_group import RequestGroup
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.step_loop import StepLoop
@@ -41,7 +42,8 @@ from engine.step_timer import StepTimer
 from engine.sequence import Sequence
 from storage.config import CacheConfig
 from storage.tiered_cache import TIERS, FlushResult, TieredKVCache
-from storage.hashing import BlockKey, block_keys, namespace_digest, tenant_salt
+from storage.exact_entry import LogitsFormat, exact_keys
+from storage.hashing import BlockKey, block_keys, namespace_digest, root_hash, tenant_salt
 
 log = logging.getLogger("tieredkv.engine")
 
@@ -54,7 +56,7 @@ class Engine(StepLoop):
                  decode_step_tokens: int | None = None, ledger_dir: str | None = None,
                  num_pages: int | None = None, prices: Prices | None = None, sync_debug: str | None = None,
                  attention: str | None = None, billing_failure: str = "serve",
-                 max_model_len: int | None = None) -> None:
+                 max_model_len: int | None = None, exact_hits: bool = True, max_n: int = 16) -> None:
         cache = cache or CacheConfig()
         if billing_failure not in ON_FAILURE:      # before any thread starts
             raise ValueError(f"billing_failure: expected one of {ON_FAILURE}, got {billing_failure!r}")
@@ -104,6 +106,15 @@ class Engine(StepLoop):
         self.billing = (BillingWriter(path=ledger_dir, prices=prices or Prices(), on_failure=billing_failure)
                         if ledger_dir is not None else None)
         self.vocab_size = loaded.model.config.vocab_size
+        # Exact hits (storage/exact_entry.py): a computed prompt keeps its raw last-position
+        # logits beside its tail block, in the lm_head's dtype and width; off: every request
+        # computes at least its last token, as before.
+        head = loaded.model.get_output_embeddings()
+        self.logits_format = LogitsFormat(head.weight.dtype, head.weight.shape[0], self.layout.nbytes)
+        self.exact_hits = exact_hits
+        if not isinstance(max_n, int) or max_n < 1:
+            raise ValueError(f"max_n: expected an int >= 1, got {max_n!r}")
+        self.max_n = max_n            # SamplingParams.n above it is refused
         eos = loaded.model.config.eos_token_id
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos = self.tokenizer.eos_token_id
@@ -176,11 +187,18 @@ class Engine(StepLoop):
         bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if params.n > self.max_n:
+            raise ValueError(f"n: at most {self.max_n} choices per request (max_n), got {params.n}")
         ids = self.encode(prompt)
         seq = Sequence(request_id=f"cmpl-{uuid.uuid4().hex[:24]}", prompt_ids=ids, params=params, tenant=tenant,
                        namespace=self.namespace(tenant), block_size=self.block_size,
                        max_len=min(self.max_context, len(ids) + params.max_tokens),
-                       generator=make_generator(params, self.loaded.device))
+                       generator=make_generator(params, self.loaded.device),
+                       group=RequestGroup(params.n) if params.n > 1 else None)
+        if self.exact_hits:
+            seq.extend_keys()
+            seq.exact = exact_keys(seq.keys, ids, seq.namespace, self.block_size, root_hash(seq.namespace),
+                                   self.logits_format)
         with self._inflight_lock:
             if self._inflight - len(self.scheduler.running) >= self.max_queue:
                 raise QueueFullError(f"engine queue is full ({self.max_queue} requests waiting); retry later")
@@ -193,7 +211,7 @@ class Engine(StepLoop):
                 raise
         # Its disk blocks start moving to the host tier now, so its wait in the queue overlaps
         # the drive (storage/loader.py; reads only memory here).
-        seq.prefetch = self.cache.prefetch(seq.prefix_keys())
+        seq.prefetch = self.cache.prefetch(list(seq.exact.chain) if seq.exact is not None else seq.prefix_keys())
         self._inbox.put(seq)
         return seq
 
@@ -205,7 +223,9 @@ class Engine(StepLoop):
     def generate(self, prompt: Prompt | list[Prompt], params: SamplingParams | None = None,
                  tenant: str = "default", abort: AbortHandle | None = None) -> CompletionOutput | list[CompletionOutput]:
         """One prompt -> one output; a list of prompts -> a list of outputs, run concurrently.
-        (A list of ints is one prompt of token ids.) `abort` stops it from any thread (engine/abort.py)."""
+        (A list of ints is one prompt of token ids.) `abort` stops it from any thread (engine/abort.py).
+        With params.n > 1 a prompt's output is the list of its n choices (index order), each
+        carrying the request's usage (the prompt once, the choices' completions summed)."""
         batch = isinstance(prompt, list) and prompt and not all(isinstance(t, int) for t in prompt)
         if batch and abort is not None:
             raise ValueError("abort: an AbortHandle stops one request; give one prompt")
@@ -217,7 +237,9 @@ class Engine(StepLoop):
     def stream(self, prompt: Prompt, params: SamplingParams | None = None,
                tenant: str = "default", abort: AbortHandle | None = None) -> Iterator[StreamChunk]:
         """Chunks with only the new text/token ids; the last has finish_reason, usage, metrics.
-        Closing the iterator early aborts the request (billed for the chunks it yielded)."""
+        Closing the iterator early aborts the request (billed for the chunks it yielded).
+        With params.n > 1 the choices' chunks come interleaved, each with its `index`; each
+        choice's last chunk has its finish_reason and the request's usage."""
         abort = abort if abort is not None else AbortHandle()
         seq = self._submit(prompt, params, tenant, abort)
         yielded = 0
@@ -294,6 +316,8 @@ class Engine(StepLoop):
                            "loading": len(self.scheduler.loading),
                            "attention": self.runner.backend.name, "sync_debug": self.sync_debug,
                            "preemptions": self.scheduler.preemptions, "max_seqs": self.max_seqs,
+                           "exact_hits": self.scheduler.exact_hits, "copy_on_write_pages": self.scheduler.cow_copies,
+                           "tokens_computed": self.runner.tokens_computed,
                            "aborted": self._aborts.counts()}}
 
     def flush(self) -> FlushResult:
@@ -358,8 +382,10 @@ class Engine(StepLoop):
             if kind == "final":
                 return
 
-    def _wait(self, seq: Sequence) -> CompletionOutput:
+    def _wait(self, seq: Sequence) -> CompletionOutput | list[CompletionOutput]:
         for kind, payload in self._events(seq):
             if kind == "final":
+                if seq.group is not None and not isinstance(payload, list):
+                    return [payload]      # ended before its choices were forked (aborted while queued)
                 return payload
         raise AssertionError("unreachable: the event stream ends with 'final'")
