@@ -42,7 +42,7 @@ from engine.step_timer import StepTimer
 from engine.sequence import Sequence
 from storage.config import CacheConfig
 from storage.tiered_cache import TIERS, FlushResult, TieredKVCache
-from storage.exact_entry import LogitsFormat, exact_keys
+from storage.exact_entry import ExactKeys, LogitsFormat, exact_keys, worth_keeping
 from storage.hashing import BlockKey, block_keys, namespace_digest, root_hash, tenant_salt
 
 log = logging.getLogger("tieredkv.engine")
@@ -195,10 +195,7 @@ class Engine(StepLoop):
                        max_len=min(self.max_context, len(ids) + params.max_tokens),
                        generator=make_generator(params, self.loaded.device),
                        group=RequestGroup(params.n) if params.n > 1 else None)
-        if self.exact_hits:
-            seq.extend_keys()
-            seq.exact = exact_keys(seq.keys, ids, seq.namespace, self.block_size, root_hash(seq.namespace),
-                                   self.logits_format)
+        seq.exact = self.exact_keys(ids, seq.namespace)
         with self._inflight_lock:
             if self._inflight - len(self.scheduler.running) >= self.max_queue:
                 raise QueueFullError(f"engine queue is full ({self.max_queue} requests waiting); retry later")
@@ -267,6 +264,15 @@ class Engine(StepLoop):
              tenant: str = "default") -> CompletionOutput:
         return self.generate(self.apply_chat_template(messages), params, tenant)
 
+    def exact_keys(self, ids: list[int], namespace: bytes) -> ExactKeys | None:
+        """A prompt's whole chain, tail and logits blocks included (storage/exact_entry.py); None
+        when this engine keeps no exact entry for it (exact_hits off, or its logits would take
+        more pages than its KV)."""
+        if not self.exact_hits or not worth_keeping(self.logits_format, len(ids), self.block_size):
+            return None
+        return exact_keys(block_keys(namespace, ids, self.block_size), ids, namespace, self.block_size,
+                          root_hash(namespace), self.logits_format)
+
     def prompt_keys(self, prompt: Prompt, tenant: str = "default") -> tuple[list[int], list[BlockKey]]:
         """A prompt's token ids and the keys of its full blocks, capped at len - 1 tokens: the
         blocks a request for it would look up (lookup, and a router's /v1/cache/block_hashes)."""
@@ -277,6 +283,14 @@ class Engine(StepLoop):
         """Hit tokens by tier a request for this prompt would get now; promotes and bills nothing."""
         ids, keys = self.prompt_keys(prompt, tenant)
         # cache.lookup asks the remote store (if any) now: this runs on the caller's thread.
+        exact = self.exact_keys(ids, self.namespace(tenant))
+        if exact is not None:
+            match = self.cache.lookup(exact.chain)
+            if len(match) == len(exact.chain):        # an exact hit: every token, from its block's tier
+                hits = dict.fromkeys(TIERS, 0)
+                for key, (_, tier) in zip(exact.kv, match.blocks):
+                    hits[tier] += len(key.token_ids)
+                return LookupResult(len(ids), hits)
         return LookupResult(len(ids), self.cache.lookup(keys).tokens_by_tier(self.block_size))
 
     def prefix_tree(self, tenants: Seq[str] | None = None, depth: int = 8, width: int = 8,

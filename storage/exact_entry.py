@@ -64,6 +64,14 @@ class ExactKeys:
         return self.kv + self.logits
 
 
+def worth_keeping(fmt: LogitsFormat, prompt_tokens: int, block_size: int) -> bool:
+    """Whether a prompt gets an exact entry: its logits take no more pages than its KV does (a
+    logits row is padded to whole pages: one page for SmolLM2-135M's 96 KiB of bf16 logits in
+    360 KiB blocks, but 96 for a tiny test model's 192 KiB in 2 KiB blocks). So an entry at most
+    doubles what the prompt holds in the cache."""
+    return fmt.pages <= -(-prompt_tokens // block_size)
+
+
 def exact_keys(full: Sequence[BlockKey], prompt: Sequence[int], namespace: bytes, block_size: int,
                root: bytes, fmt: LogitsFormat) -> ExactKeys:
     """The exact entry's keys for `prompt`, whose full blocks' keys are `full` (in order);
