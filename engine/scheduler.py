@@ -23,6 +23,11 @@ load not complete by then is abandoned in schedule() -- the sequence keeps the l
 that arrived and computes the rest into fresh pages (storage/load_outcome.py), billed as
 computed. Checked between steps: the engine thread never waits for a load.
 
+An exact hit (storage/exact_entry.py: the prompt's tail block and stored logits cached too) is
+admitted with nothing to compute (Scheduled with 0 tokens; the engine samples its stored logits).
+NOTE invariant: the page a sequence writes next is its own -- copied first when it is shared (a
+forked choice's partial prompt page) or cached (an exact entry's tail): _reserve.
+
 NOTE invariant: an exception while admitting, reserving for or advancing one sequence is that
 sequence's failure alone: it is set aside (take_failed) with whatever pages it holds, for the
 engine to fail and release, and the step goes on for the others.
