@@ -38,6 +38,7 @@ from engine.decode_graph import MODES as DECODE_MODES
 from engine.outputs import CompletionOutput, LookupResult, StreamChunk
 from engine.paged_attention import ATTN_NAME, register
 from engine.sampler import make_generator
+from engine.request_group import RequestGroup
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.step_loop import StepLoop
@@ -45,7 +46,8 @@ from engine.step_timer import StepTimer
 from engine.sequence import Sequence
 from storage.config import CacheConfig
 from storage.tiered_cache import TIERS, FlushResult, TieredKVCache
-from storage.hashing import BlockKey, block_keys, namespace_digest, tenant_salt
+from storage.exact_entry import ExactKeys, LogitsFormat, exact_keys, worth_keeping
+from storage.hashing import BlockKey, block_keys, namespace_digest, root_hash, tenant_salt
 
 log = logging.getLogger("tieredkv.engine")
 
@@ -88,7 +90,7 @@ class Engine(StepLoop):
                  num_pages: int | None = None, prices: Prices | None = None, sync_debug: str | None = None,
                  attention: str | None = None, billing_failure: str = "serve",
                  max_model_len: int | None = None, enforce_eager: bool = False,
-                 decode_step: str = "auto") -> None:
+                 decode_step: str = "auto", exact_hits: bool = True, max_n: int = 16) -> None:
         cache = cache or CacheConfig()
         max_batch_tokens = max_batch_tokens or default_batch_tokens(loaded.device)
         if billing_failure not in ON_FAILURE:      # before any thread starts
@@ -146,6 +148,15 @@ class Engine(StepLoop):
         self.billing = (BillingWriter(path=ledger_dir, prices=prices or Prices(), on_failure=billing_failure)
                         if ledger_dir is not None else None)
         self.vocab_size = loaded.model.config.vocab_size
+        # Exact hits (storage/exact_entry.py): a computed prompt keeps its raw last-position
+        # logits beside its tail block, in the lm_head's dtype and width; off: every request
+        # computes at least its last token, as before.
+        head = loaded.model.get_output_embeddings()
+        self.logits_format = LogitsFormat(head.weight.dtype, head.weight.shape[0], self.layout.nbytes)
+        self.exact_hits = exact_hits
+        if not isinstance(max_n, int) or max_n < 1:
+            raise ValueError(f"max_n: expected an int >= 1, got {max_n!r}")
+        self.max_n = max_n            # SamplingParams.n above it is refused
         eos = loaded.model.config.eos_token_id
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos = self.tokenizer.eos_token_id
@@ -218,11 +229,15 @@ class Engine(StepLoop):
         bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if params.n > self.max_n:
+            raise ValueError(f"n: at most {self.max_n} choices per request (max_n), got {params.n}")
         ids = self.encode(prompt)
         seq = Sequence(request_id=f"cmpl-{uuid.uuid4().hex[:24]}", prompt_ids=ids, params=params, tenant=tenant,
                        namespace=self.namespace(tenant), block_size=self.block_size,
                        max_len=min(self.max_context, len(ids) + params.max_tokens),
-                       generator=make_generator(params, self.loaded.device))
+                       generator=make_generator(params, self.loaded.device),
+                       group=RequestGroup(params.n) if params.n > 1 else None)
+        seq.exact = self.exact_keys(ids, seq.namespace)
         with self._inflight_lock:
             if self._inflight - len(self.scheduler.running) >= self.max_queue:
                 raise QueueFullError(f"engine queue is full ({self.max_queue} requests waiting); retry later")
@@ -235,7 +250,7 @@ class Engine(StepLoop):
                 raise
         # Its disk blocks start moving to the host tier now, so its wait in the queue overlaps
         # the drive (storage/loader.py; reads only memory here).
-        seq.prefetch = self.cache.prefetch(seq.prefix_keys())
+        seq.prefetch = self.cache.prefetch(list(seq.exact.chain) if seq.exact is not None else seq.prefix_keys())
         self._inbox.put(seq)
         return seq
 
@@ -247,7 +262,9 @@ class Engine(StepLoop):
     def generate(self, prompt: Prompt | list[Prompt], params: SamplingParams | None = None,
                  tenant: str = "default", abort: AbortHandle | None = None) -> CompletionOutput | list[CompletionOutput]:
         """One prompt -> one output; a list of prompts -> a list of outputs, run concurrently.
-        (A list of ints is one prompt of token ids.) `abort` stops it from any thread (engine/abort.py)."""
+        (A list of ints is one prompt of token ids.) `abort` stops it from any thread (engine/abort.py).
+        With params.n > 1 a prompt's output is the list of its n choices (index order), each
+        carrying the request's usage (the prompt once, the choices' completions summed)."""
         batch = isinstance(prompt, list) and prompt and not all(isinstance(t, int) for t in prompt)
         if batch and abort is not None:
             raise ValueError("abort: an AbortHandle stops one request; give one prompt")
@@ -259,7 +276,9 @@ class Engine(StepLoop):
     def stream(self, prompt: Prompt, params: SamplingParams | None = None,
                tenant: str = "default", abort: AbortHandle | None = None) -> Iterator[StreamChunk]:
         """Chunks with only the new text/token ids; the last has finish_reason, usage, metrics.
-        Closing the iterator early aborts the request (billed for the chunks it yielded)."""
+        Closing the iterator early aborts the request (billed for the chunks it yielded).
+        With params.n > 1 the choices' chunks come interleaved, each with its `index`; each
+        choice's last chunk has its finish_reason and the request's usage."""
         abort = abort if abort is not None else AbortHandle()
         seq = self._submit(prompt, params, tenant, abort)
         yielded = 0
@@ -287,6 +306,15 @@ class Engine(StepLoop):
              tenant: str = "default") -> CompletionOutput:
         return self.generate(self.apply_chat_template(messages), params, tenant)
 
+    def exact_keys(self, ids: list[int], namespace: bytes) -> ExactKeys | None:
+        """A prompt's whole chain, tail and logits blocks included (storage/exact_entry.py); None
+        when this engine keeps no exact entry for it (exact_hits off, or its logits would take
+        more pages than its KV)."""
+        if not self.exact_hits or not worth_keeping(self.logits_format, len(ids), self.block_size):
+            return None
+        return exact_keys(block_keys(namespace, ids, self.block_size), ids, namespace, self.block_size,
+                          root_hash(namespace), self.logits_format)
+
     def prompt_keys(self, prompt: Prompt, tenant: str = "default") -> tuple[list[int], list[BlockKey]]:
         """A prompt's token ids and the keys of its full blocks, capped at len - 1 tokens: the
         blocks a request for it would look up (lookup, and a router's /v1/cache/block_hashes)."""
@@ -297,6 +325,14 @@ class Engine(StepLoop):
         """Hit tokens by tier a request for this prompt would get now; promotes and bills nothing."""
         ids, keys = self.prompt_keys(prompt, tenant)
         # cache.lookup asks the remote store (if any) now: this runs on the caller's thread.
+        exact = self.exact_keys(ids, self.namespace(tenant))
+        if exact is not None:
+            match = self.cache.lookup(exact.chain)
+            if len(match) == len(exact.chain):        # an exact hit: every token, from its block's tier
+                hits = dict.fromkeys(TIERS, 0)
+                for key, (_, tier) in zip(exact.kv, match.blocks):
+                    hits[tier] += len(key.token_ids)
+                return LookupResult(len(ids), hits)
         return LookupResult(len(ids), self.cache.lookup(keys).tokens_by_tier(self.block_size))
 
     def prefix_tree(self, tenants: Seq[str] | None = None, depth: int = 8, width: int = 8,
@@ -337,6 +373,8 @@ class Engine(StepLoop):
                            "attention": self.runner.backend.name, "decode_step": self.decode_step,
                            "sync_debug": self.sync_debug,
                            "preemptions": self.scheduler.preemptions, "max_seqs": self.max_seqs,
+                           "exact_hits": self.scheduler.exact_hits, "copy_on_write_pages": self.scheduler.cow_copies,
+                           "tokens_computed": self.runner.tokens_computed,
                            "aborted": self._aborts.counts()}}
 
     def flush(self) -> FlushResult:
@@ -408,8 +446,10 @@ class Engine(StepLoop):
             if kind == "final":
                 return
 
-    def _wait(self, seq: Sequence) -> CompletionOutput:
+    def _wait(self, seq: Sequence) -> CompletionOutput | list[CompletionOutput]:
         for kind, payload in self._events(seq):
             if kind == "final":
+                if seq.group is not None and not isinstance(payload, list):
+                    return [payload]      # ended before its choices were forked (aborted while queued)
                 return payload
         raise AssertionError("unreachable: the event stream ends with 'final'")

@@ -42,10 +42,15 @@ class ModelRunner:
         # our attention reads its masks from the PagedBatch, and the mask builder's check for
         # packed sequences in position_ids is a host sync (`.all()` in a Python `if`) per forward.
         self._prepared_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=kv.device)
+        # Tokens run through the model and forward passes, since start (an exact hit adds none).
+        self.tokens_computed = 0
+        self.forward_passes = 0
 
     @torch.inference_mode()
     def forward(self, scheduled: list[Scheduled]) -> torch.Tensor:
         """Logits [len(scheduled), vocab] of the last new token of each scheduled sequence."""
+        self.forward_passes += 1
+        self.tokens_computed += sum(s.num_tokens for s in scheduled)
         if self.decode is not None and all(s.num_tokens == 1 for s in scheduled) and self.decode.accepts(
                 len(scheduled), max(s.seq.num_computed + 1 for s in scheduled)):
             return self.decode.run([DecodeRow(s.seq.tokens[s.seq.num_computed], s.seq.num_computed + 1,

@@ -64,7 +64,8 @@ def emit(seq: Sequence, final: bool) -> None:
         return
     seq.sent_chars, seq.sent_tokens = max(seq.sent_chars, end), len(seq.output_ids)
     if not final:
-        seq.events.put(("delta", StreamChunk(seq.request_id, text, ids, **logprobs_of_last(seq, len(ids)))))
+        seq.events.put(("delta", StreamChunk(seq.request_id, text, ids, index=seq.index,
+                                             **logprobs_of_last(seq, len(ids)))))
     else:
         seq.pending_final = (text, ids)
 
@@ -97,8 +98,9 @@ def completion_of(seq: Sequence, reason: str, with_text: bool) -> tuple[Completi
     out = CompletionOutput(seq.request_id, seq.text if with_text else "", list(seq.output_ids),
                            reason, usage, metrics, list(seq.prompt_ids),
                            seq.logprobs if seq.params.logprobs else None,
-                           seq.token_logprobs if seq.params.logprobs else None)
-    last = StreamChunk(seq.request_id, text, ids, reason, usage, metrics, **logprobs_of_last(seq, len(ids)))
+                           seq.token_logprobs if seq.params.logprobs else None, index=seq.index)
+    last = StreamChunk(seq.request_id, text, ids, reason, usage, metrics, index=seq.index,
+                       **logprobs_of_last(seq, len(ids)))
     return out, last
 
 

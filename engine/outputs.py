@@ -66,6 +66,9 @@ class CompletionOutput:
     # and the sampled token's own log-probability (it need not be in the top n).
     logprobs: list[list[tuple[int, float]]] | None = None
     token_logprobs: list[float] | None = None
+    # n > 1: which choice this is (0..n-1); its usage is the request's (the prompt once, every
+    # choice's completion tokens summed), as OpenAI reports and bills it.
+    index: int = 0
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,7 @@ class StreamChunk:
     metrics: RequestMetrics | None = None
     logprobs: list[list[tuple[int, float]]] | None = None
     token_logprobs: list[float] | None = None
+    index: int = 0           # the choice it belongs to (n > 1)
 
 
 @dataclass(frozen=True)

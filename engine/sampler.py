@@ -24,6 +24,7 @@ penalties and min_tokens, each row's prompt and output ids so far).
 """
 from __future__ import annotations
 
+import hashlib
 import secrets
 from dataclasses import dataclass
 from typing import Collection, Sequence
@@ -40,14 +41,25 @@ class SamplingError(RuntimeError):
     """No token can be chosen from this row (NaN logits)."""
 
 
-def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -> torch.Generator | None:
+def make_generator(params: SamplingParams, device: torch.device | str = "cpu",
+                   choice: int = 0) -> torch.Generator | None:
+    """The generator of one choice of a request (n > 1: choice 0..n-1; each its own stream)."""
     if is_greedy(params):
         return None
     g = torch.Generator(device=device)
     # Not torch.seed(): it reseeds the process's default generators (every CUDA device's too),
     # from a request thread, under every other request's feet.
-    g.manual_seed(params.seed if params.seed is not None else secrets.randbits(63))
+    g.manual_seed(choice_seed(params.seed, choice) if params.seed is not None else secrets.randbits(63))
     return g
+
+
+def choice_seed(seed: int, choice: int) -> int:
+    """The seed of choice `choice` of a request seeded `seed`: choice 0 keeps the request's seed
+    (n=1 is unchanged), the others a digest of (seed, choice): reproducible, and distinct."""
+    if choice == 0:
+        return seed
+    digest = hashlib.sha256(f"tieredkv-choice:{seed}:{choice}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
 
 
 def is_greedy(params: SamplingParams) -> bool:

@@ -43,6 +43,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logprobs: int = 0                 # top-n log-probabilities returned per generated token
+    n: int = 1                        # choices: one prefill, n sequences forked on its pages
 
     def __post_init__(self) -> None:
         # Accept lists/single strings from callers, store tuples so the object stays hashable.
@@ -67,6 +68,8 @@ class SamplingParams:
             raise ValueError(f"min_p: expected a number in [0, 1] (0 = off), got {self.min_p!r}")
         if self.seed is not None and (not _int(self.seed) or not -2**63 <= self.seed < 2**64):
             raise ValueError(f"seed: expected an int in [-2**63, 2**64) or None, got {self.seed!r}")
+        if not _int(self.n) or self.n < 1:
+            raise ValueError(f"n: expected an int >= 1, got {self.n!r}")
         if not _int(self.logprobs) or not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs: expected an int in [0, 20], got {self.logprobs!r}")
         if not all(isinstance(s, str) and s for s in self.stop):

@@ -23,6 +23,11 @@ load not complete by then is abandoned in schedule() -- the sequence keeps the l
 that arrived and computes the rest into fresh pages (storage/load_outcome.py), billed as
 computed. Checked between steps: the engine thread never waits for a load.
 
+An exact hit (storage/exact_entry.py: the prompt's tail block and stored logits cached too) is
+admitted with nothing to compute (Scheduled with 0 tokens; the engine samples its stored logits).
+NOTE invariant: the page a sequence writes next is its own -- copied first when it is shared (a
+forked choice's partial prompt page) or cached (an exact entry's tail): _reserve.
+
 NOTE invariant: an exception while admitting, reserving for or advancing one sequence is that
 sequence's failure alone: it is set aside (take_failed) with whatever pages it holds, for the
 engine to fail and release, and the step goes on for the others.
@@ -76,6 +81,8 @@ class Scheduler:
         self.clock = clock
         self.preemptions = 0
         self.probes_abandoned = 0     # requests admitted without their overdue remote probe
+        self.exact_hits = 0           # admissions with nothing to compute (storage/exact_entry.py)
+        self.cow_copies = 0           # pages copied before a write (shared or cached pages)
         # Fair share (_admission_order): each tenant's latest admission, numbered (engine thread).
         self._admissions = 0
         self._last_admitted: dict[str, int] = {}
@@ -116,6 +123,8 @@ class Scheduler:
                 n = min(seq.num_tokens - seq.num_computed, budget)
                 if seq.load is not None:
                     n = min(n, seq.compute_until - seq.num_computed)
+                if n <= 0:
+                    continue
                 if not self._reserve(seq, n, out):
                     continue
             except Exception as e:
@@ -211,20 +220,25 @@ class Scheduler:
             # Overdue (a stalled or sick store): admitted as if the store held none of it.
             remote, self.probes_abandoned = frozenset(), self.probes_abandoned + 1
         keys = seq.prefix_keys()
-        match = self.cache.match(keys, remote)
+        # Exact hit (storage/exact_entry.py): the whole chain, tail and logits included, is cached.
+        # Else the match is cut where a prefix hit is capped (len - 1 tokens), as it always was.
+        exact = seq.exact if seq.exact is not None and not seq.output_ids else None
+        match = self.cache.match(exact.chain if exact is not None else keys, remote)
+        if exact is not None and len(match) < len(exact.chain):
+            match, exact = CacheMatch(match.blocks[:len(keys)]), None
         if len(match) < len(keys) and keys[len(match)].hash in pending:
             return None
         needs_load = any(tier != "device" for _, tier in match.blocks)
         if needs_load and self.loads_in_flight() >= self.max_loading:
             return None     # back-pressure on the loader; requests without a load go ahead
-        remaining = seq.num_tokens - len(match) * self.block_size
+        remaining = 0 if exact is not None else seq.num_tokens - len(match) * self.block_size
         n = min(remaining, budget)
         need = len(match) + -(-n // self.block_size)   # conservative: every matched block may need a page
         if not self.cache.can_allocate(need):
             # With nothing running every page is free or evictable, and the engine only accepts
             # sequences that fit the pool (Sequence.max_len), so this cannot stall forever.
             return False
-        split = self._split(seq, match) if needs_load else None
+        split = self._split(seq, match) if needs_load and exact is None else None
         if split is not None and split.start > split.device:
             return self._start_split(seq, match, split, budget)
         load = self.cache.plan(match, seq.prefetch)
@@ -268,23 +282,31 @@ class Scheduler:
         so the next admission hits them on the device. With a split (_start_split): `recomputed`
         are the billed tiers of the blocks after `acquired` it computes itself, and `back` the
         load of the blocks after those."""
-        seq.pages = list(acquired.pages)
-        seq.registered = len(acquired.pages)
-        seq.num_computed = len(acquired.pages) * self.block_size
+        pages, tiers = list(acquired.pages), list(acquired.tiers)
+        if seq.exact is not None and not seq.output_ids:
+            if len(pages) == len(seq.exact.chain):
+                return self._start_exact(seq, pages, tiers, acquired.restore_s)
+            cap = len(seq.prefix_keys())     # an exact chain not whole: a prefix hit, capped
+            if len(pages) > cap:
+                self.cache.release(pages[cap:])
+                pages, tiers = pages[:cap], tiers[:cap]
+        seq.pages = pages
+        seq.registered = len(pages)
+        seq.num_computed = len(pages) * self.block_size
         if seq.hit_tokens_by_tier is None:
             # NOTE billing: decided once, at the first admission, from the blocks the cache held:
             # served, recomputed by choice, or being loaded (a back block whose fill fails is
             # taken off again at the join: the cache did not hold it). A preempted request's
             # recompute is our cost, not the tenant's.
             hits = dict.fromkeys(TIERS, 0)
-            for tier in (*acquired.tiers, *recomputed, *(back.tiers if back is not None else ())):
+            for tier in (*tiers, *recomputed, *(back.tiers if back is not None else ())):
                 hits[tier] += self.block_size
             seq.hit_tokens_by_tier = hits
             seq.restore_s = acquired.restore_s
             seq.admitted_at = time.perf_counter()
         if back is not None:
             seq.load = back
-            seq.compute_until = (len(acquired.pages) + len(recomputed)) * self.block_size
+            seq.compute_until = (len(pages) + len(recomputed)) * self.block_size
         n = min(seq.num_tokens - seq.num_computed, budget)
         if seq.load is not None:
             n = min(n, seq.compute_until - seq.num_computed)
@@ -297,6 +319,35 @@ class Scheduler:
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
         return Scheduled(seq, n)
+
+    def _start_exact(self, seq: Sequence, pages: list[int], tiers: list[str], restore_s: float) -> Scheduled:
+        """An exact hit: the prompt's every block (its tail too) and its stored logits are held.
+        It runs with nothing to compute: the engine samples its first token from the stored
+        logits (`logits_pages`, held until then) and decodes on the cached pages (the tail page is
+        copied before the sequence writes into it: _reserve). NOTE billing: every prompt token is
+        a hit billed from the tier of the block holding it (the logits blocks hold none)."""
+        kv = len(seq.exact.kv)
+        seq.pages, seq.logits_pages = pages[:kv], pages[kv:]
+        seq.registered = len(seq.exact.full)
+        seq.num_computed = len(seq.prompt_ids)
+        if seq.hit_tokens_by_tier is None:
+            hits = dict.fromkeys(TIERS, 0)
+            for key, tier in zip(seq.exact.kv, tiers):
+                hits[tier] += len(key.token_ids)
+            seq.hit_tokens_by_tier = hits
+            seq.restore_s = restore_s
+            seq.admitted_at = time.perf_counter()
+        seq.exact_hit = True
+        self.exact_hits += 1
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+        return Scheduled(seq, 0)
+
+    def adopt(self, seq: Sequence) -> None:
+        """A running sequence made outside admission (a choice forked from its request's first
+        sequence: engine/request_group.py), holding its pages already."""
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
 
     def _join(self, seq: Sequence, abandon: bool = False) -> None:
         """A split sequence computed its front and its back finished loading (or, `abandon`, its
@@ -345,14 +396,18 @@ class Scheduler:
         if seq.load is not None:
             self.cache.cancel_load(seq.load)
             seq.load, seq.load_deadline = None, None
-        self.cache.release(seq.pages)
+        self.cache.release(seq.pages + seq.logits_pages)
         seq.reset_for_preemption()
 
     def _reserve(self, seq: Sequence, n: int, scheduled: list[Scheduled]) -> bool:
         """Pages for n more tokens of a running sequence, preempting the newest others if needed.
         False if `seq` itself had to be preempted."""
         need = seq.pages_needed(seq.num_computed + n)
-        while not self.cache.can_allocate(need):
+        # Copy-on-write: the page the next token goes into may be shared (a forked choice's
+        # partial prompt page) or cached (an exact entry's tail): it is copied first.
+        at = seq.num_computed // self.block_size
+        cow = at < len(seq.pages) and self.cache.is_shared(seq.pages[at])
+        while not self.cache.can_allocate(need + cow):
             victim = next((s for s in reversed(self.running)
                            if s is not seq and all(x.seq is not s for x in scheduled)), None)
             if victim is None:
@@ -360,6 +415,9 @@ class Scheduler:
             self.preempt(victim)
             if victim is seq:
                 return False
+        if cow:
+            seq.pages[at] = self.cache.copy_on_write(seq.pages[at])
+            self.cow_copies += 1
         seq.pages.extend(self.cache.allocate(need))
         return True
 
@@ -400,5 +458,5 @@ class Scheduler:
         if seq.load is not None:
             self.cache.cancel_load(seq.load)
             seq.load, seq.load_deadline = None, None
-        self.cache.release(seq.pages)
-        seq.pages = []
+        self.cache.release(seq.pages + seq.logits_pages)
+        seq.pages, seq.logits_pages = [], []

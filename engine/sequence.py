@@ -15,6 +15,7 @@ from enum import Enum
 import torch
 
 from engine.sampling_params import SamplingParams
+from storage.exact_entry import ExactKeys
 from storage.hashing import BlockKey, block_keys
 from storage.loader import Load, Prefetch
 
@@ -68,6 +69,14 @@ class Sequence:
     logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     token_logprobs: list[float] = field(default_factory=list)   # the sampled token's, per output token
     pending_final: tuple[str, list[int]] = ("", [])  # the last chunk's text and ids
+    # Exact hits (storage/exact_entry.py): the prompt's whole chain (None: off for this engine);
+    # on an exact hit, the pages holding its stored logits until its first token is sampled.
+    exact: ExactKeys | None = None
+    exact_hit: bool = False
+    logits_pages: list[int] = field(default_factory=list)
+    # n > 1 (engine/request_group.py): its choice's index and the request it is a choice of.
+    index: int = 0
+    group: Any = None
 
     @property
     def tokens(self) -> list[int]:
@@ -99,4 +108,5 @@ class Sequence:
         self.num_computed = 0
         self.registered = 0
         self.compute_until = 0
+        self.logits_pages = []
         self.status = SeqStatus.WAITING

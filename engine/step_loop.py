@@ -19,8 +19,9 @@ import time
 import torch
 
 from engine.output_stream import completion_of, emit, take_token_text
-from engine.sampler import RowResult, SamplingError, sample_batch
+from engine.sampler import RowResult, SamplingError, make_generator, sample_batch
 from engine.sequence import Sequence, SeqStatus
+from storage.exact_entry import read_logits
 from storage.foreground import FOREGROUND
 
 log = logging.getLogger("tieredkv.engine")
@@ -62,17 +63,23 @@ class StepLoop:
     def _apply_aborts(self) -> None:
         """End the sequences whose callers left (between steps): pages back, billed as usage_of says."""
         for seq, reason, delivered in self._aborts.take():
-            if seq.status is SeqStatus.FINISHED:
+            # n > 1: the abort ends every choice still open (each billed for what it generated).
+            members = seq.group.open_members() if seq.group is not None and seq.group.forked else [seq]
+            members = [m for m in members if m.status is not SeqStatus.FINISHED]
+            if not members:
                 continue         # it finished (or failed) first: that outcome and its bill stand
             self._aborts.counted(reason)
-            seq.delivered_tokens = delivered
-            log.info("request %s aborted (%s) after %d generated tokens", seq.request_id, reason, len(seq.output_ids))
-            try:
-                self._finish(seq, "abort")
-            except Exception as e:
-                self._fail(seq, e)
+            for m in members:
+                m.delivered_tokens = delivered if m.group is None or not m.group.forked else None
+                log.info("request %s aborted (%s) after %d generated tokens", m.request_id, reason, len(m.output_ids))
+                try:
+                    self._finish(m, "abort")
+                except Exception as e:
+                    self._fail(m, e)
 
     def _done(self, seq: Sequence) -> None:
+        if seq.group is not None and seq.group.forked:
+            return        # a choice: the request leaves the count when its last choice ends (_settle)
         with self._inflight_lock:
             self._inflight -= 1
 
@@ -80,6 +87,11 @@ class StepLoop:
         """Fail one request: its pages go back, its caller gets the error, nothing else changes.
         A failed request is not billed (it produced nothing the caller can use)."""
         log.error("request %s failed: %s: %s", seq.request_id, type(error).__name__, error)
+        if seq.group is not None and seq.group.forked:
+            if seq.status is not SeqStatus.FINISHED:      # one choice fails alone
+                self.scheduler.finish(seq)
+                self._settle(seq, error)
+            return
         if seq.status is not SeqStatus.FINISHED:
             self.scheduler.finish(seq)
             self._done(seq)
@@ -96,6 +108,47 @@ class StepLoop:
         if not scheduled:
             time.sleep(0.001)
             return
+        # An exact hit (num_tokens 0) computes nothing: its row is its stored logits.
+        computing = [s for s in scheduled if s.num_tokens > 0]
+        rows = self._forward(computing) if computing else []
+        scheduled = computing + [s for s in scheduled if s.num_tokens == 0]
+        rows += [read_logits(self.cache.pool.kv, s.seq.logits_pages, self.logits_format)
+                 for s in scheduled[len(computing):]]
+        self.scheduler.after_step(scheduled)
+        for seq, error in self.scheduler.take_failed():
+            self._fail(seq, error)
+        now = time.perf_counter()
+        producing = [(s.seq, row) for s, row in zip(scheduled, rows)
+                     # failed above, or a prefill chunk that is not the last: no token yet
+                     if s.seq.status is not SeqStatus.FINISHED and s.seq.num_computed >= s.seq.num_tokens]
+        if not producing:
+            return
+        firsts = [(seq, row) for seq, row in producing if not seq.output_ids]
+        for seq, row in firsts:
+            if seq.group is not None and not seq.group.forked:
+                producing += [(child, row) for child in self._fork(seq)]
+        try:
+            with self._sync_check():
+                step = sample_batch(torch.stack([row for _, row in producing]), [q.params for q, _ in producing],
+                                    [q.generator for q, _ in producing],
+                                    [(q.prompt_ids, q.output_ids) for q, _ in producing], self.eos_ids)
+            results = step.read()        # the step's one wait for the device
+            self.step_timer.collect()    # this step's GPU time, readable now (CUDA events)
+        except Exception as e:
+            log.exception("sampling a step of %d sequences failed", len(producing))
+            for seq, _ in producing:
+                self._fail(seq, RuntimeError(f"sampling failed: {e}"))
+            return
+        for seq, row in firsts:
+            self._keep_exact(seq, row)
+        for (seq, _), result in zip(producing, results):
+            try:
+                self._take_token(seq, result, now)
+            except Exception as e:
+                self._fail(seq, e if isinstance(e, SamplingError) else RuntimeError(f"handling a token failed: {e}"))
+
+    def _forward(self, scheduled: list) -> list:
+        """Logits rows of the scheduled sequences (failed ones taken out of `scheduled`)."""
         work = [(s.num_tokens, s.seq.num_computed + s.num_tokens) for s in scheduled]
         self.step_timer.collect()        # earlier CUDA steps whose end event completed (no wait)
         try:
@@ -114,32 +167,29 @@ class StepLoop:
                 except Exception as e:
                     self._fail(s.seq, RuntimeError(f"forward pass failed: {e}"))
                     scheduled.remove(s)
-        self.scheduler.after_step(scheduled)
-        for seq, error in self.scheduler.take_failed():
-            self._fail(seq, error)
-        now = time.perf_counter()
-        producing = [(s.seq, row) for s, row in zip(scheduled, rows)
-                     # failed above, or a prefill chunk that is not the last: no token yet
-                     if s.seq.status is not SeqStatus.FINISHED and s.seq.num_computed >= s.seq.num_tokens]
-        if not producing:
+        return rows
+
+    def _fork(self, first: Sequence) -> list[Sequence]:
+        """n > 1: the request's other choices, forked on its first's pages (engine/request_group.py)."""
+        return first.group.fork(first, self.cache.share, self.scheduler.adopt,
+                                lambda i: make_generator(first.params, self.loaded.device, choice=i))
+
+    def _keep_exact(self, seq: Sequence, row: torch.Tensor) -> None:
+        """After a prompt's first token: an exact hit gives its stored logits' pages back; a
+        computed prompt is kept as an exact entry (its tail page and raw logits: the cache's
+        store_exact), so its repeat computes nothing. Storing is best effort: a failure is
+        logged, never the request's."""
+        if seq.logits_pages:
+            self.cache.release(seq.logits_pages)
+            seq.logits_pages = []
+            return
+        if seq.exact is None or seq.exact_hit or seq.status is SeqStatus.FINISHED:
             return
         try:
-            with self._sync_check():
-                step = sample_batch(torch.stack([row for _, row in producing]), [q.params for q, _ in producing],
-                                    [q.generator for q, _ in producing],
-                                    [(q.prompt_ids, q.output_ids) for q, _ in producing], self.eos_ids)
-            results = step.read()        # the step's one wait for the device
-            self.step_timer.collect()    # this step's GPU time, readable now (CUDA events)
-        except Exception as e:
-            log.exception("sampling a step of %d sequences failed", len(producing))
-            for seq, _ in producing:
-                self._fail(seq, RuntimeError(f"sampling failed: {e}"))
-            return
-        for (seq, _), result in zip(producing, results):
-            try:
-                self._take_token(seq, result, now)
-            except Exception as e:
-                self._fail(seq, e if isinstance(e, SamplingError) else RuntimeError(f"handling a token failed: {e}"))
+            tail = seq.pages[len(seq.exact.full)] if seq.exact.tail is not None else None
+            self.cache.store_exact(seq.exact, tail, row, self.logits_format)
+        except Exception:
+            log.exception("keeping request %s as an exact entry failed", seq.request_id)
 
     @contextlib.contextmanager
     def _sync_check(self):
@@ -177,7 +227,28 @@ class StepLoop:
         self._done(seq)
         seq.finish_reason = reason
         out, last = completion_of(seq, reason, with_text=self.tokenizer is not None)
-        usage = out.usage
+        if seq.group is not None and seq.group.forked:
+            self._settle(seq, (out, last))
+            return
+        self._bill(seq, out.usage, [(out, last)], out)
+
+    def _settle(self, seq: Sequence, outcome) -> None:
+        """One choice of an n > 1 request ended; the request is answered and billed once all have
+        (engine/request_group.py): the prompt once, the completions summed."""
+        group = seq.group
+        if not group.settle(seq, outcome):
+            return
+        with self._inflight_lock:
+            self._inflight -= 1
+        usage = group.usage()
+        if usage is None:           # every choice failed: the request did
+            seq.events.put(("error", group.first_error()))
+            return
+        results = group.results(usage)
+        self._bill(seq, usage, results, [out for out, _ in results])
+
+    def _bill(self, seq: Sequence, usage, results: list, final) -> None:
+        """Bill `usage`, then hand the caller each choice's last chunk and the final output."""
 
         def complete(recorded: bool | None = True, error: Exception | None = None) -> None:
             # NOTE: runs after the ledger committed this request (billing thread), so a caller
@@ -186,8 +257,9 @@ class StepLoop:
             if error is not None:
                 seq.events.put(("error", RuntimeError(f"billing failed: {error}")))
                 return
-            seq.events.put(("delta", last))
-            seq.events.put(("final", out))
+            for _, last in results:
+                seq.events.put(("delta", last))
+            seq.events.put(("final", final))
         if self.billing is None:
             complete()
             return

@@ -84,13 +84,14 @@ async def _generate(c: AppContext, request: Request, req: Any, prompt_ids: Calla
         gaps = TokenGaps()
         return await _stream(c, request, lambda: _timed(c, engine.stream(prompt_ids(), params, tenant=tenant,
                                                                          abort=abort), gaps),
-                             tenant, abort, chat=chat, include_usage=req.include_usage, logprobs=logprobs, gaps=gaps)
+                             tenant, abort, chat=chat, include_usage=req.include_usage, logprobs=logprobs, gaps=gaps,
+                             n=params.n)
     try:
         out, lp = await c.dispatcher.call(
             lambda: _with_logprobs(engine.generate(prompt_ids(), params, tenant=tenant, abort=abort), logprobs),
             tenant=tenant, timeout=c.settings.request_timeout_s, abort=abort, gone=lambda: until_disconnected(request))
     except Abandoned as gone:
-        out = gone.result[0] if gone.result is not None else None
+        out = _first(gone.result[0]) if gone.result is not None else None
         rid = completion_id(out.request_id, chat) if out is not None else None
         if gone.reason == TIMEOUT:
             why = f"the request took longer than {c.settings.request_timeout_s:g}s"
@@ -98,10 +99,15 @@ async def _generate(c: AppContext, request: Request, req: Any, prompt_ids: Calla
         c.aborted(request, out, "the client disconnected before its response", rid)
         return APIError(499, "the client closed its connection", code=CLIENT_DISCONNECTED).response()
     # NOTE: one id per request: the body's `id`, x-request-id and the log line's id are the same string.
-    rid = completion_id(out.request_id, chat)
-    c.finished(request, rid, out.usage, out.metrics, out.finish_reason)
+    first = _first(out)         # n > 1: a list of the choices, each carrying the request's usage
+    rid = completion_id(first.request_id, chat)
+    c.finished(request, rid, first.usage, first.metrics, first.finish_reason)
     body = chat_body if chat else completion_body
     return JSONResponse(body(out, c.model_name, int(time.time()), lp), headers={"x-request-id": rid})
+
+
+def _first(out: Any) -> Any:
+    return out[0] if isinstance(out, list) else out
 
 
 @router.get("/v1/models")
@@ -138,9 +144,14 @@ def _logprobs(engine: Any, req: Any, chat: bool) -> Logprobs | None:
     return None if n is None else Logprobs(engine.tokenizer, n, chat=chat)
 
 
-def _with_logprobs(out: Any, logprobs: Logprobs | None) -> tuple[Any, dict[str, Any] | None]:
-    """The output and its logprobs object, built on the worker thread (it decodes every token)."""
-    return out, None if logprobs is None else logprobs.of(out)
+def _with_logprobs(out: Any, logprobs: Logprobs | None) -> tuple[Any, Any]:
+    """The output and its logprobs object (n > 1: one per choice, each its own text offsets),
+    built on the worker thread (it decodes every token)."""
+    if logprobs is None:
+        return out, None
+    if isinstance(out, list):
+        return out, [logprobs.fresh().of(o) for o in out]
+    return out, logprobs.of(out)
 
 
 def _params(req: Any, default_max_tokens: int, default_seed: int | None = None) -> Any:
@@ -153,7 +164,8 @@ def _params(req: Any, default_max_tokens: int, default_seed: int | None = None) 
 
 
 async def _stream(c: AppContext, request: Request, make_iter: Any, tenant: str, abort: AbortHandle, chat: bool,
-                  include_usage: bool, logprobs: Logprobs | None, gaps: "TokenGaps") -> StreamingResponse:
+                  include_usage: bool, logprobs: Logprobs | None, gaps: "TokenGaps",
+                  n: int = 1) -> StreamingResponse:
     events = await c.dispatcher.stream(make_iter, tenant=tenant, timeout=c.settings.request_timeout_s)
     first = await _first_chunk(c, request, events, abort)    # errors before it raise here: real statuses
     rid = completion_id(first.request_id, chat)
@@ -164,26 +176,33 @@ async def _stream(c: AppContext, request: Request, make_iter: Any, tenant: str, 
         # NOTE abort: the engine's request ends within a step of the client leaving (this
         # generator is then closed at a yield, or cancelled while it awaits a chunk), billed for
         # the completion tokens whose chunks were sent; a chunk counts once its yield returns.
-        sent, ended = 0, False
+        # n > 1: the choices' chunks come interleaved, each with its index (as OpenAI's); the
+        # stream ends once every choice has finished, with the request's usage (billed once).
+        sent, ended, done = 0, False, set()
+        lps = {i: logprobs if i == 0 else logprobs.fresh() for i in range(n)} if logprobs is not None else {}
         try:
             if chat:
-                yield writer.role()
+                for i in range(n):
+                    yield writer.role(i)
             chunk = first
             while chunk is not None:
-                lp = None if logprobs is None else logprobs.of(chunk)
+                i = chunk.index
+                lp = None if logprobs is None else lps[i].of(chunk)
                 if chunk.finish_reason is not None:
-                    ended = True         # finished and billed by the engine
+                    done.add(i)
                     if chat and chunk.text:
-                        yield writer.text(chunk.text, logprobs=lp)
-                        yield writer.text("", chunk.finish_reason)
+                        yield writer.text(chunk.text, logprobs=lp, index=i)
+                        yield writer.text("", chunk.finish_reason, index=i)
                     else:
-                        yield writer.text(chunk.text, chunk.finish_reason, lp)
-                    c.finished(request, rid, chunk.usage, chunk.metrics, chunk.finish_reason, gaps.intervals)
-                    if include_usage and chunk.usage is not None:
-                        yield writer.usage(chunk.usage)
-                    break
-                if chunk.text or lp:
-                    yield writer.text(chunk.text, logprobs=lp)
+                        yield writer.text(chunk.text, chunk.finish_reason, lp, index=i)
+                    if len(done) == n:
+                        ended = True         # finished and billed by the engine
+                        c.finished(request, rid, chunk.usage, chunk.metrics, chunk.finish_reason, gaps.intervals)
+                        if include_usage and chunk.usage is not None:
+                            yield writer.usage(chunk.usage)
+                        break
+                elif chunk.text or lp:
+                    yield writer.text(chunk.text, logprobs=lp, index=i)
                 sent += len(chunk.token_ids)
                 chunk = await anext(events, None)
         except APIError as e:
@@ -226,7 +245,8 @@ def _timed(c: AppContext, chunks: Iterator[Any], gaps: TokenGaps) -> Iterator[An
     an aborted stream's bill (its last chunk, which nobody reads) is counted in the metrics here,
     as a finished one's is when it is sent."""
     for chunk in chunks:
-        gaps.chunk(len(chunk.token_ids))
+        if getattr(chunk, "index", 0) == 0:   # n > 1: the first choice's gaps (the others interleave)
+            gaps.chunk(len(chunk.token_ids))
         if chunk.finish_reason == "abort":
             c.metrics.observe_request(chunk.usage, None, "abort")
         yield chunk

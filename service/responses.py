@@ -40,27 +40,38 @@ def completion_id(request_id: str, chat: bool) -> str:
     return f"{'chatcmpl' if chat else 'cmpl'}-{request_id.removeprefix('cmpl-')}"
 
 
-def completion_body(out: Any, model: str, created: int, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+def completion_body(outs: Any, model: str, created: int, logprobs: Any = None) -> dict[str, Any]:
+    """One output, or a request's n choices (a list, index order, each carrying the request's
+    usage); `logprobs`: the logprobs object of each (or of the one)."""
+    outs, lps = _choices(outs, logprobs)
     return {
-        "id": completion_id(out.request_id, chat=False),
+        "id": completion_id(outs[0].request_id, chat=False),
         "object": "text_completion",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "text": out.text, "logprobs": logprobs, "finish_reason": out.finish_reason}],
-        "usage": usage_dict(out.usage),
+        "choices": [{"index": o.index, "text": o.text, "logprobs": lp, "finish_reason": o.finish_reason}
+                    for o, lp in zip(outs, lps)],
+        "usage": usage_dict(outs[0].usage),
     }
 
 
-def chat_body(out: Any, model: str, created: int, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+def chat_body(outs: Any, model: str, created: int, logprobs: Any = None) -> dict[str, Any]:
+    outs, lps = _choices(outs, logprobs)
     return {
-        "id": completion_id(out.request_id, chat=True),
+        "id": completion_id(outs[0].request_id, chat=True),
         "object": "chat.completion",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": out.text},
-                     "logprobs": logprobs, "finish_reason": out.finish_reason}],
-        "usage": usage_dict(out.usage),
+        "choices": [{"index": o.index, "message": {"role": "assistant", "content": o.text},
+                     "logprobs": lp, "finish_reason": o.finish_reason} for o, lp in zip(outs, lps)],
+        "usage": usage_dict(outs[0].usage),
     }
+
+
+def _choices(outs: Any, logprobs: Any) -> tuple[list, list]:
+    if isinstance(outs, list):
+        return outs, list(logprobs) if logprobs is not None else [None] * len(outs)
+    return [outs], [logprobs]
 
 
 class Logprobs:
@@ -79,6 +90,10 @@ class Logprobs:
         self.n = n
         self.chat = chat
         self.text_offset = 0
+
+    def fresh(self) -> "Logprobs":
+        """The same settings with its own text offsets (another choice of the same response)."""
+        return Logprobs(self.tokenizer, self.n, self.chat)
 
     def _names(self, ids: set[int]) -> dict[int, str]:
         order = sorted(ids)
@@ -137,17 +152,18 @@ class ChunkWriter:
             body["usage"] = None
         return body
 
-    def role(self) -> bytes:
-        """Chat streams open with the assistant's role and no content."""
-        return sse(self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
+    def role(self, index: int = 0) -> bytes:
+        """Chat streams open (each choice's) with the assistant's role and no content."""
+        return sse(self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
                                  "logprobs": None, "finish_reason": None}]))
 
-    def text(self, text: str, finish_reason: str | None = None, logprobs: dict[str, Any] | None = None) -> bytes:
+    def text(self, text: str, finish_reason: str | None = None, logprobs: dict[str, Any] | None = None,
+             index: int = 0) -> bytes:
         if self.chat:
-            choice = {"index": 0, "delta": {"content": text} if text else {}, "logprobs": logprobs,
+            choice = {"index": index, "delta": {"content": text} if text else {}, "logprobs": logprobs,
                       "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         return sse(self._chunk([choice]))
 
     def usage(self, usage: Any) -> bytes:

@@ -170,9 +170,10 @@ class _GenerationRequest(BaseModel):
 
     @field_validator("n")
     @classmethod
-    def _one_choice(cls, v: int | None) -> int | None:
-        if v is not None and v != 1:
-            raise ValueError(f"only n=1 is supported, got {v}")
+    def _choices(cls, v: int | None) -> int | None:
+        # The server's bound (--max-n) is the engine's: above it, a 400 naming n.
+        if v is not None and v < 1:
+            raise ValueError(f"expected an int >= 1, got {v}")
         return v
 
     @field_validator("logit_bias")
@@ -222,7 +223,8 @@ class _GenerationRequest(BaseModel):
             frequency_penalty=self.frequency_penalty or 0.0,
             presence_penalty=self.presence_penalty or 0.0,
             # The engine returns the sampled token's log-probability with any top n >= 1.
-            logprobs=0 if self.top_logprobs_n is None else max(self.top_logprobs_n, 1))
+            logprobs=0 if self.top_logprobs_n is None else max(self.top_logprobs_n, 1),
+            n=1 if self.n is None else self.n)
 
 
 class CompletionRequest(_GenerationRequest):

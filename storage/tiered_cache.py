@@ -40,6 +40,7 @@ from storage.layout import BlockLayout
 from storage.load_outcome import Acquired, finish
 from storage.loader import Fill, Load, Loader, Prefetch, RemoteProbe
 from storage.prefix_tree import CachedBlock
+from storage.shared_pages import SharedPages
 from storage.remote.breaker import BreakerConfig
 from storage.remote.tier import RemoteTier
 from storage.tiers import TIERS, Tiers, TierStats
@@ -66,7 +67,7 @@ class CacheMatch:
         return out
 
 
-class TieredKVCache:
+class TieredKVCache(SharedPages):
     def __init__(self, layout: BlockLayout, config: CacheConfig, device: str | torch.device = "cpu",
                  num_pages: int | None = None, disk: DiskTier | None = None, transfer: Transfer | None = None,
                  remote: RemoteTier | None = None) -> None:

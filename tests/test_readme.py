@@ -43,19 +43,20 @@ def test_python_example_hits_the_device_pool_then_disk_after_a_restart(tmp_path:
                        r.stdout, re.M)
     assert [s[0] for s in steps] == ["first run", "second run", "after restart"], r.stdout
     n = int(steps[0][3])
-    full = (n - 1) // BLOCK * BLOCK          # a hit stops short of the last token
+    full = (n - 1) // BLOCK * BLOCK          # a prefix hit stops short of the last token
     assert full >= 6 * BLOCK, f"the example's prompt ({n} tokens) should span several blocks"
     none = {"device": 0, "host": 0, "disk": 0, "remote": 0}
-    expected = [(none, none), ({**none, "device": full}, {**none, "device": full}),
-                ({**none, "disk": full}, {**none, "disk": full})]
+    # The example repeats its prompt exactly: every token hits (its tail and logits kept too).
+    expected = [(none, none), ({**none, "device": n}, {**none, "device": n}),
+                ({**none, "disk": n}, {**none, "disk": n})]
     for (label, lookup, hit, prompt, by_tier, miss), (want_lookup, want_hit) in zip(steps, expected):
         assert int(prompt) == n, label
         assert ast.literal_eval(lookup) == want_lookup, label
         assert ast.literal_eval(by_tier) == want_hit, label
         assert int(hit) == sum(want_hit.values()) and int(hit) + int(miss) == n, label
     # The comments in the example say what the run shows.
-    assert f"this one is {n} tokens, of which {full // BLOCK} blocks ({full} tokens) can hit" in " ".join(
-        blocks[0].split())
+    assert (f"this one is {n} tokens, of which {full // BLOCK} blocks ({full} tokens) can hit a prompt that "
+            f"shares them, and all {n} its repeat") in " ".join(l.lstrip("# ") for l in blocks[0].split("\n"))
     # The printed output in the README is this run's, TTFTs and answers aside.
     shown = section("Python API").split("```text\n", 1)[1].split("\n```", 1)[0]
     strip = lambda text: re.sub(r"TTFT \d+ ms; .*", "", text)        # noqa: E731

@@ -65,6 +65,8 @@ def serve(
     max_model_len: Optional[int] = typer.Option(None, "--max-model-len", "-c", "--ctx-size", help="Context length: prompt + output tokens of one request "
                                                 "(default: the model's, cut to what the device pool holds; an "
                                                 "error if the pool cannot hold this many)."),
+    max_n: int = typer.Option(16, help="Most choices (`n`) one request may ask for; more is a 400. The choices "
+                              "share one prefill and the prompt's pages."),
     host: str = typer.Option("127.0.0.1", help="Address to bind; other than loopback needs --api-keys."),
     port: int = typer.Option(8000, help="Port (0: any free port; the chosen one is printed)."),
     cache_dir: Optional[str] = typer.Option(None, help=CACHE_HELP),
@@ -170,6 +172,8 @@ def serve(
     model = model or model_arg
     if max_model_len is not None and max_model_len < 2:
         raise CLIError(f"--max-model-len: expected an int >= 2, got {max_model_len}", code=2)
+    if max_n < 1:
+        raise CLIError(f"--max-n: expected an int >= 1, got {max_n}", code=2)
     if served_model_name is not None and (not served_model_name.strip() or not served_model_name.isprintable()):
         raise CLIError(f"--served-model-name: expected a non-empty printable name, got {served_model_name!r}", code=2)
     if log_level not in LOG_LEVELS:
@@ -225,7 +229,7 @@ def serve(
                                                 ledger_dir=str(root / "billing"), prices=price_table,
                                                 billing_failure=on_billing_failure, max_model_len=max_model_len,
                                                 max_seqs=max_num_seqs, max_batch_tokens=max_num_batched_tokens,
-                                                enforce_eager=enforce_eager)
+                                                enforce_eager=enforce_eager, max_n=max_n)
             except ValueError as e:
                 if not str(e).startswith("max_model_len:"):
                     raise

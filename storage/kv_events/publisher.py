@@ -178,6 +178,8 @@ class KVEventPublisher:
         return events
 
     def _add_stored(self, events: list, key: BlockKey, medium: str) -> None:
+        if len(key.token_ids) != self.block_size:
+            return     # an exact entry's tail or logits block (storage/exact_entry.py): no prefix block
         last = events[-1] if events else None
         tokens = list(key.token_ids) if self.tokens else []
         if isinstance(last, BlockStored) and last.medium == medium and last.block_hashes[-1] == key.parent:

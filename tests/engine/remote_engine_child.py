@@ -15,7 +15,7 @@ def main() -> None:
     args = json.loads(sys.argv[1])
     cache = CacheConfig(block_size=4, device_memory="256KiB", host_memory="256KiB", disk_dir=args["disk_dir"],
                         disk_capacity="64MiB", remote_url=args["url"], remote_write=args.get("remote_write", "write_back"))
-    eng = Engine(model_from_config(tiny_llama_config(), seed=0), cache)
+    eng = Engine(model_from_config(tiny_llama_config(), seed=0), cache, exact_hits=False)
     try:
         outs = eng.generate(args["prompts"], SamplingParams(max_tokens=args["max_tokens"]), tenant=args["tenant"])
     finally:

@@ -7,7 +7,9 @@ from LMDB through the real codec). On the old code the engine thread made that c
 admission, so a closed gate stopped every other request's decoding. The engines here restore
 every hit (restore_policy="load"): the engine's calibration at start gives the compute-or-load
 planner figures from the first request, and it could recompute a tiny model's hit instead.
-"""
+
+These count the blocks a prefix hit loads or recomputes: their engines keep no exact entries
+(exact_hits=False; exact hits are tests/engine/test_exact_hits.py's)."""
 from __future__ import annotations
 
 import threading
@@ -72,7 +74,7 @@ def to_disk_only(eng) -> None:
 
 def test_engine_thread_never_reads_or_decodes_a_disk_block(tmp_path, monkeypatch) -> None:
     prompt = random_prompt(8 * BS + 3, seed=11)
-    with make_engine(tmp_path, restore_policy="load") as eng:
+    with make_engine(tmp_path, exact_hits=False, restore_policy="load") as eng:
         first = eng.generate(prompt, GREEDY)
         to_disk_only(eng)
         gate = DriveGate(monkeypatch)
@@ -87,7 +89,7 @@ def test_engine_thread_never_reads_or_decodes_a_disk_block(tmp_path, monkeypatch
 def test_other_requests_keep_decoding_while_a_restore_waits_on_the_drive(tmp_path, monkeypatch) -> None:
     restored = random_prompt(8 * BS + 3, seed=12)
     runner = random_prompt(2 * BS + 1, seed=13)
-    with make_engine(tmp_path, restore_policy="load") as eng:
+    with make_engine(tmp_path, exact_hits=False, restore_policy="load") as eng:
         first = eng.generate(restored, GREEDY)
         to_disk_only(eng)
         gate = DriveGate(monkeypatch)
@@ -129,7 +131,7 @@ def test_other_requests_keep_decoding_while_a_restore_waits_on_the_drive(tmp_pat
 def test_two_requests_needing_the_same_blocks_read_them_once(tmp_path, monkeypatch, host_memory) -> None:
     shared = random_prompt(8 * BS, seed=14)
     a, b = shared + [1, 2, 3], shared + [4, 5]
-    with make_engine(tmp_path, host_memory=host_memory, restore_policy="load") as eng:
+    with make_engine(tmp_path, exact_hits=False, host_memory=host_memory, restore_policy="load") as eng:
         want = [eng.generate(p, GREEDY).token_ids for p in (a, b)]
         to_disk_only(eng)
         gate = DriveGate(monkeypatch)
@@ -161,7 +163,7 @@ def test_two_requests_needing_the_same_blocks_read_them_once(tmp_path, monkeypat
 def test_at_most_max_loading_restores_and_requests_without_one_go_ahead(tmp_path, monkeypatch) -> None:
     prompts = [random_prompt(6 * BS + 1, seed=20 + i) for i in range(3)]
     fresh = random_prompt(3 * BS + 2, seed=30)
-    with make_engine(tmp_path, host_memory="0", max_loading=1, restore_policy="load") as eng:
+    with make_engine(tmp_path, exact_hits=False, host_memory="0", max_loading=1, restore_policy="load") as eng:
         want = [eng.generate(p, GREEDY).token_ids for p in prompts]
         to_disk_only(eng)
         gate = DriveGate(monkeypatch)
@@ -193,7 +195,7 @@ def test_at_most_max_loading_restores_and_requests_without_one_go_ahead(tmp_path
 def test_prefetch_at_submit_reads_a_queued_requests_blocks_into_host(tmp_path) -> None:
     queued = random_prompt(8 * BS + 3, seed=15)
     runner = random_prompt(2 * BS + 1, seed=16)
-    with make_engine(tmp_path, max_seqs=1) as eng:
+    with make_engine(tmp_path, exact_hits=False, max_seqs=1) as eng:
         first = eng.generate(queued, GREEDY)
         to_disk_only(eng)
         keys = list(eng.cache.match(block_keys(eng.namespace("default"), queued, BS,
@@ -227,7 +229,7 @@ def test_prefetch_at_submit_reads_a_queued_requests_blocks_into_host(tmp_path) -
 
 def test_a_sequence_finished_while_loading_gives_its_pages_back(tmp_path, monkeypatch) -> None:
     prompt = random_prompt(6 * BS + 2, seed=17)
-    with make_engine(tmp_path, host_memory="0", restore_policy="load") as eng:
+    with make_engine(tmp_path, exact_hits=False, host_memory="0", restore_policy="load") as eng:
         eng.generate(prompt, GREEDY)
         to_disk_only(eng)
         gate = DriveGate(monkeypatch)

@@ -23,7 +23,7 @@ GREEDY = SamplingParams(max_tokens=3)
 def test_the_engine_is_fitted_at_start_and_plans_its_first_hits(tmp_path) -> None:
     prompt = random_prompt(12 * BS + 3, seed=31)
     expected = reference_greedy(None, prompt, GREEDY.max_tokens)
-    with make_engine(tmp_path) as eng:
+    with make_engine(tmp_path, exact_hits=False) as eng:
         # Before any request: fitted, from one chunk and one decode step of the real model...
         pre = eng.cache_status()["cost_model"]["prefill"]
         assert pre["fitted"] and pre["prefill_2048_s"] > 0
@@ -58,7 +58,7 @@ def test_the_engine_is_fitted_at_start_and_plans_its_first_hits(tmp_path) -> Non
 
 def test_without_calibration_the_first_hit_loads_with_no_figures(tmp_path) -> None:
     prompt = random_prompt(12 * BS + 3, seed=32)
-    with make_engine(tmp_path, calibrate=False) as eng:
+    with make_engine(tmp_path, calibrate=False, exact_hits=False) as eng:
         assert not eng.cache_status()["cost_model"]["prefill"]["fitted"]
         first = eng.generate(prompt, GREEDY)
         to_disk_only(eng)
@@ -74,7 +74,7 @@ def test_without_calibration_the_first_hit_loads_with_no_figures(tmp_path) -> No
 def test_the_remote_tiers_first_figure_is_the_links(tmp_path, valkey) -> None:
     cache = CacheConfig(block_size=BS, device_memory="256KiB", host_memory="256KiB", disk_dir=str(tmp_path / "kv"),
                         disk_capacity="64MiB", remote_url=valkey.url)
-    with Engine(model_from_config(tiny_llama_config(), seed=0), cache) as eng:
+    with Engine(model_from_config(tiny_llama_config(), seed=0), cache, exact_hits=False) as eng:
         assert eng.link_calibration.join(timeout=60)
         rates = eng.cache_status()["cost_model"]["restore_bytes_per_s"]
         remote = eng.cache.remote

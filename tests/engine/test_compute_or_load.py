@@ -3,7 +3,9 @@
 The planner's figures (each tier's restore rate, the prefill time) are measured online; here
 they are fixed numbers set on the engine's planner, so the split each test needs is forced and
 can be worked out by hand. Everything else is real: pages, fills, the disk tier, the forward.
-"""
+
+These count the blocks a prefix hit loads or recomputes: their engines keep no exact entries
+(exact_hits=False; exact hits are tests/engine/test_exact_hits.py's)."""
 from __future__ import annotations
 
 import threading
@@ -31,7 +33,7 @@ def force_figures(eng, block_s: float, token_s: float) -> None:
 def test_a_split_hit_computes_its_front_loads_its_back_and_equals_recompute(tmp_path) -> None:
     prompt = random_prompt(15 * BS + 3, seed=21)      # 15 full blocks can hit
     expected = reference_greedy(None, prompt, GREEDY.max_tokens)
-    with make_engine(tmp_path) as eng:
+    with make_engine(tmp_path, exact_hits=False) as eng:
         assert eng.generate(prompt, GREEDY).token_ids == expected
         to_disk_only(eng)
         force_figures(eng, block_s=1.0, token_s=0.25)   # the crossing is s = 7 (test_restore_planner)
@@ -54,7 +56,7 @@ def test_a_split_hit_computes_its_front_loads_its_back_and_equals_recompute(tmp_
 def test_the_front_is_computed_while_the_back_still_loads(tmp_path, monkeypatch) -> None:
     prompt = random_prompt(15 * BS + 3, seed=22)
     expected = reference_greedy(None, prompt, GREEDY.max_tokens)
-    with make_engine(tmp_path) as eng:
+    with make_engine(tmp_path, exact_hits=False) as eng:
         eng.generate(prompt, GREEDY)
         to_disk_only(eng)
         force_figures(eng, block_s=1.0, token_s=0.25)
@@ -82,7 +84,7 @@ def test_the_front_is_computed_while_the_back_still_loads(tmp_path, monkeypatch)
 def test_recompute_policy_loads_nothing_and_bills_the_tier(tmp_path) -> None:
     prompt = random_prompt(9 * BS + 1, seed=23)
     expected = reference_greedy(None, prompt, GREEDY.max_tokens)
-    with make_engine(tmp_path, restore_policy="recompute") as eng:
+    with make_engine(tmp_path, exact_hits=False, restore_policy="recompute") as eng:
         eng.generate(prompt, GREEDY)
         to_disk_only(eng)
         before = eng.cache.stats()["disk"]
@@ -98,7 +100,7 @@ def test_recompute_policy_loads_nothing_and_bills_the_tier(tmp_path) -> None:
 def test_a_damaged_back_block_is_recomputed_and_billed_as_computed(tmp_path) -> None:
     prompt = random_prompt(12 * BS + 2, seed=24)
     expected = reference_greedy(None, prompt, GREEDY.max_tokens)
-    with make_engine(tmp_path) as eng:
+    with make_engine(tmp_path, exact_hits=False) as eng:
         eng.generate(prompt, GREEDY)
         eng.flush()
         hashes = [k.hash for k in block_keys(eng.namespace("default"), prompt, BS, max_tokens=len(prompt) - 1)]
@@ -112,7 +114,7 @@ def test_a_damaged_back_block_is_recomputed_and_billed_as_computed(tmp_path) -> 
             txn.put(hashes[9], bytes(v), db=db)
     finally:
         env.close()
-    with make_engine(tmp_path) as eng:
+    with make_engine(tmp_path, exact_hits=False) as eng:
         force_figures(eng, block_s=1.0, token_s=0.25)   # 12 blocks: compute(0..6) = 6 = load(6..12)
         out = eng.generate(prompt, GREEDY)
         disk = eng.cache.stats()["disk"]
@@ -134,7 +136,7 @@ def test_preempting_a_split_hit_gives_its_loading_back_and_it_still_equals_recom
     expected_long = reference_greedy(None, long_prompt, GREEDY.max_tokens)
     # 48 pages of one block; chunks of 4 blocks, so the long prompt is admitted with a few pages
     # and takes the rest step by step, preempting the newest other sequence.
-    with make_engine(tmp_path, device_memory=48 * 2048, max_batch_tokens=4 * BS) as eng:
+    with make_engine(tmp_path, exact_hits=False, device_memory=48 * 2048, max_batch_tokens=4 * BS) as eng:
         assert eng.layout.nbytes == 2048
         eng.generate(split_prompt, GREEDY)
         to_disk_only(eng)

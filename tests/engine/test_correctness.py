@@ -16,9 +16,11 @@ def test_greedy_equals_transformers_generate(tmp_path, length):
         out = eng.generate(ids, GREEDY)
         assert out.token_ids == reference_greedy(None, ids, 12)
         assert out.finish_reason == "length" and len(out.token_ids) == 12
-        again = eng.generate(ids, GREEDY)     # now from the cache
+        again = eng.generate(ids, GREEDY)     # now from the cache: an exact hit, every token
         assert again.token_ids == out.token_ids
-        assert again.usage.prompt_cache_hit_tokens == ((length - 1) // 4) * 4
+        assert again.usage.prompt_cache_hit_tokens == length
+        other = ids[:-1] + [(ids[-1] + 1) % 128]    # another last token: a prefix hit, capped at len - 1
+        assert eng.generate(other, GREEDY).usage.prompt_cache_hit_tokens == ((length - 1) // 4) * 4
 
 
 def test_qwen2_architecture_also_matches(tmp_path):
@@ -45,7 +47,8 @@ def test_logits_after_hits_from_each_tier_equal_recompute(tmp_path):
     with make_engine(tmp_path / "ref", disk=False) as ref_eng:
         ref_eng.cache.drop("device")
         _, ref_lp, ref_tok = _top_logprobs(ref_eng, ids)
-    with make_engine(tmp_path, restore_policy="load") as eng:     # every hit restored from its tier
+    # Every hit restored from its tier, the last tokens computed from it (no exact entries).
+    with make_engine(tmp_path, restore_policy="load", exact_hits=False) as eng:
         cache = eng.cache
         first, lp, tok = _top_logprobs(eng, ids)
         assert first.usage.hit_tokens_by_tier == {"device": 0, "host": 0, "disk": 0, "remote": 0}
@@ -131,10 +134,11 @@ def test_usage_invariant_and_tenant_isolation(tmp_path):
         b1 = eng.generate(ids, GREEDY, tenant="bob")
         for o in (a1, a2, b1):
             assert o.usage.prompt_cache_hit_tokens + o.usage.prompt_cache_miss_tokens == o.usage.prompt_tokens == 25
-        assert a2.usage.prompt_cache_hit_tokens == 24
+        assert a2.usage.prompt_cache_hit_tokens == 25      # an exact repeat
         assert b1.usage.prompt_cache_hit_tokens == 0          # isolation: bob never hits alice's blocks
         assert a1.token_ids == a2.token_ids == b1.token_ids
-        assert eng.lookup(ids, tenant="alice").hit_tokens == 24
+        assert eng.lookup(ids, tenant="alice").hit_tokens == 25
+        assert eng.lookup(ids[:-1] + [(ids[-1] + 1) % 128], tenant="alice").hit_tokens == 24
         assert eng.lookup(ids, tenant="carol").hit_tokens == 0
 
 
@@ -142,7 +146,7 @@ def test_shared_cache_across_tenants_when_isolation_is_off(tmp_path):
     ids = random_prompt(25, seed=9)
     with make_engine(tmp_path, isolate_tenants=False) as eng:
         eng.generate(ids, GREEDY, tenant="alice")
-        assert eng.generate(ids, GREEDY, tenant="bob").usage.prompt_cache_hit_tokens == 24
+        assert eng.generate(ids, GREEDY, tenant="bob").usage.prompt_cache_hit_tokens == 25   # an exact hit
 
 
 def test_stream_chunks_concatenate_to_generate(tmp_path):
@@ -161,7 +165,7 @@ def test_lookup_promotes_and_bills_nothing(tmp_path):
         eng.generate(ids, GREEDY)
         eng.cache.demote("device")
         before = eng.cache_status()["tiers"]
-        assert eng.lookup(ids).hit_tokens_by_tier == {"device": 0, "host": 24, "disk": 0, "remote": 0}
+        assert eng.lookup(ids).hit_tokens_by_tier == {"device": 0, "host": 25, "disk": 0, "remote": 0}   # exact
         after = eng.cache_status()["tiers"]
         assert before == after
         assert eng.ledger.tenant("default").requests == 1
@@ -192,7 +196,8 @@ def test_engine_model_outside_the_engine_matches_sdpa_with_a_dynamic_cache(tmp_p
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_greedy_through_every_tier_is_exact_in_half_precision(tmp_path, dtype):
     """The CPU runs bf16 by default where it is native (engine/model.py): a hit from the device,
-    the host or the disk gives exactly the tokens the same engine computes without a cache."""
+    the host or the disk gives exactly the tokens the same engine computes without a cache (an
+    exact hit: its first token from the stored logits, no forward)."""
     from engine.model import model_from_config
     from tieredkv import CacheConfig, Engine
     loaded = model_from_config(tiny_llama_config(), seed=0, dtype=dtype)
@@ -211,7 +216,7 @@ def test_greedy_through_every_tier_is_exact_in_half_precision(tmp_path, dtype):
             eng.cache.demote("host")
             assert eng.cache.disk.flush()
             disk = eng.generate(ids, GREEDY)
-            full = (len(ids) - 1) // 4 * 4
+            full = len(ids)       # an exact hit: every token, the tail and the logits from the tier
             assert device.usage.hit_tokens_by_tier["device"] == host.usage.hit_tokens_by_tier["host"] == full
             assert disk.usage.hit_tokens_by_tier["disk"] == full
             assert computed.token_ids == device.token_ids == host.token_ids == disk.token_ids

@@ -59,6 +59,7 @@ def test_paris_chat_hits_and_restart_from_disk(tmp_path, default_model):
     assert res.returncode == 0, res.stderr[-2000:]
     got = json.loads(res.stdout.strip().splitlines()[-1])
     assert got["tokens"] == first.token_ids
-    assert got["hits"] == {"device": 0, "host": 0, "disk": ((n - 1) // 16) * 16, "remote": 0}
-    assert got["miss"] == n - got["hits"]["disk"]
+    # An exact repeat: every prompt token (its tail and its logits kept too) read from disk.
+    assert got["hits"] == {"device": 0, "host": 0, "disk": n, "remote": 0}
+    assert got["miss"] == 0
     assert got["requests"] == 5     # the ledger survived the restart: 4 earlier requests + this one
