@@ -16,7 +16,8 @@
 # lengths (tests/test_gpu_check.py runs it, so the script cannot rot between GPU runs).
 # --carry DIR (default .whl when it exists): install the carried wheels into a private
 # site dir first (pip --no-index --no-deps) and put it on PYTHONPATH.
-# STEPS="env tests sync ttft decode throughput policies": a subset, in this order; ATTNS the attention backends.
+# STEPS="env tests sync ttft decode throughput policies": a subset, in this order; ATTNS the attention backends;
+# <STEP>_SHAPES / <STEP>_ATTNS override SHAPES / ATTNS for one step (TTFT_SHAPES=llama-3.1-8b).
 # COMMIT=<hash>: recorded in env.json (the copy on a lent machine has no .git).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -174,27 +175,30 @@ EOF
 }
 
 for step in $STEPS; do
+    # per-step overrides: TTFT_SHAPES="llama-3.1-8b" SYNC_ATTNS=flex_paged ...
+    up=$(echo "$step" | tr a-z A-Z); v=${up}_SHAPES; w=${up}_ATTNS
+    SHAPES_HERE=${!v:-$SHAPES}; ATTNS_HERE=${!w:-$ATTNS}
     case $step in
         env) part env machine env_json ;;
         tests) part tests cuda tests_json ;;
-        sync) for a in $ATTNS; do
-                  part sync "$a" $PY tools/cuda_sync_report.py --model tools/model_shapes/${SHAPES%% *} --attention $a \
+        sync) for a in $ATTNS_HERE; do
+                  part sync "$a" $PY tools/cuda_sync_report.py --model tools/model_shapes/${SHAPES_HERE%% *} --attention $a \
                       --device-memory $SYNCPOOL --json
               done ;;
-        ttft) for s in $SHAPES; do for a in $ATTNS; do
+        ttft) for s in $SHAPES_HERE; do for a in $ATTNS_HERE; do
                   TIEREDKV_ATTENTION=$a part ttft "$s.$a" $PY tools/bench_ttft.py --model tools/model_shapes/$s \
                       --prefix-lengths $LENGTHS --repeat $REPEAT --hits-per-round 1 --device-memory $POOL \
                       --host-memory $POOL --json
               done; done ;;
-        policies) for s in $SHAPES; do
+        policies) for s in $SHAPES_HERE; do
                   part policies "$s" $PY tools/bench_ttft.py --model tools/model_shapes/$s --restore-policy auto,load,recompute \
                       --prefix-lengths $LENGTHS --sources host,disk,remote --remote-mbit '' --no-first \
                       --device-memory $POOL --host-memory $POOL --json
               done ;;
-        decode) for s in $SHAPES; do
+        decode) for s in $SHAPES_HERE; do
                   part decode "$s" $PY tools/bench_decode_step.py --model tools/model_shapes/$s $DECODE --json
               done ;;
-        throughput) for s in $SHAPES; do
+        throughput) for s in $SHAPES_HERE; do
                   part throughput "$s" $PY tools/bench_throughput.py --model tools/model_shapes/$s --n $N --length $LEN \
                       --max-tokens $MAXTOK --rates 0,1 --peer-rates 0 --systems tieredkv,transformers_batch \
                       --repeat-zero 1 --device-memory $TPOOL $PEER --json
