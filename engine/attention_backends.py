@@ -148,10 +148,19 @@ class GatherSDPA:
 GATHER_SDPA = _GATHER = GatherSDPA()
 
 
-def make_backend(name: str | None, device: torch.device, block_size: int = 16) -> AttentionBackend:
+# The most KV elements flex_paged's kernels address: its Triton kernels index the pool with 32-bit
+# offsets. The H200 run of 2026-11-26 (torch 2.11) hit "an illegal memory access" with a 16 GiB and
+# a 24 GiB bf16 pool of the Llama-3.1-8B shape (8.7G and 12.9G elements) where 2 GiB pools
+# (1.1G) ran right and gather_sdpa ran a 6 GiB pool: past 2^31 elements flex is not used.
+FLEX_MAX_POOL_ELEMENTS = 2**31 - 1
+
+
+def make_backend(name: str | None, device: torch.device, block_size: int = 16,
+                 pool_elements: int = 0) -> AttentionBackend:
     """'gather_sdpa', 'flex_paged', or None/'auto' (TIEREDKV_ATTENTION overrides 'auto'): on CUDA,
-    flex_paged when the block size suits its kernel (a power of two >= 16); gather_sdpa otherwise,
-    and always on CPU (flex's unfused CPU path is for tests only)."""
+    flex_paged when the block size suits its kernel (a power of two >= 16) and the pool is within
+    its 32-bit offsets (`pool_elements`); gather_sdpa otherwise, and always on CPU (flex's unfused
+    CPU path is for tests only). flex_paged asked for by name where it cannot run is an error."""
     auto = name in (None, "auto")
     if auto:
         name = os.environ.get("TIEREDKV_ATTENTION") or ("flex_paged" if device.type == "cuda" else "gather_sdpa")
@@ -164,6 +173,13 @@ def make_backend(name: str | None, device: torch.device, block_size: int = 16) -
             raise ValueError(f"attention: flex_paged on CUDA needs a block size that is a power of two >= 16, "
                              f"got {block_size}")
         log.warning("attention: block size %d does not suit flex_paged; using gather_sdpa", block_size)
+        return _GATHER
+    if pool_elements > FLEX_MAX_POOL_ELEMENTS:
+        why = (f"the device pool holds {pool_elements:,} KV elements, past flex_paged's 32-bit offsets "
+               f"({FLEX_MAX_POOL_ELEMENTS:,}); a smaller --device-memory keeps it")
+        if not auto:
+            raise ValueError(f"attention: flex_paged: {why}")
+        log.warning("attention: %s; using gather_sdpa", why)
         return _GATHER
     # One per runner: its compiled shapes, counted and sealed after its warm-up, are its own.
     return FlexPaged(device)

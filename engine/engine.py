@@ -113,7 +113,8 @@ class Engine(StepLoop):
         # A sequence never outgrows the pool (else it could neither run nor be preempted).
         # Checked before the cache opens anything: a max_model_len too big is refused cleanly.
         pool_pages = num_pages if num_pages is not None else self.layout.blocks_in(cache.device_bytes)
-        attention = make_backend(attention, loaded.device, cache.block_size).name
+        attention = make_backend(attention, loaded.device, cache.block_size,
+                                 pool_pages * self.layout.numel).name
         self.decode_step = decode_mode(decode_step, enforce_eager, loaded.device, attention)
         # A graph-safe decode step's padding rows write into a page of their own (engine/decode_graph.py).
         sink_pages = 0 if self.decode_step == "off" else 1

@@ -23,7 +23,7 @@ class ModelRunner:
         self.kv = kv
         self.block_size = block_size
         self.device = kv.device
-        self.backend: AttentionBackend = make_backend(attention, kv.device, block_size)
+        self.backend: AttentionBackend = make_backend(attention, kv.device, block_size, kv.numel())
         warm_up = getattr(self.backend, "warm_up", None)
         if warm_up is not None:
             # Compiled now, every shape class a pass up to `max_query` new tokens takes: never on a

@@ -87,7 +87,7 @@ if [ $DRY -eq 1 ]; then
 else
     OUT_DIR=${OUT_DIR:-${OUT:-gpu_results}}
     SHAPES=${SHAPES:-smollm2-135m llama-3.1-8b}
-    LENGTHS=2048,8000; N=32; LEN=4096; MAXTOK=128; POOL=6GiB; REPEAT=${REPEAT:-3}; TPOOL=24GiB; SYNCPOOL=2GiB; PEER=""; DECODE="--batch 1,32 --context 4096 --steps 20 --modes eager,static,cuda_graph --attention flex_paged"
+    LENGTHS=2048,8000; N=32; LEN=4096; MAXTOK=128; POOL=6GiB; REPEAT=${REPEAT:-3}; TPOOL=24GiB; SYNCPOOL=2GiB; PEER=""; DECODE="--batch 1,32 --context 4096 --steps 20 --modes eager,static,cuda_graph --attention ${DECODE_ATTN:-auto}"
     ATTNS=${ATTNS:-gather_sdpa flex_paged}
     $PY -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'" || exit 2
 fi

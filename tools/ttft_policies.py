@@ -26,7 +26,6 @@ import logging
 import os
 import shutil
 import signal
-import statistics
 import sys
 import tempfile
 import uuid
@@ -67,7 +66,8 @@ def add_arguments(ap) -> None:
     ap.add_argument("--remote-timeout", type=float, default=REMOTE_TIMEOUT_S,
                     help=f"with --restore-policy: the engines' remote_timeout_s (default {REMOTE_TIMEOUT_S:g})")
     ap.add_argument("--load-deadline-slack", type=float, default=None,
-                    help="with --restore-policy: the engines' load_deadline_slack_s (default: the engine's); "
+                    help="the engines' load_deadline_slack_s (with --restore-policy default: the engine's; without, 600: "
+                         "the rows time each restore path); "
                          "a large one keeps every load however slow the machine (tests of the bench itself)")
     ap.add_argument("--stall-guard", type=float, default=STALL_GUARD_S,
                     help="with --restore-policy: seconds after which a stalled store is resumed anyway, so a "

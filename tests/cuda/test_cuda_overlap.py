@@ -29,11 +29,12 @@ SLEEP_CYCLES = 200_000_000      # ~0.1 s of one SM's clock: far longer than the 
 
 def load_engine(tmp_path, attention="gather_sdpa", device_memory="4MiB") -> Engine:
     """A CUDA engine that always loads its hits (restore_policy="load": the tiny model's recompute
-    is so cheap that "auto" would recompute them, and the fills would go untested)."""
+    is so cheap that "auto" would recompute them, and the fills would go untested). Exact hits
+    off: these tests count a prompt's full blocks (as tests/engine's prefix-path tests do)."""
     loaded = model_from_config(tiny_llama_config(), seed=0, device="cuda", dtype=torch.float32)
     cache = CacheConfig(block_size=16, device_memory=device_memory, host_memory="4MiB",
                         disk_dir=str(tmp_path / "kv"), disk_capacity="64MiB", restore_policy="load")
-    return Engine(loaded, cache, attention=attention)
+    return Engine(loaded, cache, attention=attention, exact_hits=False)
 
 
 def cached_kv(eng: Engine) -> dict[bytes, torch.Tensor]:

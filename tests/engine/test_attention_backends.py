@@ -154,3 +154,15 @@ def test_flex_paged_equals_gather_sdpa_with_shared_pages_and_its_block_index_cov
             assert k // B in row.tolist()
         assert int(admitted.sum()) == sum(min(qf + j + 1, c) for qf, ql, c in zip(
             g.q_first.tolist(), g.q_len.tolist(), g.context_len.tolist()) for j in range(ql))
+
+
+def test_flex_paged_is_never_given_a_pool_past_its_32_bit_offsets() -> None:
+    """A pool of more KV elements than flex_paged's kernels address (the H200 run: an illegal
+    memory access at 8.7G elements): 'auto' on CUDA takes gather_sdpa, a named flex_paged is a
+    clear error, and a pool within the bound keeps flex_paged."""
+    from engine.attention_backends import FLEX_MAX_POOL_ELEMENTS, make_backend
+    cuda = torch.device("cuda")       # a device object needs no GPU; nothing is allocated
+    assert make_backend(None, cuda, 16, FLEX_MAX_POOL_ELEMENTS + 1).name == "gather_sdpa"
+    assert make_backend(None, cuda, 16, FLEX_MAX_POOL_ELEMENTS).name == "flex_paged"
+    with pytest.raises(ValueError, match="32-bit offsets"):
+        make_backend("flex_paged", cuda, 16, 2**33)
