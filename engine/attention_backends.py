@@ -163,7 +163,8 @@ def make_backend(name: str | None, device: torch.device, block_size: int = 16,
     CPU path is for tests only). flex_paged asked for by name where it cannot run is an error."""
     auto = name in (None, "auto")
     if auto:
-        name = os.environ.get("TIEREDKV_ATTENTION") or ("flex_paged" if device.type == "cuda" else "gather_sdpa")
+        env = os.environ.get("TIEREDKV_ATTENTION")
+        name = env if env not in (None, "", "auto") else ("flex_paged" if device.type == "cuda" else "gather_sdpa")
     if name not in BACKENDS:
         raise ValueError(f"attention: expected one of {BACKENDS} or 'auto', got {name!r}")
     if name == "gather_sdpa":
