@@ -54,7 +54,7 @@ class Engine(StepLoop):
                  decode_step_tokens: int | None = None, ledger_dir: str | None = None,
                  num_pages: int | None = None, prices: Prices | None = None, sync_debug: str | None = None,
                  attention: str | None = None, billing_failure: str = "serve",
-                 max_model_len: int | None = None) -> None:
+                 max_model_len: int | None = None, newcomer_first: bool = True) -> None:
         cache = cache or CacheConfig()
         if billing_failure not in ON_FAILURE:      # before any thread starts
             raise ValueError(f"billing_failure: expected one of {ON_FAILURE}, got {billing_failure!r}")
@@ -90,7 +90,7 @@ class Engine(StepLoop):
                                    planner=self.planner, deadlines=LoadDeadlines(
                                        self.planner.compute_seconds, cache.load_deadline_margin,
                                        cache.load_deadline_slack_s, fallback_s=cache.remote_timeout_s,
-                                       load_seconds=self.planner.load_seconds))
+                                       load_seconds=self.planner.load_seconds), newcomer_first=newcomer_first)
         self.runner = ModelRunner(loaded.model, self.cache.pool.kv, self.block_size, attention)
         # Step times (CUDA events on CUDA) fit the prefill model; with calibrate, one chunk and a
         # decode step fit it now and a thread probes the remote's link (engine/calibration.py).
@@ -294,6 +294,10 @@ class Engine(StepLoop):
                            "loading": len(self.scheduler.loading),
                            "attention": self.runner.backend.name, "sync_debug": self.sync_debug,
                            "preemptions": self.scheduler.preemptions, "max_seqs": self.max_seqs,
+                           # Fair share (engine/fair_share.py): preemptions for a starved tenant's
+                           # admission, and steps that ran a newcomer's first chunk alone.
+                           "fair_preemptions": self.scheduler.fair_preemptions,
+                           "newcomer_steps": self.scheduler.newcomer_steps,
                            "aborted": self._aborts.counts()}}
 
     def flush(self) -> FlushResult:
