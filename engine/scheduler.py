@@ -160,12 +160,12 @@ class Scheduler:
         # In-batch dedup: a waiting request whose next uncached block is being computed by a
         # running prefill waits one step, then hits the registered block instead of computing it.
         pending = self._pending_prompt_blocks()
-        step_budget, short = budget + sum(x.num_tokens for x in out), False
+        step_budget, short = budget + sum(x.num_tokens for x in out), None    # short: Shares once pages ran out
         for seq in self._admission_order():
             budget = step_budget - sum(x.num_tokens for x in out)    # a fairness preemption gives back
             if budget <= 0 or len(self.running) + len(self.loading) >= self.max_seqs:
                 break
-            if short and not self._shares(seq).under(seq.tenant):
+            if short is not None and not short.under(seq.tenant):
                 continue     # pages ran short: only a tenant below its share may still take some
             at = self.waiting.index(seq)
             del self.waiting[at]
@@ -179,8 +179,9 @@ class Scheduler:
                 if seq.status is SeqStatus.WAITING and seq not in self.waiting:
                     at += len(self.waiting) - before          # victims went to the front
                     self.waiting.insert(at, seq)     # its place in line kept
-                short = short or admitted is False
+                short = self._shares() if admitted is False else short
                 continue
+            short = short and self._shares()      # once short, kept current
             if admitted is True:
                 continue    # now loading: no budget taken
             out.append(admitted)
