@@ -29,6 +29,7 @@ from engine.prefill_model import PrefillModel
 from engine.prefix_view import prefix_tree
 from engine.restore_planner import RestorePlanner
 from engine.errors import EngineClosedError, QueueFullError
+from engine.fair_share import FairShare
 from engine.model import LoadedModel, kv_layout, load_model
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, LookupResult, StreamChunk
@@ -54,10 +55,12 @@ class Engine(StepLoop):
                  decode_step_tokens: int | None = None, ledger_dir: str | None = None,
                  num_pages: int | None = None, prices: Prices | None = None, sync_debug: str | None = None,
                  attention: str | None = None, billing_failure: str = "serve",
-                 max_model_len: int | None = None, newcomer_first: bool = True) -> None:
+                 max_model_len: int | None = None, newcomer_first: bool = True,
+                 tenant_weights: dict[str, float] | None = None) -> None:
         cache = cache or CacheConfig()
         if billing_failure not in ON_FAILURE:      # before any thread starts
             raise ValueError(f"billing_failure: expected one of {ON_FAILURE}, got {billing_failure!r}")
+        FairShare.check_weights(tenant_weights)
         self.loaded = loaded
         self.config = cache
         self.tokenizer = loaded.tokenizer
@@ -90,7 +93,8 @@ class Engine(StepLoop):
                                    planner=self.planner, deadlines=LoadDeadlines(
                                        self.planner.compute_seconds, cache.load_deadline_margin,
                                        cache.load_deadline_slack_s, fallback_s=cache.remote_timeout_s,
-                                       load_seconds=self.planner.load_seconds), newcomer_first=newcomer_first)
+                                       load_seconds=self.planner.load_seconds), newcomer_first=newcomer_first,
+                                   weights=tenant_weights)    # each tenant's weight in the pool's fair share (default 1)
         self.runner = ModelRunner(loaded.model, self.cache.pool.kv, self.block_size, attention)
         # Step times (CUDA events on CUDA) fit the prefill model; with calibrate, one chunk and a
         # decode step fit it now and a thread probes the remote's link (engine/calibration.py).

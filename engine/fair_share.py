@@ -55,11 +55,16 @@ class FairShare:
     def __init__(self, num_pages: int, block_size: int, weights: Mapping[str, float] | None = None) -> None:
         if num_pages < 1 or block_size < 1:
             raise ValueError("num_pages and block_size must be >= 1")
-        if weights is not None and any(not (w > 0) for w in weights.values()):
-            raise ValueError(f"weights: every tenant's weight must be > 0, got {dict(weights)!r}")
+        self.check_weights(weights)
         self.num_pages = num_pages
         self.block_size = block_size
         self.weights = dict(weights or {})     # a tenant not named weighs 1
+
+    @staticmethod
+    def check_weights(weights: Mapping[str, float] | None) -> None:
+        if weights is not None and not all(isinstance(t, str) and isinstance(w, (int, float)) and not isinstance(w, bool)
+                                           and 0 < w < float("inf") for t, w in weights.items()):
+            raise ValueError(f"tenant_weights: expected {{tenant: weight > 0}}, got {dict(weights)!r}")
 
     def shares(self, holders: Iterable[Sequence], waiting: Iterable[Sequence]) -> Shares:
         """Holdings of `holders` (running and loading sequences) and the shares of every tenant

@@ -10,6 +10,8 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
+
 from engine.fair_share import FairShare
 from engine.model import kv_layout, model_from_config
 from engine.scheduler import Scheduler
@@ -134,6 +136,20 @@ def test_a_sequence_preempted_for_fairness_is_guarded_until_it_computes_a_block(
     # A tenant at or over its share takes nothing for fairness.
     b.pages = list(range(8))
     assert fair.admission_victims(b, 3, lambda n: n <= free, hog, fair.shares([*hog, b], [])) == []
+
+
+def test_weights_divide_the_pool_by_weight_among_the_active_tenants(tmp_path) -> None:
+    fair = FairShare(num_pages=40, block_size=BS, weights={"A": 3.0})
+    a, b, c = seq("A", 0), seq("B", 0), seq("C", 0)
+    assert fair.shares([a], [b]).share == {"A": 30.0, "B": 10.0}
+    assert fair.shares([a], [b, c]).share == {"A": 24.0, "B": 8.0, "C": 8.0}
+    assert fair.shares([], [b]).share == {"B": 40.0}          # only tenants with requests count
+    for bad in ({"A": 0}, {"A": -1.0}, {"A": float("nan")}, {"A": True}, {"A": "2"}):
+        with pytest.raises(ValueError, match="tenant_weights"):
+            FairShare(num_pages=40, block_size=BS, weights=bad)
+    with pytest.raises(ValueError, match="tenant_weights"):     # before the engine opens its cache
+        make_engine(tmp_path, tenant_weights={"a": 0})
+    assert not (tmp_path / "kv").exists()
 
 
 GREEDY = SamplingParams(max_tokens=120, ignore_eos=True)
