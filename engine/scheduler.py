@@ -17,10 +17,9 @@ queue, and the requests behind it are admitted meanwhile; the probe is bounded b
 timeout. A sequence that cannot get pages preempts the newest running one; the
 victim's full blocks are registered in the cache already, so its re-admission hits them.
 
-Fair share of the pool (engine/fair_share.py): a tenant below its share of the pages preempts
-for its admission, and a page for a running sequence is taken from a tenant over its share first
-(so those at or below theirs are scheduled first). A tenant with nothing running or loading has
-its first chunk run in a step of its own (`newcomer_first`; never two such steps in a row).
+Fair share of the pool (engine/fair_share.py): a tenant below its share of the pages preempts for
+its admission; a running sequence's page comes from a tenant over its share first. A tenant with
+nothing running or loading has its first chunk run alone (`newcomer_first`; never twice in a row).
 
 Every load (a loading sequence's, or a running one's back part) has a deadline, set when it is
 planned (engine/load_deadline.py) on this scheduler's clock (`clock`, injectable for tests): a
@@ -160,13 +159,14 @@ class Scheduler:
         # In-batch dedup: a waiting request whose next uncached block is being computed by a
         # running prefill waits one step, then hits the registered block instead of computing it.
         pending = self._pending_prompt_blocks()
-        step_budget, short = budget + sum(x.num_tokens for x in out), None    # short: Shares once pages ran out
+        # Once a request finds no pages: `short` (the shares, kept current) and its tenant `stalled`.
+        step_budget, short, stalled = budget + sum(x.num_tokens for x in out), None, set()
         for seq in self._admission_order():
             budget = step_budget - sum(x.num_tokens for x in out)    # a fairness preemption gives back
             if budget <= 0 or len(self.running) + len(self.loading) >= self.max_seqs:
                 break
-            if short is not None and not short.under(seq.tenant):
-                continue     # pages ran short: only a tenant below its share may still take some
+            if short is not None and (seq.tenant in stalled or not short.under(seq.tenant)):
+                continue     # only another tenant, below its share, may still take pages (FIFO within one)
             at = self.waiting.index(seq)
             del self.waiting[at]
             before = len(self.waiting)
@@ -179,7 +179,9 @@ class Scheduler:
                 if seq.status is SeqStatus.WAITING and seq not in self.waiting:
                     at += len(self.waiting) - before          # victims went to the front
                     self.waiting.insert(at, seq)     # its place in line kept
-                short = self._shares() if admitted is False else short
+                if admitted is False:
+                    short = self._shares()
+                    stalled.add(seq.tenant)
                 continue
             short = short and self._shares()      # once short, kept current
             if admitted is True:
@@ -200,8 +202,7 @@ class Scheduler:
         self._newcomer_step = False
         return out
 
-    def _shares(self, taken: Sequence | None = None) -> Shares:
-        """Holdings and shares now; `taken`: a waiting sequence out of the queue while admitted."""
+    def _shares(self, taken: Sequence | None = None) -> Shares:    # taken: out of the queue, being admitted
         return self.fair.shares((*self.running, *self.loading), (*self.waiting, *([taken] if taken else ())))
 
     def _admission_order(self) -> Iterator[Sequence]:
