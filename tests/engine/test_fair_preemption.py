@@ -102,15 +102,18 @@ def test_a_tenant_is_never_preempted_below_its_share() -> None:
         step(sched)
     assert a.status is SeqStatus.RUNNING and held(sched, "A") == 26 and cache.pool.num_free == 6
     b = seq("B", 0, prompt=28, max_tokens=2)       # 7 pages: more than the pool has left
+    b1 = seq("B", 1, prompt=4, max_tokens=2)       # 1 page would fit, but it is behind B0
     sched.add(b)
-    # A is over its share (16), but its only sequence would take it to 0: B waits for A.
+    sched.add(b1)
+    # A is over its share (16), but its only sequence would take it to 0: B waits for A, and
+    # B's own later request does not pass B0 (first come, first served within a tenant).
     while a.status is not SeqStatus.FINISHED:
-        assert "B0" not in step(sched)
-        assert b.status is SeqStatus.WAITING
+        assert not {"B0", "B1"} & set(step(sched))
+        assert b.status is SeqStatus.WAITING and b1.status is SeqStatus.WAITING
     assert sched.fair_preemptions == 0
     while sched.has_work():
         step(sched)
-    assert len(b.output_ids) == 2
+    assert len(b.output_ids) == 2 and len(b1.output_ids) == 2
     cache.close()
 
 
