@@ -31,6 +31,7 @@ from engine.prefill_model import PrefillModel
 from engine.prefix_view import prefix_tree
 from engine.restore_planner import RestorePlanner
 from engine.errors import EngineClosedError, QueueFullError
+from engine.fair_share import FairShare
 from engine.model import LoadedModel, kv_layout, load_model
 from engine.model_runner import ModelRunner
 from engine.attention_backends import make_backend
@@ -90,11 +91,13 @@ class Engine(StepLoop):
                  num_pages: int | None = None, prices: Prices | None = None, sync_debug: str | None = None,
                  attention: str | None = None, billing_failure: str = "serve",
                  max_model_len: int | None = None, enforce_eager: bool = False,
-                 decode_step: str = "auto", exact_hits: bool = True, max_n: int = 16) -> None:
+                 decode_step: str = "auto", exact_hits: bool = True, max_n: int = 16,
+                 newcomer_first: bool = True, tenant_weights: dict[str, float] | None = None) -> None:
         cache = cache or CacheConfig()
         max_batch_tokens = max_batch_tokens or default_batch_tokens(loaded.device)
         if billing_failure not in ON_FAILURE:      # before any thread starts
             raise ValueError(f"billing_failure: expected one of {ON_FAILURE}, got {billing_failure!r}")
+        FairShare.check_weights(tenant_weights)
         self.loaded = loaded
         self.config = cache
         self.tokenizer = loaded.tokenizer
@@ -132,7 +135,8 @@ class Engine(StepLoop):
                                    planner=self.planner, deadlines=LoadDeadlines(
                                        self.planner.compute_seconds, cache.load_deadline_margin,
                                        cache.load_deadline_slack_s, fallback_s=cache.remote_timeout_s,
-                                       load_seconds=self.planner.load_seconds))
+                                       load_seconds=self.planner.load_seconds), newcomer_first=newcomer_first,
+                                   weights=tenant_weights)    # each tenant's weight in the pool's fair share (default 1)
         sink = self.cache.allocate(1)[0] if sink_pages else None     # held for good: never registered or evicted
         self.runner = ModelRunner(loaded.model, self.cache.pool.kv, self.block_size, attention,
                                   max_query=max(max_batch_tokens, decode_step_tokens or 0), decode=self.decode_step,
@@ -376,6 +380,10 @@ class Engine(StepLoop):
                            "preemptions": self.scheduler.preemptions, "max_seqs": self.max_seqs,
                            "exact_hits": self.scheduler.exact_hits, "copy_on_write_pages": self.scheduler.cow_copies,
                            "tokens_computed": self.runner.tokens_computed,
+                           # Fair share (engine/fair_share.py): preemptions for a starved tenant's
+                           # admission, and steps that ran a newcomer's first chunk alone.
+                           "fair_preemptions": self.scheduler.fair_preemptions,
+                           "newcomer_steps": self.scheduler.newcomer_steps,
                            "aborted": self._aborts.counts()}}
 
     def flush(self) -> FlushResult:

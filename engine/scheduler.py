@@ -17,6 +17,10 @@ queue, and the requests behind it are admitted meanwhile; the probe is bounded b
 timeout. A sequence that cannot get pages preempts the newest running one; the
 victim's full blocks are registered in the cache already, so its re-admission hits them.
 
+Fair share of the pool (engine/fair_share.py): a tenant below its share of the pages preempts for
+its admission; a running sequence's page comes from a tenant over its share first. A tenant with
+nothing running or loading has its first chunk run alone (`newcomer_first`; never twice in a row).
+
 Every load (a loading sequence's, or a running one's back part) has a deadline, set when it is
 planned (engine/load_deadline.py) on this scheduler's clock (`clock`, injectable for tests): a
 load not complete by then is abandoned in schedule() -- the sequence keeps the leading blocks
@@ -39,6 +43,7 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
+from engine.fair_share import FairShare, Shares
 from engine.load_deadline import LoadDeadlines
 from engine.restore_planner import RestorePlanner, Split
 from engine.sequence import Sequence, SeqStatus
@@ -56,7 +61,8 @@ class Scheduler:
     def __init__(self, cache: TieredKVCache, max_batch_tokens: int = 512, max_seqs: int = 64,
                  max_loading: int = 8, decode_step_tokens: int | None = None,
                  planner: RestorePlanner | None = None, deadlines: LoadDeadlines | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, newcomer_first: bool = True,
+                 weights: dict[str, float] | None = None) -> None:
         if max_batch_tokens < 1 or max_seqs < 1 or max_loading < 1:
             raise ValueError("max_batch_tokens, max_seqs and max_loading must be >= 1")
         if decode_step_tokens is not None and decode_step_tokens < 1:
@@ -80,6 +86,12 @@ class Scheduler:
         self.deadlines = deadlines
         self.clock = clock
         self.preemptions = 0
+        # Fair share of the pool between tenants (engine/fair_share.py); `weights` by tenant.
+        self.fair = FairShare(cache.pool.num_pages, self.block_size, weights)
+        self.fair_preemptions = 0     # preemptions for a starved tenant's admission
+        self.newcomer_first = newcomer_first
+        self.newcomer_steps = 0       # steps that ran a newcomer's first chunk alone
+        self._newcomer_step = False   # the last step was one
         self.probes_abandoned = 0     # requests admitted without their overdue remote probe
         self.exact_hits = 0           # admissions with nothing to compute (storage/exact_entry.py)
         self.cow_copies = 0           # pages copied before a write (shared or cached pages)
@@ -102,7 +114,11 @@ class Scheduler:
     # ---- the step --------------------------------------------------------------------------
     def schedule(self) -> list[Scheduled]:
         budget = self.max_batch_tokens
-        running = list(self.running)
+        # At or below their share first: then a sequence over its share that needs a page finds
+        # the others scheduled, and takes it from its own tenant (FairShare.growth_victim).
+        shares = self._shares()
+        running = sorted(self.running, key=lambda s: shares.over(s.tenant))
+        holding = {s.tenant for s in (*self.running, *self.loading)}
         if self.decode_step_tokens is not None:
             decoding = [s for s in running if s.num_tokens - s.num_computed == 1]
             if decoding:
@@ -152,28 +168,51 @@ class Scheduler:
         # In-batch dedup: a waiting request whose next uncached block is being computed by a
         # running prefill waits one step, then hits the registered block instead of computing it.
         pending = self._pending_prompt_blocks()
+        # Once a request finds no pages: `short` (the shares, kept current) and its tenant `stalled`.
+        step_budget, short, stalled = budget + sum(x.num_tokens for x in out), None, set()
         for seq in self._admission_order():
+            budget = step_budget - sum(x.num_tokens for x in out)    # a fairness preemption gives back
             if budget <= 0 or len(self.running) + len(self.loading) >= self.max_seqs:
                 break
+            if short is not None and (seq.tenant in stalled or not short.under(seq.tenant)):
+                continue     # only another tenant, below its share, may still take pages (FIFO within one)
             at = self.waiting.index(seq)
             del self.waiting[at]
+            before = len(self.waiting)
             try:
-                admitted = self._admit(seq, budget, pending)
+                admitted = self._admit(seq, budget, pending, out)
             except Exception as e:
                 self._failed.append((seq, e))
                 continue
             if admitted is None or admitted is False:
                 if seq.status is SeqStatus.WAITING and seq not in self.waiting:
+                    at += len(self.waiting) - before          # victims went to the front
                     self.waiting.insert(at, seq)     # its place in line kept
                 if admitted is False:
-                    break
+                    short = self._shares()
+                    stalled.add(seq.tenant)
                 continue
+            short = short and self._shares()      # once short, kept current
             if admitted is True:
                 continue    # now loading: no budget taken
             out.append(admitted)
-            budget -= admitted.num_tokens
             pending |= {k.hash for k in seq.prefix_keys()[seq.registered:]}
+        return self._newcomers_first(out, holding)
+
+    def _newcomers_first(self, out: list[Scheduled], holding: set[str]) -> list[Scheduled]:
+        """A step with a newcomer's first chunk (its tenant had nothing running or loading) and
+        others' work runs the newcomers alone; the others keep their pages and run next step
+        (never two such steps in a row: the others always progress)."""
+        fresh = [x for x in out if x.seq.tenant not in holding]
+        if self.newcomer_first and fresh and len(fresh) < len(out) and not self._newcomer_step:
+            self._newcomer_step = True
+            self.newcomer_steps += 1
+            return fresh
+        self._newcomer_step = False
         return out
+
+    def _shares(self, taken: Sequence | None = None) -> Shares:    # taken: out of the queue, being admitted
+        return self.fair.shares((*self.running, *self.loading), (*self.waiting, *([taken] if taken else ())))
 
     def _admission_order(self) -> Iterator[Sequence]:
         """The waiting sequences in the order admission tries them, each at most once a step.
@@ -209,7 +248,8 @@ class Scheduler:
                 pending.update(k.hash for k in seq.prefix_keys()[seq.registered:])
         return pending
 
-    def _admit(self, seq: Sequence, budget: int, pending: set[bytes]) -> Scheduled | bool | None:
+    def _admit(self, seq: Sequence, budget: int, pending: set[bytes],
+               out: list[Scheduled]) -> Scheduled | bool | None:
         """Match, then plan the prefix and either start the first chunk or wait for the loader.
         Scheduled: running now; True: loading; None: wait (a block another request computes
         now, or too many loads in flight); False: not enough pages now (stop admitting)."""
@@ -234,7 +274,7 @@ class Scheduler:
         remaining = 0 if exact is not None else seq.num_tokens - len(match) * self.block_size
         n = min(remaining, budget)
         need = len(match) + -(-n // self.block_size)   # conservative: every matched block may need a page
-        if not self.cache.can_allocate(need):
+        if not self.cache.can_allocate(need) and not self._fair_room(seq, need, out):
             # With nothing running every page is free or evictable, and the engine only accepts
             # sequences that fit the pool (Sequence.max_len), so this cannot stall forever.
             return False
@@ -249,6 +289,17 @@ class Scheduler:
             self.loading.append(seq)
             return True
         return self._start(seq, self.cache.finish_load(load), budget)
+
+    def _fair_room(self, seq: Sequence, need: int, out: list[Scheduled]) -> bool:
+        """A starved tenant's admission: preempt sequences of tenants over their share (taken out
+        of this step if scheduled) until `need` pages can be had. False: not enough to take."""
+        victims = self.fair.admission_victims(seq, need, self.cache.can_allocate, self.running, self._shares(seq))
+        for victim in victims:
+            self.fair.taken(victim)
+            self.fair_preemptions += 1
+            out[:] = [x for x in out if x.seq is not victim]
+            self.preempt(victim)
+        return bool(victims) and self.cache.can_allocate(need)
 
     def _split(self, seq: Sequence, match: CacheMatch) -> Split | None:
         """The planner's split for a first admission (None: load everything). A re-admission
@@ -400,18 +451,17 @@ class Scheduler:
         seq.reset_for_preemption()
 
     def _reserve(self, seq: Sequence, n: int, scheduled: list[Scheduled]) -> bool:
-        """Pages for n more tokens of a running sequence, preempting the newest others if needed.
-        False if `seq` itself had to be preempted."""
+        """Pages for n more tokens of a running sequence, preempting others if needed (from a
+        tenant over its share first: FairShare.growth_victim). False if `seq` itself had to be
+        preempted."""
         need = seq.pages_needed(seq.num_computed + n)
         # Copy-on-write: the page the next token goes into may be shared (a forked choice's
         # partial prompt page) or cached (an exact entry's tail): it is copied first.
         at = seq.num_computed // self.block_size
         cow = at < len(seq.pages) and self.cache.is_shared(seq.pages[at])
         while not self.cache.can_allocate(need + cow):
-            victim = next((s for s in reversed(self.running)
-                           if s is not seq and all(x.seq is not s for x in scheduled)), None)
-            if victim is None:
-                victim = seq
+            candidates = [s for s in self.running if s is not seq and all(x.seq is not s for x in scheduled)]
+            victim = self.fair.growth_victim(seq, candidates, self._shares())
             self.preempt(victim)
             if victim is seq:
                 return False

@@ -51,6 +51,8 @@ class Sequence:
     load_deadline: float | None = None            # when waiting for `load` stops (the scheduler's clock)
     probe_deadline: float | None = None           # when waiting for the remote probe stops (likewise)
     compute_until: int = 0                        # with a back part loading: where its front ends
+    fair_guard: int = 0                           # not preempted for fairness again before num_computed
+                                                  # reaches this (engine/fair_share.py)
     recomputed_hit_tokens: int = 0                # hit tokens it recomputed by choice (billed as hits)
     prefetch: Prefetch | None = None              # its disk -> host prefetch, started at submit
     arrival: float = field(default_factory=time.perf_counter)

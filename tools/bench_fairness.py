@@ -18,10 +18,14 @@ in those steps (the scheduling delay alone), and what A got: streams admitted, 4
 flight sampled at each loaded probe (A's load was really there). What the ratio includes: the
 wait for a free slot in the batch (the scheduler's turns between tenants) and the longer steps of
 a batch that decodes A's streams beside B's prefill -- compute the same machine spends either way;
-on a CPU the second dominates (a step of 48 decodes is several times one of 1).
+on a CPU the second dominates (a step of 48 decodes is several times one of 1). The floor, from
+the same run: B's request lands while a step of A's decodes is in flight (a forward is not
+interrupted), so its TTFT is at least what is left of that step plus its own prefill; at p99 that
+is about one whole loaded step (B's chunk gap) + B's unloaded TTFT p50 (`floor_p99_ms`,
+`floor_ratio_p99`: the best ratio any scheduler gets here without making A's steps smaller).
 Prints a table, or with --json one line:
     {"unloaded": {"p50_ms", "p99_ms", "step_p50_ms"}, "loaded": {...}, "ratio_p50", "ratio_p99", "limit_p99",
-     "loaded_ttft_steps_p50", "loaded_ttft_steps_p99",
+     "loaded_ttft_steps_p50", "loaded_ttft_steps_p99", "floor_p99_ms", "floor_ratio_p99",
      "flood": {"streams", "admitted", "rejected_429", "in_flight_p50", "in_flight_max"},
      "config": {...}, "machine": "..."}
 
@@ -179,6 +183,7 @@ async def measure(args, url: str, model: str) -> dict:
             "ratio_p99": lo["p99_ms"] / un["p99_ms"], "limit_p99": LIMIT_P99,
             # B's TTFT in its own steps under the flood: the scheduling delay, the step time aside.
             "loaded_ttft_steps_p50": lo["p50_ms"] / lo["step_p50_ms"], "loaded_ttft_steps_p99": lo["p99_ms"] / lo["step_p50_ms"],
+            "floor_p99_ms": lo["step_p50_ms"] + un["p50_ms"], "floor_ratio_p99": (lo["step_p50_ms"] + un["p50_ms"]) / un["p99_ms"],
             "flood": {"streams": args.flood, "admitted": flood.admitted, "rejected_429": flood.rejected,
                       "in_flight_p50": pct(in_flight, 0.5), "in_flight_max": max(in_flight)}}
 
@@ -200,6 +205,8 @@ def print_table(r: dict) -> None:
     print(f"{'ratio':10} {r['ratio_p50']:8.2f}x {r['ratio_p99']:8.2f}x   limit p99 <= {r['limit_p99']:.1f}x: {ok}")
     print(f"loaded TTFT in B's own steps (its chunks' gap p50): p50 {r['loaded_ttft_steps_p50']:.1f}, "
           f"p99 {r['loaded_ttft_steps_p99']:.1f}")
+    print(f"floor (one loaded step + B's unloaded TTFT p50): {r['floor_p99_ms']:.1f} ms = "
+          f"{r['floor_ratio_p99']:.2f}x B's unloaded p99; measured p99 {r['ratio_p99']:.2f}x")
     f = r["flood"]
     print(f"flood: {f['admitted']} streams admitted, {f['rejected_429']} 429s; requests in flight at B's requests: "
           f"p50 {f['in_flight_p50']}, max {f['in_flight_max']}")

@@ -35,7 +35,7 @@ def step(sched: Scheduler) -> list[str]:
 
 def scheduler(budget: int) -> tuple[Scheduler, TieredKVCache]:
     layout = kv_layout(model_from_config(tiny_llama_config(), seed=0), BS)
-    cache = TieredKVCache(layout, CacheConfig(block_size=BS, host_memory=0), num_pages=256)
+    cache = TieredKVCache(layout, CacheConfig(block_size=BS, host_memory=0, disk_dir=None), num_pages=256)
     return Scheduler(cache, max_batch_tokens=budget, max_seqs=64), cache
 
 
@@ -45,10 +45,16 @@ def test_a_tenant_arriving_behind_a_flood_is_admitted_in_the_next_round() -> Non
         sched.add(seq("A", i))
     assert step(sched) == ["A0", "A1"]           # two prompts fill the budget
     sched.add(seq("B", 0))                       # arrives last, 18 of A's ahead of it
-    # The next round: A's two decode, then B (no sequence running) before A's third; A2 gets
-    # the budget's rest as its first chunk. First come, first served gave ["A0", "A1", "A2", "A3"].
-    assert step(sched) == ["A0", "A1", "B0", "A2"]
+    # The next round admits B (no sequence running) before A's third, and A2 gets the budget's
+    # rest; B is a newcomer (nothing running or loading), so its first chunk runs in a step of
+    # its own. First come, first served gave ["A0", "A1", "A2", "A3"].
+    assert step(sched) == ["B0"]
+    assert [s.request_id for s in sched.running] == ["A0", "A1", "B0", "A2"]
     assert [s.request_id for s in sched.waiting][:3] == ["A3", "A4", "A5"]   # FIFO within A
+    # Then everyone (never two newcomer steps in a row): three decodes, the rest of A2's prompt,
+    # and A3's first chunk in what is left of the budget.
+    assert step(sched) == ["A0", "A1", "B0", "A2", "A3"]
+    assert sched.newcomer_steps == 1
     cache.close()
 
 
