@@ -48,6 +48,9 @@ _REMOTE_COUNTERS = (
     ("errors", "errors", "Calls to the remote store that failed (connection, timeout): the breaker's failures"),
     ("corrupt", "corrupt", "Remote values that failed verification (a miss; deleted)"),
     ("skipped", "skipped", "Calls not made because the breaker was open"),
+    ("cancelled", "cancelled", "Reads of the remote store cut off because no request waited for them any more"),
+    ("cancelled_connections", "cancelled_connections", "Connections to the remote store shut down mid-reply by "
+     "such a cut (dropped, never pooled)"),
     ("writes", "writes", "Blocks written to the remote store"),
     ("write_errors", "write_errors", "Blocks the remote store refused, or lost with a failed batch"),
     ("write_drops", "write_drops", "Blocks never sent to the remote store: its queue full, or the breaker open"),

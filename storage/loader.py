@@ -41,6 +41,14 @@ allocation until the fill ends, and is registered only once its bytes are comple
 evicted, reused or found by another lookup mid-fill, even when every request waiting for it has
 gone (its pages released). A fill that fails leaves its page unregistered; the requests that
 wait for it cut their prefix there.
+
+Cancelling (issue 27): the remote fills one plan started are one task with a Cancellation
+(storage/cancellation.py). Each fill counts the loads waiting for it (`Fill.waiters`, under the
+tiers' lock: plan adds one per load, `stop_waiting` takes it back when the load is finished,
+abandoned or cancelled). When no load waits for any unfinished fill of a task, the task is given
+up: its MGETs on the wire are cut off, so a slow link stops carrying bytes nobody waits for
+(they would delay the next request's probe), and no new load shares its fills. What arrived
+whole before the cut still lands and is registered, as any late fill's block.
 """
 from __future__ import annotations
 
@@ -54,6 +62,7 @@ from typing import Sequence
 
 import torch
 
+from storage.cancellation import Cancellation
 from storage.hashing import BlockKey
 from storage.kv_events.sink import CPU, GPU
 from storage.pinned import host_buffer
@@ -88,9 +97,25 @@ class Fill:
     tier: str = ""                                # billed tier; "" means the source
     done: threading.Event = field(default_factory=threading.Event)
     ok: bool = False
+    waiters: int = 0                              # loads waiting for it (under the tiers' lock)
+    task: "_Task | None" = None                   # the read it is part of, when it can be cancelled
 
     def __post_init__(self) -> None:
         self.tier = self.tier or self.source
+
+    @property
+    def given_up(self) -> bool:
+        """Its read was cancelled (under the tiers' lock): no new load may wait for it."""
+        return self.task is not None and self.task.given_up
+
+
+@dataclass(eq=False)
+class _Task:
+    """The fills one worker reads together (one plan's remote fills) and how their read is
+    stopped. `given_up` is set under the tiers' lock, before `cancel` is cancelled."""
+    fills: list[Fill]
+    cancel: Cancellation = field(default_factory=Cancellation)
+    given_up: bool = False
 
 
 @dataclass(eq=False)
@@ -189,7 +214,34 @@ class Loader:
         if local:
             self._fills.submit(self._run_fills, local, after)
         if remote:
-            self._remote.submit(self._run_fills, remote, after)
+            task = _Task(remote)
+            for f in remote:
+                f.task = task
+            self._remote.submit(self._run_fills, remote, after, task.cancel)
+
+    def wait_for(self, fill: Fill) -> None:
+        """A load waits for `fill` (under the tiers' lock; TieredKVCache.plan)."""
+        fill.waiters += 1
+
+    def stop_waiting(self, fills: Sequence[Fill | None]) -> list[Cancellation]:
+        """A load stops waiting for its fills (under the tiers' lock: finished, abandoned at its
+        deadline, or cancelled). Returns the reads no load waits for any more, given up now: the
+        caller cancels each once it let the lock go (a socket shutdown, never a wait). Each is
+        counted in its tier's `reads_cancelled`."""
+        tasks = []
+        for f in fills:
+            if f is None:
+                continue
+            f.waiters -= 1
+            if f.task is not None and not f.task.given_up and not f.done.is_set() and f.task not in tasks:
+                tasks.append(f.task)
+        out = []
+        for task in tasks:
+            if all(f.waiters <= 0 or f.done.is_set() for f in task.fills):
+                task.given_up = True
+                self.t.counters[task.fills[0].source].reads_cancelled += 1
+                out.append(task.cancel)
+        return out
 
     def probe(self, keys: Sequence[BlockKey], into: RemoteProbe) -> None:
         """Ask the remote store, on a remote worker, which of `keys` (a chain) it holds."""
@@ -203,7 +255,7 @@ class Loader:
         finally:
             into.done.set()
 
-    def _run_fills(self, fills: list[Fill], after: object = None) -> None:
+    def _run_fills(self, fills: list[Fill], after: object = None, cancel: Cancellation | None = None) -> None:
         ok: dict[int, bool] = {}
         try:
             if after is not None:
@@ -215,7 +267,7 @@ class Loader:
             remote_fills = [f for f in fills if id(f) not in ok and f.source == "remote"]
             for todo, read in ((disk_fills, self._fill_from_disk), (remote_fills, self._fill_from_remote)):
                 if todo:
-                    for f, good in zip(todo, read(todo)):
+                    for f, good in zip(todo, read(todo, cancel)):
                         ok[id(f)] = good
         except Exception:
             log.exception("loading %d blocks failed: their requests recompute them", len(fills))
@@ -276,29 +328,33 @@ class Loader:
                         device_s if device_s is not None else time.perf_counter() - started)
         return done
 
-    def _fill_from_disk(self, fills: list[Fill]) -> list[bool]:
-        return self._fill_from(self.t.disk, fills)
+    def _fill_from_disk(self, fills: list[Fill], cancel: Cancellation | None = None) -> list[bool]:
+        return self._fill_from(self.t.disk, fills, cancel=cancel)
 
-    def _fill_from_remote(self, fills: list[Fill]) -> list[bool]:
-        return self._fill_from(self.t.remote, fills, keep=True)
+    def _fill_from_remote(self, fills: list[Fill], cancel: Cancellation | None = None) -> list[bool]:
+        return self._fill_from(self.t.remote, fills, keep=True, cancel=cancel)
 
-    def _fill_from(self, tier, fills: list[Fill], keep: bool = False) -> list[bool]:
+    def _fill_from(self, tier, fills: list[Fill], keep: bool = False, cancel: Cancellation | None = None) -> list[bool]:
         """Read, verify and decode blocks of the disk or remote tier into the fills' pages, and
         record the tier's restore rate (bytes restored over the wall time)."""
         started = time.perf_counter()
-        ok = self._read_into_pages(tier, fills, keep)
+        ok = self._read_into_pages(tier, fills, keep, cancel)
         if tier is not None:
             self.t.rates.observe(tier.name, sum(ok) * self.t.layout.nbytes, time.perf_counter() - started)
         return ok
 
-    def _read_into_pages(self, tier, fills: list[Fill], keep: bool = False) -> list[bool]:
+    def _read_into_pages(self, tier, fills: list[Fill], keep: bool = False, cancel: Cancellation | None = None
+                         ) -> list[bool]:
         """Read, verify and decode blocks of the disk or remote tier (get_many: a miss is None,
         never an exception for the store's failures) into the fills' pages. `keep` (the remote
-        tier): the blocks read also go to the local disk, with their payloads (_keep_on_disk)."""
+        tier): the blocks read also go to the local disk, with their payloads (_keep_on_disk).
+        `cancel`: the read stops once it is cancelled (what arrived whole still lands)."""
         c = self.t
         if tier is None:
             return [False] * len(fills)
         kw = {"payloads": [None] * len(fills)} if keep else {}
+        if cancel is not None:
+            kw["cancel"] = cancel
         if not self.stage_decodes:
             # Decoded straight into the held pages: nothing else reads or writes them (see the
             # module's invariant), so no lock is needed for the bytes.
@@ -323,6 +379,9 @@ class Loader:
                 copying[n % 2] = None
                 if keep:
                     kw["payloads"] = [None] * len(chunk)
+                if cancel is not None and cancel.cancelled:
+                    ok += [False] * len(chunk)     # given up: the parts not read are misses
+                    continue
                 got = tier.get_many([f.key for f in chunk], [half[i] for i in range(len(chunk))], **kw)
                 copying[n % 2] = self._copy_async([(c.pool.kv[f.page], half[i])
                                                    for i, (f, b) in enumerate(zip(chunk, got)) if b is not None])

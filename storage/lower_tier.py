@@ -22,6 +22,7 @@ from typing import Protocol, Sequence, runtime_checkable
 
 import torch
 
+from storage.cancellation import Cancellation
 from storage.hashing import BlockKey
 
 
@@ -51,9 +52,12 @@ class LowerTier(Protocol):
         """Whether this tier holds the block, as far as this process knows without I/O."""
 
     def get_many(self, keys: Sequence[BlockKey], outs: Sequence[torch.Tensor | None] | None = None,
-                 payloads: list | None = None) -> list[torch.Tensor | None]:
+                 payloads: list | None = None, cancel: Cancellation | None = None) -> list[torch.Tensor | None]:
         """Verified blocks for `keys` (None: a miss); `outs` receive the bytes; `payloads`, when
-        given, each hit's verified codec payload (so another tier can keep it without encoding)."""
+        given, each hit's verified codec payload (so another tier can keep it without encoding).
+        `cancel` (storage/cancellation.py): once cancelled, a tier that reads over a link stops
+        (what arrived whole is still served, the rest are misses) and frees the link; a local
+        tier may ignore it (its read is bounded by the drive and takes no link)."""
 
     def put(self, key: BlockKey, block: torch.Tensor | None = None, *, wait: bool,
             timeout: float | None = None, payload: bytes | None = None, raw_size: int = 0) -> bool:

@@ -224,7 +224,8 @@ class TieredKVCache(SharedPages):
                     fills.append(None)
                     continue
                 fill = self.loader.inflight.get(key.hash)
-                if fill is None or fill.key.token_ids != key.token_ids:
+                # A fill whose read was given up (no load waited for it) is never waited for again.
+                if fill is None or fill.key.token_ids != key.token_ids or fill.given_up:
                     if not self.pool.can_allocate(1):
                         break
                     # Allocate first, then look the block up: the allocation may evict a device
@@ -239,6 +240,7 @@ class TieredKVCache(SharedPages):
                     self.loader.inflight[key.hash] = fill
                     new.append(fill)
                 self.pool.acquire(fill.page)            # the request's reference
+                self.loader.wait_for(fill)
                 pages.append(fill.page)
                 tiers.append(fill.tier)
                 fills.append(fill)
@@ -266,7 +268,11 @@ class TieredKVCache(SharedPages):
         the first that did not; the fills still running end on their own pages, never on the
         request's (storage/load_outcome.py)."""
         with self._lock:
-            return finish(self.tiers, load, abandon)
+            acquired = finish(self.tiers, load, abandon)
+            given_up = self.loader.stop_waiting(load.fills)
+        for read in given_up:     # no request waits for these reads: their bytes stop crossing the link
+            read.cancel()
+        return acquired
 
     def recomputed(self, blocks: Sequence[tuple[BlockKey, str]], prefetch: Prefetch | None = None) -> tuple[str, ...]:
         """Matched blocks a request recomputes by choice (compute-or-load, engine/restore_planner.py):
@@ -285,8 +291,14 @@ class TieredKVCache(SharedPages):
 
     def cancel_load(self, load: Load) -> None:
         """The request behind a Load is gone: give its pages back now. Fills in flight finish on
-        their own references (their pages become cached blocks or free pages when done)."""
-        self.release(load.pages)
+        their own references (their pages become cached blocks or free pages when done); a remote
+        read no other request waits for is cut off (storage/loader.py)."""
+        with self._lock:
+            for page in load.pages:
+                self.pool.release(page)
+            given_up = self.loader.stop_waiting(load.fills)
+        for read in given_up:
+            read.cancel()
 
     def load_now(self, match: CacheMatch) -> Acquired:
         """plan() and wait for it: device pages for a matched prefix, filled (tests, tools)."""

@@ -43,6 +43,8 @@ class TierStats:
     abandoned: int = 0       # blocks being read from here that a request stopped waiting for (its load
                              # deadline passed: engine/load_deadline.py) and computed instead
     abandoned_loads: int = 0  # loads with such a block
+    reads_cancelled: int = 0  # reads from here cut off once no request waited for them (storage/loader.py:
+                              # the remote's MGETs stop, so the link is free for the next request)
     demotions: int = 0       # blocks written into this tier from the tier above
     evictions: int = 0       # blocks that left this tier for lack of room
     bytes_read: int = 0

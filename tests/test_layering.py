@@ -53,8 +53,9 @@ ROOMS = {"codec": set(), "disk": {"codec"}, "remote": {"codec"}}
 # pool_drain: spreading a batch over a thread pool (knows no tier).
 # malloc_tuning: glibc told to keep block-sized memory (knows no tier; the tiers call it when built).
 # foreground: whether sequences run, which the writers' encode pools narrow to (knows no tier).
+# cancellation: a read its caller gave up on (the loader cancels, the remote reader drops its socket).
 SHARED = {"hashing", "layout", "priority", "pinned", "background_writer", "lower_tier", "kv_events", "pool_drain",
-          "malloc_tuning", "foreground"}
+          "malloc_tuning", "foreground", "cancellation"}
 
 
 def _storage_imports(path: Path) -> set[str]:

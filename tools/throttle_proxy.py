@@ -3,12 +3,17 @@
 Knows: how to relay bytes between clients and one upstream (host:port) at no more than a given
 rate in each direction, shared by every connection as a link is (a token bucket per direction:
 each chunk waits until the link has carried the ones before it at the rate), plus an optional
-one-way latency added to every chunk. It runs in its own process so its event loop never competes
+one-way latency added to every chunk. The link's queue (bytes accepted and not yet carried, all
+connections together) holds at most `--queue-ms` of the link's time (default 250 ms, at least one
+chunk), as a bottleneck's buffer does: a sender faster than the link is held back in its own
+socket, where bytes cost the link nothing until they are sent and are dropped with the connection.
+(Before, each connection could queue 4 MiB ahead of the link: 6.7 s at 5 Mbit/s, during which
+every other command on the link waited, even after the client that asked for the bytes was gone.) It runs in its own process so its event loop never competes
 with the measured engine for the GIL; `ThrottleProxy` starts that process and stops it.
 Doesn't know: the protocol it carries (Valkey's here; any TCP byte stream).
 
     python tools/throttle_proxy.py --upstream 127.0.0.1:6379 --mbit 100 [--listen 127.0.0.1:0]
-                                   [--latency-ms 0]
+                                   [--latency-ms 0] [--queue-ms 250]
 
 prints `listening HOST:PORT` on stdout once bound, then serves until SIGTERM (and, with
 --exit-with-stdin, until stdin closes).
@@ -29,9 +34,14 @@ CHUNK = 64 * 1024      # bytes read at a time: 5 ms of a 100 Mbit/s link, the pa
 class Link:
     """One direction of the link: chunks leave no faster than `bytes_per_s`, in arrival order."""
 
-    def __init__(self, bytes_per_s: float) -> None:
+    def __init__(self, bytes_per_s: float, queue_s: float = 0.25) -> None:
         self.bytes_per_s = bytes_per_s
+        self.queue_s = queue_s          # the most link time queued ahead (one chunk always passes)
         self._free_at = 0.0            # when the link finishes carrying what it was given
+
+    def room_in(self) -> float:
+        """Seconds until the link's queue has room for another chunk (0: now)."""
+        return max(0.0, self._free_at - time.monotonic() - self.queue_s)
 
     def reserve(self, nbytes: int) -> float:
         """Seconds to wait before `nbytes` may leave (the link's queue ahead of them)."""
@@ -61,7 +71,12 @@ async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, link
 
     delivery = asyncio.create_task(deliver())
     try:
-        while chunk := await reader.read(CHUNK):
+        while True:
+            while (wait := link.room_in()) > 0:      # the link's queue is full: the sender waits
+                await asyncio.sleep(wait)
+            chunk = await reader.read(CHUNK)
+            if not chunk:
+                break
             await queue.put((time.monotonic() + link.reserve(len(chunk)) + latency_s, chunk))
     except (ConnectionError, asyncio.IncompleteReadError):
         pass
@@ -71,8 +86,9 @@ async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, link
 
 
 async def serve(listen: tuple[str, int], upstream: tuple[str, int], mbit: float, latency_ms: float,
-                exit_with_stdin: bool = False) -> None:
-    up_link, down_link = Link(mbit * 1e6 / 8), Link(mbit * 1e6 / 8)   # client->server, server->client
+                exit_with_stdin: bool = False, queue_ms: float = 250.0) -> None:
+    # client->server, server->client
+    up_link, down_link = (Link(mbit * 1e6 / 8, queue_ms / 1e3), Link(mbit * 1e6 / 8, queue_ms / 1e3))
     latency_s = latency_ms / 1e3
 
     async def handle(c_reader: asyncio.StreamReader, c_writer: asyncio.StreamWriter) -> None:
@@ -108,15 +124,16 @@ def _addr(text: str) -> tuple[str, int]:
 class ThrottleProxy:
     """The proxy in a child process: `with ThrottleProxy("127.0.0.1", 6379, mbit=100) as p: p.url`."""
 
-    def __init__(self, host: str, port: int, mbit: float, latency_ms: float = 0.0) -> None:
-        self.upstream, self.mbit, self.latency_ms = (host, port), mbit, latency_ms
+    def __init__(self, host: str, port: int, mbit: float, latency_ms: float = 0.0, queue_ms: float = 250.0) -> None:
+        self.upstream, self.mbit, self.latency_ms, self.queue_ms = (host, port), mbit, latency_ms, queue_ms
         self._proc: subprocess.Popen | None = None
         self.port: int | None = None
 
     def start(self) -> "ThrottleProxy":
         self._proc = subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), "--upstream", f"{self.upstream[0]}:{self.upstream[1]}",
-             "--mbit", str(self.mbit), "--latency-ms", str(self.latency_ms), "--exit-with-stdin"],
+             "--mbit", str(self.mbit), "--latency-ms", str(self.latency_ms), "--queue-ms", str(self.queue_ms),
+             "--exit-with-stdin"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         line = self._proc.stdout.readline()
         if not line.startswith("listening "):
@@ -152,12 +169,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mbit", type=float, required=True, help="link rate in Mbit/s, each direction")
     ap.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT to listen on (port 0: a free one)")
     ap.add_argument("--latency-ms", type=float, default=0.0, help="one-way latency added to every chunk")
+    ap.add_argument("--queue-ms", type=float, default=250.0,
+                    help="the most link time the link's queue holds, all connections together (a chunk always passes)")
     ap.add_argument("--exit-with-stdin", action="store_true",
                     help="also stop at EOF on stdin (how ThrottleProxy's child learns its parent is gone)")
     args = ap.parse_args(argv)
-    if args.mbit <= 0 or args.latency_ms < 0:
-        ap.error("--mbit must be > 0 and --latency-ms >= 0")
-    asyncio.run(serve(_addr(args.listen), _addr(args.upstream), args.mbit, args.latency_ms, args.exit_with_stdin))
+    if args.mbit <= 0 or args.latency_ms < 0 or args.queue_ms < 0:
+        ap.error("--mbit must be > 0, --latency-ms and --queue-ms >= 0")
+    asyncio.run(serve(_addr(args.listen), _addr(args.upstream), args.mbit, args.latency_ms, args.exit_with_stdin,
+                      args.queue_ms))
     return 0
 
 

@@ -249,11 +249,12 @@ class DiskTier:
         return self.get_many([key], None if out is None else [out])[0]
 
     def get_many(self, keys: Sequence[BlockKey], outs: Sequence[torch.Tensor | None] | None = None,
-                 payloads: list | None = None) -> list[torch.Tensor | None]:
+                 payloads: list | None = None, cancel: object = None) -> list[torch.Tensor | None]:
         """get() for many keys: payloads read in one read transaction, decoded in parallel
         (zstd releases the GIL, so a disk restore uses every decode thread). `payloads`, when given,
         receives each hit's stored payload (copied out of the map), None for a block served
-        from a raw copy awaiting the writer."""
+        from a raw copy awaiting the writer. `cancel` is not honoured: a local read crosses no
+        link and is bounded by the drive (storage/lower_tier.py)."""
         self._check_open()
         keys = list(keys)
         outs = [None] * len(keys) if outs is None else list(outs)

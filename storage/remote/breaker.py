@@ -5,7 +5,8 @@ Knows: three states and the moves between them --
   open       no call goes through (the caller takes its fallback at once: a miss, a dropped
              write) until `cooldown_s` has passed since it opened
   half_open  one call at a time goes through as a probe: a success closes the breaker, a
-             failure opens it again for another cooldown
+             failure opens it again for another cooldown (a probe its caller gave up on, with
+             no verdict, frees the slot: release())
 Doesn't know: what is being called or what a failure is (the caller says: storage/remote/tier.py
 counts connection errors and timeouts, not a miss).
 
@@ -80,6 +81,14 @@ class CircuitBreaker:
             self._state, self._failures, self._probing = CLOSED, 0, False
         if closed_now and self._on_close is not None:
             self._on_close()
+
+    def release(self) -> None:
+        """A call that went through ended with no verdict on the dependency (its caller gave it up,
+        storage/cancellation.py): nothing changes, except that a half-open breaker's probe slot
+        it may have held is free for the next caller."""
+        with self._lock:
+            if self._state == HALF_OPEN:
+                self._probing = False
 
     def failure(self) -> None:
         with self._lock:

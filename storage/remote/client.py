@@ -20,6 +20,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Sequence, TypeVar
 
+from storage.cancellation import Cancellation
 from storage.remote.mget_reader import CannotBorrow, ErrorReply, read_mget
 from storage.remote.url import RemoteURL
 
@@ -99,7 +100,8 @@ def mget_groups(rkeys: list[bytes], cluster: bool) -> list[list[int]]:
     return [idx[j:j + MGET_CHUNK] for idx in by_slot.values() for j in range(0, len(idx), MGET_CHUNK)]
 
 
-def mget_one(client, rkeys: list[bytes], take: Callable[[int], memoryview] | None = None) -> list:
+def mget_one(client, rkeys: list[bytes], take: Callable[[int], memoryview] | None = None,
+             cancel: Cancellation | None = None) -> list:
     """One MGET (in a cluster, of keys of one slot): each value (None: absent), in key order.
 
     Read by storage/remote/mget_reader.py, each value received straight into the buffer `take`
@@ -108,13 +110,17 @@ def mget_one(client, rkeys: list[bytes], take: Callable[[int], memoryview] | Non
     execute_command, which ignores `take` and returns bytes, when that pool cannot be found (a
     slot no node covers now), when redis-py's connections are not what the reader knows, and when
     the store answers with an error line (MOVED, ASK, LOADING: redis-py knows what each means,
-    follows a redirection, and raises the rest)."""
+    follows a redirection, and raises the rest). `cancel` (storage/cancellation.py): Cancelled
+    once it is cancelled -- the reader's MGET cut off mid-reply; redis-py's, which cannot be cut,
+    is not started after it (it runs to its end or its timeout otherwise)."""
     pool = _pool_for(client, rkeys[0]) if rkeys else None
     if pool is not None:
         try:
-            return read_mget(pool, rkeys, take)
+            return read_mget(pool, rkeys, take, cancel)
         except (ErrorReply, CannotBorrow):
             pass
+    if cancel is not None:
+        cancel.check()
     return client.execute_command("MGET", *rkeys)
 
 

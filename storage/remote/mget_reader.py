@@ -21,11 +21,19 @@ NOTE invariant: a connection goes back to its pool only when its reply was read 
 with nothing left over; any failure part-way disconnects it, because its stream is out of step
 and the next command would read the rest of this reply as its own. (Every value is also bound to
 its key by the codec, so even that would be a miss, never a wrong block.)
+
+Cancellation (storage/cancellation.py): a read whose caller gave up (its load's deadline passed
+and no request waits for it) has its socket shut down by the canceller while this thread reads
+it; the reader then raises `Cancelled`, and the connection is disconnected like any cut reply --
+the rest of the reply stops coming over the link instead of being read to its end for nobody.
 """
 from __future__ import annotations
 
+import contextlib
 import socket
 from typing import Callable
+
+from storage.cancellation import Cancellation, Cancelled
 
 _LINE_MAX = 1 << 16           # the scratch buffer: a header line never comes near it
 
@@ -38,11 +46,12 @@ class CannotBorrow(Exception):
     """This redis-py's connections keep their socket elsewhere: nothing was sent, use redis-py."""
 
 
-def read_mget(pool, rkeys: list[bytes], take: Callable[[int], memoryview] | None = None
-              ) -> list[bytearray | memoryview | None]:
+def read_mget(pool, rkeys: list[bytes], take: Callable[[int], memoryview] | None = None,
+              cancel: Cancellation | None = None) -> list[bytearray | memoryview | None]:
     """MGET `rkeys` on a connection of redis-py `pool`: each value (None: absent), in key order.
     `take(size)`: where a value of `size` bytes is received (storage/remote/recv_buffers.py's
-    warm buffers); a new bytearray each without it."""
+    warm buffers); a new bytearray each without it. `cancel`: raises Cancelled (nothing sent, or
+    the connection dropped mid-reply) once it is cancelled."""
     from redis import exceptions as rx
     # get_connection() hands out a connected connection with nothing unread on it: it checks
     # (can_read) and reconnects one the server closed or that holds stray data.
@@ -52,30 +61,43 @@ def read_mget(pool, rkeys: list[bytes], take: Callable[[int], memoryview] | None
         raise CannotBorrow(type(conn).__name__)
     clean = False
     try:
+        if cancel is not None and cancel.cancelled:
+            clean = True                 # nothing sent: the connection is as it was, given back
+            raise Cancelled()
         conn.send_command("MGET", *rkeys)
         sock = conn._sock
         if sock is None:                 # send_command connects; None here: it was closed under us
             raise rx.ConnectionError("the connection closed before its reply")
         reply = _Reply(sock, take)
-        try:
-            values = reply.values(len(rkeys))
-        except ErrorReply:
-            clean = reply.drained()      # an error line is the whole reply
-            raise
-        except socket.timeout as e:      # the builtin TimeoutError; redis-py's is its own class
-            raise rx.TimeoutError("Timeout reading from socket") from e
-        except OSError as e:             # the builtin ConnectionError (closed mid-reply) included
-            raise rx.ConnectionError(f"Error while reading from socket: {e}") from e
-        except ValueError as e:
-            raise rx.InvalidResponse(f"MGET reply: {e}") from e
-        clean = reply.drained()
-        if not clean:
+        # The socket is watched from after the send (a few KiB of keys, never blocking) until the
+        # read ends: the disconnect and the release below come after the watch is over.
+        with cancel.watch(sock) if cancel is not None else _NOT_WATCHED:
+            try:
+                values = reply.values(len(rkeys))
+            except ErrorReply:
+                clean = reply.drained()      # an error line is the whole reply
+                raise
+            except (OSError, ValueError) as e:
+                if cancel is not None and cancel.cancelled:
+                    raise Cancelled() from e     # shut down under us: the caller gave up
+                if isinstance(e, socket.timeout):  # the builtin TimeoutError; redis-py's is its own
+                    raise rx.TimeoutError("Timeout reading from socket") from e
+                if isinstance(e, OSError):       # the builtin ConnectionError (closed mid-reply) too
+                    raise rx.ConnectionError(f"Error while reading from socket: {e}") from e
+                raise rx.InvalidResponse(f"MGET reply: {e}") from e
+        if not reply.drained():
             raise rx.InvalidResponse("MGET reply: bytes after its end")
+        # Read whole; a cancel that came after its last byte may have shut the socket down, so
+        # then the connection is dropped, not given back (the values themselves are whole).
+        clean = cancel is None or not cancel.cancelled
         return values
     finally:
         if not clean:
             conn.disconnect()
         pool.release(conn)
+
+
+_NOT_WATCHED = contextlib.nullcontext()
 
 
 class _Reply:

@@ -59,6 +59,7 @@ from typing import Sequence
 
 import torch
 
+from storage.cancellation import Cancellation, Cancelled
 from storage.remote.breaker import OPEN, BreakerConfig, CircuitBreaker
 from storage.codec.payload import Codec
 from storage.codec.stored_block import payload_binding, verify_and_decode
@@ -98,6 +99,8 @@ class RemoteStats:
     errors: int                # calls that failed (connection, timeout): breaker failures
     corrupt: int               # values that failed verification (deleted)
     skipped: int               # calls not made because the breaker was open
+    cancelled: int             # reads their caller gave up on mid-flight (no request waited any more)
+    cancelled_connections: int  # connections shut down mid-reply by such a cancel: dropped, never pooled
     writes: int                # blocks written
     write_errors: int          # blocks the store refused (e.g. out of memory) or a failed batch lost
     write_drops: int           # blocks never sent: queue full, or breaker open
@@ -136,8 +139,9 @@ class RemoteTier:
         # reopens (the store may have restarted empty).
         self._known: OrderedDict[bytes, float] = OrderedDict()
         self._known_s = float("inf") if ttl_s is None else ttl_s / 2
-        self._c = dict.fromkeys(("hits", "misses", "errors", "corrupt", "skipped", "writes", "write_errors",
-                                 "write_drops", "bytes_read", "bytes_written"), 0)
+        self._c = dict.fromkeys(("hits", "misses", "errors", "corrupt", "skipped", "cancelled",
+                                 "cancelled_connections", "writes", "write_errors", "write_drops", "bytes_read",
+                                 "bytes_written"), 0)
         self._last_error: str | None = None
         self._last_log = -1e9
         # A store back after being down may have restarted empty: forget what we knew it held.
@@ -181,7 +185,7 @@ class RemoteTier:
         return frozenset(present)
 
     def get_many(self, keys: Sequence[BlockKey], outs: Sequence[torch.Tensor | None] | None = None,
-                 payloads: list | None = None) -> list[torch.Tensor | None]:
+                 payloads: list | None = None, cancel: Cancellation | None = None) -> list[torch.Tensor | None]:
         """Verified blocks for `keys` (None: a miss). `outs`, when given, receive the bytes.
         `payloads`, when given (a list as long as `keys`), receives each hit's codec payload
         (verified, bound to hash || namespace): the local disk stores it without encoding again.
@@ -189,7 +193,12 @@ class RemoteTier:
         The keys are fetched a group (one MGET) at a time on each of `connections` connections at
         once, and each group's values are verified and decoded on the decode pool as the group
         arrives, while the next groups are on the wire: the network reads and the decompression
-        overlap instead of adding up."""
+        overlap instead of adding up.
+
+        `cancel` (storage/cancellation.py): once cancelled, the MGETs on the wire are cut off (their
+        connections shut down and dropped, so the rest of their replies stops crossing the link)
+        and no further group is sent; the groups that arrived whole are still served. Counted in
+        `cancelled`; no verdict for the breaker (the caller gave up, not the store)."""
         keys = list(keys)
         outs = [None] * len(keys) if outs is None else list(outs)
         if len(outs) != len(keys) or (payloads is not None and len(payloads) != len(keys)):
@@ -209,15 +218,17 @@ class RemoteTier:
 
         def fetch(client, j: int) -> None:
             idx = groups[j]
-            values = mget_one(client, [rkeys[i] for i in idx], self._recv.take)
+            values = mget_one(client, [rkeys[i] for i in idx], self._recv.take, cancel)
 
             def check(t: int) -> None:
                 i = idx[t]
                 checked[i] = self._check(keys[i], outs[i], values[t], keep)
             tasks[j] = drain_on(self._decoder(), self._decode_threads, range(len(idx)), check)
         # A failure part-way (the store died, a node is down) keeps the groups already fetched.
-        self._call("get", lambda c: run_parallel(self._fetcher(len(groups)),
-                                                 [lambda j=j: fetch(c, j) for j in range(len(groups))]))
+        status, _ = self._call("get", lambda c: run_parallel(self._fetcher(len(groups)),
+                                                             [lambda j=j: fetch(c, j) for j in range(len(groups))]))
+        if status == "cancelled":
+            self._count(cancelled_connections=cancel.dropped)
         for group_tasks in tasks:
             for task in group_tasks:
                 task.result()
@@ -424,13 +435,20 @@ class RemoteTier:
 
     # ---- the client ------------------------------------------------------------------------
     def _call(self, what: str, fn) -> tuple[str, object]:
-        """fn(client) through the breaker: ("ok", its result), or ("skipped" | "failed", None)
-        (counted; a failure logged)."""
+        """fn(client) through the breaker: ("ok", its result), or ("skipped" | "failed" |
+        "cancelled", None) (counted; a failure logged)."""
         if not self.breaker.allow():
             self._count(skipped=1)
             return "skipped", None
         try:
             out = fn(self._client())
+        except Cancelled:
+            # The caller gave up (storage/cancellation.py), not the store: no verdict here (the
+            # load's outcome tells the breaker when it was too slow: storage/load_outcome.py),
+            # but a half-open breaker's probe slot this call held is free again.
+            self.breaker.release()
+            self._count(cancelled=1)
+            return "cancelled", None
         except Exception as e:   # noqa: BLE001 -- any failure of the store is a miss, never a failed request
             from redis.exceptions import ResponseError
             if isinstance(e, ResponseError) and not is_unavailable(e):
