@@ -14,7 +14,7 @@ from service.router.answers import CHAT, COMPLETION, MODEL, MODELS, EventStream,
 
 USAGE = SimpleNamespace(prompt_tokens=3, completion_tokens=2, prompt_cache_hit_tokens=0, prompt_cache_miss_tokens=3,
                         hit_tokens_by_tier={})
-OUT = SimpleNamespace(request_id="cmpl-ab12", text="hi", finish_reason="length", usage=USAGE)
+OUT = SimpleNamespace(request_id="cmpl-ab12", index=0, text="hi", finish_reason="length", usage=USAGE)
 
 
 def test_a_servers_own_bodies_pass_and_garbage_does_not() -> None:
