@@ -25,8 +25,9 @@ import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from engine.conversion_path import is_conversion, record_identity
 from engine.gguf_cache import gguf_checkpoint
-from storage.layout import DTYPE_NAMES, BlockLayout, dtype_name
+from storage.layout import DTYPE_ITEMSIZES, BlockLayout, dtype_name
 from storage.hashing import ModelIdentity, config_digest
 
 log = logging.getLogger(__name__)
@@ -104,8 +105,10 @@ def resolve_dtype(dtype: str | torch.dtype = "auto", device: str | torch.device 
     """'auto' -> bfloat16 on CUDA (float16 where the GPU lacks bf16); on a CPU, bfloat16 where it
     is native (cpu_has_native_bf16), else float32."""
     if isinstance(dtype, torch.dtype):
-        if dtype not in DTYPE_NAMES:
-            raise ValueError(f"dtype: {dtype} is not supported; expected one of {list(DTYPE_NAMES.values())}")
+        try:
+            dtype_name(dtype)
+        except ValueError:
+            raise ValueError(f"dtype: {dtype} is not supported; expected one of {list(DTYPE_ITEMSIZES)}") from None
         return dtype
     if not isinstance(dtype, str):
         raise ValueError(f"dtype: expected a string or torch.dtype, got {dtype!r}")
@@ -264,6 +267,9 @@ def load_model(model: str | None = None, device: str | torch.device = "auto", dt
             hf_model = AutoModelForCausalLM.from_pretrained(checkpoint, **kwargs)
             tokenizer = AutoTokenizer.from_pretrained(checkpoint, local_files_only=True)
     loaded = _finish(hf_model, tokenizer, name, dev, dt)
+    if is_conversion(checkpoint):
+        # What `tieredkv inspect` names this model's namespaces by, read without transformers.
+        record_identity(checkpoint, name, loaded.identity.config_digest)
     log.info("loaded %s (%s, %s, attention %s) in %.1fs", name, dev, dtype_name(dt),
              hf_model.config._attn_implementation, time.perf_counter() - start)
     return loaded
