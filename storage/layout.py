@@ -4,35 +4,40 @@ Knows: the shape `[num_layers, 2, block_size, num_kv_heads, head_dim]`, its dtyp
 in bytes, and the dtype names used in headers and model identities. One block is one copy
 between tiers (vLLM's contiguous cross-layer layout made offload 4-5x faster than per-layer
 copies). Doesn't know: where a block lives or what model made it.
+
+torch is imported only by dtype_from_name (which hands back a torch.dtype): a dtype's name and
+size are known without it, so the CLI's disk inspection (`tieredkv inspect`, `verify`) runs
+without importing torch (issue 31).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-# Stable dtype names: they go into codec headers and namespace digests, so never reorder.
-DTYPE_NAMES: dict[torch.dtype, str] = {
-    torch.float32: "float32",
-    torch.float16: "float16",
-    torch.bfloat16: "bfloat16",
-}
-DTYPES_BY_NAME: dict[str, torch.dtype] = {v: k for k, v in DTYPE_NAMES.items()}
+# Stable dtype names: they go into codec headers and namespace digests, so never rename. Each
+# with its size in bytes (what a header's raw size is checked against, without torch).
+DTYPE_ITEMSIZES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    try:
-        return DTYPE_NAMES[dtype]
-    except KeyError:
-        raise ValueError(f"unsupported KV dtype {dtype}; expected one of {list(DTYPES_BY_NAME)}") from None
+    """"float32", "float16" or "bfloat16" for that torch.dtype; ValueError for anything else."""
+    # A torch.dtype prints as "torch.<name>"; its type is torch.dtype (checked without importing torch).
+    name = str(dtype).removeprefix("torch.")
+    if type(dtype).__module__ != "torch" or type(dtype).__name__ != "dtype" or name not in DTYPE_ITEMSIZES:
+        raise ValueError(f"unsupported KV dtype {dtype}; expected one of {list(DTYPE_ITEMSIZES)}")
+    return name
 
 
 def dtype_from_name(name: str) -> torch.dtype:
-    try:
-        return DTYPES_BY_NAME[name]
-    except KeyError:
-        raise ValueError(f"unsupported KV dtype {name!r}; expected one of {list(DTYPES_BY_NAME)}") from None
+    if name not in DTYPE_ITEMSIZES:
+        raise ValueError(f"unsupported KV dtype {name!r}; expected one of {list(DTYPE_ITEMSIZES)}")
+    import torch
+    dtype: Any = getattr(torch, name)
+    return dtype
 
 
 @dataclass(frozen=True, slots=True)

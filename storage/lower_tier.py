@@ -18,12 +18,13 @@ NOTE invariants every implementation keeps:
 """
 from __future__ import annotations
 
-from typing import Protocol, Sequence, runtime_checkable
-
-import torch
+from typing import TYPE_CHECKING, Protocol, Sequence, runtime_checkable
 
 from storage.cancellation import Cancellation
 from storage.hashing import BlockKey
+
+if TYPE_CHECKING:      # the disk tier opened for inspection (`tieredkv inspect`, `verify`) loads no torch
+    import torch
 
 
 def private_copy(block: torch.Tensor) -> torch.Tensor:
@@ -34,6 +35,7 @@ def private_copy(block: torch.Tensor) -> torch.Tensor:
     busy on every core those workers wait for one, and on this loaded 2-core CPU a 360 KiB block
     took ~8 ms to copy instead of ~0.03 ms (tools/bench_write_pool.py). Any other block (on an
     accelerator, or strided) is copied by torch."""
+    import torch        # a tensor was given: torch is loaded already
     src = block.detach()
     out = torch.empty(src.shape, dtype=src.dtype)
     if src.device.type == "cpu" and src.is_contiguous() and not src.is_conj() and not src.is_neg():

@@ -178,7 +178,10 @@ class TieredKVCache(SharedPages):
     def match(self, keys: Sequence[BlockKey], remote: frozenset[bytes] | None = None) -> CacheMatch:
         """Which tier holds each block of the chain, up to the first block none holds.
         `remote`: the hashes a probe found in the remote store (RemoteProbe.hashes); without it
-        no block is a remote hit. Read-only: promotes nothing, counts nothing, no I/O."""
+        no block is a remote hit. Read-only: promotes nothing, counts nothing, no I/O.
+        With prefix caching off (CacheConfig.prefix_caching), nothing: no request reuses a block."""
+        if not self.config.prefix_caching:
+            return CacheMatch(())
         with self._lock:
             found = []
             for key in keys:
@@ -349,7 +352,9 @@ class TieredKVCache(SharedPages):
         """A held page now holds a full computed block: make it findable. Under write-through
         (write_policy, or remote_write for the remote tier) the block is also copied to host
         now, and queued down once that copy is done (storage/cascade.py). False if another page
-        already has it."""
+        already has it, or prefix caching is off (the page stays unregistered: freed at release)."""
+        if not self.config.prefix_caching:
+            return False
         with self._lock:
             new = self.pool.key_of(page) is None
             ok = self.pool.register(page, key)

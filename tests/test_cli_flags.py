@@ -62,17 +62,23 @@ def test_serve_with_vllm_and_llama_server_flags(tmp_path: Path, tiny_model_dir: 
         lines.wait(r"Uvicorn running|Application startup complete", proc, 60)
         text = "".join(lines.lines)
         assert re.search(r"host tier\s+off", text) and re.search(r"disk tier\s+off", text), text
-        assert "--no-enable-prefix-caching: host, disk and remote tiers off" in text
+        assert "--no-enable-prefix-caching: no request reuses another's blocks" in text
         assert httpx.get(f"{url}/v1/models").status_code == 401
         for key in keys:
             models = httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {key}"})
             assert models.status_code == 200 and models.json()["data"][0]["max_model_len"] == 256
         auth = {"Authorization": f"Bearer {keys[0]}"}
-        body = {"model": models.json()["data"][0]["id"], "prompt": "Seeds make sampling repeatable",
+        body = {"model": models.json()["data"][0]["id"], "prompt": "Seeds make sampling repeatable. " * 6,
                 "max_tokens": 8, "temperature": 1.0}
-        texts = {httpx.post(f"{url}/v1/completions", json=body, headers=auth, timeout=60).json()["choices"][0]["text"]
-                 for _ in range(2)}
+        answers = [httpx.post(f"{url}/v1/completions", json=body, headers=auth, timeout=60).json() for _ in range(2)]
+        texts = {a["choices"][0]["text"] for a in answers}
         assert len(texts) == 1            # --seed: an unseeded request samples with seed 7
+        # --no-enable-prefix-caching: the repeated prompt (several full blocks of 16) hits nothing,
+        # not even the device pool that computed it a moment ago; every token is billed computed.
+        usage = [a["usage"] for a in answers]
+        assert usage[0]["prompt_tokens"] > 2 * 16 and usage[1]["prompt_tokens"] == usage[0]["prompt_tokens"]
+        assert [(u["prompt_cache_hit_tokens"], u["prompt_cache_miss_tokens"]) for u in usage] == [
+            (0, usage[0]["prompt_tokens"])] * 2
         seeded = httpx.post(f"{url}/v1/completions", json={**body, "seed": 7}, headers=auth, timeout=60)
         assert seeded.json()["choices"][0]["text"] in texts
         # --chat-template: the messages' contents, one a line, are the prompt.

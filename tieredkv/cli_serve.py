@@ -16,8 +16,8 @@ import typer
 from rich.markup import escape
 
 from storage.config import parse_size
-from tieredkv.cli_common import (CACHE_HELP, FIRST_LOAD, REMOTE_HELP, CLIError, api_key_of, cache_root, err,
-                                 friendly, remote_options, remote_url_of, spinner)
+from tieredkv.cli_common import (CACHE_HELP, REMOTE_HELP, CLIError, api_key_of, cache_root, err,
+                                 friendly, load_description, remote_options, remote_url_of, spinner)
 from tieredkv.cli_flags import pool_size, read_chat_template
 
 
@@ -143,9 +143,9 @@ def serve(
                                                            "of the GPU's free memory at start (instead of "
                                                            "--device-memory). CUDA only."),
     enable_prefix_caching: bool = typer.Option(True, "--enable-prefix-caching/--no-enable-prefix-caching",
-                                               help="vLLM's: on by default; off turns the host, disk and remote "
-                                               "tiers off (the device pool still shares blocks between requests "
-                                               "it holds at once)."),
+                                               help="vLLM's: on by default; off, no request reuses another's "
+                                               "blocks: the device pool shares none and the host, disk and "
+                                               "remote tiers are off (every prompt token computed)."),
     chat_template: Optional[str] = typer.Option(None, "--chat-template", help="vLLM's: a Jinja chat template, a "
                                                 "file or the template itself, in place of the model's."),
     seed: Optional[int] = typer.Option(None, "--seed", min=0, help="vLLM's: the seed of every request that gives "
@@ -192,9 +192,9 @@ def serve(
         raise CLIError("--no-enable-prefix-caching turns the remote tier off: drop --remote-url (or unset "
                        "$TIEREDKV_REMOTE_URL)", code=2)
     root = cache_root(cache_dir)
-    # --no-enable-prefix-caching: nothing kept below the device pool (host, disk and remote off).
+    # --no-enable-prefix-caching: no block kept for reuse, in the device pool or below it.
     tiers = dict(host_memory=host_memory, disk_dir=str(root / "kv")) if enable_prefix_caching else \
-        dict(host_memory=0, disk_dir=None)
+        dict(host_memory=0, disk_dir=None, prefix_caching=False)
     cache = CacheConfig(block_size=block_size, device_memory=device_memory, disk_capacity=disk_capacity,
                         disk_reserve=disk_reserve, restore_policy=restore_policy, codec=codec, kv_events=kv_events,
                         kv_events_replay=kv_events_replay, kv_events_tokens=not kv_events_no_tokens, **tiers,
@@ -222,7 +222,8 @@ def serve(
         torch.set_num_threads(threads)
     sock = bind_socket(host, port)
     try:
-        with spinner(f"Loading {model}" if model else f"Loading SmolLM2-135M-Instruct ({FIRST_LOAD})"):
+        # Where Engine.from_pretrained converts a GGUF: beside the disk tier (the cache root), else the default root.
+        with spinner(load_description(model, root if cache.disk_dir is not None else None)):
             from engine import Engine
             try:
                 engine = Engine.from_pretrained(model, cache, device=device, dtype=dtype,
@@ -255,9 +256,8 @@ def serve(
                          f"[bold yellow]not reachable now[/] ({escape(problem)}); lookups miss it until it "
                          "answers"), soft_wrap=True)
         if not enable_prefix_caching:
-            err.print("tieredkv: --no-enable-prefix-caching: host, disk and remote tiers off; the device pool still "
-                      "shares the blocks of requests it holds at once (it has no switch to forget them)",
-                      soft_wrap=True)
+            err.print("tieredkv: --no-enable-prefix-caching: no request reuses another's blocks (the device pool "
+                      "shares none; host, disk and remote tiers off): every prompt token is computed", soft_wrap=True)
     except BaseException:
         sock.close()
         raise

@@ -37,10 +37,11 @@ from pathlib import Path
 from typing import Any, Callable, ContextManager
 
 from storage.disk.preflight import ASIDE_INFIX, LOCK_SUFFIX
-from tieredkv.cli_common import FIRST_LOAD, command_name
+from engine.default_model import DEFAULT_MODEL_NAME
+from tieredkv.cli_common import command_name, load_description
 
 BLOCK_SIZE = 16
-DEFAULT_MODEL = "SmolLM2-135M-Instruct"      # engine.model.DEFAULT_MODEL_NAME, without importing torch
+DEFAULT_MODEL = DEFAULT_MODEL_NAME
 TIERS = ("device", "host", "disk", "remote")
 TENANT = "demo"
 SYSTEM = "You are Halden's support assistant. Answer from the manual, in one or two sentences."
@@ -149,7 +150,7 @@ class Demo:
                             disk_dir=str(self.cache_dir / "kv"), disk_capacity="4GiB", remote_url=self.remote_url)
         # NOTE: torch and the engine are imported inside the step, so its line shows at once
         # (importing them takes seconds).
-        with self.step(f"Loading {self.model}" if self.model else f"Loading {DEFAULT_MODEL} ({FIRST_LOAD})"):
+        with self.step(load_description(self.model, None)):       # load_model converts under the default root
             from engine.model import load_model
             from tieredkv import Engine
             loaded = load_model(self.model, device=self.device)

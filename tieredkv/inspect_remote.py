@@ -1,8 +1,9 @@
 """What a remote store holds, for `tieredkv inspect --remote-url`: the command, the report, its drawing.
 
 Knows: the command's run (list, verify, repair; its exit status), how storage/remote/inspect.py's
-survey and verify results become one JSON-ready dict and rich renderables, and how to name a namespace (the default model and a tenant the local billing
-ledger knows, as tieredkv/inspect_tree.py does for the disk tier: the store holds no names).
+survey and verify results become one JSON-ready dict and rich renderables, and how to name a namespace (a model whose identity a load
+recorded and a tenant the local billing ledger knows, as tieredkv/inspect_tree.py does for the
+disk tier: the store holds no names).
 Doesn't know: the store's protocol, keys or values (storage/remote/inspect.py reads them).
 """
 from __future__ import annotations
@@ -13,17 +14,16 @@ import typer
 from rich.markup import escape
 
 from tieredkv.cli_common import CLIError, cache_root, out, print_json, spinner
-from tieredkv.inspect_tree import default_model_dir, identify, ledger_tenants, namespace_table
+from tieredkv.inspect_tree import namespace_labels, namespace_table
 
 
 def survey_report(survey: Any, billing_dir: str) -> dict[str, Any]:
     """The survey as a dict: totals, each node's memory, each namespace (labelled when known)."""
     sizes = set().union(*(u.block_sizes for u in survey.namespaces)) if survey.namespaces else set()
-    labels = identify({u.namespace for u in survey.namespaces}, sizes, ledger_tenants(billing_dir),
-                      default_model_dir())
+    labels = namespace_labels({u.namespace for u in survey.namespaces}, sizes, billing_dir)
     namespaces = []
     for u in survey.namespaces:
-        lab = labels.get(u.namespace)
+        lab = labels[u.namespace][0] if u.namespace in labels else None
         namespaces.append({"namespace": u.namespace.hex(), "label": None if lab is None else str(lab),
                            "model": lab.model if lab else None, "dtype": lab.dtype if lab else None,
                            "tenant": lab.tenant if lab else None, "blocks": u.blocks, "tokens": u.tokens,

@@ -2,8 +2,12 @@
 
 Knows: how to survey an open DiskTier (`survey`: totals and blocks per namespace, its blocks'
 metadata made a forest by storage/prefix_tree.py, which the live server's tree shares); how to
-name a namespace when it belongs to the default model and a tenant the billing ledger knows (the
-disk tier stores no model names).
+name a namespace when it belongs to a model converted under the cache root (or the default one)
+and a tenant the billing ledger knows: the disk tier stores no model names, but each load of a
+converted GGUF records its identity beside the conversion (engine/conversion_path.py), and the
+namespace is rebuilt from that for every dtype, block size and tenant. Neither torch nor
+transformers is imported (inspect of 1,000 blocks in well under a second), except that --tree's
+text previews load the model's tokenizer.
 `overview` and `forest_tree` draw the result (rich renderables); an empty store's overview says
 why it is empty (write-back) and how to flush a running server (`empty_disk_note`).
 Doesn't know: LMDB or payloads -- it reads only what DiskTier.iter_blocks yields.
@@ -14,7 +18,9 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
-from storage.hashing import namespace_digest, tenant_salt
+from engine.conversion_path import RecordedIdentity, recorded_identities
+from storage.hashing import ModelIdentity, namespace_digest, tenant_salt
+from storage.layout import DTYPE_ITEMSIZES
 from storage.prefix_tree import PrefixNode, build_forest, limited, node_to_dict, preview
 
 
@@ -34,11 +40,11 @@ class Survey:
     report: dict[str, Any]                          # JSON-ready totals and namespaces
     forest: dict[bytes, list[PrefixNode]]
     labels: dict[bytes, NamespaceLabel]
-    decoder: Callable[[list[int]], str] | None      # the default model's tokenizer, when wanted and loadable
+    decoders: dict[bytes, Callable[[list[int]], str]]   # a labelled namespace's tokenizer, when wanted and loadable
 
     def decode_for(self, ns: bytes) -> Callable[[list[int]], str] | None:
-        """Token ids are decoded only in namespaces known to be the default model's."""
-        return self.decoder if ns in self.labels else None
+        """Token ids are decoded only in namespaces whose model is known."""
+        return self.decoders.get(ns)
 
 
 def survey(tier: Any, billing_dir: str, decode: bool) -> Survey:
@@ -54,8 +60,8 @@ def survey(tier: Any, billing_dir: str, decode: bool) -> Survey:
         d["stored_bytes"] += b.stored_size
         d["raw_bytes"] += b.raw_size
         d["hits"] += b.hits
-    model_dir = default_model_dir(os.path.dirname(os.path.abspath(billing_dir)) if billing_dir else None)   # the cache root
-    labels = identify(set(per_ns), {len(b.token_ids) for b in blocks}, ledger_tenants(billing_dir), model_dir)
+    found = namespace_labels(set(per_ns), {len(b.token_ids) for b in blocks}, billing_dir)
+    labels = {ns: label for ns, (label, _) in found.items()}
     namespaces = []
     for ns, d in sorted(per_ns.items(), key=lambda kv: (-kv[1]["blocks"], kv[0])):
         lab = labels.get(ns)
@@ -64,7 +70,11 @@ def survey(tier: Any, billing_dir: str, decode: bool) -> Survey:
                            "tenant": lab.tenant if lab else None, **d})
     report = {"path": tier.path, "blocks": stats.blocks, "stored_bytes": stats.used_bytes, "raw_bytes": stats.raw_bytes,
               "compression_ratio": round(stats.compression_ratio, 3), "namespaces": namespaces}
-    return Survey(report, build_forest(blocks), labels, load_decoder(model_dir) if decode and labels else None)
+    decoders: dict[bytes, Callable[[list[int]], str]] = {}
+    if decode:
+        by_dir = {str(d): load_decoder(str(d)) for d in {d for _, d in found.values()}}
+        decoders = {ns: by_dir[str(d)] for ns, (_, d) in found.items() if by_dir[str(d)] is not None}
+    return Survey(report, build_forest(blocks), labels, decoders)
 
 
 def tree_to_dict(s: Survey, max_depth: int, max_width: int) -> dict[str, list[dict[str, Any]]]:
@@ -84,46 +94,37 @@ def ledger_tenants(billing_dir: str) -> list[str]:
         return []
 
 
-def default_model_dir(cache_root: str | None = None) -> str | None:
-    """The converted default model's directory (config + tokenizer) under `cache_root` or the
-    default root, in any dtype, if one exists; never converts."""
-    try:
-        from engine.gguf_cache import find_conversion
-        from engine.model import default_gguf_path
-        d = find_conversion(default_gguf_path(), cache_root)
-    except Exception:
-        return None
-    return None if d is None else str(d)
+def namespace_labels(namespaces: set[bytes], block_sizes: set[int],
+                     billing_dir: str) -> dict[bytes, tuple[NamespaceLabel, Any]]:
+    """`identify` with the tenants of the ledger in `billing_dir` and the identities recorded
+    under its cache root (its parent) and the default root."""
+    if not namespaces:
+        return {}
+    root = os.path.dirname(os.path.abspath(billing_dir)) if billing_dir else None
+    return identify(namespaces, block_sizes, ledger_tenants(billing_dir), recorded_identities(root))
 
 
 def identify(namespaces: set[bytes], block_sizes: set[int], tenants: Iterable[str],
-             model_dir: str | None) -> dict[bytes, NamespaceLabel]:
-    """Which namespaces belong to the default model (any dtype, any block size seen), and for
-    which tenant. Tries every (dtype, block size, tenant) the way the engine derives them."""
-    if model_dir is None or not namespaces:
-        return {}
-    try:
-        import torch
-        from transformers import AutoConfig
-
-        from engine.model import DEFAULT_MODEL_NAME, model_identity
-        config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-    except Exception:
-        return {}
+             identities: Iterable[RecordedIdentity]) -> dict[bytes, tuple[NamespaceLabel, Any]]:
+    """Which namespaces belong to a recorded model identity (any dtype, any block size seen), and
+    for which tenant, with the model's directory. Tries every (identity, dtype, block size,
+    tenant) the way the engine derives them (storage/hashing.py: sha256s, no model loaded)."""
     salts = [(tenant_salt("", False), None)] + [(tenant_salt(t), t) for t in sorted(set(tenants) | {"default"})]
-    labels = {}
-    for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        ident = model_identity(DEFAULT_MODEL_NAME, config, dtype)
-        for bs in block_sizes:
-            for salt, tenant in salts:
-                ns = namespace_digest(ident, bs, salt)
-                if ns in namespaces:
-                    labels[ns] = NamespaceLabel(DEFAULT_MODEL_NAME, ident.dtype, tenant)
+    labels: dict[bytes, tuple[NamespaceLabel, Any]] = {}
+    for rec in identities:
+        for dtype in DTYPE_ITEMSIZES:
+            ident = ModelIdentity(rec.name, rec.config_digest, dtype)
+            for bs in block_sizes:
+                for salt, tenant in salts:
+                    ns = namespace_digest(ident, bs, salt)
+                    if ns in namespaces and ns not in labels:
+                        labels[ns] = (NamespaceLabel(rec.name, dtype, tenant), rec.model_dir)
     return labels
 
 
 def load_decoder(model_dir: str | None) -> Callable[[list[int]], str] | None:
-    """The default model's tokenizer as a decode function, or None when it cannot be loaded."""
+    """A model directory's tokenizer as a decode function, or None when it cannot be loaded (the
+    one place inspect imports transformers: --tree's text previews)."""
     if model_dir is None or not os.path.isfile(os.path.join(model_dir, "tokenizer_config.json")):
         return None
     try:

@@ -13,8 +13,10 @@ can give each its own table. Only the order of elements inside each plane change
 are the same.
 
 Knows: how to split a contiguous CPU tensor of a 2- or 4-byte dtype into planes, and how to join
-planes back into a tensor in place. Doesn't know: compression, checksums, payload formats, or
-what a dimension means (the codec decides when the swapped order is used and records it).
+planes back into a tensor in place -- or into a numpy array of uint16/uint32 elements of the
+tensor's shape (the codec's check of a payload, which needs no torch: `tieredkv verify`).
+Doesn't know: compression, checksums, payload formats, or what a dimension means (the codec
+decides when the swapped order is used and records it).
 
 Two implementations of the same transform, chosen at import:
 - compiled (storage/codec/_byte_planes.c, built by `pip install`): plain byte loops over each
@@ -35,9 +37,9 @@ from __future__ import annotations
 import sys
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
-import torch
 
 try:
     from storage.codec import _byte_planes as _compiled
@@ -50,7 +52,6 @@ KERNEL = "c" if _compiled is not None else "numpy"
 assert sys.byteorder == "little", "storage.codec.byte_planes assumes a little-endian machine"
 
 _UINTS: dict[int, type[np.unsignedinteger]] = {2: np.uint16, 4: np.uint32}
-_TORCH_INTS: dict[int, torch.dtype] = {2: torch.int16, 4: torch.int32}
 
 Buffer = bytes | bytearray | memoryview | np.ndarray
 
@@ -70,24 +71,29 @@ def _rows(shape: Sequence[int]) -> tuple[int, int, int]:
     return d0, d1, rest
 
 
-def _elements(t: torch.Tensor) -> np.ndarray:
-    """The tensor's elements as a flat unsigned-integer numpy view (no copy; bf16 included,
-    which numpy lacks)."""
+def _elements(t: Any) -> np.ndarray:
+    """The elements of a contiguous CPU tensor, or of a C-contiguous uint16/uint32 numpy array, as
+    a flat unsigned-integer numpy view (no copy; bf16 included, which numpy lacks)."""
+    if isinstance(t, np.ndarray):
+        if t.dtype not in (np.uint16, np.uint32) or not t.flags.c_contiguous:
+            raise ValueError(f"byte planes: expected a contiguous uint16/uint32 array, got {t.dtype}")
+        return t.reshape(-1)
+    if t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError("byte planes: expected a contiguous CPU tensor")
     size = t.element_size()
     if size not in _UINTS:
         raise ValueError(f"byte planes: expected a 2- or 4-byte dtype, got {t.dtype}")
-    return t.reshape(-1).view(_TORCH_INTS[size]).numpy().view(_UINTS[size])
+    import torch        # a tensor was given: torch is loaded already
+    return t.reshape(-1).view(torch.int16 if size == 2 else torch.int32).numpy().view(_UINTS[size])
 
 
-def split(t: torch.Tensor, swapped: bool = False, out: np.ndarray | None = None) -> np.ndarray:
+def split(t: Any, swapped: bool = False, out: np.ndarray | None = None) -> np.ndarray:
     """The byte planes of a contiguous CPU tensor: a `[itemsize, numel]` uint8 array, row b
     = byte b of every element, in dim-1-major order when `swapped` (requires can_swap(shape)).
     `out`: a contiguous uint8 array of at least itemsize * numel bytes to write them into (its
     front, returned as that shape: a warm buffer reused block after block), else a new one."""
-    if t.device.type != "cpu" or not t.is_contiguous():
-        raise ValueError("byte planes: expected a contiguous CPU tensor")
     x = _elements(t)
-    size = t.element_size()
+    size = x.itemsize
     if out is None:
         out = np.empty((size, x.size), dtype=np.uint8)
     else:
@@ -124,15 +130,13 @@ def _unpair(x: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> None:
     np.right_shift(x, 8, out=hi, casting="unsafe")
 
 
-def join(planes: Sequence[Buffer | Sequence[Buffer]], out: torch.Tensor, swapped: bool = False) -> None:
+def join(planes: Sequence[Buffer | Sequence[Buffer]], out: Any, swapped: bool = False) -> None:
     """Inverse of split: write the planes (plane 0 first, each numel bytes) into `out`, a
-    contiguous CPU tensor whose dtype and shape say how they were split. A plane may also be
+    contiguous CPU tensor (or uint16/uint32 array) whose dtype and shape say how they were split. A plane may also be
     given as its segments, a list of buffers in order whose lengths add up to numel (a stored
     plane read in place from its zstd frame's raw blocks, storage/codec/payload.py)."""
-    if out.device.type != "cpu" or not out.is_contiguous():
-        raise ValueError("byte planes: expected a contiguous CPU tensor")
     x = _elements(out)
-    size = out.element_size()
+    size = x.itemsize
     if len(planes) != size:
         raise ValueError(f"byte planes: {out.dtype} has {size} planes, got {len(planes)}")
     src = [_flat(p) if not isinstance(p, (list, tuple)) else [_flat(s) for s in p] for p in planes]

@@ -93,14 +93,17 @@ import math
 import struct
 import threading
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 import xxhash
 import zstandard
 
 from storage.codec import byte_planes
-from storage.layout import dtype_from_name, dtype_name
+from storage.layout import DTYPE_ITEMSIZES, dtype_from_name, dtype_name
+
+if TYPE_CHECKING:      # torch is imported where a tensor is made (decode): `check` and the header need none
+    import torch
 
 try:
     # ISA-L's crc32: the very CRC-32 zlib computes (same polynomial, init and xor), with the
@@ -235,7 +238,21 @@ def _planes_buffer(nbytes: int) -> np.ndarray:
 
 def _bytes_view(t: torch.Tensor) -> np.ndarray:
     """The tensor's memory as a flat uint8 numpy array (no copy). Works for bf16, which numpy lacks."""
+    import torch        # a tensor was given: torch is loaded already
     return t.reshape(-1).view(torch.uint8).numpy()
+
+
+_UINTS = {2: np.uint16, 4: np.uint32}
+
+
+def _check_buffer(header: CodecHeader) -> np.ndarray:
+    """This thread's scratch array for check(): the header's shape in unsigned ints of its
+    dtype's size (the bits of the block, no torch needed); grown when a larger block comes."""
+    itemsize = DTYPE_ITEMSIZES[header.dtype]
+    buf = getattr(_tls, "check", None)
+    if buf is None or buf.nbytes < header.raw_size:
+        buf = _tls.check = np.empty(max(header.raw_size, 1 << 16), dtype=np.uint8)
+    return buf[:header.raw_size].view(_UINTS[itemsize]).reshape(header.shape)
 
 
 def _block_cuts(shape: tuple[int, ...], dim1_major: bool) -> list[int]:
@@ -483,6 +500,29 @@ class Codec:
         a binding mismatch, ValueError when `out` does not fit the payload. `header`: what
         check_header answered for this very payload (verify_and_decode has checked it already).
         """
+        mv, header = self._checked(payload, binding, header)
+        import torch        # the one place a tensor is made
+        dtype = dtype_from_name(header.dtype)
+        if out is None:
+            out = torch.empty(header.shape, dtype=dtype)
+        elif (out.device.type != "cpu" or not out.is_contiguous() or out.dtype != dtype
+              or out.numel() != header.numel):
+            raise ValueError(f"out: expected a contiguous CPU {header.dtype} tensor of {header.numel} elements, "
+                             f"got {out.dtype} numel={out.numel()} device={out.device} contiguous={out.is_contiguous()}")
+        out = out.view(header.shape)
+        ints = torch.int16 if dtype.itemsize == 2 else torch.int32
+        _decode_into(mv, header, out.view(ints).numpy().view(_UINTS[dtype.itemsize]))
+        return out
+
+    def check(self, payload: bytes | memoryview, binding: bytes, *, header: CodecHeader | None = None) -> None:
+        """decode()'s every check and its full decode, into a scratch array of this thread
+        rather than a tensor (no torch: `tieredkv verify` checks a store without importing it).
+        Raises CodecError for any damage or a binding mismatch, as decode() does."""
+        mv, header = self._checked(payload, binding, header)
+        _decode_into(mv, header, _check_buffer(header))
+
+    def _checked(self, payload: bytes | memoryview, binding: bytes,
+                 header: CodecHeader | None) -> tuple[memoryview, CodecHeader]:
         mv = memoryview(payload).cast("B")
         if header is None:
             header = self.check_header(mv)
@@ -493,53 +533,52 @@ class Codec:
         # intact payload under another key is refused here, before any byte is decoded.
         if header.binding != binding:
             raise CodecError("payload is bound to another block: stored under the wrong key")
-        dtype = dtype_from_name(header.dtype)
-        if out is None:
-            out = torch.empty(header.shape, dtype=dtype)
-        elif (out.device.type != "cpu" or not out.is_contiguous() or out.dtype != dtype
-              or out.numel() != header.numel):
-            raise ValueError(f"out: expected a contiguous CPU {header.dtype} tensor of {header.numel} elements, "
-                             f"got {out.dtype} numel={out.numel()} device={out.device} contiguous={out.is_contiguous()}")
-        out = out.view(header.shape)
-        if header.version == 3:
-            data = _decompress_frame(mv[header.header_size:], header.raw_size)
-            if header.shuffled:
-                n, view = header.numel, memoryview(data)
-                byte_planes.join([view[b * n:(b + 1) * n] for b in range(dtype.itemsize)], out)
-            else:
-                np.copyto(_bytes_view(out), np.frombuffer(data, dtype=np.uint8))
-            return out
-        at = header.header_size
-        if header.whole:                        # the raw codec: the tensor's bytes, in element order
-            if len(mv) - at != header.raw_size:
-                raise CodecError(f"payload is {len(mv)} bytes, its plane table says {at + header.raw_size}")
-            data = mv[at:]
-            # Hashed where they lie (an LMDB value is read in place) and then copied once: the
-            # checksum is ~10x faster than the copy, and `out` is untouched when it fails.
-            if xxhash.xxh3_64_intdigest(data) != header.data_xxh3:
-                raise CodecError("data xxh3 mismatch: payload damaged")
-            np.copyto(_bytes_view(out), np.frombuffer(data, dtype=np.uint8))
-            return out
-        if len(mv) - at != sum(p.length for p in header.planes):
-            raise CodecError(f"payload is {len(mv)} bytes, its plane table says "
-                             f"{at + sum(p.length for p in header.planes)}")
-        frames, crc = [], 0
-        for p in header.planes:
-            frames.append(mv[at:at + p.length])
-            if p.coded:
-                crc = _crc32(frames[-1], crc)
-            at += p.length
-        if crc != header.coded_crc:
-            raise CodecError("coded planes' crc32 mismatch: payload damaged")
-        # Every plane ready (and checked) before the join writes into `out`: a damaged one
-        # raises with `out` untouched. A stored plane whose frame is raw blocks is read where it
-        # lies (its checksum checked here); anything else goes through zstd.
-        planes = []
-        for p, f in zip(header.planes, frames):
-            segments = None if p.coded else _raw_block_segments(f, header.numel)
-            planes.append(segments if segments is not None else _decompress_frame(f, header.numel))
-        byte_planes.join(planes, out, header.dim1_major)
-        return out
+        return mv, header
+
+
+def _decode_into(mv: memoryview, header: CodecHeader, out: np.ndarray) -> None:
+    """The payload's frames (header checked, binding matched) verified and decoded into `out`: a
+    C-contiguous uint16/uint32 array of the header's shape (a tensor's memory, or check()'s
+    scratch). Raises CodecError with `out` untouched when a frame is damaged."""
+    out_bytes = out.reshape(-1).view(np.uint8)
+    if header.version == 3:
+        data = _decompress_frame(mv[header.header_size:], header.raw_size)
+        if header.shuffled:
+            n, view = header.numel, memoryview(data)
+            byte_planes.join([view[b * n:(b + 1) * n] for b in range(out.itemsize)], out)
+        else:
+            np.copyto(out_bytes, np.frombuffer(data, dtype=np.uint8))
+        return
+    at = header.header_size
+    if header.whole:                        # the raw codec: the tensor's bytes, in element order
+        if len(mv) - at != header.raw_size:
+            raise CodecError(f"payload is {len(mv)} bytes, its plane table says {at + header.raw_size}")
+        data = mv[at:]
+        # Hashed where they lie (an LMDB value is read in place) and then copied once: the
+        # checksum is ~10x faster than the copy, and `out` is untouched when it fails.
+        if xxhash.xxh3_64_intdigest(data) != header.data_xxh3:
+            raise CodecError("data xxh3 mismatch: payload damaged")
+        np.copyto(out_bytes, np.frombuffer(data, dtype=np.uint8))
+        return
+    if len(mv) - at != sum(p.length for p in header.planes):
+        raise CodecError(f"payload is {len(mv)} bytes, its plane table says "
+                         f"{at + sum(p.length for p in header.planes)}")
+    frames, crc = [], 0
+    for p in header.planes:
+        frames.append(mv[at:at + p.length])
+        if p.coded:
+            crc = _crc32(frames[-1], crc)
+        at += p.length
+    if crc != header.coded_crc:
+        raise CodecError("coded planes' crc32 mismatch: payload damaged")
+    # Every plane ready (and checked) before the join writes into `out`: a damaged one
+    # raises with `out` untouched. A stored plane whose frame is raw blocks is read where it
+    # lies (its checksum checked here); anything else goes through zstd.
+    planes = []
+    for p, f in zip(header.planes, frames):
+        segments = None if p.coded else _raw_block_segments(f, header.numel)
+        planes.append(segments if segments is not None else _decompress_frame(f, header.numel))
+    byte_planes.join(planes, out, header.dim1_major)
 
 
 def _parse_header(mv: memoryview, check_crc: bool = False) -> CodecHeader:
@@ -567,7 +606,7 @@ def _parse_header(mv: memoryview, check_crc: bool = False) -> CodecHeader:
         raise CodecError(f"truncated payload: {len(mv)} bytes")
     binding_end = binding_at + 1 + mv[binding_at]
     dtype = _DTYPE_BY_CODE[code]
-    itemsize = dtype_from_name(dtype).itemsize
+    itemsize = DTYPE_ITEMSIZES[dtype]
     n_planes = (1 if whole else itemsize) if version == 4 else 0
     table_end = binding_end + _PLANE.size * n_planes
     size = table_end + ((_XXH.size if whole else _CRC.size) if version == 4 else 0) + _CRC.size

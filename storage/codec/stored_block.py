@@ -4,20 +4,23 @@ Knows: the BlockMeta record (parent, namespace, token ids, sizes; the disk's LRU
 along, zero in the remote store) and how it is packed, what a payload is bound to (block hash ||
 namespace, inside the codec's checked header), and the check a stored block passes before it is
 served: it must be the block the key names (tokens, namespace, parent), agree with its metadata
-and the layout, and decode (verify_and_decode). The disk tier (its `meta` and `payload`
-databases) and the remote tier (one value holding both) share all of it.
+and the layout, and decode (verify_and_decode; check_stored decodes without a tensor, so
+without torch). The disk tier (its `meta` and `payload` databases) and the remote tier (one
+value holding both) share all of it.
 Doesn't know: where the record is kept, or what to do about damage (the tiers count and delete).
 """
 from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-
-from storage.codec.payload import Codec, CodecError
+from storage.codec.payload import Codec, CodecError, CodecHeader
 from storage.hashing import BlockKey
 from storage.layout import BlockLayout, dtype_name
+
+if TYPE_CHECKING:      # a tensor only where one is decoded into (verify_and_decode); check_stored needs none
+    import torch
 
 _META_FIXED = struct.Struct("<B32sQQdQQHI")
 _META_VERSION = 1
@@ -76,6 +79,35 @@ def verify_and_decode(codec: Codec, layout: BlockLayout | None, key: BlockKey, o
                       ) -> tuple[torch.Tensor | None, str | None]:
     """(the decoded block, None) when the stored record is the block `key` names and sound,
     else (None, the reason). `out`, when given, receives the bytes."""
+    header, reason = _checked(codec, layout, key, out, payload, meta_raw)
+    if header is None:
+        return None, reason
+    try:
+        return codec.decode(payload, payload_binding(key.hash, key.namespace), out, header=header), None
+    except CodecError as e:
+        return None, f"codec: {e}"
+
+
+def check_stored(codec: Codec, layout: BlockLayout | None, key: BlockKey, payload: bytes | memoryview | None,
+                 meta_raw: bytes | memoryview | None) -> str | None:
+    """verify_and_decode's every check, its full decode included, without making a tensor
+    (Codec.check: no torch, so `tieredkv verify` runs without importing it): None when sound,
+    else the reason."""
+    header, reason = _checked(codec, layout, key, None, payload, meta_raw)
+    if header is None:
+        return reason
+    try:
+        codec.check(payload, payload_binding(key.hash, key.namespace), header=header)
+    except CodecError as e:
+        return f"codec: {e}"
+    return None
+
+
+def _checked(codec: Codec, layout: BlockLayout | None, key: BlockKey, out: torch.Tensor | None,
+             payload: bytes | memoryview | None, meta_raw: bytes | memoryview | None
+             ) -> tuple[CodecHeader | None, str | None]:
+    """(the payload's checked header, None) when the record is the block `key` names and agrees
+    with its metadata, the layout and `out`; else (None, the reason)."""
     if payload is None or meta_raw is None:
         return None, "payload missing" if payload is None else "metadata missing"
     try:
@@ -92,15 +124,15 @@ def verify_and_decode(codec: Codec, layout: BlockLayout | None, key: BlockKey, o
         return None, f"payload is {len(payload)} bytes, metadata says {m.stored_size}"
     try:
         # NOTE invariant: the header's crc32 is verified here, once, before any of its fields is
-        # compared or used; decode() then checks the binding, the coded crc32 and each frame's
-        # checksum (or the raw codec's xxh3) before `out` is returned.
+        # compared or used; decode()/check() then check the binding, the coded crc32 and each
+        # frame's checksum (or the raw codec's xxh3) before a byte is served.
         header = codec.check_header(payload)
-        if header.raw_size != m.raw_size:
-            return None, f"header raw size {header.raw_size} != metadata's {m.raw_size}"
-        if layout is not None and (header.dtype != dtype_name(layout.dtype) or header.shape != layout.shape):
-            return None, f"block is {header.shape} {header.dtype}, layout wants {layout.shape}"
-        if out is not None and (dtype_name(out.dtype) != header.dtype or out.numel() != header.numel):
-            return None, f"block is {header.shape} {header.dtype}, does not fit out"
-        return codec.decode(payload, payload_binding(key.hash, key.namespace), out, header=header), None
     except CodecError as e:
         return None, f"codec: {e}"
+    if header.raw_size != m.raw_size:
+        return None, f"header raw size {header.raw_size} != metadata's {m.raw_size}"
+    if layout is not None and (header.dtype != dtype_name(layout.dtype) or header.shape != layout.shape):
+        return None, f"block is {header.shape} {header.dtype}, layout wants {layout.shape}"
+    if out is not None and (dtype_name(out.dtype) != header.dtype or out.numel() != header.numel):
+        return None, f"block is {header.shape} {header.dtype}, does not fit out"
+    return header, None

@@ -17,7 +17,7 @@ from typing import Callable, ContextManager, Iterator
 import lmdb
 
 from storage.codec.payload import Codec
-from storage.codec.stored_block import BlockMeta, verify_and_decode
+from storage.codec.stored_block import BlockMeta, check_stored
 from storage.disk.records import Databases, StoreDamaged, load_info, lru_key
 
 _CHUNK = 512                     # keys per read transaction
@@ -57,8 +57,7 @@ def check_block(codec: Codec, layout: BlockLayout | None, h: bytes, payload: byt
     if hash_block(m.parent, m.token_ids) != h:
         return "hash chain broken: hash != hash_block(parent, token_ids)"
     key = BlockKey(h, m.parent, m.token_ids, m.namespace)
-    _, reason = verify_and_decode(codec, layout, key, None, payload, meta)
-    return reason
+    return check_stored(codec, layout, key, payload, meta)
 
 
 def verify_store(begin: Callable[..., ContextManager[lmdb.Transaction]], iter_db: Callable[..., Iterator[tuple]],

@@ -7,12 +7,14 @@ only for the very key that put it). Doesn't know: the queue or the commit (stora
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from storage.codec.payload import Codec, CodecError
 from storage.codec.stored_block import payload_binding
 from storage.hashing import BlockKey
+
+if TYPE_CHECKING:      # blocks are tensors, but nothing here makes one: `tieredkv inspect`/`verify` load no torch
+    import torch
 
 
 @dataclass(slots=True)

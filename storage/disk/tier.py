@@ -35,10 +35,9 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
 
 import lmdb
-import torch
 
 from storage.pool_drain import drain_on
 from storage.priority import background_priority
@@ -60,6 +59,9 @@ from storage.layout import BlockLayout, dtype_name
 from storage.malloc_tuning import keep_freed_memory
 from storage.lower_tier import private_copy
 from storage.hashing import BlockKey
+
+if TYPE_CHECKING:      # blocks are tensors, but nothing here makes one: `tieredkv inspect`/`verify` load no torch
+    import torch
 
 __all__ = ["DISK_FORMAT_VERSION", "MAX_REPLACEMENTS", "DamagedBlock", "DamagedEnvironment", "DiskBlockInfo",
            "DiskStats", "DiskTier", "DiskUnavailable", "VerifyReport", "default_map_size"]

@@ -33,10 +33,9 @@ import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import lmdb
-import torch
 
 from storage.background_writer import BackgroundWriter
 from storage.foreground import PoolWidth
@@ -51,6 +50,9 @@ from storage.disk.index import DiskIndex
 from storage.disk.pending import PendingBlock
 from storage.codec.stored_block import BlockMeta, payload_binding
 from storage.hashing import BlockKey
+
+if TYPE_CHECKING:      # blocks are tensors, but nothing here makes one: `tieredkv inspect`/`verify` load no torch
+    import torch
 
 log = logging.getLogger(__name__)
 

@@ -68,6 +68,22 @@ def test_closed_engine_refuses_requests(tmp_path):
         eng.generate([1, 2, 3])
 
 
+def test_prefix_caching_off_reuses_no_block_and_bills_every_token_computed():
+    # vLLM's --no-enable-prefix-caching (issue 31, item 5): the device pool shares nothing either.
+    prompt, params = random_prompt(40, seed=3), SamplingParams(max_tokens=3)
+    with make_engine(host_memory=0, disk=False) as on:          # the same engine with it on: 9 blocks hit
+        cached = [on.generate(prompt, params) for _ in range(2)]
+    assert [o.usage.hit_tokens_by_tier["device"] for o in cached] == [0, 36]
+    with make_engine(host_memory=0, disk=False, prefix_caching=False) as off:
+        outs = [off.generate(prompt, params) for _ in range(2)]
+        assert off.cache.cached_blocks()[0] == []                # no page kept findable
+        assert off.lookup(prompt).hit_tokens == 0
+    assert [(o.usage.prompt_cache_hit_tokens, o.usage.prompt_cache_miss_tokens) for o in outs] == [(0, 40), (0, 40)]
+    assert [o.token_ids for o in outs] == [o.token_ids for o in cached]     # same tokens, all computed
+    with pytest.raises(ValueError, match="prefix_caching=False.*host_memory"):
+        make_engine(prefix_caching=False)                       # a host tier that could never be read
+
+
 def test_ttft_and_usage_are_reported(engine):
     out = engine.generate(random_prompt(20, seed=2), SamplingParams(max_tokens=3))
     assert 0 < out.metrics.ttft_s <= out.metrics.total_s

