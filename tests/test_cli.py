@@ -79,9 +79,15 @@ def cache(tmp_path_factory) -> dict:
         usages = [eng.generate(A, one, tenant="alice").usage, eng.generate(A2, one, tenant="alice").usage,
                   eng.generate(A, one, tenant="bob").usage]
         ns = {t: eng.namespace(t).hex() for t in ("alice", "bob")}
+        # Exact hits (storage/exact_entry.py): each computed prompt (all three) also keeps its raw
+        # logits as blocks of no tokens after its last block; A and A2 fill their last block, so
+        # no tail block. Every count below adds these logits blocks.
+        chains = [eng.exact_keys(ids, eng.namespace("alice")) for ids in (A, A2)]
+        assert all(c is not None and c.tail is None for c in chains)
+        logits = len(chains[0].logits)
     # The bills asserted below follow from these (A2 hits A's 8 shared blocks in the device pool).
     assert [u.hit_tokens_by_tier["device"] for u in usages] == [0, 32, 0]
-    return {"root": root, "ns": ns}
+    return {"root": root, "ns": ns, "logits": logits}
 
 
 def copy_of(cache: dict, tmp_path: Path) -> Path:
@@ -163,24 +169,29 @@ def test_bad_input_is_one_line_and_a_nonzero_exit(tmp_path: Path) -> None:
 
 def test_inspect_counts_blocks_per_namespace_and_draws_the_prefix_tree(cache: dict) -> None:
     report = tkv_json("inspect", "--cache-dir", str(cache["root"]), "--tree")
-    assert report["blocks"] == 24
-    assert {n["namespace"]: n["blocks"] for n in report["namespaces"]} == {cache["ns"]["alice"]: 14,
-                                                                           cache["ns"]["bob"]: 10}
-    assert all(n["tokens"] == BLOCK * n["blocks"] and n["model"] is None for n in report["namespaces"])
-    assert report["raw_bytes"] == 24 * 2 * 2 * BLOCK * 2 * 16 * 4     # layers, K/V, tokens, heads, dim, fp32
+    # 24 KV blocks (alice 14, bob 10) and each of the three computed prompts' logits blocks,
+    # which hold no tokens.
+    L = cache["logits"]
+    assert report["blocks"] == 24 + 3 * L
+    assert {n["namespace"]: (n["blocks"], n["tokens"]) for n in report["namespaces"]} == {
+        cache["ns"]["alice"]: (14 + 2 * L, 14 * BLOCK), cache["ns"]["bob"]: (10 + L, 10 * BLOCK)}
+    assert all(n["model"] is None for n in report["namespaces"])
+    # A logits block is a page like any: layers, K/V, tokens, heads, dim, fp32
+    assert report["raw_bytes"] == (24 + 3 * L) * 2 * 2 * BLOCK * 2 * 16 * 4
 
     def shape(n: dict) -> tuple:
         return (n["first_block"], n["blocks"], tuple(shape(c) for c in n["children"]))
-    # alice: A and A2 share 8 blocks, then A has 2 more and A2 4 more; chains are folded.
+    # alice: A and A2 share 8 blocks, then A has 2 more and A2 4 more, each chain ending in its
+    # prompt's logits blocks; chains are folded.
     tree = report["tree"]
-    assert [shape(n) for n in tree[cache["ns"]["alice"]]] == [(0, 8, ((8, 4, ()), (8, 2, ())))]
-    assert [shape(n) for n in tree[cache["ns"]["bob"]]] == [(0, 10, ())]
+    assert [shape(n) for n in tree[cache["ns"]["alice"]]] == [(0, 8, ((8, 4 + L, ()), (8, 2 + L, ())))]
+    assert [shape(n) for n in tree[cache["ns"]["bob"]]] == [(0, 10 + L, ())]
     # No tokenizer belongs to a random model: previews are the token ids.
     assert tree[cache["ns"]["bob"]][0]["preview"].startswith("ids " + " ".join(map(str, A[:4])))
 
     r = tkv("inspect", "--cache-dir", str(cache["root"]), "--tree")
-    assert r.returncode == 0 and "24 blocks" in r.stdout and cache["ns"]["alice"][:10] in r.stdout
-    for label in ("blocks 0-7", "blocks 8-11", "blocks 8-9", "blocks 0-9"):
+    assert r.returncode == 0 and f"{24 + 3 * L} blocks" in r.stdout and cache["ns"]["alice"][:10] in r.stdout
+    for label in ("blocks 0-7", f"blocks 8-{11 + L}", f"blocks 8-{9 + L}", f"blocks 0-{9 + L}"):
         assert label in r.stdout, label
 
 
@@ -217,8 +228,9 @@ def test_billing_from_the_ledger_file(cache: dict) -> None:
 
 def test_verify_finds_damage_exits_1_and_repair_deletes_it(cache: dict, tmp_path: Path) -> None:
     root = copy_of(cache, tmp_path)
+    stored = 24 + 3 * cache["logits"]        # KV blocks and the three prompts' logits blocks
     r = tkv("verify", "--cache-dir", str(root))
-    assert r.returncode == 0 and "checked 24 blocks" in r.stdout and "0 damaged" in r.stdout
+    assert r.returncode == 0 and f"checked {stored} blocks" in r.stdout and "0 damaged" in r.stdout
     h = damage_one_payload(root / "kv")
     r = tkv("verify", "--cache-dir", str(root))
     assert r.returncode == 1 and "1 damaged" in r.stdout and h.hex()[:16] in r.stdout and "--repair" in r.stdout
@@ -228,7 +240,7 @@ def test_verify_finds_damage_exits_1_and_repair_deletes_it(cache: dict, tmp_path
     assert [(d["hash"], d["reason"].split(":")[0]) for d in json.loads(r.stdout)["blocks"]] == [(h.hex(), "codec")]
     r = tkv("verify", "--cache-dir", str(root), "--repair")
     assert r.returncode == 0 and "1 damaged, 1 deleted" in r.stdout
-    assert tkv_json("verify", "--cache-dir", str(root)) == {"path": str(root / "kv"), "checked": 23, "damaged": 0,
+    assert tkv_json("verify", "--cache-dir", str(root)) == {"path": str(root / "kv"), "checked": stored - 1, "damaged": 0,
                                                             "repaired": 0, "blocks": [], "store": [],
                                                             "store_repaired": []}
 
@@ -270,9 +282,16 @@ def test_serve_then_status_and_billing_over_http(tmp_path: Path, default_model_c
                                                      "max_tokens": 2, "user": "carol"}, timeout=120)
         assert r.status_code == 200, r.text
         p, c = r.json()["usage"]["prompt_tokens"], r.json()["usage"]["completion_tokens"]
-        blocks = (p + 1) // 16      # KV exists for the prompt and the first generated token
-
         status = tkv_json("status", "--url", url)
+        # Full blocks: KV exists for the prompt and the first generated token. Then the prompt's
+        # exact entry (storage/exact_entry.py): its partial tail block, when it has one (the first
+        # generated token is written into a copy of it), and its raw logits (the lm_head's width,
+        # in the model's dtype) padded to whole blocks.
+        from tests.service.tiny_engine import default_tokenizer_dir
+        vocab = json.loads((Path(default_tokenizer_dir()) / "config.json").read_text())["vocab_size"]
+        itemsize = {"bfloat16": 2, "float16": 2, "float32": 4}[status["dtype"]]
+        logits = -(-vocab * itemsize // status["block_bytes"])
+        blocks = (p + 1) // 16 + (p % 16 != 0) + logits
         assert set(status["tiers"]) == {"device", "host", "disk", "remote"} and status["tiers"]["device"]["blocks"] == blocks
         r = tkv("status", "--url", url)
         assert r.returncode == 0 and "SmolLM2-135M-Instruct" in r.stdout
@@ -493,11 +512,15 @@ def test_inspect_remote_lists_verifies_and_repairs_the_store(where: str, request
         with Engine.from_loaded(model_from_config(config, seed=0), cfg) as eng:
             eng.generate(A, SamplingParams(max_tokens=1), tenant=tenant)      # 10 blocks; close() sends them
             ns = eng.namespace(tenant)
+            # + A's logits blocks (an exact entry, storage/exact_entry.py; no tail: A fills its last block)
+            chain = eng.exact_keys(A, ns)
+        assert chain is not None and chain.tail is None
+        stored = 10 + len(chain.logits)
         args = ("inspect", "--remote-url", url) + (() if own else ("--namespace", ns.hex()))
         report = tkv_json(*args)
-        assert [(n["namespace"], n["blocks"], n["tokens"]) for n in report["namespaces"]] == [(ns.hex(), 10, 40)]
+        assert [(n["namespace"], n["blocks"], n["tokens"]) for n in report["namespaces"]] == [(ns.hex(), stored, 40)]
         assert report["cluster"] == (where == "cluster") and len(report["nodes"]) == (3 if where == "cluster" else 1)
-        assert sum(n["tieredkv_keys"] for n in report["nodes"]) == 10     # a cluster: every primary scanned
+        assert sum(n["tieredkv_keys"] for n in report["nodes"]) == stored     # a cluster: every primary scanned
         if where == "cluster":
             return      # verify and repair on a cluster: tests/storage/test_remote_inspect.py (each CLI run ~5 s)
 
@@ -505,13 +528,13 @@ def test_inspect_remote_lists_verifies_and_repairs_the_store(where: str, request
         damaged = remote_key(block_keys(ns, A, BLOCK)[4])
         raw.set(damaged, raw.get(damaged)[:-100])           # a truncated value, SET behind the tier's back
         r = tkv(*args, "--verify")
-        assert r.returncode == 1 and "10 blocks" in r.stdout and ns.hex()[:10] in r.stdout, r.stdout
-        assert "checked 10 values" in r.stdout and "1 damaged" in r.stdout and damaged.decode() in r.stdout
+        assert r.returncode == 1 and f"{stored} blocks" in r.stdout and ns.hex()[:10] in r.stdout, r.stdout
+        assert f"checked {stored} values" in r.stdout and "1 damaged" in r.stdout and damaged.decode() in r.stdout
         assert "--repair" in r.stdout and all(is_progress(ln) for ln in r.stderr.splitlines()), r.stderr
         r = tkv(*args, "--repair", "--json")
         assert r.returncode == 0, r.stderr
         v = json.loads(r.stdout)["verify"]
-        assert (v["checked"], v["damaged"], v["repaired"]) == (10, 1, 1) and v["values"][0]["key"] == damaged.decode()
+        assert (v["checked"], v["damaged"], v["repaired"]) == (stored, 1, 1) and v["values"][0]["key"] == damaged.decode()
         assert raw.exists(damaged) == 0 and raw.exists(remote_key(block_keys(ns, A, BLOCK)[5])) == 1
     finally:
         if own is not None:

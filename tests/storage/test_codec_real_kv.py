@@ -36,7 +36,10 @@ def real_blocks(default_model) -> torch.Tensor:
     model = copy.deepcopy(default_model.model).to(torch.float32)
     fp32 = dataclasses.replace(default_model, model=model, dtype=torch.float32,
                                identity=model_identity(default_model.identity.name, model.config, torch.float32))
-    engine = Engine.from_loaded(fp32, CacheConfig(device_memory="64MiB", host_memory=0, disk_dir=None))
+    # exact_hits=False: the pool then holds the prompt's 32 KV blocks only, not its logits block
+    # (a ratio of KV, not of logits; the exact entry's blocks are stored as any, tested elsewhere).
+    engine = Engine.from_loaded(fp32, CacheConfig(device_memory="64MiB", host_memory=0, disk_dir=None),
+                                exact_hits=False)
     try:
         ids = engine.tokenizer((ROOT / "tieredkv" / "demo_document.txt").read_text())["input_ids"][:512]
         assert len(ids) == 512
