@@ -71,9 +71,9 @@ def test_closed_engine_refuses_requests(tmp_path):
 def test_prefix_caching_off_reuses_no_block_and_bills_every_token_computed():
     # vLLM's --no-enable-prefix-caching (issue 31, item 5): the device pool shares nothing either.
     prompt, params = random_prompt(40, seed=3), SamplingParams(max_tokens=3)
-    with make_engine(host_memory=0, disk=False) as on:          # the same engine with it on: 9 blocks hit
+    with make_engine(host_memory=0, disk=False) as on:          # the same engine with it on: an exact hit
         cached = [on.generate(prompt, params) for _ in range(2)]
-    assert [o.usage.hit_tokens_by_tier["device"] for o in cached] == [0, 36]
+    assert [o.usage.hit_tokens_by_tier["device"] for o in cached] == [0, 40]   # every token (issue 29)
     with make_engine(host_memory=0, disk=False, prefix_caching=False) as off:
         outs = [off.generate(prompt, params) for _ in range(2)]
         assert off.cache.cached_blocks()[0] == []                # no page kept findable
