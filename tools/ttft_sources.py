@@ -192,11 +192,37 @@ def place(engine: Engine, source: Source, prefix: list[int], tenant: str, settle
     device; disk: nothing on device or host; remote: the store alone -- the local copies a
     remote hit kept are dropped, never written back). `settle_s`: how long the lookup may keep
     missing the store (after a stall, until the breaker's cooldown lets a probe through)."""
+    try:
+        _place(engine, source, prefix, tenant, settle_s)
+    except ShortPlacement as short:
+        if source.tier != "remote":
+            raise RuntimeError(str(short)) from None
+        # NOTE: the store lost part of the prefix between rounds (seen in test_ttft_policies about
+        # 1 run in 3 on a busy 2-core machine: the chain's last block(s) absent, no damage logged;
+        # cause not yet found). The row would time a partial hit, so the prefix is stored again
+        # through this engine (its blocks reach the store by the disk's forwarding) and placed anew.
+        print(f"{source.label}: {short}; storing the prefix again", file=sys.stderr)
+        engine.generate(prefix + prose_ids(engine.tokenizer, SUFFIX_TOKENS, offset=5), SamplingParams(max_tokens=1),
+                        tenant=tenant)
+        engine.cache.cascade.writeback.wait_idle(60)
+        engine.cache.disk.flush()
+        if engine.cache.remote is not None:
+            engine.cache.remote.flush(60)
+        try:
+            _place(engine, source, prefix, tenant, settle_s)
+        except ShortPlacement as again:
+            raise RuntimeError(str(again)) from None
+
+
+class ShortPlacement(Exception):
+    """The tier looked up holds less of the prefix than placed."""
+
+
+def _place(engine: Engine, source: Source, prefix: list[int], tenant: str, settle_s: float) -> None:
     cache = engine.cache
     # Write-through blocks go down behind the engine (storage/host_writeback.py): a disk flush
-    # waits only for what reached the disk's writer, so the write-behind is waited for first --
-    # else a kept copy lands on the disk after it was dropped (the suite saw a remote placement
-    # fail 1 time in 4 on it).
+    # waits only for what reached the disk's writer, so the write-behind is waited for first,
+    # else a kept copy lands on the disk after it was dropped.
     cache.cascade.writeback.wait_idle(60)
     if source.tier == "remote":
         engine.drop_tier("device")
@@ -214,7 +240,7 @@ def place(engine: Engine, source: Source, prefix: list[int], tenant: str, settle
     deadline = time.monotonic() + max(settle_s, REMOTE_SETTLE_S if source.tier == "remote" else 0.0)
     while (where := _lookup(engine, prefix, tenant))[source.tier] != len(prefix):
         if time.monotonic() >= deadline:
-            raise RuntimeError(f"{source.label}: expected the prefix in {source.tier}, lookup says {where}")
+            raise ShortPlacement(f"{source.label}: expected the prefix in {source.tier}, lookup says {where}")
         time.sleep(0.25)
 
 

@@ -173,7 +173,13 @@ class RemoteTier:
         status, got = self._call("exists", lambda c: pipeline(c, [("EXISTS", k) for k in rkeys]))
         if status != "ok":
             return [False] * len(keys)
-        return [bool(x) and not isinstance(x, Exception) for x in got]
+        answers = [bool(x) and not isinstance(x, Exception) for x in got]
+        for rk, x in zip(rkeys, got):
+            if x == 0:
+                # The store says it does not hold a block this process may believe it wrote (evicted,
+                # flushed, lost): forgotten, so the next put() writes it again instead of skipping it.
+                self._forget(rk)
+        return answers
 
     def probe(self, keys: Sequence[BlockKey]) -> frozenset[bytes]:
         """The hashes of the longest prefix of `keys` (a block chain) the store holds."""
