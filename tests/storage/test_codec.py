@@ -602,7 +602,7 @@ def test_stored_planes_are_read_in_place_and_their_damage_raises_with_out_untouc
     # Noise planes come out of zstd as raw blocks; decode reads them where they lie (no zstd
     # decoder), and checks their XXH64 itself: one flipped bit in a stored plane's content, in
     # a raw block's header or in the frame's checksum is an error, and `out` stays as it was.
-    from storage.codec.payload import _raw_block_segments
+    from storage.codec.zstd_frames import raw_block_segments as _raw_block_segments
     x = every_bit_pattern((30, 2, 16, 3, 64), dtype, seed=21)          # 180 KiB planes: 2 raw blocks each
     codec = Codec()
     payload = codec.encode(x, B)
@@ -629,7 +629,7 @@ def test_stored_planes_are_read_in_place_and_their_damage_raises_with_out_untouc
 
 def test_a_frame_the_in_place_reader_does_not_know_goes_to_zstd() -> None:
     # An all-zero plane is an RLE block, a compressible one a compressed block: zstd decodes those.
-    from storage.codec.payload import _raw_block_segments
+    from storage.codec.zstd_frames import raw_block_segments as _raw_block_segments
     data = bytes(1000) + bytes(range(256)) * 8
     for level in (-5, 3):
         frame = zstandard.ZstdCompressor(level=level, write_checksum=True).compress(data)
@@ -649,7 +649,7 @@ def test_stored_planes_are_written_as_raw_block_frames_that_zstd_reads_too(dtype
     # the result is an ordinary zstd frame: zstd's own decoder reads it to the same bytes. A
     # plane of zeros (the low bytes of values that came from a narrower dtype) still goes to
     # zstd, which collapses it.
-    from storage.codec.payload import _raw_block_segments
+    from storage.codec.zstd_frames import raw_block_segments as _raw_block_segments
     x = every_bit_pattern((30, 2, 16, 3, 64), dtype, seed=31)
     codec = Codec()
     parts = codec.encode_parts(x, B)

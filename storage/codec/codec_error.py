@@ -1,0 +1,9 @@
+"""The block codec's one error: a payload that is damaged or not the one asked for.
+
+Knows nothing else; raised by storage/codec/payload.py (the container) and
+storage/codec/zstd_frames.py (the frames inside it), caught by every tier's read as a miss.
+"""
+
+
+class CodecError(Exception):
+    """A payload is damaged or not ours: bad magic/version/crc, truncated, zstd failure, size mismatch."""
