@@ -29,16 +29,14 @@ the store took it; BlockRemoved when this process deletes it (delete(), a damage
 finds it gone. The store's own evictions (its LRU, a TTL) are not visible to us and say nothing
 until a read misses the block.
 
-Threads: reads run on the loader's threads (never the engine thread), their MGETs on this tier's
-fetch pool (`tieredkv-remote-fetch`, `connections` threads: a thread per MGET in flight, each on
-a connection of its own from the client's pool; a socket's recv releases the GIL), their
-verification and decoding on the decode pool (`tieredkv-remote-decode`); writes on the remote
-writer's thread (blocks encoded on its pool, `tieredkv-remote-encode`, a batch ahead of the sends;
-with the raw codec, whose encode is a copy, by put on its caller's thread), a batch's pipelines on
-the send pool (`tieredkv-remote-send`, used by the writer's thread only). A fetch or send thread
-writes only its own slot of the call's results, which the calling thread reads once every one of
-them ended (client.run_parallel). The client's connection pool is thread-safe; counters and the
-small "known present" set are under `_lock` (held for no I/O).
+Threads: reads run on the loader's threads (never the engine thread); writes on the remote
+writer's thread (blocks encoded on its pool, `tieredkv-remote-encode`, a batch ahead of the
+sends; with the raw codec, whose encode is a copy, by put on its caller's thread). MGETs, a
+batch's pipelines and verify/decode run on this tier's pools (storage/remote/tier_pools.py). A
+fetch or send thread writes only its own slot of the call's results, which the calling thread
+reads once every one of them ended (client.run_parallel). The client's connection pool is
+thread-safe; counters are under `_lock` (held for no I/O), the "known present" set
+(storage/remote/known_keys.py) under its own.
 
 Parallel connections (`connections`, DEFAULT_CONNECTIONS unless given): one connection holds a
 restore to one reply at a time -- the store idles while the client parses, the client while the
@@ -52,9 +50,7 @@ import logging
 import os
 import threading
 import time
-from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures import Future
 from typing import Sequence
 
 import torch
@@ -69,7 +65,9 @@ from storage.layout import BlockLayout
 from storage.malloc_tuning import keep_freed_memory
 from storage.lower_tier import private_copy
 from storage.pool_drain import drain_on
-from storage.priority import background_priority
+from storage.remote.known_keys import KnownKeys
+from storage.remote.remote_stats import RemoteStats
+from storage.remote.tier_pools import RemotePools
 from storage.remote.client import is_unavailable, make_client, mget_groups, mget_one, pipeline, run_parallel, split
 from storage.remote.recv_buffers import RecvBuffers
 from storage.remote.url import RemoteURL
@@ -85,29 +83,6 @@ log = logging.getLogger(__name__)
 DEFAULT_CONNECTIONS = max(1, min(4, (os.cpu_count() or 1) // 2))
 _KNOWN_MAX = 1 << 16          # hashes remembered as present in the store (skip re-writing them)
 _LOG_EVERY_S = 10.0
-
-
-@dataclass(frozen=True, slots=True)
-class RemoteStats:
-    enabled: bool
-    url: str                   # password redacted
-    cluster: bool
-    breaker: str               # closed | open | half_open
-    breaker_opened: int        # times the breaker opened
-    hits: int                  # blocks read and verified
-    misses: int                # blocks asked for and not served (absent, damaged, or an error)
-    errors: int                # calls that failed (connection, timeout): breaker failures
-    corrupt: int               # values that failed verification (deleted)
-    skipped: int               # calls not made because the breaker was open
-    cancelled: int             # reads their caller gave up on mid-flight (no request waited any more)
-    cancelled_connections: int  # connections shut down mid-reply by such a cancel: dropped, never pooled
-    writes: int                # blocks written
-    write_errors: int          # blocks the store refused (e.g. out of memory) or a failed batch lost
-    write_drops: int           # blocks never sent: queue full, or breaker open
-    bytes_read: int
-    bytes_written: int
-    pending_writes: int
-    last_error: str | None
 
 
 class RemoteTier:
@@ -133,27 +108,21 @@ class RemoteTier:
         self.events: NoEvents = NO_EVENTS        # the KV-event hook, set by the cache
         self._client_obj = None
         self._client_lock = threading.Lock()     # building the client (RedisCluster connects)
-        # Keys this process wrote or read, so a block is not sent again (a restored block reaches
-        # the local disk, whose commit would forward it back). key -> until when it is trusted:
-        # half the TTL (the store forgets it by then), else until a read misses it or the breaker
-        # reopens (the store may have restarted empty).
-        self._known: OrderedDict[bytes, float] = OrderedDict()
-        self._known_s = float("inf") if ttl_s is None else ttl_s / 2
+        # Keys this process wrote or read, so a block is not sent again (storage/remote/known_keys.py).
+        self._known = KnownKeys(float("inf") if ttl_s is None else ttl_s / 2, _KNOWN_MAX)
         self._c = dict.fromkeys(("hits", "misses", "errors", "corrupt", "skipped", "cancelled",
                                  "cancelled_connections", "writes", "write_errors", "write_drops", "bytes_read",
                                  "bytes_written"), 0)
         self._last_error: str | None = None
         self._last_log = -1e9
         # A store back after being down may have restarted empty: forget what we knew it held.
-        self.breaker = CircuitBreaker(breaker, on_close=self._forget_known)
+        self.breaker = CircuitBreaker(breaker, on_close=self._known.clear)
         self._writer = RemoteWriter(self._write_batch, self._count, queue_blocks, batch_blocks,
                                     encode=self._encode, encode_threads=encode_threads)
         self._writer.start()
         self._decode_threads = decode_threads or os.cpu_count() or 1
         self.connections = connections
-        # "decode" (built at the first read), "fetch" (at the first read of several groups), "send"
-        # (the writer thread's, at its first batch of several parts): _pool builds them.
-        self._pools: dict[str, ThreadPoolExecutor] = {}
+        self._pools = RemotePools(connections, self._decode_threads)   # fetch, send, decode: built at first use
         # Where reads receive values (fetch threads take, decode threads give back): warm pages,
         # not a page fault per 4 KiB of every value (storage/remote/recv_buffers.py).
         self._recv = RecvBuffers()
@@ -178,7 +147,7 @@ class RemoteTier:
             if x == 0:
                 # The store says it does not hold a block this process may believe it wrote (evicted,
                 # flushed, lost): forgotten, so the next put() writes it again instead of skipping it.
-                self._forget(rk)
+                self._known.forget(rk)
         return answers
 
     def probe(self, keys: Sequence[BlockKey]) -> frozenset[bytes]:
@@ -229,9 +198,9 @@ class RemoteTier:
             def check(t: int) -> None:
                 i = idx[t]
                 checked[i] = self._check(keys[i], outs[i], values[t], keep)
-            tasks[j] = drain_on(self._decoder(), self._decode_threads, range(len(idx)), check)
+            tasks[j] = drain_on(self._pools.decoder(), self._decode_threads, range(len(idx)), check)
         # A failure part-way (the store died, a node is down) keeps the groups already fetched.
-        status, _ = self._call("get", lambda c: run_parallel(self._fetcher(len(groups)),
+        status, _ = self._call("get", lambda c: run_parallel(self._pools.fetcher(len(groups)),
                                                              [lambda j=j: fetch(c, j) for j in range(len(groups))]))
         if status == "cancelled":
             self._count(cancelled_connections=cancel.dropped)
@@ -247,7 +216,7 @@ class RemoteTier:
             if tensor is None:
                 gone.append(keys[i].hash)
                 if reason is None:
-                    self._forget(rkeys[i])          # absent: evicted, expired, or never written
+                    self._known.forget(rkeys[i])          # absent: evicted, expired, or never written
                     continue
                 log.warning("remote tier: block %s is damaged (%s): a miss, deleted", keys[i].hash.hex()[:16], reason)
                 damaged.append(rkeys[i])
@@ -257,7 +226,7 @@ class RemoteTier:
                 payloads[i] = payload
             hits += 1
             nbytes += size
-            self._remember(rkeys[i])
+            self._known.remember(rkeys[i])
         self._count(hits=hits, misses=len(keys) - hits, corrupt=len(damaged), bytes_read=nbytes)
         self.events.removed(gone, REMOTE)
         if damaged:
@@ -308,7 +277,7 @@ class RemoteTier:
         it was not queued (queue full; counted in write_drops)."""
         if block is None and payload is None:
             raise ValueError("put: give the block, or its encoded payload")
-        if self._is_known(remote_key(key)):
+        if remote_key(key) in self._known:
             return True
         if payload is None and self.codec.kind == "raw" and block.device.type == "cpu" and block.is_contiguous() \
                 and not block.is_conj() and not block.is_neg():
@@ -334,12 +303,12 @@ class RemoteTier:
     def contains(self, key: BlockKey) -> bool:
         """Whether this process wrote or read the block and still trusts the store to hold it
         (no I/O). Not a lookup: the cache asks the store itself with probe()."""
-        return self._is_known(remote_key(key))
+        return remote_key(key) in self._known
 
     def delete(self, key: BlockKey) -> bool:
         """UNLINK the block from the store (through the breaker). True when the store had it."""
         rk = remote_key(key)
-        self._forget(rk)
+        self._known.forget(rk)
         status, got = self._call("delete", lambda c: c.unlink(rk))
         if status == "ok" and got:
             self.events.removed([key.hash], REMOTE)
@@ -359,10 +328,7 @@ class RemoteTier:
         """Send what is queued (bounded), stop the writer, close the connections."""
         self._writer.flush(timeout)
         self._writer.stop()
-        with self._lock:
-            pools, self._pools = list(self._pools.values()), {}
-        for pool in pools:
-            pool.shutdown(wait=True)
+        self._pools.close()
         with self._client_lock:
             client, self._client_obj = self._client_obj, None
         if client is not None:
@@ -376,7 +342,7 @@ class RemoteTier:
         from the codec's parts in one join, or a given payload framed; on the writer's encode pool a
         batch ahead of the send, not in the send's path; skipped for a block the store is known to
         hold or one framed at put(). Raises when it cannot encode."""
-        if it.value is not None or self._is_known(remote_key(it.key)):
+        if it.value is not None or remote_key(it.key) in self._known:
             return
         if it.payload is None:
             block = it.block.contiguous()
@@ -395,7 +361,7 @@ class RemoteTier:
         cmds, sent = [], []
         for it in items:
             rk = remote_key(it.key)
-            if self._is_known(rk):
+            if rk in self._known:
                 continue
             if it.value is None:       # skipped by _encode as known, and no longer trusted since
                 try:
@@ -416,7 +382,7 @@ class RemoteTier:
 
         def send(client, j: int) -> None:
             replies[j] = pipeline(client, [cmds[i] for i in parts[j]])
-        status, _ = self._call("set", lambda c: run_parallel(self._sender(len(parts)),
+        status, _ = self._call("set", lambda c: run_parallel(self._pools.sender(len(parts)),
                                                              [lambda j=j: send(c, j) for j in range(len(parts))]))
         if status == "skipped":       # not sent (breaker open): a drop
             self._count(write_drops=len(cmds))
@@ -434,7 +400,7 @@ class RemoteTier:
                     continue
                 landed.append(key)
                 self._count(writes=1, bytes_written=n)
-                self._remember(rk)
+                self._known.remember(rk)
         self._count(write_errors=lost)
         self.events.stored(landed, REMOTE)
         return len(landed) == len(sent)
@@ -476,53 +442,7 @@ class RemoteTier:
     def _build_client(self):
         return make_client(self.url, self.timeout_s)
 
-    def _fetcher(self, groups: int) -> ThreadPoolExecutor | None:
-        """The pool whose threads each run one MGET at a time (on a connection of their own);
-        None when there is one group or one connection: the caller's thread fetches."""
-        return None if groups <= 1 or self.connections <= 1 else self._pool("fetch", self.connections)
-
-    def _sender(self, parts: int) -> ThreadPoolExecutor | None:
-        """The writer thread's pool for a batch's pipelines (one per thread at a time); None for
-        a batch of one part: the writer's thread sends it."""
-        return None if parts <= 1 else self._pool("send", self.connections)
-
-    def _decoder(self) -> ThreadPoolExecutor:
-        """The pool that verifies and decodes values (zstd and the copies release the GIL)."""
-        return self._pool("decode", self._decode_threads)
-
-    def _pool(self, name: str, threads: int) -> ThreadPoolExecutor:
-        """This tier's `tieredkv-remote-<name>` pool, built at its first use."""
-        with self._lock:
-            pool = self._pools.get(name)
-            if pool is None:
-                pool = self._pools[name] = ThreadPoolExecutor(threads, thread_name_prefix=f"tieredkv-remote-{name}",
-                                                              initializer=background_priority)
-            return pool
-
     # ---- bookkeeping -----------------------------------------------------------------------
-    def _remember(self, rk: bytes) -> None:
-        with self._lock:
-            self._known[rk] = time.monotonic() + self._known_s
-            self._known.move_to_end(rk)
-            if len(self._known) > _KNOWN_MAX:
-                self._known.popitem(last=False)
-
-    def _forget(self, rk: bytes) -> None:
-        with self._lock:
-            self._known.pop(rk, None)
-
-    def _is_known(self, rk: bytes) -> bool:
-        with self._lock:
-            until = self._known.get(rk)
-            if until is not None and until < time.monotonic():
-                del self._known[rk]
-                return False
-            return until is not None
-
-    def _forget_known(self) -> None:
-        with self._lock:
-            self._known.clear()
-
     def _count(self, **deltas: int) -> None:
         with self._lock:
             for k, v in deltas.items():
