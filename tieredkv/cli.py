@@ -304,7 +304,7 @@ def verify(
     store_left = bool(report.store) and not report.store_repaired
     if json_out:
         print_json({"path": str(root / "kv"), "checked": report.checked, "damaged": len(report.damaged),
-                    "repaired": report.repaired, "blocks": [{"hash": d.hash.hex(), "reason": d.reason}
+                    "repaired": report.repaired, "blocks": [{"hash": d.key.hex(), "reason": d.reason}
                                                             for d in report.damaged],
                     "store": list(report.store), "store_repaired": list(report.store_repaired)})
     else:
@@ -317,7 +317,7 @@ def verify(
         out.print(f"checked {report.checked} blocks in {root / 'kv'}: {len(report.damaged)} damaged"
                   + (f", {report.repaired} deleted" if repair else ""), soft_wrap=True)
         for d in report.damaged[:50]:
-            out.print(f"  {d.hash.hex()[:16]}  {d.reason}", soft_wrap=True)
+            out.print(f"  {d.key.hex()[:16]}  {d.reason}", soft_wrap=True)
         if len(report.damaged) > 50:
             out.print(f"  … and {len(report.damaged) - 50} more")
         if left and not repair:
