@@ -20,7 +20,7 @@ from rich.table import Table
 
 from tieredkv.cli_common import (CLIError, api_key_of, cache_root, err, existing_dir, friendly, get_json, micro, out,
                                  print_json, server_url, spinner)
-from tieredkv.cli_common import CACHE_HELP
+from tieredkv.cli_common import CACHE_HELP, cache_default
 from tieredkv import cli_serve
 from tieredkv.cli_flags import translate
 from storage.config import format_size, parse_size
@@ -217,7 +217,7 @@ def open_disk_tier(root: Path, readonly: bool) -> Any:
         raise CLIError(f"cache dir: {kv} holds no disk tier (no data.mdb)", code=2)
     from storage.disk.tier import DiskTier
     # Capacity is enforced only by writers; inspect/verify never add blocks.
-    return DiskTier(str(kv), parse_size("50GiB"), readonly=readonly)
+    return DiskTier(str(kv), parse_size(cache_default("disk_capacity")), readonly=readonly)
 
 
 @app.command()
