@@ -116,9 +116,9 @@ class Engine(StepLoop):
         # A sequence never outgrows the pool (else it could neither run nor be preempted).
         # Checked before the cache opens anything: a max_model_len too big is refused cleanly.
         pool_pages = num_pages if num_pages is not None else self.layout.blocks_in(cache.device_bytes)
-        attention = make_backend(attention, loaded.device, cache.block_size,
-                                 pool_pages * self.layout.numel).name
-        self.decode_step = decode_mode(decode_step, enforce_eager, loaded.device, attention)
+        # Built once, here: its name picks the decode mode and the runner gets this very backend.
+        backend = make_backend(attention, loaded.device, cache.block_size, pool_pages * self.layout.numel)
+        self.decode_step = decode_mode(decode_step, enforce_eager, loaded.device, backend.name)
         # A graph-safe decode step's padding rows write into a page of their own (engine/decode_graph.py).
         sink_pages = 0 if self.decode_step == "off" else 1
         self.max_context, self.max_context_source = context_length(loaded.max_context, pool_pages - sink_pages,
@@ -138,7 +138,7 @@ class Engine(StepLoop):
                                        load_seconds=self.planner.load_seconds), newcomer_first=newcomer_first,
                                    weights=tenant_weights)    # each tenant's weight in the pool's fair share (default 1)
         sink = self.cache.allocate(1)[0] if sink_pages else None     # held for good: never registered or evicted
-        self.runner = ModelRunner(loaded.model, self.cache.pool.kv, self.block_size, attention,
+        self.runner = ModelRunner(loaded.model, self.cache.pool.kv, self.block_size, backend,
                                   max_query=max(max_batch_tokens, decode_step_tokens or 0), decode=self.decode_step,
                                   max_seqs=max_seqs, max_context=self.max_context, sink=sink)
         # Step times (CUDA events on CUDA) fit the prefill model; with calibrate, one chunk and a

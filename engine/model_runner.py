@@ -17,13 +17,15 @@ from engine.staging import StepUpload
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv: torch.Tensor, block_size: int,
-                 attention: str | None = None, max_query: int = 512, decode: str = "off",
+                 attention: AttentionBackend | str | None = None, max_query: int = 512, decode: str = "off",
                  max_seqs: int = 64, max_context: int = 0, sink: int | None = None) -> None:
         self.model = model
         self.kv = kv
         self.block_size = block_size
         self.device = kv.device
-        self.backend: AttentionBackend = make_backend(attention, kv.device, block_size, kv.numel())
+        # The engine hands in the backend it built (one per engine); a name or None builds one here.
+        self.backend: AttentionBackend = (make_backend(attention, kv.device, block_size, kv.numel())
+                                          if attention is None or isinstance(attention, str) else attention)
         warm_up = getattr(self.backend, "warm_up", None)
         if warm_up is not None:
             # Compiled now, every shape class a pass up to `max_query` new tokens takes: never on a

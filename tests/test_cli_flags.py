@@ -111,3 +111,30 @@ def test_the_flag_table_says_refused_exactly_for_the_refused_flags() -> None:
         assert (meaning.startswith("refused:") == bool(refused)), flags
         if refused:
             assert refused == names, flags       # a row is all refused or all taken
+
+
+def test_serve_takes_its_cache_defaults_from_cache_configs_fields() -> None:
+    """CacheConfig's dataclass fields are the one place a cache default is written (issue 32): the
+    serve options named after a field default to it, the ones left None say it in their help, and
+    a changed field default reaches the option (checked in a child that changes one first)."""
+    import dataclasses
+    import inspect
+
+    from storage.config import CacheConfig
+    from tieredkv import cli_serve
+    from tieredkv.cli_flags import pool_size
+    fields = {f.name: f.default for f in dataclasses.fields(CacheConfig)}
+    opts = {n: p.default for n, p in inspect.signature(cli_serve.serve).parameters.items()}
+    taken = {n: o.default for n, o in opts.items() if n in fields and o.default is not None}
+    assert set(taken) == {"host_memory", "disk_capacity", "disk_reserve", "codec", "block_size", "restore_policy"}
+    assert taken == {n: fields[n] for n in taken}
+    for opt, field in (("device_memory", "device_memory"), ("remote_timeout", "remote_timeout_s")):
+        assert f"(default {fields[field]})" in opts[opt].help
+    assert pool_size(None, None, "cpu") == fields["device_memory"]
+    child = ("import inspect\nfrom storage.config import CacheConfig\n"
+             "CacheConfig.__dataclass_fields__['disk_reserve'].default = '7MiB'\n"
+             "from tieredkv import cli_serve\n"
+             "print(inspect.signature(cli_serve.serve).parameters['disk_reserve'].default.default)")
+    done = subprocess.run([sys.executable, "-c", child], cwd=REPO, env=ENV, capture_output=True, text=True,
+                          timeout=120)
+    assert done.stdout.strip() == "7MiB", done.stderr

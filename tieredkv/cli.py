@@ -20,7 +20,7 @@ from rich.table import Table
 
 from tieredkv.cli_common import (CLIError, api_key_of, cache_root, err, existing_dir, friendly, get_json, micro, out,
                                  print_json, server_url, spinner)
-from tieredkv.cli_common import CACHE_HELP
+from tieredkv.cli_common import CACHE_HELP, cache_default
 from tieredkv import cli_serve
 from tieredkv.cli_flags import translate
 from storage.config import format_size, parse_size
@@ -217,7 +217,7 @@ def open_disk_tier(root: Path, readonly: bool) -> Any:
         raise CLIError(f"cache dir: {kv} holds no disk tier (no data.mdb)", code=2)
     from storage.disk.tier import DiskTier
     # Capacity is enforced only by writers; inspect/verify never add blocks.
-    return DiskTier(str(kv), parse_size("50GiB"), readonly=readonly)
+    return DiskTier(str(kv), parse_size(cache_default("disk_capacity")), readonly=readonly)
 
 
 @app.command()
@@ -304,7 +304,7 @@ def verify(
     store_left = bool(report.store) and not report.store_repaired
     if json_out:
         print_json({"path": str(root / "kv"), "checked": report.checked, "damaged": len(report.damaged),
-                    "repaired": report.repaired, "blocks": [{"hash": d.hash.hex(), "reason": d.reason}
+                    "repaired": report.repaired, "blocks": [{"hash": d.key.hex(), "reason": d.reason}
                                                             for d in report.damaged],
                     "store": list(report.store), "store_repaired": list(report.store_repaired)})
     else:
@@ -317,7 +317,7 @@ def verify(
         out.print(f"checked {report.checked} blocks in {root / 'kv'}: {len(report.damaged)} damaged"
                   + (f", {report.repaired} deleted" if repair else ""), soft_wrap=True)
         for d in report.damaged[:50]:
-            out.print(f"  {d.hash.hex()[:16]}  {d.reason}", soft_wrap=True)
+            out.print(f"  {d.key.hex()[:16]}  {d.reason}", soft_wrap=True)
         if len(report.damaged) > 50:
             out.print(f"  … and {len(report.damaged) - 50} more")
         if left and not repair:

@@ -10,6 +10,7 @@ Doesn't know: the commands themselves (tieredkv/cli.py).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import os
@@ -19,10 +20,20 @@ from typing import Any, Callable, Iterator, Optional
 
 import typer
 
-from storage.config import default_cache_root
+from storage.config import CacheConfig, default_cache_root
 from rich.console import Console
 
 DEFAULT_URL = "http://127.0.0.1:8000"
+_CACHE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(CacheConfig)}
+
+
+def cache_default(name: str) -> Any:
+    """CacheConfig's default for its field `name`: the one place a cache default is written; the
+    options that set that field show it (and fall back to it) from here."""
+    value = _CACHE_DEFAULTS[name]
+    if value is dataclasses.MISSING:
+        raise KeyError(f"CacheConfig.{name} has no plain default")
+    return value
 # Measured on the 2-core dev VM with an empty cache root (TIEREDKV_HOME=$(mktemp -d)), as importing
 # torch + load_model(None): 23.5 s and 21.3 s the first time at load ~1 (the GGUF's conversion to
 # safetensors, once per cache root), 36.8 s at load ~5; the next time 6.0 s (7.9 s at load ~5).

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 
-from tieredkv.cli_common import CLIError
+from tieredkv.cli_common import CLIError, cache_default
 
 # llama-server's names for options serve has under vLLM's (typer cannot give an option a name
 # that is a prefix-style short flag of two letters, so they are rewritten here).
@@ -94,7 +94,7 @@ def translate(argv: list[str]) -> list[str]:
 def pool_size(device_memory: str | None, fraction: float | None, device: str) -> str:
     """The device pool's size: --device-memory, or --gpu-memory-utilization of the GPU's free memory now."""
     if fraction is None:
-        return device_memory or "1GiB"
+        return device_memory or cache_default("device_memory")
     if device_memory is not None:
         raise CLIError("give one of --device-memory and --gpu-memory-utilization", code=2)
     if not 0 < fraction <= 1:

@@ -16,7 +16,7 @@ import typer
 from rich.markup import escape
 
 from storage.config import parse_size
-from tieredkv.cli_common import (CACHE_HELP, REMOTE_HELP, CLIError, api_key_of, cache_root, err,
+from tieredkv.cli_common import (CACHE_HELP, REMOTE_HELP, CLIError, api_key_of, cache_default, cache_root, err,
                                  friendly, load_description, remote_options, remote_url_of, spinner)
 from tieredkv.cli_flags import pool_size, read_chat_template
 
@@ -70,12 +70,13 @@ def serve(
     host: str = typer.Option("127.0.0.1", help="Address to bind; other than loopback needs --api-keys."),
     port: int = typer.Option(8000, help="Port (0: any free port; the chosen one is printed)."),
     cache_dir: Optional[str] = typer.Option(None, help=CACHE_HELP),
-    device_memory: Optional[str] = typer.Option(None, help="Device page pool size (default 1GiB)."),
-    host_memory: str = typer.Option("4GiB", help="Host tier size (0 disables it)."),
-    disk_capacity: str = typer.Option("50GiB", help="Disk tier capacity (compressed bytes)."),
-    disk_reserve: str = typer.Option("256MiB", help="Free space the disk tier always leaves on its filesystem "
+    device_memory: Optional[str] = typer.Option(None, help="Device page pool size (default "
+                                                 f"{cache_default('device_memory')})."),
+    host_memory: str = typer.Option(cache_default("host_memory"), help="Host tier size (0 disables it)."),
+    disk_capacity: str = typer.Option(cache_default("disk_capacity"), help="Disk tier capacity (compressed bytes)."),
+    disk_reserve: str = typer.Option(cache_default("disk_reserve"), help="Free space the disk tier always leaves on its filesystem "
                                      "(it shrinks, LRU first, rather than fill the disk)."),
-    codec: str = typer.Option("zstd", help="How the disk and remote tiers store blocks: zstd (compressed, "
+    codec: str = typer.Option(cache_default("codec"), help="How the disk and remote tiers store blocks: zstd (compressed, "
                               "1.15-1.45x fewer bytes) or raw (the bytes as they are, checked the same way, "
                               "several times faster to decode: better where the drive or network is faster "
                               "than decoding). Either reads what the other wrote."),
@@ -84,7 +85,7 @@ def serve(
                                            "billing/reserve.bin, written when space returns; /ready says 503) or "
                                            "refuse (the request fails)."),
     api_keys: Optional[str] = typer.Option(None, help='JSON file {"sk-...": {"tenant": ..., "role": "admin"|"user"}}.'),
-    block_size: int = typer.Option(16, help="Tokens per cached block."),
+    block_size: int = typer.Option(cache_default("block_size"), help="Tokens per cached block."),
     prices: Optional[str] = typer.Option(None, help="Prices file (JSON or .toml), micro-dollars per 1M tokens."),
     device: str = typer.Option("auto", help="auto, cpu, cuda, cuda:N."),
     dtype: str = typer.Option("auto", help="auto, float32, bfloat16, float16."),
@@ -105,13 +106,13 @@ def serve(
                                         "honour (tools, guided_*, logit_bias, ...) are refused either way."),
     remote_url: Optional[str] = typer.Option(None, help=REMOTE_HELP),
     remote_timeout: Optional[float] = typer.Option(None, help="Seconds bounding every call to the remote store "
-                                                   "(default 0.5); a failure is a miss."),
+                                                   f"(default {cache_default('remote_timeout_s')}); a failure is a miss."),
     remote_ttl: Optional[float] = typer.Option(None, help="Seconds to live of every block written to the remote "
                                                "store (default: none; its maxmemory + LRU bound it)."),
     remote_write: Optional[str] = typer.Option(None, help="write_back (default: blocks reach the store when they "
                                                "reach disk) or write_through (as soon as computed: what several "
                                                "servers sharing a store want)."),
-    restore_policy: str = typer.Option("auto", help="auto (default: recompute the front of a hit held below the "
+    restore_policy: str = typer.Option(cache_default("restore_policy"), help="auto (default: recompute the front of a hit held below the "
                                        "device while its back loads, split where the measured restore rates "
                                        "and prefill time predict the earliest first token), load (always load "
                                        "a hit) or recompute (never load: a fast GPU with a slow drive). Hits "

@@ -1,9 +1,10 @@
 """vLLM's KV-event wire format, as the router reads it.
 
 A publisher sends multipart ZMQ messages `[topic, seq, payload]`: seq is 8 bytes big-endian,
-payload is msgpack of vLLM's `KVEventBatch` (msgspec structs, array_like, tagged):
+payload is msgpack of vLLM's `KVEventBatch` (storage/kv_events/wire.py declares the structs, once,
+for our publisher and this decoder):
 
-    [ts, [event, ...], data_parallel_rank]   (vLLM sends the rank, None, even though it is a default)
+    [ts, [event, ...], data_parallel_rank]   (vLLM's publisher sends its rank, 0 for one server)
     ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium]
     ["BlockRemoved", block_hashes, medium]
     ["AllBlocksCleared"]
@@ -12,49 +13,22 @@ medium is "GPU" (the device pool), "CPU" (host), "DISK" or "REMOTE"; None means 
 default). Replay (a DEALER to the publisher's ROUTER): send `[b"", start_seq]`, receive
 `[b"", seq, payload]` per buffered batch with seq >= start, then `[b"", -1, b""]`.
 
-Knows: the format. Decoding is positional and tolerant (trailing fields newer vLLM versions add
-are ignored; an event with an unknown tag is skipped), so a publisher a version ahead still routes.
-Doesn't know: sockets (subscriber.py) or what the events mean for routing (index.py).
+Knows: decoding the format. Decoding is positional and tolerant (a batch of two fields, trailing
+fields newer vLLM versions add are ignored; an event with an unknown tag is skipped; vLLM's int
+block hashes become bytes), so a publisher a version ahead still routes. Doesn't know: sockets
+(subscriber.py) or what the events mean for routing (index.py).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 import msgspec
 
+from storage.kv_events.wire import AllBlocksCleared, BlockRemoved, BlockStored, Event, KVEventBatch
+
 MEDIA = ("GPU", "CPU", "DISK", "REMOTE")
 REPLAY_END = -1
-
-
-@dataclass(frozen=True, slots=True)
-class BlockStored:
-    block_hashes: list[bytes]
-    parent_block_hash: bytes | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None = None
-    medium: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class BlockRemoved:
-    block_hashes: list[bytes]
-    medium: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class AllBlocksCleared:
-    pass
-
-
-Event = Union[BlockStored, BlockRemoved, AllBlocksCleared]
-
-
-@dataclass(frozen=True, slots=True)
-class EventBatch:
-    ts: float
-    events: list[Event]
+_ENCODER = msgspec.msgpack.Encoder()
 
 
 class BadBatch(ValueError):
@@ -79,18 +53,19 @@ def _event(raw: Any) -> Event | None:
             raise BadBatch(f"BlockStored: expected at least 4 fields, got {len(fields)}")
         fields += [None] * (6 - len(fields))
         hashes, parent, tokens, block_size, lora_id, medium = fields[:6]
-        return BlockStored([_hash(h) for h in hashes], None if parent is None else _hash(parent),
-                           list(tokens or []), int(block_size), lora_id, medium)
+        return BlockStored(block_hashes=[_hash(h) for h in hashes],
+                           parent_block_hash=None if parent is None else _hash(parent),
+                           token_ids=list(tokens or []), block_size=int(block_size), lora_id=lora_id, medium=medium)
     if tag == "BlockRemoved":
         if not fields:
             raise BadBatch("BlockRemoved: expected block_hashes")
-        return BlockRemoved([_hash(h) for h in fields[0]], fields[1] if len(fields) > 1 else None)
+        return BlockRemoved(block_hashes=[_hash(h) for h in fields[0]], medium=fields[1] if len(fields) > 1 else None)
     if tag == "AllBlocksCleared":
         return AllBlocksCleared()
     return None       # a kind this router does not know: skipped
 
 
-def decode_batch(payload: bytes) -> EventBatch:
+def decode_batch(payload: bytes) -> KVEventBatch:
     try:
         raw = msgspec.msgpack.decode(payload)
     except msgspec.DecodeError as e:
@@ -101,23 +76,13 @@ def decode_batch(payload: bytes) -> EventBatch:
         events = [e for e in (_event(r) for r in raw[1]) if e is not None]
     except (TypeError, ValueError) as e:
         raise BadBatch(str(e)) from None
-    return EventBatch(float(raw[0]), events)
+    return KVEventBatch(ts=float(raw[0]), events=events)
 
 
-def encode_batch(ts: float, events: list[Event]) -> bytes:
-    """msgpack of a KVEventBatch exactly as vLLM's msgspec structs encode it (tests and tools).
-    NOTE: array_like structs keep trailing defaults: vLLM sends [ts, events, None] (its
-    data_parallel_rank), which is what this writes; the decoder takes two or more fields."""
-    out: list[list[Any]] = []
-    for e in events:
-        if isinstance(e, BlockStored):
-            out.append(["BlockStored", e.block_hashes, e.parent_block_hash, e.token_ids, e.block_size, e.lora_id,
-                        e.medium])
-        elif isinstance(e, BlockRemoved):
-            out.append(["BlockRemoved", e.block_hashes, e.medium])
-        else:
-            out.append(["AllBlocksCleared"])
-    return msgspec.msgpack.encode([ts, out, None])
+def encode_batch(ts: float, events: list[Event], data_parallel_rank: int | None = None) -> bytes:
+    """msgpack of a KVEventBatch as vLLM's structs encode it (tests and tools): the rank as given,
+    None as the struct's default writes it (a vLLM server fills in its rank, 0 for one server)."""
+    return _ENCODER.encode(KVEventBatch(ts=ts, events=events, data_parallel_rank=data_parallel_rank))
 
 
 def seq_bytes(seq: int) -> bytes:

@@ -19,7 +19,8 @@ import time
 from collections import deque
 from typing import Callable, Iterable
 
-from service.router.events import AllBlocksCleared, BlockRemoved, BlockStored, Event, EventBatch, MEDIA
+from service.router.events import MEDIA
+from storage.kv_events.wire import AllBlocksCleared, BlockRemoved, BlockStored, Event, KVEventBatch
 
 GPU = 0                                   # ranks: index into MEDIA; lower is faster
 _RANK = {m: i for i, m in enumerate(MEDIA)}
@@ -40,7 +41,7 @@ class PrefixIndex:
         self._expiries: deque[tuple[float, str, tuple[bytes, ...]]] = deque()
 
     # ---- events --------------------------------------------------------------------------
-    def apply_batch(self, backend: str, batch: EventBatch) -> None:
+    def apply_batch(self, backend: str, batch: KVEventBatch) -> None:
         for event in batch.events:
             self.apply(backend, event)
 

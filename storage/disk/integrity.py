@@ -11,38 +11,18 @@ Doesn't know: what to do about damage (the tier counts, deletes, repairs), threa
 from __future__ import annotations
 
 from concurrent.futures import Executor
-from dataclasses import dataclass
 from typing import Callable, ContextManager, Iterator
 
 import lmdb
 
 from storage.codec.payload import Codec
 from storage.codec.stored_block import BlockMeta, check_stored
+from storage.codec.verify_report import DamagedBlock, VerifyReport
 from storage.disk.records import Databases, StoreDamaged, load_info, lru_key
 
 _CHUNK = 512                     # keys per read transaction
 from storage.layout import BlockLayout
 from storage.hashing import BlockKey, hash_block
-
-
-@dataclass(frozen=True, slots=True)
-class DamagedBlock:
-    hash: bytes
-    reason: str
-
-
-@dataclass(frozen=True, slots=True)
-class VerifyReport:
-    checked: int
-    damaged: tuple[DamagedBlock, ...]
-    repaired: int
-    # What is wrong with the store as a whole, beyond its blocks: a page the walk refused
-    # (storage/disk/pagewalk.py: trees, overflow headers, the free-page lists), counters or an
-    # LRU index that disagree with the blocks (audit). Empty when sound.
-    store: tuple[str, ...] = ()
-    # What --repair did about `store`: counters recounted / the LRU index rebuilt, or the
-    # damaged store moved aside (a fresh one in its place). Empty without repair.
-    store_repaired: tuple[str, ...] = ()
 
 
 def check_block(codec: Codec, layout: BlockLayout | None, h: bytes, payload: bytes | None,

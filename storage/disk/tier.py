@@ -482,7 +482,7 @@ class DiskTier:
         report = verify_store(self._begin, self._iter_db, lambda: self._dbs, self._executor(), self.codec, self.layout)
         repaired = 0
         if repair and report.damaged:
-            repaired = self._delete_now([d.hash for d in report.damaged], recount=True)
+            repaired = self._delete_now([d.key for d in report.damaged], recount=True)
         return VerifyReport(report.checked, report.damaged, repaired, store, store_done)
 
     def check(self) -> list[str]:

@@ -135,7 +135,8 @@ class KVEventPublisher:
         events = self._to_wire(items)
         if not events:
             return
-        payload = self._encoder.encode(KVEventBatch(ts=time.time(), events=events))
+        # vLLM's publisher fills in its data-parallel rank before encoding: 0 for one server.
+        payload = self._encoder.encode(KVEventBatch(ts=time.time(), events=events, data_parallel_rank=0))
         seq = self.seq + 1
         try:
             self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK)

@@ -1,12 +1,19 @@
-"""The KV-event wire format, declared exactly as vLLM declares it (vllm/distributed/kv_events.py):
-msgspec structs, array-like (a struct is a msgpack array of its fields, in order), defaults
-omitted, the events tagged with their class name. Encoded with `msgspec.msgpack.Encoder()`, a
-batch is byte-for-byte what a vLLM server sends, so its consumers decode ours unchanged:
+"""The KV-event wire format, declared as vLLM declares it (vllm/distributed/kv_events.py, the
+array-like releases that carry `medium`): msgspec structs, array-like (a struct is a msgpack array
+of its fields, in order; msgspec writes trailing defaults too), the events tagged with their class
+name. Encoded with `msgspec.msgpack.Encoder()`, a batch is byte-for-byte what a vLLM server sends
+(its publisher fills in its data-parallel rank, 0 for a single server, before encoding), so its
+consumers decode ours unchanged:
 
-    KVEventBatch  -> [ts, [event, ...]]
+    KVEventBatch  -> [ts, [event, ...], data_parallel_rank]
     BlockStored   -> ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium]
     BlockRemoved  -> ["BlockRemoved", block_hashes, medium]
     AllBlocksCleared -> ["AllBlocksCleared"]
+
+The one definition of these structs: the publisher encodes them, the router (service/router/
+events.py) decodes into them. vLLM's newer releases append fields (lora_name, extra_keys, ...)
+and its newest send events as tagged maps; neither is declared here (the router's decoder skips
+trailing fields).
 
 Knows: the structs. Doesn't know: sockets, sequence numbers or our tiers (storage/kv_events/
 publisher.py maps tiers to media: "GPU" the device pool, "CPU" the host tier, "DISK", "REMOTE").
@@ -15,7 +22,7 @@ share a hash with another tenant's.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Union
 
 import msgspec
 
@@ -23,6 +30,7 @@ import msgspec
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ts: float
     events: list[Any]
+    data_parallel_rank: int | None = None
 
 
 class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
@@ -51,5 +59,8 @@ class AllBlocksCleared(KVCacheEvent):
     """Forget everything this publisher said before (sent first by every publisher that starts)."""
 
 
+Event = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+
+
 class KVEventBatch(EventBatch):
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+    events: list[Event]

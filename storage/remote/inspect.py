@@ -21,6 +21,7 @@ from typing import Iterator
 
 from storage.codec.payload import Codec
 from storage.codec.stored_block import META_FIXED_SIZE, BlockMeta, verify_and_decode
+from storage.codec.verify_report import DamagedBlock, VerifyReport
 from storage.hashing import BlockKey, hash_block
 from storage.remote.client import make_client
 from storage.remote.value import KEY_PREFIX, VALUE_MAGIC, unpack_value
@@ -72,21 +73,6 @@ class RemoteSurvey:
     blocks: int
     value_bytes: int
     foreign_keys: int                 # under the prefix but not named tkv:r1:<ns>:<hash>
-
-
-@dataclass(frozen=True, slots=True)
-class DamagedValue:
-    key: bytes
-    reason: str
-
-
-@dataclass(frozen=True, slots=True)
-class RemoteVerifyReport:
-    checked: int                      # values read and checked
-    damaged: tuple[DamagedValue, ...]
-    repaired: int                     # damaged values deleted
-    vanished: int                     # keys gone between SCAN and GET (evicted, expired)
-    errors: int                       # values the store did not give (an error reply)
 
 
 class RemoteInspector:
@@ -169,11 +155,11 @@ class RemoteInspector:
                             sum(u.blocks for u in namespaces), sum(u.value_bytes for u in namespaces), foreign)
 
     # ---- verification --------------------------------------------------------------------------
-    def verify(self, repair: bool = False, codec: Codec = Codec()) -> RemoteVerifyReport:
+    def verify(self, repair: bool = False, codec: Codec = Codec()) -> VerifyReport:
         """Read and check every value (the same checks a server's read makes, and the hash chain);
         `repair`: UNLINK the damaged ones."""
         checked = repaired = vanished = errors = 0
-        damaged: list[DamagedValue] = []
+        damaged: list[DamagedBlock] = []
         for _, conn in self.nodes():
             for batch in self.scan(conn):
                 pipe = conn.pipeline(transaction=False)
@@ -192,13 +178,13 @@ class RemoteInspector:
                     reason = check_value(codec, k, v)
                     if reason is not None:
                         bad.append(k)
-                        damaged.append(DamagedValue(k, reason))
+                        damaged.append(DamagedBlock(k, reason))
                 if repair and bad:
                     pipe = conn.pipeline(transaction=False)
                     for k in bad:
                         pipe.unlink(k)
                     repaired += sum(1 for r in pipe.execute(raise_on_error=False) if r == 1)
-        return RemoteVerifyReport(checked, tuple(damaged), repaired, vanished, errors)
+        return VerifyReport(checked, tuple(damaged), repaired, vanished=vanished, errors=errors)
 
 
 def check_value(codec: Codec, rkey: bytes, value: bytes) -> str | None:

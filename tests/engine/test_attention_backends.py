@@ -34,6 +34,22 @@ def test_an_unknown_backend_is_a_clear_error():
         make_backend("flash", CPU)
 
 
+def test_an_engine_builds_its_attention_backend_once(monkeypatch):
+    """The backend the engine picks (its name sets the decode mode) is the one its runner runs: one
+    FlexPaged per engine, not a second built and warmed by the runner (issue 32's review)."""
+    import engine.attention_backends as backends
+    built = []
+
+    class Counted(backends.FlexPaged):
+        def __init__(self, *args, **kwargs) -> None:
+            built.append(self)
+            super().__init__(*args, **kwargs)
+    monkeypatch.setattr(backends, "FlexPaged", Counted)
+    with make_engine(None, block_size=16, attention="flex_paged", calibrate=False) as eng:
+        assert built == [eng.runner.backend]
+        assert eng.cache_status()["engine"]["attention"] == "flex_paged"
+
+
 @pytest.mark.parametrize("config", [None, tiny_qwen2_config()], ids=["llama", "qwen2"])
 def test_flex_paged_greedy_equals_transformers_with_hits_from_every_tier(tmp_path, config):
     """Block size 16 (flex's kernel block on CUDA): a batch of three prompts, then each again

@@ -55,7 +55,7 @@ def test_another_blocks_intact_payload_under_a_key_is_refused(tmp_path: Path, ki
     edit(tmp_path, swap)
     with DiskTier(str(tmp_path), CAP, OTHER[kind]) as t:
         report = t.verify()
-        assert [(d.hash, "bound to another block" in d.reason) for d in report.damaged] == [(a.hash, True)]
+        assert [(d.key, "bound to another block" in d.reason) for d in report.damaged] == [(a.hash, True)]
         for _ in range(3):            # asked again and again: never b's bytes
             assert t.get(a) is None
         s = t.stats()
@@ -94,7 +94,7 @@ def test_a_damaged_namespace_is_caught_by_verify_and_never_served(tmp_path: Path
         txn.put(k.hash, m.pack(), db=dbs["meta"])
     edit(tmp_path, damage_namespace)
     with DiskTier(str(tmp_path), CAP, readonly=True) as ro:
-        assert [d.hash for d in ro.verify().damaged] == [k.hash]
+        assert [d.key for d in ro.verify().damaged] == [k.hash]
     with DiskTier(str(tmp_path), CAP) as t:
         assert t.verify(repair=True).repaired == 1
         assert t.verify().damaged == () and t.get(k) is None
@@ -114,7 +114,7 @@ def test_trailing_bytes_after_a_stored_frame_are_refused(tmp_path: Path, kind: s
         txn.put(k.hash, m.pack(), db=dbs["meta"])
     edit(tmp_path, append_junk)
     with DiskTier(str(tmp_path), CAP, OTHER[kind]) as t:
-        assert [d.hash for d in t.verify().damaged] == [k.hash]
+        assert [d.key for d in t.verify().damaged] == [k.hash]
         assert t.get(k) is None and t.stats().corrupt == 1
 
 
@@ -192,7 +192,7 @@ def test_v3_payloads_written_by_an_earlier_build_are_served(tmp_path: Path) -> N
             txn.put(keys[i].hash, m.pack(), db=dbs["meta"])
     edit(tmp_path, downgrade)
     with DiskTier(str(tmp_path), CAP) as t:
-        assert [(d.hash, "bound to another block" in d.reason) for d in t.verify().damaged] == [(keys[3].hash, True)]
+        assert [(d.key, "bound to another block" in d.reason) for d in t.verify().damaged] == [(keys[3].hash, True)]
         for i in (0, 1, 2):
             assert same_bits(t.get(keys[i]), make_block(i))
         assert t.get(keys[3]) is None

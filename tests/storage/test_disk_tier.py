@@ -17,6 +17,7 @@ import torch
 
 from storage.codec.stored_block import payload_binding
 from storage.codec.payload import Codec
+from storage.codec.verify_report import VerifyReport
 from storage.disk.tier import DiskTier
 from storage.layout import BlockLayout
 from tests.storage.disk_tier_child import bits, make_block, make_key, same_bits
@@ -361,8 +362,9 @@ def test_verify_finds_damage_and_repair_deletes_it(tmp_path: Path) -> None:
     rewrite(tmp_path, "payload", make_key(2).hash, flip_middle_byte)
     with DiskTier(str(tmp_path), CAP, readonly=True) as ro:           # inspection next to no writer
         report = ro.verify()
+        assert type(report) is VerifyReport            # the one report the remote's verify answers too
         assert report.checked == 6 and report.repaired == 0
-        assert {d.hash: d.reason.split(":")[0] for d in report.damaged} == {
+        assert {d.key: d.reason.split(":")[0] for d in report.damaged} == {
             make_key(2).hash: "codec", forged.hash: "hash chain broken"}
         assert sorted(b.token_ids[0] // 16 for b in ro.iter_blocks()) == [0, 1, 2, 3, 4, 9]
         assert same_bits(ro.get(make_key(1)), make_block(1))

@@ -55,6 +55,7 @@ class AllBlocksCleared(KVCacheEvent):
 class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ts: float
     events: list[Union[BlockStored, BlockRemoved, AllBlocksCleared]]
+    data_parallel_rank: Union[int, None] = None
 
 
 DECODER = msgspec.msgpack.Decoder(type=KVEventBatch)
@@ -288,14 +289,16 @@ def test_a_stored_event_carries_the_parent_and_the_tokens_of_its_chain(tmp_path:
 
 
 def test_raw_msgpack_layout_is_vllms(tmp_path: Path, made) -> None:
-    """Without any struct: [ts, [["BlockStored", hashes, parent, tokens, block_size, lora_id, medium]]]."""
+    """Without any struct: [ts, [["BlockStored", hashes, parent, tokens, block_size, lora_id, medium]], 0]:
+    vLLM's EventBatch ends with `data_parallel_rank`, which its publisher fills in (0 for one server)."""
     cache, sub = start(made, None, 4, 0, topic="kv")
     k = keys(1)[0]
     page = cache.allocate(1)[0]
     cache.register(page, k)
     settle(cache, sub)
     raw = [msgspec.msgpack.decode(p) for _, p in sub.replay(0)]
-    assert raw[0][1][0] == ["AllBlocksCleared"] and isinstance(raw[0][0], float) and len(raw[0]) == 2
+    assert raw[0][1][0] == ["AllBlocksCleared"] and isinstance(raw[0][0], float)
+    assert [len(b) for b in raw] == [3] * len(raw) and {b[2] for b in raw} == {0}
     stored = [e for b in raw for e in b[1] if e[0] == "BlockStored"]
     assert stored == [["BlockStored", [k.hash], None, list(k.token_ids), TINY.block_size, None, "GPU"]]
 

@@ -8,6 +8,7 @@ import os
 
 import pytest
 
+from storage.codec.verify_report import VerifyReport
 from storage.remote.inspect import RemoteInspector, check_value, parse_key
 from storage.remote.tier import RemoteTier
 from storage.remote.value import pack_value, remote_key
@@ -88,6 +89,7 @@ def test_verify_reports_damage_and_repair_deletes_only_it(where, request, fresh_
             assert len(s.nodes) == 3 and sum(n.tkv_keys for n in s.nodes) == 12
             assert sum(1 for n in s.nodes if n.tkv_keys) >= 2
         report = ri.verify()
+        assert type(report) is VerifyReport and (report.store, report.store_repaired) == ((), ())   # the disk's too
         assert report.checked == 12 and report.repaired == 0
         reasons = {d.key: d.reason for d in report.damaged}
         assert set(reasons) == {remote_key(ks[i]) for i in (3, 7, 9)}

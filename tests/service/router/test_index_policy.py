@@ -36,11 +36,22 @@ def test_the_decoder_reads_what_vllms_structs_encode_and_encodes_what_they_decod
     assert msgspec.msgpack.decode(payload, type=v.KVEventBatch).events[1] == v.removed([H[0]], "GPU")
 
 
+def test_the_router_decodes_into_the_publishers_structs_and_reads_a_vllm_servers_rank() -> None:
+    """One definition of the wire structs (storage/kv_events/wire.py) for our publisher and the router."""
+    from storage.kv_events import wire
+    assert (events.BlockStored, events.BlockRemoved, events.AllBlocksCleared) == \
+        (wire.BlockStored, wire.BlockRemoved, wire.AllBlocksCleared)
+    payload = events.encode_batch(3.0, [v.removed([H[2]], "DISK")], data_parallel_rank=0)
+    assert msgspec.msgpack.decode(payload) == [3.0, [["BlockRemoved", [H[2]], "DISK"]], 0]
+    assert msgspec.msgpack.decode(payload, type=v.KVEventBatch).data_parallel_rank == 0
+    assert isinstance(events.decode_batch(payload), wire.KVEventBatch)
+
+
 def test_trailing_fields_of_a_newer_publisher_and_unknown_events_are_tolerated() -> None:
     raw = msgspec.msgpack.encode([1.0, [["BlockStored", [H[0]], None, [1] * 8, 8, None, "GPU", "lora-x", 7],
                                         ["SomethingNew", 1, 2], ["BlockRemoved", [H[1]]]], 0])
     batch = events.decode_batch(raw)
-    assert batch.events == [events.BlockStored([H[0]], None, [1] * 8, 8, None, "GPU"), events.BlockRemoved([H[1]])]
+    assert batch.events == [events.BlockStored([H[0]], None, [1] * 8, 8, None, "GPU"), events.BlockRemoved([H[1]], None)]
     for bad in (b"\xc1", msgspec.msgpack.encode({"ts": 1}), msgspec.msgpack.encode([1.0, [[1, 2]]])):
         with pytest.raises(events.BadBatch):
             events.decode_batch(bad)
