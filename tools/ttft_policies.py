@@ -237,6 +237,7 @@ def first_hits(site: Site, source: Source, loaded, args, run: str) -> PolicyBenc
             engine.drop_tier("device")
             engine.drop_tier("host")
             bench.miss("first", n, prefix)
+        bench.engine = None
         print(f"{source.label}: first hit after a restart, prefix {n}", file=sys.stderr)
     return bench
 
@@ -274,8 +275,11 @@ def run(args) -> dict:
                 store_prefixes(loaded, site.store_url, prefixes, os.path.join(tmp, f"kv-placer-{len(stored)}"),
                                args.remote_timeout, args.device_memory)
             with site.open(loaded) as engine:
-                benches += steady(site, engine, args, run_id)
+                done = steady(site, engine, args, run_id)
                 cost_models[site.label] = engine.cache_status()["cost_model"]
+            for b in done:      # a closed engine's pool and host slab are freed with it, not kept per site
+                b.engine = None
+            benches += done
             if not args.no_first:
                 for source in site.sources:
                     benches.append(first_hits(site, source, loaded, args, run_id))

@@ -59,6 +59,9 @@ def test_restore_policy_mode_reports_every_source_policy_split_and_first_hit(tmp
     out = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_ttft.py"), "--restore-policy", "auto,load,recompute",
                           "--model", str(tiny_model_dir), "--prefix-lengths", "32,64", "--repeat", "1",
                           "--remote-mbit", "50", "--remote-timeout", "1", "--json",
+                          # The tiny model's prompts need a few pages: 1 GiB pools per engine (the
+                          # default) would hold ~2 GiB a site and crowd a CI machine.
+                          "--device-memory", "64MiB", "--host-memory", "64MiB",
                           # A busy CI machine may take longer than the tiny model's recompute to
                           # read a block: patient deadlines, so each hit comes whole from its tier.
                           "--load-deadline-slack", "60"],
