@@ -90,7 +90,7 @@ class RequestIntake:
         `shared`: a batch's one event queue (each sequence's events tagged with its place)."""
         if self._closed:
             raise EngineClosedError("engine is closed")
-        if len(prompts) > self.max_queue:
+        if len(prompts) > max(1, self.max_queue):     # a batch that could never be queued whole
             raise ValueError(f"prompt: {len(prompts)} prompts in one call, more than the engine's queue holds "
                              f"(max_queue {self.max_queue})")
         seqs = [self._sequence(p, params, tenant) for p in prompts]
