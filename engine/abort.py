@@ -24,7 +24,11 @@ TIMEOUT = "timeout"                             # the service gave up waiting an
 CALLER_CLOSED = "caller_closed"                 # a library caller closed Engine.stream()'s iterator
 ABORT_REASONS = (CLIENT_DISCONNECTED, TIMEOUT, CALLER_CLOSED)
 
-Target = Callable[[str, "int | None"], None]
+Target = Callable[[str, "int | tuple[int, ...] | None"], None]
+
+
+def _count(c: object) -> bool:
+    return isinstance(c, int) and not isinstance(c, bool) and c >= 0
 
 
 class AbortHandle:
@@ -33,26 +37,31 @@ class AbortHandle:
     Given to `Engine.generate`/`stream` (`abort=`), it is bound to the request when the engine
     takes it; an abort asked before that takes effect at the binding. `delivered_tokens`: how
     many completion tokens reached the caller (the bill's completion tokens, never more than were
-    generated); None: every token generated counts as delivered."""
+    generated); None: every token generated counts as delivered. A request of n > 1 choices, or
+    a batch of prompts, takes one count per choice, indexed prompt_index * n + choice (or one int
+    that counts for each choice): engine/request_intake.py."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._target: Target | None = None
         self._reason: str | None = None
-        self._delivered: int | None = None
+        self._delivered: int | tuple[int, ...] | None = None
 
     @property
     def reason(self) -> str | None:
         """Why it was aborted; None while it was not."""
         return self._reason
 
-    def abort(self, reason: str, delivered_tokens: int | None = None) -> bool:
+    def abort(self, reason: str, delivered_tokens: int | tuple[int, ...] | list[int] | None = None) -> bool:
         """Ask for the abort; False when one was asked for already (the first one stands)."""
         if not isinstance(reason, str) or not reason:
             raise ValueError(f"reason: expected a non-empty string, got {reason!r}")
-        if delivered_tokens is not None and (isinstance(delivered_tokens, bool) or not isinstance(delivered_tokens, int)
-                                             or delivered_tokens < 0):
-            raise ValueError(f"delivered_tokens: expected an int >= 0 or None, got {delivered_tokens!r}")
+        counts = delivered_tokens if isinstance(delivered_tokens, (tuple, list)) else (delivered_tokens,)
+        if delivered_tokens is not None and not all(_count(c) for c in counts):
+            raise ValueError(f"delivered_tokens: expected an int >= 0, a sequence of them (one per choice) or None, "
+                             f"got {delivered_tokens!r}")
+        if isinstance(delivered_tokens, list):
+            delivered_tokens = tuple(delivered_tokens)
         with self._lock:
             if self._reason is not None:
                 return False
@@ -78,14 +87,14 @@ class Aborts:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._asked: list[tuple[object, str, int | None]] = []
+        self._asked: list[tuple[object, str, int | tuple[int, ...] | None]] = []
         self._counts: Counter[str] = Counter()
 
-    def request(self, seq: object, reason: str, delivered: int | None) -> None:
+    def request(self, seq: object, reason: str, delivered: int | tuple[int, ...] | None) -> None:
         with self._lock:
             self._asked.append((seq, reason, delivered))
 
-    def take(self) -> list[tuple[object, str, int | None]]:
+    def take(self) -> list[tuple[object, str, int | tuple[int, ...] | None]]:
         """Every abort asked for since the last call (engine thread)."""
         with self._lock:
             asked, self._asked = self._asked, []

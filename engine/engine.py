@@ -1,6 +1,7 @@
 """Engine: the public inference API over a transformers model and the tiered KV cache.
 
-Knows: request intake and validation, the step loop's thread (its steps: engine/step_loop.py,
+Knows: a prompt's encoding and validation (generate/stream and their batches:
+engine/request_intake.py), the step loop's thread (its steps: engine/step_loop.py,
 schedule -> forward -> sample -> outputs, billing per request), status, and the cache's
 lifecycle (flush on close so a restart keeps the cache). Doesn't know: HTTP.
 
@@ -16,13 +17,12 @@ import os
 import queue
 import threading
 import time
-import uuid
-from typing import Iterator, Sequence as Seq
+from typing import Sequence as Seq
 
 import torch
 
-from engine.abort import CALLER_CLOSED, AbortHandle, Aborts
-from engine.billing import Prices, validate_tenant
+from engine.abort import Aborts
+from engine.billing import Prices
 from engine.billing_writer import ON_FAILURE, BillingWriter
 from engine.calibration import calibrate_at_start
 from engine.load_deadline import LoadDeadlines
@@ -30,19 +30,17 @@ from engine.context_length import context_length
 from engine.prefill_model import PrefillModel
 from engine.prefix_view import prefix_tree
 from engine.restore_planner import RestorePlanner
-from engine.errors import EngineClosedError, QueueFullError
 from engine.fair_share import FairShare
 from engine.model import LoadedModel, kv_layout, load_model
 from engine.model_runner import ModelRunner
 from engine.attention_backends import make_backend
 from engine.decode_graph import MODES as DECODE_MODES
-from engine.outputs import CompletionOutput, LookupResult, StreamChunk
+from engine.outputs import CompletionOutput, LookupResult
 from engine.paged_attention import ATTN_NAME, register
-from engine.sampler import make_generator
-from engine.request_group import RequestGroup
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.step_loop import StepLoop
+from engine.request_intake import Prompt, RequestIntake
 from engine.step_timer import StepTimer
 from engine.sequence import Sequence
 from storage.config import CacheConfig
@@ -52,7 +50,6 @@ from storage.hashing import BlockKey, block_keys, namespace_digest, root_hash, t
 
 log = logging.getLogger("tieredkv.engine")
 
-Prompt = str | Seq[int]
 
 
 # Tokens a step may prefill (chunked prefill's chunk), by device. On the CPU a step's cost grows
@@ -84,7 +81,7 @@ def decode_mode(decode_step: str, enforce_eager: bool, device, attention: str) -
     return decode_step
 
 
-class Engine(StepLoop):
+class Engine(StepLoop, RequestIntake):
     def __init__(self, loaded: LoadedModel, cache: CacheConfig | None = None, *, max_batch_tokens: int | None = None,
                  max_seqs: int = 64, max_queue: int = 256, max_loading: int = 8,
                  decode_step_tokens: int | None = None, ledger_dir: str | None = None,
@@ -222,79 +219,6 @@ class Engine(StepLoop):
             raise ValueError(f"prompt: {len(ids)} tokens leave no room to generate within the context of "
                              f"{self.max_context} tokens")
         return ids
-
-    def _submit(self, prompt: Prompt, params: SamplingParams | None, tenant: str,
-                abort: AbortHandle | None = None) -> Sequence:
-        if self._closed:
-            raise EngineClosedError("engine is closed")
-        params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ValueError("params: expected a SamplingParams")
-        validate_tenant(tenant)   # refused now, not when the finished request is billed
-        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
-        if bad:
-            raise ValueError(f"stop_token_ids: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-        if params.n > self.max_n:
-            raise ValueError(f"n: at most {self.max_n} choices per request (max_n), got {params.n}")
-        ids = self.encode(prompt)
-        seq = Sequence(request_id=f"cmpl-{uuid.uuid4().hex[:24]}", prompt_ids=ids, params=params, tenant=tenant,
-                       namespace=self.namespace(tenant), block_size=self.block_size,
-                       max_len=min(self.max_context, len(ids) + params.max_tokens),
-                       generator=make_generator(params, self.loaded.device),
-                       group=RequestGroup(params.n) if params.n > 1 else None)
-        seq.exact = self.exact_keys(ids, seq.namespace)
-        with self._inflight_lock:
-            if self._inflight - len(self.scheduler.running) >= self.max_queue:
-                raise QueueFullError(f"engine queue is full ({self.max_queue} requests waiting); retry later")
-            self._inflight += 1
-        if abort is not None:
-            try:      # an abort asked already is applied now (the engine thread skips it in the inbox)
-                abort.bind(lambda reason, delivered: self._request_abort(seq, reason, delivered))
-            except ValueError:
-                self._done(seq)
-                raise
-        # Its disk blocks start moving to the host tier now, so its wait in the queue overlaps
-        # the drive (storage/loader.py; reads only memory here).
-        seq.prefetch = self.cache.prefetch(list(seq.exact.chain) if seq.exact is not None else seq.prefix_keys())
-        self._inbox.put(seq)
-        return seq
-
-    def _request_abort(self, seq: Sequence, reason: str, delivered: int | None) -> None:
-        self._aborts.request(seq, reason, delivered)
-        self._inbox.put(None)        # wakes an idle engine thread
-
-    # ---- public API -------------------------------------------------------------------------
-    def generate(self, prompt: Prompt | list[Prompt], params: SamplingParams | None = None,
-                 tenant: str = "default", abort: AbortHandle | None = None) -> CompletionOutput | list[CompletionOutput]:
-        """One prompt -> one output; a list of prompts -> a list of outputs, run concurrently.
-        (A list of ints is one prompt of token ids.) `abort` stops it from any thread (engine/abort.py).
-        With params.n > 1 a prompt's output is the list of its n choices (index order), each
-        carrying the request's usage (the prompt once, the choices' completions summed)."""
-        batch = isinstance(prompt, list) and prompt and not all(isinstance(t, int) for t in prompt)
-        if batch and abort is not None:
-            raise ValueError("abort: an AbortHandle stops one request; give one prompt")
-        prompts = prompt if batch else [prompt]
-        seqs = [self._submit(p, params, tenant, abort) for p in prompts]
-        outs = [self._wait(seq) for seq in seqs]
-        return outs if batch else outs[0]
-
-    def stream(self, prompt: Prompt, params: SamplingParams | None = None,
-               tenant: str = "default", abort: AbortHandle | None = None) -> Iterator[StreamChunk]:
-        """Chunks with only the new text/token ids; the last has finish_reason, usage, metrics.
-        Closing the iterator early aborts the request (billed for the chunks it yielded).
-        With params.n > 1 the choices' chunks come interleaved, each with its `index`; each
-        choice's last chunk has its finish_reason and the request's usage."""
-        abort = abort if abort is not None else AbortHandle()
-        seq = self._submit(prompt, params, tenant, abort)
-        yielded = 0
-        try:
-            for kind, payload in self._events(seq):
-                if kind == "delta":
-                    yielded += len(payload.token_ids)
-                    yield payload
-        except GeneratorExit:
-            abort.abort(CALLER_CLOSED, yielded)
-            raise
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
@@ -441,24 +365,3 @@ class Engine(StepLoop):
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-    # ---- the engine thread ------------------------------------------------------------------
-    @staticmethod
-    def _events(seq: Sequence) -> Iterator[tuple[str, object]]:
-        """A sequence's events from the engine thread, up to and including "final"; an
-        "error" event is raised in the caller's thread."""
-        while True:
-            kind, payload = seq.events.get()
-            if kind == "error":
-                raise payload
-            yield kind, payload
-            if kind == "final":
-                return
-
-    def _wait(self, seq: Sequence) -> CompletionOutput | list[CompletionOutput]:
-        for kind, payload in self._events(seq):
-            if kind == "final":
-                if seq.group is not None and not isinstance(payload, list):
-                    return [payload]      # ended before its choices were forked (aborted while queued)
-                return payload
-        raise AssertionError("unreachable: the event stream ends with 'final'")

@@ -63,14 +63,16 @@ class StepLoop:
     def _apply_aborts(self) -> None:
         """End the sequences whose callers left (between steps): pages back, billed as usage_of says."""
         for seq, reason, delivered in self._aborts.take():
-            # n > 1: the abort ends every choice still open (each billed for what it generated).
+            # n > 1: the abort ends every choice still open, each billed for the tokens that
+            # reached its caller (`delivered`: one count per choice, or one count for each).
             members = seq.group.open_members() if seq.group is not None and seq.group.forked else [seq]
             members = [m for m in members if m.status is not SeqStatus.FINISHED]
             if not members:
                 continue         # it finished (or failed) first: that outcome and its bill stand
             self._aborts.counted(reason)
             for m in members:
-                m.delivered_tokens = delivered if m.group is None or not m.group.forked else None
+                m.delivered_tokens = (delivered[m.index] if m.index < len(delivered) else 0) \
+                    if isinstance(delivered, tuple) else delivered
                 log.info("request %s aborted (%s) after %d generated tokens", m.request_id, reason, len(m.output_ids))
                 try:
                     self._finish(m, "abort")

@@ -150,7 +150,8 @@ class CacheCollector:
         aborted = status.get("engine", {}).get("aborted")
         if isinstance(aborted, dict):
             # engine/abort.py: requests whose caller left (client_disconnected), that ran past the
-            # service's timeout (timeout), or whose library caller closed its stream (caller_closed).
+            # service's timeout (timeout), or whose library caller closed its stream (caller_closed);
+            # counted as the ledger counts requests: a batch of prompts is one per prompt.
             fam = CounterMetricFamily("tieredkv_requests_aborted", "Generation requests aborted before they "
                                       "finished, by reason (their pages released, billed for what was sent)",
                                       labels=["reason"])

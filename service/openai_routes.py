@@ -30,6 +30,8 @@ from service.disconnect import ClosingStreamingResponse, until_disconnected
 from service.dispatch import Abandoned
 from service.errors import APIError, from_engine_error
 from service.request_log import record
+from service.batch_prompts import UsageByRequest, as_one, flatten
+from service.prompt_field import is_batch
 from service.responses import SSE_DONE, ChunkWriter, Logprobs, chat_body, completion_body, completion_id, sse
 from service.schemas import ChatRequest, CompletionRequest, parse_body
 
@@ -45,13 +47,20 @@ async def completions(request: Request) -> Any:
     caller = c.caller(request, req.user)
     c.check_model(req.model)
     params = _params(req, COMPLETIONS_DEFAULT_MAX_TOKENS, c.settings.default_seed)
-    c.check_prompt_size(prompt=req.prompt)      # before anything tokenizes it
     engine, tenant, prompt = c.engine, caller.tenant, req.prompt
+    # A batch (service/prompt_field.py): each prompt its own engine request, billed on its own; one
+    # response with every prompt's choices, index = prompt_index * n + choice (service/batch_prompts.py).
+    batch = is_batch(prompt)
+    prompts = prompt if batch else [prompt]
+    for one in prompts:
+        c.check_prompt_size(prompt=one)      # before anything tokenizes it
     logprobs = _logprobs(engine, req, chat=False)
 
-    def prompt_ids() -> list[int]:   # on a worker thread: tokenizing a long prompt is real work
-        return _with_room(engine, engine.encode(prompt), req.requested_max_tokens)
-    return await _generate(c, request, req, prompt_ids, params, tenant, logprobs, chat=False)
+    def prompt_ids() -> Any:   # on a worker thread: tokenizing a long prompt is real work
+        ids = [_with_room(engine, engine.encode(p), req.requested_max_tokens) for p in prompts]
+        return ids if batch else ids[0]
+    return await _generate(c, request, req, prompt_ids, params, tenant, logprobs, chat=False,
+                           prompts=len(prompts) if batch else None)
 
 
 @router.post("/v1/chat/completions")
@@ -74,24 +83,29 @@ async def chat_completions(request: Request) -> Any:
     return await _generate(c, request, req, prompt_ids, params, tenant, logprobs, chat=True)
 
 
-async def _generate(c: AppContext, request: Request, req: Any, prompt_ids: Callable[[], list[int]],
-                    params: SamplingParams, tenant: str, logprobs: Any, chat: bool) -> Any:
+async def _generate(c: AppContext, request: Request, req: Any, prompt_ids: Callable[[], Any],
+                    params: SamplingParams, tenant: str, logprobs: Any, chat: bool, prompts: int | None = None) -> Any:
     """The request run: streamed as SSE, or generated off the event loop and answered in one body.
-    `prompt_ids` runs on the worker thread (tokenizing a long prompt is real work)."""
+    `prompt_ids` runs on the worker thread (tokenizing a long prompt is real work). `prompts`: the
+    size of a batch of prompts (their ids a list of lists), None for one prompt."""
     engine = c.engine
+    choices = params.n * (prompts or 1)
     abort = AbortHandle()      # aborts the engine's request when its client goes or it times out
     if req.stream:
         gaps = TokenGaps()
         return await _stream(c, request, lambda: _timed(c, engine.stream(prompt_ids(), params, tenant=tenant,
                                                                          abort=abort), gaps),
                              tenant, abort, chat=chat, include_usage=req.include_usage, logprobs=logprobs, gaps=gaps,
-                             n=params.n)
+                             n=choices)
+
+    def run() -> Any:
+        out = engine.generate(prompt_ids(), params, tenant=tenant, abort=abort)
+        return _with_logprobs(flatten(out, params.n) if prompts is not None else out, logprobs)
     try:
-        out, lp = await c.dispatcher.call(
-            lambda: _with_logprobs(engine.generate(prompt_ids(), params, tenant=tenant, abort=abort), logprobs),
-            tenant=tenant, timeout=c.settings.request_timeout_s, abort=abort, gone=lambda: until_disconnected(request))
+        out, lp = await c.dispatcher.call(run, tenant=tenant, timeout=c.settings.request_timeout_s, abort=abort,
+                                          gone=lambda: until_disconnected(request))
     except Abandoned as gone:
-        out = _first(gone.result[0]) if gone.result is not None else None
+        out = _one(gone.result[0]) if gone.result is not None else None
         rid = completion_id(out.request_id, chat) if out is not None else None
         if gone.reason == TIMEOUT:
             why = f"the request took longer than {c.settings.request_timeout_s:g}s"
@@ -99,7 +113,7 @@ async def _generate(c: AppContext, request: Request, req: Any, prompt_ids: Calla
         c.aborted(request, out, "the client disconnected before its response", rid)
         return APIError(499, "the client closed its connection", code=CLIENT_DISCONNECTED).response()
     # NOTE: one id per request: the body's `id`, x-request-id and the log line's id are the same string.
-    first = _first(out)         # n > 1: a list of the choices, each carrying the request's usage
+    first = _first(out)         # n > 1 or a batch: a list of the choices, each carrying the response's usage
     rid = completion_id(first.request_id, chat)
     c.finished(request, rid, first.usage, first.metrics, first.finish_reason)
     body = chat_body if chat else completion_body
@@ -108,6 +122,11 @@ async def _generate(c: AppContext, request: Request, req: Any, prompt_ids: Calla
 
 def _first(out: Any) -> Any:
     return out[0] if isinstance(out, list) else out
+
+
+def _one(out: Any) -> Any:
+    """An abandoned request's output as its log line counts it (n > 1 or a batch: batch_prompts.as_one)."""
+    return as_one(out) if isinstance(out, list) else out
 
 
 @router.get("/v1/models")
@@ -178,7 +197,9 @@ async def _stream(c: AppContext, request: Request, make_iter: Any, tenant: str, 
         # the completion tokens whose chunks were sent; a chunk counts once its yield returns.
         # n > 1: the choices' chunks come interleaved, each with its index (as OpenAI's); the
         # stream ends once every choice has finished, with the request's usage (billed once).
-        sent, ended, done = 0, False, set()
+        # A batch of prompts: n is every prompt's choices, indexed prompt-major; its usage the
+        # prompts' summed. An abort bills each choice for the tokens of its chunks sent (`sent`).
+        sent, ended, done, usages = [0] * n, False, set(), UsageByRequest()
         lps = {i: logprobs if i == 0 else logprobs.fresh() for i in range(n)} if logprobs is not None else {}
         try:
             if chat:
@@ -190,6 +211,7 @@ async def _stream(c: AppContext, request: Request, make_iter: Any, tenant: str, 
                 lp = None if logprobs is None else lps[i].of(chunk)
                 if chunk.finish_reason is not None:
                     done.add(i)
+                    usages.add(chunk)
                     if chat and chunk.text:
                         yield writer.text(chunk.text, logprobs=lp, index=i)
                         yield writer.text("", chunk.finish_reason, index=i)
@@ -197,30 +219,36 @@ async def _stream(c: AppContext, request: Request, make_iter: Any, tenant: str, 
                         yield writer.text(chunk.text, chunk.finish_reason, lp, index=i)
                     if len(done) == n:
                         ended = True         # finished and billed by the engine
-                        c.finished(request, rid, chunk.usage, chunk.metrics, chunk.finish_reason, gaps.intervals)
-                        if include_usage and chunk.usage is not None:
-                            yield writer.usage(chunk.usage)
+                        usage = usages.total()
+                        c.finished(request, rid, usage, chunk.metrics, chunk.finish_reason, gaps.intervals)
+                        if include_usage and usage is not None:
+                            yield writer.usage(usage)
                         break
                 elif chunk.text or lp:
                     yield writer.text(chunk.text, logprobs=lp, index=i)
-                sent += len(chunk.token_ids)
+                sent[i] += len(chunk.token_ids)
                 chunk = await anext(events, None)
         except APIError as e:
             ended = True             # failed in the engine, or aborted here (504)
-            if e.status == 504 and abort.abort(TIMEOUT, sent):
-                record(request).reason = f"after the stream started: {e.message}; aborted after {sent} tokens"
+            if e.status == 504 and abort.abort(TIMEOUT, delivered(sent)):
+                record(request).reason = f"after the stream started: {e.message}; aborted after {sum(sent)} tokens"
             else:
                 record(request).reason = f"after the stream started: {e.message}"
             yield sse(e.body())
             return
         finally:
-            if not ended and abort.abort(CLIENT_DISCONNECTED, sent):
-                record(request).reason = f"the client disconnected after {sent} completion tokens; aborted"
+            if not ended and abort.abort(CLIENT_DISCONNECTED, delivered(sent)):
+                record(request).reason = f"the client disconnected after {sum(sent)} completion tokens; aborted"
         yield SSE_DONE
 
     return ClosingStreamingResponse(body(), media_type="text/event-stream",
                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
                                              "x-request-id": rid})
+
+
+def delivered(sent: list[int]) -> int | tuple[int, ...]:
+    """An abort's delivered tokens: one request's count, or one per choice (engine/abort.py)."""
+    return sent[0] if len(sent) == 1 else tuple(sent)
 
 
 class TokenGaps:
@@ -243,11 +271,14 @@ class TokenGaps:
 def _timed(c: AppContext, chunks: Iterator[Any], gaps: TokenGaps) -> Iterator[Any]:
     """A stream's chunks, on its worker thread: each one's arrival noted (inter-token latency);
     an aborted stream's bill (its last chunk, which nobody reads) is counted in the metrics here,
-    as a finished one's is when it is sent."""
+    as a finished one's is when it is sent: once per engine request (n > 1: its choices' last
+    chunks all carry it; a batch: each prompt's request has its own)."""
+    counted: set[str] = set()
     for chunk in chunks:
         if getattr(chunk, "index", 0) == 0:   # n > 1: the first choice's gaps (the others interleave)
             gaps.chunk(len(chunk.token_ids))
-        if chunk.finish_reason == "abort":
+        if chunk.finish_reason == "abort" and chunk.request_id not in counted:
+            counted.add(chunk.request_id)
             c.metrics.observe_request(chunk.usage, None, "abort")
         yield chunk
 

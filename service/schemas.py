@@ -1,7 +1,7 @@
 """Request bodies the service accepts, as strict pydantic models, and how a body is parsed.
 
-Knows: OpenAI's request shapes for /v1/completions and /v1/chat/completions (single choice,
-text or token-id prompts), the cache routes' bodies, vLLM's /tokenize and /detokenize bodies, and OpenAI's defaults (temperature 1,
+Knows: OpenAI's request shapes for /v1/completions and /v1/chat/completions (n choices;
+text or token-id prompts, batched on completions: service/prompt_field.py), the cache routes' bodies, vLLM's /tokenize and /detokenize bodies, and OpenAI's defaults (temperature 1,
 top_p 1, completions max_tokens 16). Types are strict: "5" is not an int and 1 is not a
 string. Nothing is silently ignored (issue 17):
 - Honoured on both generation routes: max_tokens / max_completion_tokens (one name for the
@@ -11,8 +11,8 @@ string. Nothing is silently ignored (issue 17):
   repetition_penalty, min_tokens, stop_token_ids, include_stop_str_in_output, ignore_eos
   (engine/sampling_params.py says what each does). `user` names the tenant on a server without
   keys (a label otherwise); n=1, best_of=1, echo=false, suffix null, logit_bias {}, store=false
-  and the like, which ask for nothing, are accepted.
-- Refused with a 400 naming the field, as a user would otherwise believe they got it: n > 1,
+  and the like, which ask for nothing, are accepted; n above the server's --max-n is a 400.
+- Refused with a 400 naming the field, as a user would otherwise believe they got it:
   best_of > 1, echo, suffix, logit_bias, guided_* / structured_outputs, response_format other
   than text, tools / tool_choice / parallel_tool_calls / functions / function_call, modalities
   other than text, audio, prediction, reasoning_effort, metadata, store=true, service_tier,
@@ -41,6 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from engine.sampling_params import SamplingParams
 from service.errors import APIError, bad_request, param_of, validation_error
+from service.prompt_field import Prompts, check_prompt, check_prompts
 from service.request_body import read_limited
 
 log = logging.getLogger("tieredkv.service")
@@ -52,20 +53,6 @@ IGNORED_HEADER = "X-Tieredkv-Ignored-Fields"
 # extra="forbid": an unknown field is an error that parse_body reports (or, in lenient mode, drops).
 _STRICT = ConfigDict(strict=True, extra="forbid")
 M = TypeVar("M", bound=BaseModel)
-
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def check_prompt(v: Any) -> str | list[int]:
-    if isinstance(v, str):
-        return v
-    if isinstance(v, list) and all(_is_int(t) for t in v):
-        return v
-    if isinstance(v, list) and v and all(isinstance(p, (str, list)) for p in v):
-        raise ValueError("batched prompts are not supported; send one prompt (a string or a list of token ids)")
-    raise ValueError("expected a string or a list of integer token ids")
 
 
 class StreamOptions(BaseModel):
@@ -228,7 +215,7 @@ class _GenerationRequest(BaseModel):
 
 
 class CompletionRequest(_GenerationRequest):
-    prompt: str | list[int]
+    prompt: str | list[int] | list[str] | list[list[int]]      # one prompt, or a batch (service/prompt_field.py)
     echo: bool | None = None
     suffix: str | None = None
     best_of: int | None = None
@@ -236,8 +223,8 @@ class CompletionRequest(_GenerationRequest):
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _prompt(cls, v: Any) -> str | list[int]:
-        return check_prompt(v)
+    def _prompt(cls, v: Any) -> Prompts:
+        return check_prompts(v)
 
     @field_validator("logprobs")
     @classmethod

@@ -85,9 +85,52 @@ def test_a_handle_serves_one_request(tmp_path):
         eng.generate(random_prompt(5, seed=4), SamplingParams(max_tokens=2), abort=handle)
         with pytest.raises(ValueError, match="AbortHandle"):
             eng.generate(random_prompt(5, seed=5), SamplingParams(max_tokens=2), abort=handle)
-        with pytest.raises(ValueError, match="one prompt"):
-            eng.generate([random_prompt(5, seed=6), random_prompt(5, seed=7)], abort=AbortHandle())
+        with pytest.raises(ValueError, match="AbortHandle"):      # a batch's call too: nothing queued
+            eng.generate([random_prompt(5, seed=6), random_prompt(5, seed=7)], abort=handle)
         assert eng._inflight == 0
         # An abort after the request finished changes nothing: its bill stands.
         assert handle.abort(CLIENT_DISCONNECTED, 0)
         assert eng.cache_status()["engine"]["aborted"] == {}
+
+
+CHOICES = SamplingParams(max_tokens=400, ignore_eos=True, n=3, temperature=1.0, seed=9)
+
+
+def test_closing_an_n_choice_stream_bills_each_choice_the_chunks_it_yielded(tmp_path):
+    """n > 1 is billed as one request's abort is: each choice for the tokens that reached the
+    caller, not every token it generated (the engine runs a step or more ahead of the caller)."""
+    with make_engine(tmp_path, device_memory="1MiB") as eng:
+        stream = eng.stream(random_prompt(13, seed=21), CHOICES, tenant="t-choices")
+        got = [next(stream) for _ in range(7)]
+        stream.close()
+        wait_for(lambda: eng.ledger.tenant("t-choices").requests == 1)
+        wait_for(lambda: not eng.scheduler.running and eng._inflight == 0)
+        rec = record_of(eng, got[0].request_id)
+        # Every step samples a token for each of the 3 choices, so at least 9 were generated.
+        assert rec["completion_tokens"] == sum(len(c.token_ids) for c in got) == 7
+        assert rec["prompt_tokens"] == 13
+        assert pages_held(eng) == 0
+        assert eng.cache_status()["engine"]["aborted"] == {CALLER_CLOSED: 1}
+
+
+def test_an_n_choice_request_abandoned_before_its_response_bills_no_completion(tmp_path):
+    with make_engine(tmp_path, device_memory="1MiB") as eng:
+        handle = AbortHandle()
+        result = {}
+        t = threading.Thread(target=lambda: result.setdefault("outs", eng.generate(
+            random_prompt(9, seed=22), CHOICES, tenant="t-choices-gone", abort=handle)))
+        t.start()
+        wait_for(lambda: sum(len(s.output_ids) for s in list(eng.scheduler.running)) >= 6)
+        assert handle.abort(CLIENT_DISCONNECTED, delivered_tokens=0)     # none of it reached the client
+        t.join(timeout=60)
+        outs = result["outs"]
+        assert [o.finish_reason for o in outs] == ["abort"] * 3 and all(o.token_ids for o in outs)
+        assert outs[0].usage.completion_tokens == 0 and outs[0].usage.prompt_tokens == 9
+        assert record_of(eng, outs[0].request_id)["completion_tokens"] == 0
+        assert not eng.scheduler.running and pages_held(eng) == 0 and eng._inflight == 0
+
+
+def test_delivered_counts_are_checked():
+    with pytest.raises(ValueError, match="delivered_tokens"):
+        AbortHandle().abort(CLIENT_DISCONNECTED, (1, -1))
+    assert AbortHandle().abort(CLIENT_DISCONNECTED, [1, 2])

@@ -19,11 +19,12 @@ from tieredkv import CacheConfig, Engine, SamplingParams
 GREEDY = SamplingParams(max_tokens=8)
 
 
-def _logits_of(eng, ids):
+def _logits_of(eng, ids, tenant="default"):
     """The exact entry's stored logits for `ids` as the pool holds them now (it must be there)."""
-    seq_keys = eng.cache.match(_chain(eng, ids))
-    assert len(seq_keys) == len(_chain(eng, ids)) and all(t == "device" for _, t in seq_keys.blocks)
-    pages = [eng.cache.pool.page_of(k) for k in _chain(eng, ids)[-eng.logits_format.pages:]]
+    chain = _chain(eng, ids, tenant)
+    seq_keys = eng.cache.match(chain)
+    assert len(seq_keys) == len(chain) and all(t == "device" for _, t in seq_keys.blocks)
+    pages = [eng.cache.pool.page_of(k) for k in chain[-eng.logits_format.pages:]]
     return read_logits(eng.cache.pool.kv, pages, eng.logits_format).clone()
 
 
@@ -177,3 +178,35 @@ def test_n_above_max_n_is_refused(tmp_path):
     with make_engine(tmp_path, max_n=4) as eng:
         with pytest.raises(ValueError, match="n: at most 4"):
             eng.generate([1, 2, 3], SamplingParams(n=5))
+
+
+@pytest.mark.parametrize("length", [13, 16])
+def test_an_exact_repeat_from_the_remote_store_computes_nothing(tmp_path, valkey, length):
+    """Server A computes a prompt and closes (its blocks, tail and logits go to the shared store);
+    server B, with a disk of its own, repeats it: an exact hit from the remote tier, zero prompt
+    tokens computed, the same greedy tokens as A's cold run, billed as remote hits."""
+    tenant = f"exact-remote-{length}"          # the session's store is shared: a namespace of this test's own
+    ids = random_prompt(length, seed=90 + length)
+
+    def server(name):
+        cfg = CacheConfig(block_size=4, device_memory="256KiB", host_memory="256KiB",
+                          disk_dir=str(tmp_path / name / "kv"), disk_capacity="64MiB", remote_url=valkey.url,
+                          remote_write="write_through")
+        return Engine(model_from_config(tiny_llama_config(), seed=0), cfg)
+    with server("a") as a:
+        cold = a.generate(ids, GREEDY, tenant=tenant)
+        assert cold.usage.prompt_cache_miss_tokens == length
+        stored = _logits_of(a, ids, tenant)
+        assert a.cache.flush().complete and a.cache.remote.flush(30)
+    with server("b") as b:
+        assert b.lookup(ids, tenant=tenant).hit_tokens_by_tier["remote"] == length
+        computed, hits = b.runner.tokens_computed, b.scheduler.exact_hits
+        out = b.generate(ids, GREEDY, tenant=tenant)
+        assert out.token_ids == cold.token_ids
+        assert b.scheduler.exact_hits - hits == 1
+        assert b.runner.tokens_computed - computed == GREEDY.max_tokens - 1      # decode steps only
+        assert out.usage.hit_tokens_by_tier == {"device": 0, "host": 0, "disk": 0, "remote": length}
+        assert out.usage.prompt_cache_miss_tokens == 0
+        # The logits came through the store bit for bit (B holds them on its device now).
+        assert torch.equal(_logits_of(b, ids, tenant).view(torch.uint8), stored.view(torch.uint8))
+        b.cache.audit()

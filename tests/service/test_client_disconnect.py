@@ -14,6 +14,7 @@ import socket
 import time
 
 import httpx
+import pytest
 
 from tests.service.conftest import ServerThread
 from service.settings import ServiceSettings
@@ -82,26 +83,54 @@ def test_a_stream_closed_after_its_first_chunk_is_aborted_and_billed_for_what_wa
         assert c.post(COMPL, json={"model": engine.model_name, "prompt": "next", "max_tokens": 2}).status_code == 200
 
 
-def test_a_client_that_disconnects_while_waiting_for_its_response_aborts_the_request(engine, caplog):
+# One request; n choices (each billed for what reached the client: nothing); a batch of prompts
+# (each its own request, each aborted and billed so).
+@pytest.mark.parametrize("extra, requests", [({}, 1), ({"n": 4, "temperature": 1.0}, 1), ({"prompt": ["go", "go"]}, 2)],
+                         ids=["one", "n4", "batch"])
+def test_a_client_that_disconnects_while_waiting_for_its_response_aborts_the_request(engine, caplog, extra, requests):
     caplog.set_level(logging.INFO, logger="tieredkv.requests")
+    tenant = f"t-gone-plain-{len(extra)}-{requests}"
     payload = json.dumps({"model": engine.model_name, "prompt": "go", "max_tokens": LONG, "ignore_eos": True,
-                          "user": "t-gone-plain"}).encode()
+                          "user": tenant, **extra}).encode()
     with ServerThread(engine, ServiceSettings(close_engine_on_shutdown=False)) as s, s.client() as c:
         before = aborted_metric(c, "client_disconnected")
         sock = socket.create_connection(("127.0.0.1", s.port))
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
-        wait_for(lambda: any(q.tenant == "t-gone-plain" and q.output_ids for q in list(engine.scheduler.running)))
+        wait_for(lambda: any(q.tenant == tenant and q.output_ids for q in list(engine.scheduler.running)))
         sock.close()                                    # gone mid-generation
-        wait_for(lambda: bill(c, "t-gone-plain")["requests"] == 1)
+        wait_for(lambda: bill(c, tenant)["requests"] == requests)
         wait_for(lambda: idle(engine))
         assert pages_held(engine) == 0
-        assert aborted_metric(c, "client_disconnected") == before + 1
-        billed = bill(c, "t-gone-plain")
+        assert aborted_metric(c, "client_disconnected") == before + requests     # the engine's requests, as billed
+        billed = bill(c, tenant)
         assert billed["completion_tokens"] == 0        # nothing of the answer reached the client
-        assert billed["prompt_tokens"] == 1             # "go": admitted, its prompt served
-        line = request_line(caplog, "t-gone-plain")
+        assert billed["prompt_tokens"] == requests      # "go": admitted, its prompt served
+        line = request_line(caplog, tenant)
         assert line.request_fields["status"] == 499
         assert "disconnected before its response; the request was aborted" in line.request_fields["reason"]
         assert line.request_fields["completion_tokens"] == 0
         assert c.get("/health").json()["in_flight"] == 0
+
+
+def test_an_n_choice_stream_closed_mid_way_bills_each_choice_what_was_sent(engine, caplog):
+    """n > 1 is billed as one choice is: the completion tokens whose chunks were sent (the
+    engine runs ahead of the client by a step or more: n tokens a step), not all it generated."""
+    caplog.set_level(logging.INFO, logger="tieredkv.requests")
+    body = {"model": engine.model_name, "prompt": "go on", "max_tokens": LONG, "ignore_eos": True, "stream": True,
+            "n": 4, "temperature": 1.0, "seed": 3, "user": "t-gone-choices"}
+    with ServerThread(engine, ServiceSettings(close_engine_on_shutdown=False)) as s, s.client() as c:
+        with httpx.Client(base_url=s.url, timeout=60) as gone, gone.stream("POST", COMPL, json=body) as r:
+            assert r.status_code == 200
+            lines, read = r.iter_lines(), []
+            while len(read) < 6:          # six chunks read, then the client hangs up
+                line = next(lines)
+                if line:
+                    read.append(json.loads(line.removeprefix("data: ")))
+            assert len({e["choices"][0]["index"] for e in read}) > 1     # the choices' chunks interleave
+        wait_for(lambda: bill(c, "t-gone-choices")["requests"] == 1)
+        wait_for(lambda: idle(engine))
+        assert pages_held(engine) == 0
+        line = request_line(caplog, "t-gone-choices")
+        sent = int(re.search(r"disconnected after (\d+) completion tokens", line.request_fields["reason"]).group(1))
+        assert bill(c, "t-gone-choices")["completion_tokens"] == sent and 6 <= sent < LONG

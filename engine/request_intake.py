@@ -1,0 +1,200 @@
+"""How a caller's requests enter the engine and how their outputs come back: `generate` and
+`stream`, for one prompt or a batch of prompts.
+
+Knows: a request validated and built into a Sequence on the caller's thread (nothing queued
+when any prompt of a batch is refused), a batch queued all at once or not at all (the engine's
+queue bound counts every prompt), an AbortHandle bound to the whole call, and how the engine
+thread's events reach the caller -- one prompt's from its sequence's queue, a batch's streamed
+chunks from one queue that every prompt's sequence writes to, each chunk indexed by OpenAI's
+rule for batched prompts (index = prompt_index * n + choice).
+An abort's `delivered_tokens` (engine/abort.py): None (every token generated counts), an int
+(n = 1: the request's count; n > 1: each choice's), or one count per choice of the call, in
+that same index order: each choice is billed for what reached its caller.
+Doesn't know: scheduling, sampling or billing (the engine thread: engine/step_loop.py).
+
+Threads: every method here runs on the caller's thread (many at once); they share the engine's
+inbox, in-flight count (under its lock) and abort queue, never the scheduler.
+"""
+from __future__ import annotations
+
+import dataclasses
+import queue
+import uuid
+from typing import Iterator, Sequence as Seq
+
+from engine.abort import CALLER_CLOSED, AbortHandle
+from engine.billing import validate_tenant
+from engine.errors import EngineClosedError, QueueFullError
+from engine.outputs import CompletionOutput, StreamChunk
+from engine.request_group import RequestGroup
+from engine.sampler import make_generator
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
+
+Prompt = str | Seq[int]
+Delivered = int | tuple[int, ...] | None
+
+
+def is_batch(prompt: object) -> bool:
+    """A list of prompts (strings or token-id lists); a list of ints is one prompt of token ids."""
+    return isinstance(prompt, list) and bool(prompt) and not all(isinstance(t, int) for t in prompt)
+
+
+class _Tagged:
+    """A batch's sequence's event queue: what the engine thread puts is tagged with the prompt's
+    place in the batch and goes to the batch's one queue (its caller reads only that)."""
+
+    def __init__(self, shared: "queue.Queue", tag: int) -> None:
+        self._shared, self._tag = shared, tag
+
+    def put(self, item: tuple[str, object]) -> None:
+        self._shared.put((self._tag, *item))
+
+
+def share_of(delivered: Delivered, prompt_index: int, n: int) -> Delivered:
+    """Prompt `prompt_index`'s part of a call's delivered counts (its n choices')."""
+    if not isinstance(delivered, tuple):
+        return delivered
+    part = delivered[prompt_index * n:(prompt_index + 1) * n]
+    return (part[0] if part else 0) if n == 1 else part
+
+
+class RequestIntake:
+    """The caller-facing half of an Engine (a base class of it: the state is the Engine's)."""
+
+    def _sequence(self, prompt: Prompt, params: SamplingParams | None, tenant: str) -> Sequence:
+        """A validated request as a Sequence, not queued yet (ValueError naming the field)."""
+        if self._closed:
+            raise EngineClosedError("engine is closed")
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError("params: expected a SamplingParams")
+        validate_tenant(tenant)   # refused now, not when the finished request is billed
+        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if params.n > self.max_n:
+            raise ValueError(f"n: at most {self.max_n} choices per request (max_n), got {params.n}")
+        ids = self.encode(prompt)
+        seq = Sequence(request_id=f"cmpl-{uuid.uuid4().hex[:24]}", prompt_ids=ids, params=params, tenant=tenant,
+                       namespace=self.namespace(tenant), block_size=self.block_size,
+                       max_len=min(self.max_context, len(ids) + params.max_tokens),
+                       generator=make_generator(params, self.loaded.device),
+                       group=RequestGroup(params.n) if params.n > 1 else None)
+        seq.exact = self.exact_keys(ids, seq.namespace)
+        return seq
+
+    def _submit(self, prompts: list[Prompt], params: SamplingParams | None, tenant: str,
+                abort: AbortHandle | None, shared: "queue.Queue | None" = None) -> list[Sequence]:
+        """Build every prompt's sequence, then queue them all (QueueFullError: none queued).
+        `shared`: a batch's one event queue (each sequence's events tagged with its place)."""
+        if self._closed:
+            raise EngineClosedError("engine is closed")
+        if len(prompts) > max(1, self.max_queue):     # a batch that could never be queued whole
+            raise ValueError(f"prompt: {len(prompts)} prompts in one call, more than the engine's queue holds "
+                             f"(max_queue {self.max_queue})")
+        seqs = [self._sequence(p, params, tenant) for p in prompts]
+        if shared is not None:
+            for i, seq in enumerate(seqs):
+                seq.events = _Tagged(shared, i)
+        with self._inflight_lock:
+            if self._inflight - len(self.scheduler.running) + len(seqs) > self.max_queue:
+                raise QueueFullError(f"engine queue is full ({self.max_queue} requests waiting); retry later")
+            self._inflight += len(seqs)
+        if abort is not None:
+            n = seqs[0].params.n
+            try:      # an abort asked already is applied now (the engine thread skips it in the inbox)
+                abort.bind(lambda reason, delivered: [self._request_abort(seq, reason, share_of(delivered, i, n))
+                                                      for i, seq in enumerate(seqs)])
+            except ValueError:
+                for seq in seqs:
+                    self._done(seq)
+                raise
+        for seq in seqs:
+            # Its disk blocks start moving to the host tier now, so its wait in the queue overlaps
+            # the drive (storage/loader.py; reads only memory here).
+            seq.prefetch = self.cache.prefetch(list(seq.exact.chain) if seq.exact is not None else seq.prefix_keys())
+            self._inbox.put(seq)
+        return seqs
+
+    def _request_abort(self, seq: Sequence, reason: str, delivered: Delivered) -> None:
+        self._aborts.request(seq, reason, delivered)
+        self._inbox.put(None)        # wakes an idle engine thread
+
+    # ---- public API -------------------------------------------------------------------------
+    def generate(self, prompt: Prompt | list[Prompt], params: SamplingParams | None = None,
+                 tenant: str = "default", abort: AbortHandle | None = None) -> CompletionOutput | list:
+        """One prompt -> one output; a list of prompts -> a list of outputs, run concurrently (each
+        its own request, billed on its own). (A list of ints is one prompt of token ids.) `abort`
+        stops the call -- every prompt of a batch -- from any thread (engine/abort.py).
+        With params.n > 1 a prompt's output is the list of its n choices (index order), each
+        carrying the request's usage (the prompt once, the choices' completions summed)."""
+        batch = is_batch(prompt)
+        seqs = self._submit(prompt if batch else [prompt], params, tenant, abort)
+        outs = [self._wait(seq) for seq in seqs]
+        return outs if batch else outs[0]
+
+    def stream(self, prompt: Prompt | list[Prompt], params: SamplingParams | None = None,
+               tenant: str = "default", abort: AbortHandle | None = None) -> Iterator[StreamChunk]:
+        """Chunks with only the new text/token ids; the last has finish_reason, usage, metrics.
+        Closing the iterator early aborts the request (billed for the chunks it yielded).
+        With params.n > 1 the choices' chunks come interleaved, each with its `index`; each
+        choice's last chunk has its finish_reason and the request's usage. A list of prompts
+        streams them all interleaved, a chunk's `index` = prompt_index * n + choice (OpenAI's
+        order), each prompt's last chunks with that prompt's usage (its own request_id); an
+        error of one prompt is raised once the others have ended (each was billed)."""
+        abort = abort if abort is not None else AbortHandle()
+        batch = is_batch(prompt)
+        n = (params or SamplingParams()).n
+        shared: queue.Queue | None = queue.Queue() if batch else None
+        seqs = self._submit(prompt if batch else [prompt], params, tenant, abort, shared)
+        yielded = [0] * (len(seqs) * n)
+        try:
+            events = self._batch_events(shared, len(seqs), n) if batch else self._chunks(seqs[0])
+            for chunk in events:
+                yielded[chunk.index] += len(chunk.token_ids)
+                yield chunk
+        except GeneratorExit:
+            abort.abort(CALLER_CLOSED, tuple(yielded) if batch or n > 1 else yielded[0])
+            raise
+
+    # ---- the engine thread's events, read on the caller's thread -----------------------------
+    @staticmethod
+    def _events(seq: Sequence) -> Iterator[tuple[str, object]]:
+        """A sequence's events from the engine thread, up to and including "final"; an
+        "error" event is raised in the caller's thread."""
+        while True:
+            kind, payload = seq.events.get()
+            if kind == "error":
+                raise payload
+            yield kind, payload
+            if kind == "final":
+                return
+
+    def _chunks(self, seq: Sequence) -> Iterator[StreamChunk]:
+        for kind, payload in self._events(seq):
+            if kind == "delta":
+                yield payload
+
+    @staticmethod
+    def _batch_events(shared: "queue.Queue", prompts: int, n: int) -> Iterator[StreamChunk]:
+        """A batch's chunks as they come, re-indexed prompt-major; ends once every prompt ended."""
+        open_, error = prompts, None
+        while open_:
+            tag, kind, payload = shared.get()
+            if kind == "delta":
+                yield dataclasses.replace(payload, index=tag * n + payload.index)
+            elif kind in ("final", "error"):
+                open_ -= 1
+                if kind == "error" and error is None:
+                    error = payload
+        if error is not None:
+            raise error
+
+    def _wait(self, seq: Sequence) -> CompletionOutput | list[CompletionOutput]:
+        for kind, payload in self._events(seq):
+            if kind == "final":
+                if seq.group is not None and not isinstance(payload, list):
+                    return [payload]      # ended before its choices were forked (aborted while queued)
+                return payload
+        raise AssertionError("unreachable: the event stream ends with 'final'")
