@@ -62,7 +62,8 @@ def share_of(delivered: Delivered, prompt_index: int, n: int) -> Delivered:
 class RequestIntake:
     """The caller-facing half of an Engine (a base class of it: the state is the Engine's)."""
 
-    def _sequence(self, prompt: Prompt, params: SamplingParams | None, tenant: str) -> Sequence:
+    def _sequence(self, prompt: Prompt, params: SamplingParams | None, tenant: str, id_prefix: str = "cmpl"
+                  ) -> Sequence:
         """A validated request as a Sequence, not queued yet (ValueError naming the field)."""
         if self._closed:
             raise EngineClosedError("engine is closed")
@@ -75,8 +76,10 @@ class RequestIntake:
             raise ValueError(f"stop_token_ids: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
         if params.n > self.max_n:
             raise ValueError(f"n: at most {self.max_n} choices per request (max_n), got {params.n}")
+        if not (id_prefix.isascii() and id_prefix.isalnum()):
+            raise ValueError(f"id_prefix: expected letters and digits, got {id_prefix!r}")
         ids = self.encode(prompt)
-        seq = Sequence(request_id=f"cmpl-{uuid.uuid4().hex[:24]}", prompt_ids=ids, params=params, tenant=tenant,
+        seq = Sequence(request_id=f"{id_prefix}-{uuid.uuid4().hex[:24]}", prompt_ids=ids, params=params, tenant=tenant,
                        namespace=self.namespace(tenant), block_size=self.block_size,
                        max_len=min(self.max_context, len(ids) + params.max_tokens),
                        generator=make_generator(params, self.loaded.device),
@@ -85,7 +88,7 @@ class RequestIntake:
         return seq
 
     def _submit(self, prompts: list[Prompt], params: SamplingParams | None, tenant: str,
-                abort: AbortHandle | None, shared: "queue.Queue | None" = None) -> list[Sequence]:
+                abort: AbortHandle | None, shared: "queue.Queue | None" = None, id_prefix: str = "cmpl") -> list[Sequence]:
         """Build every prompt's sequence, then queue them all (QueueFullError: none queued).
         `shared`: a batch's one event queue (each sequence's events tagged with its place)."""
         if self._closed:
@@ -93,7 +96,7 @@ class RequestIntake:
         if len(prompts) > max(1, self.max_queue):     # a batch that could never be queued whole
             raise ValueError(f"prompt: {len(prompts)} prompts in one call, more than the engine's queue holds "
                              f"(max_queue {self.max_queue})")
-        seqs = [self._sequence(p, params, tenant) for p in prompts]
+        seqs = [self._sequence(p, params, tenant, id_prefix) for p in prompts]
         if shared is not None:
             for i, seq in enumerate(seqs):
                 seq.events = _Tagged(shared, i)
@@ -123,19 +126,23 @@ class RequestIntake:
 
     # ---- public API -------------------------------------------------------------------------
     def generate(self, prompt: Prompt | list[Prompt], params: SamplingParams | None = None,
-                 tenant: str = "default", abort: AbortHandle | None = None) -> CompletionOutput | list:
+                 tenant: str = "default", abort: AbortHandle | None = None, id_prefix: str = "cmpl"
+                 ) -> CompletionOutput | list:
         """One prompt -> one output; a list of prompts -> a list of outputs, run concurrently (each
         its own request, billed on its own). (A list of ints is one prompt of token ids.) `abort`
         stops the call -- every prompt of a batch -- from any thread (engine/abort.py).
         With params.n > 1 a prompt's output is the list of its n choices (index order), each
-        carrying the request's usage (the prompt once, the choices' completions summed)."""
+        carrying the request's usage (the prompt once, the choices' completions summed).
+        `id_prefix`: each request's id is `<id_prefix>-<hex>` (the HTTP service's chat route asks
+        for "chatcmpl": the id its body carries is then the one its bill is recorded under)."""
         batch = is_batch(prompt)
-        seqs = self._submit(prompt if batch else [prompt], params, tenant, abort)
+        seqs = self._submit(prompt if batch else [prompt], params, tenant, abort, id_prefix=id_prefix)
         outs = [self._wait(seq) for seq in seqs]
         return outs if batch else outs[0]
 
     def stream(self, prompt: Prompt | list[Prompt], params: SamplingParams | None = None,
-               tenant: str = "default", abort: AbortHandle | None = None) -> Iterator[StreamChunk]:
+               tenant: str = "default", abort: AbortHandle | None = None, id_prefix: str = "cmpl"
+               ) -> Iterator[StreamChunk]:
         """Chunks with only the new text/token ids; the last has finish_reason, usage, metrics.
         Closing the iterator early aborts the request (billed for the chunks it yielded).
         With params.n > 1 the choices' chunks come interleaved, each with its `index`; each
@@ -147,7 +154,7 @@ class RequestIntake:
         batch = is_batch(prompt)
         n = (params or SamplingParams()).n
         shared: queue.Queue | None = queue.Queue() if batch else None
-        seqs = self._submit(prompt if batch else [prompt], params, tenant, abort, shared)
+        seqs = self._submit(prompt if batch else [prompt], params, tenant, abort, shared, id_prefix)
         yielded = [0] * (len(seqs) * n)
         try:
             events = self._batch_events(shared, len(seqs), n) if batch else self._chunks(seqs[0])

@@ -89,17 +89,18 @@ async def _generate(c: AppContext, request: Request, req: Any, prompt_ids: Calla
     `prompt_ids` runs on the worker thread (tokenizing a long prompt is real work). `prompts`: the
     size of a batch of prompts (their ids a list of lists), None for one prompt."""
     engine = c.engine
+    prefix = "chatcmpl" if chat else "cmpl"     # the engine's id is the body's: the ledger's key too
     choices = params.n * (prompts or 1)
     abort = AbortHandle()      # aborts the engine's request when its client goes or it times out
     if req.stream:
         gaps = TokenGaps()
         return await _stream(c, request, lambda: _timed(c, engine.stream(prompt_ids(), params, tenant=tenant,
-                                                                         abort=abort), gaps),
+                                                                         abort=abort, id_prefix=prefix), gaps),
                              tenant, abort, chat=chat, include_usage=req.include_usage, logprobs=logprobs, gaps=gaps,
                              n=choices)
 
     def run() -> Any:
-        out = engine.generate(prompt_ids(), params, tenant=tenant, abort=abort)
+        out = engine.generate(prompt_ids(), params, tenant=tenant, abort=abort, id_prefix=prefix)
         return _with_logprobs(flatten(out, params.n) if prompts is not None else out, logprobs)
     try:
         out, lp = await c.dispatcher.call(run, tenant=tenant, timeout=c.settings.request_timeout_s, abort=abort,

@@ -35,9 +35,10 @@ def usage_dict(usage: Any) -> dict[str, Any]:
 
 
 def completion_id(request_id: str, chat: bool) -> str:
-    """OpenAI-style id from the engine's request id ("cmpl-<hex>"): "cmpl-<hex>" / "chatcmpl-<hex>".
-    The x-request-id header carries the engine's id as it is (the ledger's key)."""
-    return f"{'chatcmpl' if chat else 'cmpl'}-{request_id.removeprefix('cmpl-')}"
+    """OpenAI-style id from the engine's request id ("cmpl-<hex>", or "chatcmpl-<hex>" where the
+    chat route asked the engine for it): "cmpl-<hex>" / "chatcmpl-<hex>"."""
+    hexpart = request_id.removeprefix("chatcmpl-").removeprefix("cmpl-")
+    return f"{'chatcmpl' if chat else 'cmpl'}-{hexpart}"
 
 
 def completion_body(outs: Any, model: str, created: int, logprobs: Any = None) -> dict[str, Any]:

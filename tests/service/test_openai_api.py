@@ -243,3 +243,23 @@ def test_logprobs_that_are_not_finite_are_sent_as_valid_json():
         body = Logprobs(None, 2, chat=chat).of(out)
         json.dumps(body, allow_nan=False)
         assert LOGPROB_FLOOR in (body["token_logprobs"] if not chat else [body["content"][0]["logprob"]])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_chat_completions_bill_is_found_under_the_id_its_body_and_header_carry(client, engine, stream):
+    """One id per request, the ledger included: an operator who greps the bills for a chat
+    response's `chatcmpl-...` id finds its bill (it was recorded under the engine's `cmpl-` id)."""
+    body = {"model": engine.model_name, "messages": [{"role": "user", "content": f"which id is mine? {stream}"}],
+            "max_tokens": 2,
+            "user": "ids"}
+    if stream:
+        with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+            events = [e for e in sse_events(r) if isinstance(e, dict)]
+            header = r.headers["x-request-id"]
+        body_id = events[0]["id"]
+        assert {e.get("id") for e in events} == {body_id}, events
+    else:
+        r = client.post("/v1/chat/completions", json=body)
+        body_id, header = r.json()["id"], r.headers["x-request-id"]
+    assert body_id.startswith("chatcmpl-") and header == body_id
+    assert engine.ledger.has(body_id), "the bill is not recorded under the id the client was given"
