@@ -279,7 +279,6 @@ class Engine(StepLoop, RequestIntake):
         tiers = {}
         for t in TIERS:
             d = stats[t].to_dict()
-            d["hit_tokens"] = stats[t].hits * self.block_size
             d["recomputed_hit_tokens"] = stats[t].recomputed * self.block_size
             tiers[t] = d
         return {"model": self.model_name, "block_size": self.block_size, "dtype": str(self.layout.dtype).removeprefix("torch."),

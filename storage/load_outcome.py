@@ -51,8 +51,9 @@ def finish(tiers: Tiers, load: Load, abandon: bool = False) -> Acquired:
     cut = arrived(load)
     for page in load.pages[cut:]:
         tiers.pool.release(page)
-    for tier in load.tiers[:cut]:
+    for tier, n in zip(load.tiers[:cut], load.tokens[:cut]):
         tiers.counters[tier].hits += 1
+        tiers.counters[tier].hit_tokens += n
     if abandon:
         late = [f.source for f in load.fills[cut:] if f is not None and not f.done.is_set()]
         for source in late:

@@ -217,6 +217,7 @@ class TieredKVCache(SharedPages):
             pages: list[int] = []
             tiers: list[str] = []
             fills: list[Fill | None] = []
+            tokens: list[int] = []
             new: list[Fill] = []
             for key, tier in match.blocks:
                 page = self.pool.page_of(key)
@@ -225,6 +226,7 @@ class TieredKVCache(SharedPages):
                     pages.append(page)
                     tiers.append("device")
                     fills.append(None)
+                    tokens.append(len(key.token_ids))
                     continue
                 fill = self.loader.inflight.get(key.hash)
                 # A fill whose read was given up (no load waited for it) is never waited for again.
@@ -247,11 +249,12 @@ class TieredKVCache(SharedPages):
                 pages.append(fill.page)
                 tiers.append(fill.tier)
                 fills.append(fill)
+                tokens.append(len(key.token_ids))
             # NOTE: pages just allocated may still be copying their evicted blocks out (CUDA):
             # the loader's stream waits for those copies before it writes the pages (a mark, not
             # a CPU wait here: the copies wait for the forward in flight).
             self.loader.start(new, after=self.transfer.issued() if new else None)
-            return Load(pages, tiers, fills)
+            return Load(pages, tiers, fills, tokens)
 
     def _source_of(self, key: BlockKey, matched: str) -> str | None:
         """Where a fill planned now reads the block: the host, else a local tier below that
@@ -288,6 +291,7 @@ class TieredKVCache(SharedPages):
                 if tier == "host" and prefetch is not None and key.hash in prefetch.moved:
                     tier = "disk"
                 self.tiers.counters[tier].hits += 1
+                self.tiers.counters[tier].hit_tokens += len(key.token_ids)
                 self.tiers.counters[tier].recomputed += 1
                 out.append(tier)
             return tuple(out)

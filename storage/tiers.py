@@ -38,6 +38,7 @@ class TierStats:
     used_bytes: int = 0
     blocks: int = 0
     hits: int = 0            # blocks served from this tier to a request
+    hit_tokens: int = 0      # their prompt tokens (an exact entry's tail has fewer than a block, its logits none)
     promotions: int = 0      # blocks copied from this tier into device pages
     recomputed: int = 0      # blocks held here, billed as hits, recomputed by choice (compute-or-load)
     abandoned: int = 0       # blocks being read from here that a request stopped waiting for (its load

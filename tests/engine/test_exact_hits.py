@@ -210,3 +210,24 @@ def test_an_exact_repeat_from_the_remote_store_computes_nothing(tmp_path, valkey
         # The logits came through the store bit for bit (B holds them on its device now).
         assert torch.equal(_logits_of(b, ids, tenant).view(torch.uint8), stored.view(torch.uint8))
         b.cache.audit()
+
+
+@pytest.mark.parametrize("length", [13, 16])
+def test_cache_status_counts_an_exact_hits_prompt_tokens_not_its_blocks(tmp_path, length):
+    """cache_status' per-tier hit_tokens agree with the bills: an exact hit's tail block holds
+    fewer tokens than a block and its logits blocks none (they were counted as whole blocks)."""
+    loaded = model_from_config(tiny_llama_config(), seed=0)
+    cfg = CacheConfig(block_size=4, device_memory="256KiB", host_memory="256KiB", disk_dir=str(tmp_path / "kv"),
+                      disk_capacity="64MiB")
+    with Engine(loaded, cfg) as eng:
+        ids = random_prompt(length, seed=70 + length)
+        eng.generate(ids, GREEDY)
+        for tier in ("device", "host"):
+            if tier == "host":
+                eng.cache.demote("device")
+            before = eng.cache_status()["tiers"][tier]["hit_tokens"]
+            hits = eng.scheduler.exact_hits
+            out = eng.generate(ids, GREEDY)
+            assert eng.scheduler.exact_hits == hits + 1
+            assert out.usage.hit_tokens_by_tier[tier] == length
+            assert eng.cache_status()["tiers"][tier]["hit_tokens"] - before == length
