@@ -1,29 +1,38 @@
 """The engine's figures measured at start, so that its first request is planned from them.
 
 Knows: the compute calibration -- one real prefill chunk (CALIBRATION_TOKENS, or the scheduler's
-chunk if smaller, or what the pool and context hold) and a decode step after it (each the better
-of two), of the real model in the real paged pool, after warm-up passes of each shape (a first
-call's one-time costs are not a step's); its pages are allocated from the
-pool and released after, never registered (no block of it is findable), and nothing is billed
--- fed to the prefill model (engine/prefill_model.py) -- and, with a remote tier, the link probe
+chunk if smaller, or what the pool and context hold) and a decode step after it, of the real
+model in the real paged pool, after warm-up passes of each shape (a first call's one-time costs
+are not a step's); its pages are allocated from the pool and released after, never registered
+(no block of it is findable), and nothing is billed -- fed to the prefill model
+(engine/prefill_model.py) -- and, with a remote tier, the link probe
 (storage/remote/link_probe.py: a round trip and a block-sized read of the real store) fed to the
 restore rates as the remote tier's seed (source "link probe"). Host and disk are seeded by the
 cache itself (storage/restore_rates.py's calibrate).
+Each figure is the best pass of a settled run (`settled_min`): passes repeat until SETTLE_PASSES
+in a row no longer beat the best by SETTLE_GAIN (at most MAX_PASSES): a busy machine only ever
+makes a pass slower, so a spell of contention at start is waited out, not taken as the figure.
 Doesn't know: scheduling, billing, or what the figures decide (engine/restore_planner.py).
 
-Threads: `calibrate_compute` runs on the thread building the engine, before the engine thread
-starts (it owns the runner and the pool's pages then). The link probe runs on its own thread
-(`tieredkv-link-probe`): each of its calls is bounded by the store's timeout, and the start
-waits for it at most LINK_WAIT_CALLS timeouts; a store that does not answer by then leaves the
-remote without a figure (its hits are recomputed: "no figures") until the probe's answer lands,
-rather than holding the engine's start longer. It touches only the remote tier and the rates (both
-thread-safe); `join` waits for it (bounded).
+Threads: the compute calibration runs on the engine thread itself (`start_engine_thread`), as its
+first work, before it takes a request: the figure is of the thread that runs the steps. Measured
+on this 2-core CPU under load (issue 27, docs/BENCHMARKS.md): the same 256-token pass read
+3.5-21 s on the thread that loaded the model and 0.3-1.2 s on another thread (libgomp's teams are
+per calling thread; the loading thread's spins against the machine's other work), so a figure
+timed on the building thread was 10-30x the steps it predicts. The building thread waits for it
+and starts nothing meanwhile; the link probe starts after it (never beside the timed passes), on
+its own thread (`tieredkv-link-probe`): each of its calls is bounded by the store's timeout, and
+the start waits for it at most LINK_WAIT_CALLS timeouts; a store that does not answer by then
+leaves the remote without a figure (its hits are recomputed: "no figures") until the probe's
+answer lands, rather than holding the engine's start longer. It touches only the remote tier and
+the rates (both thread-safe); `join` waits for it (bounded).
 """
 from __future__ import annotations
 
 import logging
 import threading
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -40,6 +49,9 @@ log = logging.getLogger("tieredkv.calibration")
 CALIBRATION_TOKENS = 256
 LINK_WAIT_CALLS = 4        # the start waits for the link probe at most this many store timeouts
 WARMUP_TOKENS = 16
+SETTLE_PASSES = 2          # passes in a row that do not beat the best: the best is the figure
+SETTLE_GAIN = 0.10         # "beat": faster than the best by more than this fraction
+MAX_PASSES = 8             # per figure, whatever the machine does
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,31 +89,71 @@ def calibrate_compute(runner, cache: TieredKVCache, model: PrefillModel, timer: 
         # never pays again (weights faulted in from their mmap'd file, bf16 kernels generated
         # for the shape: 10-30x a step on a CPU, measured with the default model).
         run(0, n)
-        # The better of two: a busy machine only ever makes a pass slower, and a figure too
+        # A settled best: a busy machine only ever makes a pass slower, and a figure too
         # pessimistic sends every hit to a load (and stretches its deadline) until the steps
         # correct it.
-        prefill_s = min(timer.measure(lambda: run(0, n)) for _ in range(2))
-        decode_s = min(timer.measure(lambda: run(n, 1)) for _ in range(2))
+        prefill_s = settled_min(lambda: timer.measure(lambda: run(0, n)))
+        decode_s = settled_min(lambda: timer.measure(lambda: run(n, 1)))
     finally:
         cache.release(pages)                                    # free again: never registered
     model.calibrate(n, prefill_s, n + 1, decode_s)
     return ComputeCalibration(n, prefill_s, n + 1, decode_s)
 
 
-def calibrate_at_start(engine) -> tuple[ComputeCalibration | None, "LinkCalibration | None"]:
-    """An engine's calibration, before its thread starts: the compute now, the link (with a
-    remote tier) on a thread of its own, waited for a bounded time."""
-    compute = calibrate_compute(engine.runner, engine.cache, engine.prefill_model, engine.step_timer,
-                                vocab_size=engine.loaded.model.config.vocab_size, chunk_tokens=engine.planner.chunk_tokens,
-                                max_context=engine.max_context)
-    link = LinkCalibration(engine.cache) if engine.cache.remote is not None else None
-    if link is not None:
-        # Waited for, bounded: without the link's figure a remote hit is recomputed (the
-        # planner never loads blind), so a start that returns before it answers gives its first
-        # requests a miss's time. A few calls each bounded by the store's timeout; a dead store
-        # holds the start that long at most, and its figure lands whenever it answers.
-        link.join(timeout=LINK_WAIT_CALLS * engine.config.remote_timeout_s)
-    return compute, link
+def settled_min(measure: Callable[[], float]) -> float:
+    """The fastest of repeated `measure()` passes, repeated until SETTLE_PASSES in a row no longer
+    beat the best by SETTLE_GAIN, or MAX_PASSES: at least SETTLE_PASSES + 1 passes; a burst of
+    slow passes at the start is outlasted (each faster pass starts the count again)."""
+    best, calm, passes = measure(), 0, 1
+    while calm < SETTLE_PASSES and passes < MAX_PASSES:
+        t = measure()
+        passes += 1
+        calm = 0 if t < best * (1 - SETTLE_GAIN) else calm + 1
+        best = min(best, t)
+    return best
+
+
+def start_engine_thread(engine, loop: Callable[[], None]) -> threading.Thread:
+    """Start the engine thread; with `engine.config.calibrate` it times the compute calibration
+    first (its own passes, nothing else of ours running: this thread waits for it), then the link
+    probe runs, waited for a bounded time. Sets `engine.calibration` and `engine.link_calibration`;
+    a calibration that raised is raised here (the thread ends without serving)."""
+    engine.calibration = engine.link_calibration = None
+    calibrated, failed = threading.Event(), []
+
+    def run() -> None:
+        try:
+            if engine.config.calibrate:
+                engine.calibration = calibrate_compute(
+                    engine.runner, engine.cache, engine.prefill_model, engine.step_timer,
+                    vocab_size=engine.loaded.model.config.vocab_size, chunk_tokens=engine.planner.chunk_tokens,
+                    max_context=engine.max_context)
+        except BaseException as e:      # noqa: BLE001 -- handed to the building thread, raised there
+            failed.append(e)
+        finally:
+            calibrated.set()
+        if not failed:
+            loop()
+    thread = threading.Thread(target=run, name="tieredkv-engine", daemon=True)
+    thread.start()
+    calibrated.wait()
+    if failed:
+        thread.join()
+        raise failed[0]
+    if engine.config.calibrate and engine.cache.remote is not None:
+        engine.link_calibration = start_link_probe(engine)
+    return thread
+
+
+def start_link_probe(engine) -> "LinkCalibration":
+    """The remote tier's link probe, after the compute calibration, waited for a bounded time."""
+    link = LinkCalibration(engine.cache)
+    # Waited for, bounded: without the link's figure a remote hit is recomputed (the planner
+    # never loads blind), so a start that returns before it answers gives its first requests a
+    # miss's time. A few calls each bounded by the store's timeout; a dead store holds the start
+    # that long at most, and its figure lands whenever it answers.
+    link.join(timeout=LINK_WAIT_CALLS * engine.config.remote_timeout_s)
+    return link
 
 
 class LinkCalibration:

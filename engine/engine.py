@@ -24,7 +24,7 @@ import torch
 from engine.abort import Aborts
 from engine.billing import Prices
 from engine.billing_writer import ON_FAILURE, BillingWriter
-from engine.calibration import calibrate_at_start
+from engine.calibration import start_engine_thread
 from engine.load_deadline import LoadDeadlines
 from engine.context_length import context_length
 from engine.prefill_model import PrefillModel
@@ -139,9 +139,8 @@ class Engine(StepLoop, RequestIntake):
                                   max_query=max(max_batch_tokens, decode_step_tokens or 0), decode=self.decode_step,
                                   max_seqs=max_seqs, max_context=self.max_context, sink=sink)
         # Step times (CUDA events on CUDA) fit the prefill model; with calibrate, one chunk and a
-        # decode step fit it now and a thread probes the remote's link (engine/calibration.py).
+        # decode step fit it at start, on the engine thread, then a thread probes the remote's link.
         self.step_timer = StepTimer(loaded.device, self.prefill_model.observe)
-        self.calibration, self.link_calibration = calibrate_at_start(self) if cache.calibrate else (None, None)
         if ledger_dir is None and cache.disk_path is not None:
             ledger_dir = os.path.join(os.path.dirname(cache.disk_path), "billing")
         # Opens and owns the ledger and its writes (the engine thread never waits for an fsync);
@@ -169,8 +168,8 @@ class Engine(StepLoop, RequestIntake):
         self._inflight_lock = threading.Lock()
         self._closed = False
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="tieredkv-engine", daemon=True)
-        self._thread.start()
+        # The engine thread calibrates first (engine/calibration.py: timed where steps run), then serves.
+        self._thread = start_engine_thread(self, self._loop)
 
     ledger = property(lambda self: self.billing and self.billing.ledger, doc="The open ledger (None: none, or not yet)")
 

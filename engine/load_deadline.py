@@ -15,6 +15,11 @@ a sick store (a local disk or host load is bounded by the recompute alone): it i
 was planned for (cheaper than the recompute, or the planner would not have loaded) on top of
 computing what did not arrive. Before the prefill model has a figure, the predicted compute is
 `fallback_s`: the remote store's per-call timeout (CacheConfig.remote_timeout_s).
+The deadline is re-derived at every check from the figures as they stand then (`due`, from the
+`PlannedLoad` kept when the load was planned): a figure corrected while the load runs -- the
+start's calibration rescaled by the first real prefill steps, a split's own front among them
+(engine/prefill_model.py) -- moves the deadline with it, so a load planned from a figure 10x too
+pessimistic is not waited for 10x too long.
 The same rule bounds a request's wait for its remote probe (which blocks the shared store holds,
 asked at submit): past `probe_seconds` it is admitted as if the store held none of them.
 A stalled store thus costs a request at most about one recompute plus the margin, and usually
@@ -40,6 +45,16 @@ LOCAL = ("host", "disk")
 
 
 @dataclass(frozen=True, slots=True)
+class PlannedLoad:
+    """A load of blocks [start, end) of a prompt, held in `tiers`, planned at `at` (the
+    scheduler's clock): what its deadline is derived from, whenever it is checked."""
+    at: float
+    start: int
+    end: int
+    tiers: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class LoadDeadlines:
     compute_seconds: Callable[[int, int], float | None]   # predicted prefill of blocks [start, end)
     margin: float = 1.25
@@ -61,6 +76,10 @@ class LoadDeadlines:
         predicted = self.compute_seconds(start, end)
         bound = self.margin * (self.fallback_s if predicted is None else predicted)
         return min(bound, self._load_bound(tiers)) + self.slack_s
+
+    def due(self, load: PlannedLoad) -> float:
+        """When `load` stops being waited for, from the figures as they stand now."""
+        return load.at + self.seconds(load.start, load.end, load.tiers)
 
     def probe_seconds(self, blocks: int) -> float:
         """How long a request of `blocks` full blocks waits for its remote probe (a round trip

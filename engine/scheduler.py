@@ -21,9 +21,9 @@ Fair share of the pool (engine/fair_share.py): a tenant below its share of the p
 its admission; a running sequence's page comes from a tenant over its share first. A tenant with
 nothing running or loading has its first chunk run alone (`newcomer_first`; never twice in a row).
 
-Every load (a loading sequence's, or a running one's back part) has a deadline, set when it is
-planned (engine/load_deadline.py) on this scheduler's clock (`clock`, injectable for tests): a
-load not complete by then is abandoned in schedule() -- the sequence keeps the leading blocks
+Every load (a loading sequence's, or a running one's back part) has a deadline, derived from when
+it was planned (engine/load_deadline.py) and today's figures, on this scheduler's clock (`clock`,
+injectable for tests): a load not complete by then is abandoned in schedule() -- the sequence keeps the leading blocks
 that arrived and computes the rest into fresh pages (storage/load_outcome.py), billed as
 computed. Checked between steps: the engine thread never waits for a load.
 
@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from engine.fair_share import FairShare, Shares
-from engine.load_deadline import LoadDeadlines
+from engine.load_deadline import LoadDeadlines, PlannedLoad
 from engine.restore_planner import RestorePlanner, Split
 from engine.sequence import Sequence, SeqStatus
 from storage.loader import Load
@@ -420,10 +420,10 @@ class Scheduler:
         seq.num_computed += len(acquired.pages) * self.block_size
         seq.restore_s = acquired.restore_s
 
-    def _deadline(self, start: int, end: int, tiers) -> float | None:
-        """When a load of blocks [start, end) of a prompt (held in `tiers`), planned now, stops
-        being waited for."""
-        return None if self.deadlines is None else self.clock() + self.deadlines.seconds(start, end, tiers)
+    def _deadline(self, start: int, end: int, tiers) -> PlannedLoad | None:
+        """A load of blocks [start, end) of a prompt (held in `tiers`), planned now: its deadline
+        is derived from it at each check (LoadDeadlines.due: the figures as they are then)."""
+        return None if self.deadlines is None else PlannedLoad(self.clock(), start, end, tuple(tiers))
 
     def _probe_overdue(self, seq: Sequence) -> bool:
         """A remote probe still out: True once the request has waited for it as long as the
@@ -436,7 +436,7 @@ class Scheduler:
         return now >= seq.probe_deadline
 
     def _past_deadline(self, seq: Sequence) -> bool:
-        return seq.load_deadline is not None and self.clock() >= seq.load_deadline
+        return seq.load_deadline is not None and self.clock() >= self.deadlines.due(seq.load_deadline)
 
     def loads_in_flight(self) -> int:
         """Sequences waiting for the loader: loading ones, and running ones with a back part."""

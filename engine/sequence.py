@@ -48,7 +48,7 @@ class Sequence:
     restore_s: float = 0.0
     load: Load | None = None                      # its prefix being filled: while LOADING, or its back
                                                   # part while RUNNING its front (compute-or-load)
-    load_deadline: float | None = None            # when waiting for `load` stops (the scheduler's clock)
+    load_deadline: object | None = None           # the load's PlannedLoad: its deadline derives from it
     probe_deadline: float | None = None           # when waiting for the remote probe stops (likewise)
     compute_until: int = 0                        # with a back part loading: where its front ends
     fair_guard: int = 0                           # not preempted for fairness again before num_computed
