@@ -2,7 +2,8 @@
 
 Knows: one machine note (CPU, threads, GPU, the versions of every library a figure depends on), so
 figures from two runs can be told apart, and the table-or-JSON choice each benchmark's --json flag
-makes. Doesn't know: any benchmark's rows or limits (each prints its own table).
+makes, and the thread limits and peers are timed on (`on_limit_thread`). Doesn't know: any
+benchmark's rows or limits (each prints its own table).
 Imported by the benchmarks as a sibling script (tools/ is not a package: they put tools/ on sys.path).
 """
 from __future__ import annotations
@@ -48,3 +49,24 @@ def emit(result: dict, as_json: bool, print_table: Callable[[dict], None]) -> No
         print(json.dumps(result))
     else:
         print_table(result)
+
+
+_limits_pool = None
+
+
+def on_limit_thread(fn: Callable) -> Callable:
+    """Run the decorated limit or peer measurement on one long-lived worker thread, as the engine
+    runs its steps on its own thread. A torch op timed on a process's main thread ran 3-9x
+    slower than the same op on another thread on this busy 2-core machine (OpenMP's spinning team
+    of the main thread contends with the load; issue 27, run 3): a peer timed there would read
+    too slow, and our ratio to it too good."""
+    import functools
+    from concurrent.futures import ThreadPoolExecutor
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        global _limits_pool
+        if _limits_pool is None:
+            _limits_pool = ThreadPoolExecutor(1, thread_name_prefix="bench-limits")
+        return _limits_pool.submit(fn, *args, **kwargs).result()
+    return wrapper

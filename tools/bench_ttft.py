@@ -72,7 +72,7 @@ import zstandard
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_prompts import SUFFIX_TOKENS, prose_ids  # noqa: E402  (sibling scripts)
-from bench_report import machine_note  # noqa: E402
+from bench_report import machine_note, on_limit_thread  # noqa: E402
 from valkey_servers import own_store  # noqa: E402
 import ttft_policies  # noqa: E402
 from engine.engine import Engine  # noqa: E402
@@ -237,6 +237,7 @@ class TTFTBench:
                                      dtype=self.engine.loaded.dtype).model
         return self._plain
 
+    @on_limit_thread
     @torch.inference_mode()
     def hf_forward(self, ids: list[int]) -> float:
         """A plain transformers forward of the whole prompt, no cache."""
@@ -246,6 +247,7 @@ class TTFTBench:
         model(input_ids=x, use_cache=False, logits_to_keep=1)
         return time.perf_counter() - t0
 
+    @on_limit_thread
     def raw_copy(self, n: int) -> float:
         """One plain torch copy of the prefix's bytes from a preallocated host buffer to one on
         the model's device (CPU here: a memcpy); the best of 3."""
@@ -285,6 +287,7 @@ class TTFTBench:
         self.payload_bytes[n] = sum(len(p) for p in payloads)
         return min(gets), min(decs)
 
+    @on_limit_thread
     def raw_decompress(self, payloads: list) -> float:
         """Seconds to decompress the zstd frames of these codec payloads, the faster of zstd's
         own multi-threaded batch call and a pool of per-thread decompressors (all threads)."""
@@ -329,6 +332,7 @@ class TTFTBench:
         self.remote_bytes[n] = sum(len(v) for v in values)
         return min(gets), min(decs)
 
+    @on_limit_thread
     @torch.inference_mode()
     def hf_suffix(self, n: int) -> float:
         """Reference only: transformers' own forward of a 16-token suffix over a DynamicCache
