@@ -71,7 +71,7 @@ from dataclasses import dataclass
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_report import emit, machine_note  # noqa: E402  (sibling scripts, not a package)
+from bench_report import emit, machine_note, on_limit_thread  # noqa: E402  (sibling scripts, not a package)
 from bench_prompts import prose_ids  # noqa: E402
 
 from engine.engine import Engine  # noqa: E402
@@ -218,6 +218,7 @@ class Runner:
             raise RuntimeError(f"tieredkv_nocache hit {hits} tokens")
         return Run(c.wall, c.cpu, 0, sum(o.usage.prompt_tokens for o in outs))
 
+    @on_limit_thread      # the engine's steps run on a thread of their own too (tools/bench_report.py)
     @torch.inference_mode()
     def run_generate(self, w: Workload) -> Run:
         from transformers import GenerationConfig
