@@ -173,7 +173,7 @@ def bench_dtype(blocks: torch.Tensor, level: int, repeat: int) -> dict:
 def plane_report(blocks: torch.Tensor, level: int) -> list[dict]:
     """Per byte plane: coded size / plane size with v4's coded compressor, token-major and
     dim-1-major (the latter with v4's block cuts), and whether v4 codes it."""
-    from storage.codec.payload import _block_cuts, _compress_coded
+    from storage.codec.zstd_frames import block_cuts as _block_cuts, compress_coded as _compress_coded
 
     size = blocks.element_size()
     shape = tuple(blocks.shape[1:])

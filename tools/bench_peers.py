@@ -86,7 +86,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_report import emit, machine_note, stop_peer  # noqa: E402  (sibling scripts)
 from bench_tiers import _decompress_into, gbps, real_kv_blocks, same_bits, timed  # noqa: E402
 from storage.codec import byte_planes  # noqa: E402
-from storage.codec.payload import CODED_PLANES, Codec, _coded_compressor  # noqa: E402
+from storage.codec.payload import CODED_PLANES, Codec  # noqa: E402
+from storage.codec.zstd_frames import _coded_compressor  # noqa: E402
 from storage.disk.tier import DiskTier, default_map_size  # noqa: E402
 from storage.codec.stored_block import payload_binding  # noqa: E402
 from storage.hashing import BlockKey, block_keys  # noqa: E402

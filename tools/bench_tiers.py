@@ -390,7 +390,8 @@ BINDING = bytes(64)   # the disk tier binds each payload to block hash || namesp
 def codec_profile(blocks: torch.Tensor, level: int, repeat: int) -> dict:
     """Single-thread microseconds per block of each step of Codec.encode / Codec.decode (the work
     the disk writer and get_many's decode threads do per block), best of `repeat`, warm buffers."""
-    from storage.codec.payload import CODED_PLANES, _block_cuts, _compress_coded, _crc32, _store_compressor
+    from storage.codec.payload import CODED_PLANES, _crc32
+    from storage.codec.zstd_frames import _store_compressor, block_cuts as _block_cuts, compress_coded as _compress_coded
 
     codec = Codec(level=level)
     shape = tuple(blocks.shape[1:])
