@@ -33,7 +33,7 @@ from service.http_middleware import HTTPMiddleware, StatusSend
 from service.metrics import ServiceMetrics
 from service.openapi import install_openapi
 from service.request_log import RequestLog
-from service.schemas import IGNORED_HEADER, ignored_header_value
+from service.body_parsing import IGNORED_HEADER, ignored_header_value
 from service.settings import ServiceSettings, per_tenant_bound
 
 log = logging.getLogger("tieredkv.service")
@@ -205,7 +205,7 @@ def closed_line(flushed: Any) -> str:
 
 class IgnoredFieldsHeader(HTTPMiddleware):
     """Lenient mode: a response to a request whose unknown fields were dropped names them in
-    the X-Tieredkv-Ignored-Fields header (service.schemas.parse_body records them in the
+    the X-Tieredkv-Ignored-Fields header (service.body_parsing.parse_body records them in the
     request's state, which is this scope's "state")."""
 
     async def http(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -28,7 +28,8 @@ from engine.outputs import TIERS
 from service.auth import check_tenant_name, require_admin
 from service.context import ctx
 from service.errors import APIError, bad_request, from_engine_error
-from service.schemas import FlushRequest, LookupRequest, parse_body
+from service.body_parsing import parse_body
+from service.schemas import FlushRequest, LookupRequest
 
 router = APIRouter(prefix="/v1/cache")
 log = logging.getLogger("tieredkv.service")

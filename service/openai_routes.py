@@ -33,7 +33,8 @@ from service.request_log import record
 from service.batch_prompts import UsageByRequest, as_one, flatten
 from service.prompt_field import is_batch
 from service.responses import SSE_DONE, ChunkWriter, Logprobs, chat_body, completion_body, completion_id, sse
-from service.schemas import ChatRequest, CompletionRequest, parse_body
+from service.body_parsing import parse_body
+from service.schemas import ChatRequest, CompletionRequest
 
 router = APIRouter()
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16        # OpenAI's default for /v1/completions

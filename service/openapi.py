@@ -2,7 +2,7 @@
 /docs: that document drawn as one HTML page.
 
 Knows: which route parses which body model (the routes read their bodies themselves, through
-service.schemas.parse_body, for OpenAI-shaped 400s, so FastAPI cannot see them), that a body is
+service.body_parsing.parse_body, for OpenAI-shaped 400s, so FastAPI cannot see them), that a body is
 closed to unknown fields (`additionalProperties: false`) unless the app ignores them, and
 OpenAI's error body. /docs is drawn here, on the server, with no script and nothing fetched
 from elsewhere: FastAPI's own docs page loads Swagger UI from a CDN, so it is blank offline.

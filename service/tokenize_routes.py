@@ -21,7 +21,8 @@ from starlette.concurrency import run_in_threadpool
 
 from service.context import ctx
 from service.errors import bad_request, from_engine_error
-from service.schemas import DetokenizeRequest, TokenizeRequest, parse_body
+from service.body_parsing import parse_body
+from service.schemas import DetokenizeRequest, TokenizeRequest
 
 router = APIRouter()
 T = TypeVar("T", TokenizeRequest, DetokenizeRequest)

@@ -32,7 +32,7 @@ from service.router.metrics import RouterMetrics
 from service.router.policy import Policy
 from service.router.proxy import Proxy, error
 from service.router.settings import RouterSettings
-from service.schemas import check_json_content_type, decode_json_object
+from service.body_parsing import check_json_content_type, decode_json_object
 
 log = logging.getLogger("tieredkv.router")
 
