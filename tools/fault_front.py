@@ -49,7 +49,9 @@ class FaultFront:
         self.generation_requests = 0          # POSTs to a generation route, whatever the mode
         self.faked = 0                        # answers that were a fault, not the upstream's
         self._client: httpx.AsyncClient | None = None
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # IPPROTO_TCP, not 0: asyncio turns Nagle off only on sockets whose proto says TCP; with it
+        # on, each answer written in two parts waits for the peer's delayed ACK (40 ms a request).
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self._sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
         app = Starlette(routes=[Route("/{path:path}", self._handle, methods=["GET", "POST", "DELETE", "PUT"])])

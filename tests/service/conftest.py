@@ -43,7 +43,11 @@ class ServerThread:
     def __init__(self, engine, settings: ServiceSettings = ServiceSettings()) -> None:
         self.engine = engine
         self.app = create_app(engine, settings)
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # IPPROTO_TCP, not 0: asyncio turns Nagle off (TCP_NODELAY) only on sockets whose proto
+        # says TCP, and with Nagle on, a response written in two parts (headers, then body) waits
+        # for the client's delayed ACK: 40 ms a request. `tieredkv serve`'s socket (getaddrinfo's,
+        # tieredkv/cli_serve.bind_socket) never paid it; this harness did, on every request.
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self._sock.bind(("127.0.0.1", 0))
         self.port = self._sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"

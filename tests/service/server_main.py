@@ -27,7 +27,9 @@ def main() -> None:
     ap.add_argument("--shutdown-timeout", type=float, default=30.0)
     args = ap.parse_args()
     engine = build_engine(args.cache_dir, load_tokenizer(args.tokenizer_dir))
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # IPPROTO_TCP: so asyncio turns Nagle off (a 40 ms wait per response otherwise; see
+    # tests/service/conftest.py's ServerThread).
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     sock.listen(128)

@@ -38,8 +38,11 @@ def real_blocks(default_model) -> torch.Tensor:
                                identity=model_identity(default_model.identity.name, model.config, torch.float32))
     # exact_hits=False: the pool then holds the prompt's 32 KV blocks only, not its logits block
     # (a ratio of KV, not of logits; the exact entry's blocks are stored as any, tested elsewhere).
-    engine = Engine.from_loaded(fp32, CacheConfig(device_memory="64MiB", host_memory=0, disk_dir=None),
-                                exact_hits=False)
+    # calibrate=False: the start's timing passes (7 forwards of the real model in float32, several
+    # seconds on 2 cores) only plan hits, and this engine serves one miss (tests/engine/
+    # test_calibration.py tests the calibration).
+    engine = Engine.from_loaded(fp32, CacheConfig(device_memory="64MiB", host_memory=0, disk_dir=None,
+                                                  calibrate=False), exact_hits=False)
     try:
         ids = engine.tokenizer((ROOT / "tieredkv" / "demo_document.txt").read_text())["input_ids"][:512]
         assert len(ids) == 512

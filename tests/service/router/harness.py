@@ -22,7 +22,9 @@ def events_kw() -> dict:
 
 class RouterThread:
     def __init__(self, *backends: str, **kw) -> None:
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # IPPROTO_TCP: so asyncio turns Nagle off (a 40 ms wait per response otherwise; see
+        # tests/service/conftest.py's ServerThread).
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self._sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
         self.app = create_router_app(RouterSettings(backends=tuple(backends), **{"health_interval_s": 0.5, **kw}))
