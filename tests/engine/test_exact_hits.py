@@ -180,19 +180,20 @@ def test_n_above_max_n_is_refused(tmp_path):
             eng.generate([1, 2, 3], SamplingParams(n=5))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("length", [13, 16])
-def test_an_exact_repeat_from_the_remote_store_computes_nothing(tmp_path, valkey, length):
+def test_an_exact_repeat_from_the_remote_store_computes_nothing(tmp_path, valkey, length, dtype):
     """Server A computes a prompt and closes (its blocks, tail and logits go to the shared store);
     server B, with a disk of its own, repeats it: an exact hit from the remote tier, zero prompt
     tokens computed, the same greedy tokens as A's cold run, billed as remote hits."""
-    tenant = f"exact-remote-{length}"          # the session's store is shared: a namespace of this test's own
+    tenant = f"exact-remote-{length}-{dtype}".replace("torch.", "")   # the session's store is shared: a namespace of its own
     ids = random_prompt(length, seed=90 + length)
 
     def server(name):
         cfg = CacheConfig(block_size=4, device_memory="256KiB", host_memory="256KiB",
                           disk_dir=str(tmp_path / name / "kv"), disk_capacity="64MiB", remote_url=valkey.url,
                           remote_write="write_through")
-        return Engine(model_from_config(tiny_llama_config(), seed=0), cfg)
+        return Engine(model_from_config(tiny_llama_config(), seed=0, dtype=dtype), cfg)
     with server("a") as a:
         cold = a.generate(ids, GREEDY, tenant=tenant)
         assert cold.usage.prompt_cache_miss_tokens == length
