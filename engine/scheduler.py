@@ -47,7 +47,7 @@ from engine.fair_share import FairShare, Shares
 from engine.load_deadline import LoadDeadlines, PlannedLoad
 from engine.restore_planner import RestorePlanner, Split
 from engine.sequence import Sequence, SeqStatus
-from storage.loader import Load
+from storage.load_records import Load
 from storage.tiered_cache import TIERS, Acquired, CacheMatch, TieredKVCache
 
 

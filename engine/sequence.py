@@ -17,7 +17,7 @@ import torch
 from engine.sampling_params import SamplingParams
 from storage.exact_entry import ExactKeys
 from storage.hashing import BlockKey, block_keys
-from storage.loader import Load, Prefetch
+from storage.load_records import Load, Prefetch
 
 
 class SeqStatus(Enum):

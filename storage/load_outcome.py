@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from storage.loader import Load
+from storage.load_records import Load
 from storage.tiers import Tiers
 
 

@@ -57,7 +57,6 @@ import random
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -65,6 +64,7 @@ import torch
 from storage.cancellation import Cancellation
 from storage.hashing import BlockKey
 from storage.kv_events.sink import CPU, GPU
+from storage.load_records import Fill, Prefetch, RemoteProbe, _Chunk, _Task
 from storage.pinned import host_buffer
 from storage.priority import background_priority
 from storage.tiers import Tiers
@@ -83,101 +83,6 @@ LOAD_WORKERS = 2        # requests whose blocks are read at once (each read deco
 PREFETCH_WORKERS = 1    # a prefetch is I/O-bound readahead; one at a time keeps the drive streaming
 PREFETCH_CHUNK = 8      # blocks per prefetch task: a fill claims the chunks not started yet
 REMOTE_WORKERS = 2      # remote probes and fills at once (network-bound, each bounded by a timeout)
-
-
-@dataclass(eq=False)
-class Fill:
-    """One device page being filled with one block. `ok` is meaningful once `done` is set.
-    `source` is where the bytes are read; `tier` is where the block is billed from (the disk for
-    a block its request's own prefetch moved into the host): set once, when the fill is planned,
-    and what every request waiting for it is billed and the promotion is counted by."""
-    key: BlockKey
-    page: int
-    source: str                                   # "host", "disk" or "remote" when planned
-    tier: str = ""                                # billed tier; "" means the source
-    done: threading.Event = field(default_factory=threading.Event)
-    ok: bool = False
-    waiters: int = 0                              # loads waiting for it (under the tiers' lock)
-    task: "_Task | None" = None                   # the read it is part of, when it can be cancelled
-
-    def __post_init__(self) -> None:
-        self.tier = self.tier or self.source
-
-    @property
-    def given_up(self) -> bool:
-        """Its read was cancelled (under the tiers' lock): no new load may wait for it."""
-        return self.task is not None and self.task.given_up
-
-
-@dataclass(eq=False)
-class _Task:
-    """The fills one worker reads together (one plan's remote fills) and how their read is
-    stopped. `given_up` is set under the tiers' lock, before `cancel` is cancelled."""
-    fills: list[Fill]
-    cancel: Cancellation = field(default_factory=Cancellation)
-    given_up: bool = False
-
-
-@dataclass(eq=False)
-class Load:
-    """One request's planned prefix: the pages it holds (prefix order), the tier each block is
-    billed from, and the fill each page waits for (None: a device hit, ready now)."""
-    pages: list[int]
-    tiers: list[str]
-    fills: list[Fill | None]
-    tokens: list[int] = field(default_factory=list)   # each block's tokens (an exact entry's tail: fewer; logits: 0)
-    started: float = field(default_factory=time.perf_counter)
-
-    def ready(self) -> bool:
-        return all(f is None or f.done.is_set() for f in self.fills)
-
-    def wait(self, timeout: float | None = None) -> bool:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        for f in self.fills:
-            if f is not None and not f.done.wait(None if deadline is None else max(0.0, deadline - time.monotonic())):
-                return False
-        return True
-
-    @property
-    def pending(self) -> bool:
-        return any(f is not None for f in self.fills)
-
-
-@dataclass(eq=False)
-class _Chunk:
-    """Blocks one prefetch task reads together. `started` (under the tiers' lock): past this
-    point a fill waits for `done` instead of claiming the block."""
-    keys: list[BlockKey]
-    started: bool = False
-    done: threading.Event = field(default_factory=threading.Event)
-
-
-@dataclass(eq=False)
-class RemoteProbe:
-    """Which blocks of a request's chain (after its last local one) the remote store holds.
-    `hashes` is written once by the probing thread, before `done` is set; read only after."""
-    hashes: frozenset[bytes] = frozenset()
-    done: threading.Event = field(default_factory=threading.Event)
-
-
-@dataclass(eq=False)
-class Prefetch:
-    """A request's disk -> host prefetch. `moved` collects (under the tiers' lock) the hashes this
-    prefetch brought into the host tier: the request is billed for them as disk hits. `remote`:
-    its remote probe, if one was started (the scheduler admits the request once it is done)."""
-    chunks: list[_Chunk] = field(default_factory=list)
-    moved: set[bytes] = field(default_factory=set)
-    remote: RemoteProbe | None = None
-
-    def wait(self, timeout: float | None = None) -> bool:
-        ok = all(c.done.wait(timeout) for c in self.chunks)
-        return ok and (self.remote is None or self.remote.done.wait(timeout))
-
-    def remote_pending(self) -> bool:
-        return self.remote is not None and not self.remote.done.is_set()
-
-    def remote_hashes(self) -> frozenset[bytes] | None:
-        return None if self.remote is None else self.remote.hashes
 
 
 class Loader:

@@ -38,7 +38,8 @@ from storage.host_tier import HostTier
 from storage.kv_events.sink import GPU, EventSink
 from storage.layout import BlockLayout
 from storage.load_outcome import Acquired, finish
-from storage.loader import Fill, Load, Loader, Prefetch, RemoteProbe
+from storage.load_records import Fill, Load, Prefetch, RemoteProbe
+from storage.loader import Loader
 from storage.prefix_tree import CachedBlock
 from storage.shared_pages import SharedPages
 from storage.remote.breaker import BreakerConfig
