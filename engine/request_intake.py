@@ -65,8 +65,6 @@ class RequestIntake:
     def _sequence(self, prompt: Prompt, params: SamplingParams | None, tenant: str, id_prefix: str = "cmpl"
                   ) -> Sequence:
         """A validated request as a Sequence, not queued yet (ValueError naming the field)."""
-        if self._closed:
-            raise EngineClosedError("engine is closed")
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError("params: expected a SamplingParams")
@@ -76,8 +74,6 @@ class RequestIntake:
             raise ValueError(f"stop_token_ids: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
         if params.n > self.max_n:
             raise ValueError(f"n: at most {self.max_n} choices per request (max_n), got {params.n}")
-        if not (id_prefix.isascii() and id_prefix.isalnum()):
-            raise ValueError(f"id_prefix: expected letters and digits, got {id_prefix!r}")
         ids = self.encode(prompt)
         seq = Sequence(request_id=f"{id_prefix}-{uuid.uuid4().hex[:24]}", prompt_ids=ids, params=params, tenant=tenant,
                        namespace=self.namespace(tenant), block_size=self.block_size,
@@ -93,6 +89,8 @@ class RequestIntake:
         `shared`: a batch's one event queue (each sequence's events tagged with its place)."""
         if self._closed:
             raise EngineClosedError("engine is closed")
+        if not (id_prefix.isascii() and id_prefix.isalnum()):
+            raise ValueError(f"id_prefix: expected letters and digits, got {id_prefix!r}")
         if len(prompts) > max(1, self.max_queue):     # a batch that could never be queued whole
             raise ValueError(f"prompt: {len(prompts)} prompts in one call, more than the engine's queue holds "
                              f"(max_queue {self.max_queue})")

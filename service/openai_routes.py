@@ -24,6 +24,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine.abort import CLIENT_DISCONNECTED, TIMEOUT, AbortHandle
+from engine.request_intake import is_batch   # the engine's rule: the route and the engine split a batch alike
 from engine.sampling_params import SamplingParams
 from service.context import AppContext, ctx
 from service.disconnect import ClosingStreamingResponse, until_disconnected
@@ -31,7 +32,6 @@ from service.dispatch import Abandoned
 from service.errors import APIError, from_engine_error
 from service.request_log import record
 from service.batch_prompts import UsageByRequest, as_one, flatten
-from service.prompt_field import is_batch
 from service.responses import SSE_DONE, ChunkWriter, Logprobs, chat_body, completion_body, completion_id, sse
 from service.body_parsing import parse_body
 from service.schemas import ChatRequest, CompletionRequest

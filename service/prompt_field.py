@@ -51,7 +51,3 @@ def check_prompts(v: Any) -> Prompts:
         raise ValueError(f"at most {MAX_BATCH_PROMPTS} prompts in one request, got {len(v)} {kind}")
     return v
 
-
-def is_batch(prompt: Prompts) -> bool:
-    """A parsed prompt that is a batch (a list whose items are prompts, not token ids)."""
-    return isinstance(prompt, list) and bool(prompt) and not all(_is_int(t) for t in prompt)
