@@ -61,7 +61,7 @@ class Load:
     pages: list[int]
     tiers: list[str]
     fills: list[Fill | None]
-    tokens: list[int] = field(default_factory=list)   # each block's tokens (an exact entry's tail: fewer; logits: 0)
+    tokens: list[int]                             # each block's tokens (an exact entry's tail: fewer; logits: 0)
     started: float = field(default_factory=time.perf_counter)
 
     def ready(self) -> bool:
