@@ -2,12 +2,14 @@
 
 Knows: each edge a block travels down -- device -> host (`device_to_host`, one batch of copies
 per allocation's victims), host -> the next tier below (`host_to_lower`), a block into the next
-tier below (`to_lower`), disk -> remote (`disk_to_remote`, the disk writer's commits forwarded) --,
+tier below (`to_lower`), a lower tier's commits into the one below it (`forward`: disk -> remote,
+the disk writer's payloads) --,
 write-through (register copies at once; written down behind the engine by storage/host_writeback.py),
 and the operator's moves: `flush` (every block to the lowest tier, waiting for the writers),
 `demote` (one tier's blocks one step down) and `drop` (forget a tier's blocks).
-Doesn't know: matching, planning, fills (storage/tiered_cache.py, storage/loader.py), or how a
-tier stores bytes (storage/lower_tier.py's verbs).
+Doesn't know: matching, planning, fills (storage/tiered_cache.py, storage/loader.py), how a
+tier stores bytes, or which tiers there are: it walks `Tiers.lower` and asks each through
+storage/lower_tier.py's verbs (a tier's own or shared over a link: `local`).
 
 KV events (storage/kv_events/sink.py): a block leaving the device pool (evicted, dropped) is
 BlockRemoved GPU, one copied into a host slot BlockStored CPU, one leaving the host slot
@@ -29,51 +31,29 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
 
+from storage.flush_result import FlushResult
 from storage.hashing import BlockKey
 from storage.host_writeback import HostWriteBack
 from storage.kv_events.sink import CPU, GPU
-from storage.lower_tier import private_copy
-from storage.tiers import TIERS, Tiers
+from storage.lower_tier import LowerTier, private_copy
+from storage.tiers import SHARED, TIERS, Tiers, TierStats
 from storage.transfer import Transfer
 
 _FLUSH_BATCH = 32     # blocks reserved, copied out, then committed per batch by flush/demote
 
 
-@dataclass(frozen=True, slots=True)
-class FlushResult:
-    """What a flush did: blocks written down, and whether every cached block is in the lowest
-    tier now. complete=False is the truth after a dropped write (no room even after evicting, an
-    I/O error), a timeout, or -- with a disk tier -- a disk too small to hold them all: `held` of
-    the `blocks` the flush pushed down (or found there) are on disk once the writer is done, and
-    `evicted` blocks left the disk while it ran, to make room (issue 28: a small disk answered
-    complete while it held none). The drops are in disk stats' write_errors."""
-    written: int
-    complete: bool
-    remote: bool | None = None   # every remote write sent (None: no remote tier)
-    evicted: int = 0             # blocks the disk evicted while the flush ran (its writes making room)
-    held: int | None = None      # of `blocks`, those the disk holds after the flush (None: no disk tier)
-    blocks: int = 0              # the cached blocks the flush pushed down to the disk or found there
-
-    def to_dict(self) -> dict:
-        d = {"written": self.written, "complete": self.complete}
-        if self.held is not None:
-            d.update(evicted=self.evicted, held=self.held, blocks=self.blocks)
-        if self.remote is not None:
-            d["remote"] = self.remote
-        return d
-
-
 class Cascade:
-    def __init__(self, tiers: Tiers, *, write_through: bool, remote_through: bool, remote_timeout_s: float) -> None:
+    def __init__(self, tiers: Tiers, *, write_through: bool, link_timeout_s: float) -> None:
+        """`write_through`: blocks go down as they are registered (CacheConfig.write_policy, or a
+        tier's own policy: storage/tier_wiring.py decides). `link_timeout_s`: the bound on a wait
+        for room in the queue of a tier over a link (CacheConfig.remote_timeout_s)."""
         self.t = tiers
         self.write_through = write_through
-        self.remote_through = remote_through and tiers.remote is not None
-        self.remote_timeout_s = remote_timeout_s
+        self.link_timeout_s = link_timeout_s
         # Host blocks written down behind the engine (write-through blocks, a full slab's LRU end).
         self.writeback = HostWriteBack(tiers)
         self.inline_writes = 0      # host evictions that had to copy their block down on the spot
@@ -81,13 +61,14 @@ class Cascade:
         # The pool and the host slab hand their victims here, while the bytes are intact.
         tiers.pool.on_evict = self.device_evicted
         tiers.host.on_evict = self.host_evicted
-        if tiers.disk is not None and tiers.remote is not None:
-            tiers.disk.on_commit(self.disk_to_remote)
+        # Each tier's commits written into the one below it (the disk's payloads into the store).
+        for upper, lower in zip(tiers.lower, tiers.lower[1:]):
+            upper.on_commit(lambda committed, lower=lower: self.forward(lower, committed))
 
     # ---- under pressure (engine thread, lock held) --------------------------------------------
     def registered(self, key: BlockKey, page: int) -> None:
         """A block was just computed into `page`: under write-through it goes down now."""
-        if self.write_through or self.remote_through:
+        if self.write_through:
             self.device_to_host([(key, page)], through=True)
 
     def device_evicted(self, blocks: list[tuple[BlockKey, int]]) -> None:
@@ -176,16 +157,15 @@ class Cascade:
         self.t.count_write(below.name)
         return True
 
-    def disk_to_remote(self, committed: list) -> None:
-        """The disk writer committed these (key, payload, raw size): queue them for the remote
-        (the write-behind). Runs on the disk writer's thread: waits for room in the remote queue at
-        most one remote timeout in all, then drops (counted), so a slow store slows disk commits
-        by a bounded amount and never stops them."""
-        remote = self.t.remote
-        deadline = time.monotonic() + self.remote_timeout_s
+    def forward(self, lower: LowerTier, committed: list) -> None:
+        """The tier above `lower` committed these (key, payload, raw size): queue them for `lower`
+        (the disk's commits for the store's write-behind). Runs on the upper tier's writer thread:
+        waits for room in `lower`'s queue at most one link timeout in all, then drops (counted), so
+        a slow store slows disk commits by a bounded amount and never stops them."""
+        deadline = time.monotonic() + self.link_timeout_s
         for key, payload, raw_size in committed:
-            remote.put(key, payload=payload, raw_size=raw_size, wait=True,
-                       timeout=max(0.0, deadline - time.monotonic()))
+            lower.put(key, payload=payload, raw_size=raw_size, wait=True,
+                      timeout=max(0.0, deadline - time.monotonic()))
 
     # ---- the operator's moves (caller's thread) ---------------------------------------------
     def _copies_out(self, host_only: bool = False, skip: Callable[[BlockKey], bool] = lambda key: False,
@@ -275,7 +255,7 @@ class Cascade:
         below = self.t.next_down
         # A store may be down: each block waits a bounded time (then drops, counted); the disk's
         # writer always drains, so a disk put waits as long as it takes.
-        timeout = None if below.local else self.remote_timeout_s * 4
+        timeout = None if below.local else self.link_timeout_s * 4
         written = 0
         for copies in self._copies_out(host_only, skip=below.contains, seen=seen):
             queued = [key for key, block in copies if below.put(key, block, wait=True, timeout=timeout)]
@@ -286,30 +266,31 @@ class Cascade:
         return written
 
     def flush(self, timeout: float | None = None) -> FlushResult:
-        """Push every cached block down to the lowest tier (disk, else the remote, else host) and
-        wait for the writers: after a complete flush a restarted process hits every block. With
-        a remote tier, also wait for its writer: blocks the disk commits are forwarded to it.
-        `remote` says whether every remote write was sent (a store that is down makes it False,
-        never the flush fail)."""
+        """Push every cached block down to the first tier below the host (the disk, else the
+        store, else the host) and wait for the writers: after a complete flush a restarted
+        process hits every block. Every tier below is waited for too: blocks the disk commits are
+        forwarded to the store. `remote` says whether every write to a tier over a link was sent
+        (a store that is down makes it False, never the flush fail); `complete` and `held`
+        answer for the first tier below when it is this process's own (`local`)."""
         t = self.t
-        # The disk's commits forward blocks to the remote writer, which may fail a batch before
-        # this flush waits for it: the mark makes such a loss count too.
-        remote_mark = None if t.remote is None else t.remote.write_failures()
-        disk_mark = None if t.disk is None else t.disk.write_failures()   # likewise the disk's drops
+        # A tier's commits forward blocks to the one below, whose writer may fail a batch before
+        # this flush waits for it: each tier's mark makes such a loss count too.
+        marks = {id(below): below.write_failures() for below in t.lower}
         behind = self.writeback.written
         self.writeback.wait_idle()     # write-through blocks reach the writers' queues (no lock held)
         behind = self.writeback.written - behind      # ...counted as this flush's writes
         complete, evicted, held, seen = True, 0, None, []
-        if t.next_down is not None:
-            evictions = None if t.disk is None else t.disk.stats().evictions
+        first = t.next_down
+        if first is not None:
+            evictions = _evictions(first) if first.local else None
             written = behind + self.copy_down(seen=seen)
-            if t.disk is not None:
-                complete = t.disk.flush(timeout, since=disk_mark)
+            if first.local:
+                complete = first.flush(timeout, since=marks[id(first)])
                 # NOTE: complete means on disk now -- the writer done is not enough: a disk smaller
                 # than the cache evicts this flush's own blocks to make room for the next ones.
-                evicted = t.disk.stats().evictions - evictions
+                evicted = _evictions(first) - evictions
                 seen = list({key.hash: key for key in seen}.values())   # a block on device and host: once
-                held = sum(map(t.disk.contains, seen))
+                held = sum(map(first.contains, seen))
                 complete = complete and held == len(seen)
         elif not t.host.enabled:
             return FlushResult(0, True)
@@ -320,8 +301,8 @@ class Cascade:
             for done in copies:     # complete before the flush answers: waited for with no lock held
                 Transfer.wait(done)
             written = len(copied)
-        remote = None if t.remote is None else t.remote.flush(timeout, since=remote_mark)
-        return FlushResult(written, complete, remote, evicted, held, len(seen))
+        sent = [below.flush(timeout, since=marks[id(below)]) for below in t.linked]
+        return FlushResult(written, complete, all(sent) if sent else None, evicted, held, len(seen))
 
     def demote(self, tier: str) -> int:
         """Evict every unused cached block of `tier` one step down the cascade (device -> host
@@ -329,8 +310,10 @@ class Cascade:
         t = self.t
         if tier not in ("device", "host"):
             raise ValueError(f"tier: can demote 'device' or 'host', got {tier!r}")
-        if tier == "host" and t.disk is not None:
-            self.copy_down(host_only=True)   # the writes, outside the lock; then evict
+        below = t.next_down
+        if tier == "host" and below is not None and below.local:
+            self.copy_down(host_only=True)   # the writes, outside the lock; then evict (a store
+                                             # over a link takes the evictions' puts, never waited for)
         if tier == "device":
             # In batches: each eviction may cascade host -> disk (a put that never waits), so
             # between batches, holding no lock, wait for the writer's queue to have room: an
@@ -343,8 +326,8 @@ class Cascade:
                 evicted += len(pages)
                 if len(pages) < _FLUSH_BATCH:
                     return evicted
-                if t.disk is not None:
-                    t.disk.wait_for_room()
+                if below is not None:
+                    below.wait_for_room()     # a tier over a link answers at once (it drops)
         with t.lock:
             n = 0
             while len(t.host) and t.host.evict_lru():   # a block a fill is reading now stays
@@ -356,10 +339,10 @@ class Cascade:
         t = self.t
         if tier not in TIERS:
             raise ValueError(f"tier: expected one of {TIERS}, got {tier!r}")
-        if tier == "remote":
+        if tier in SHARED:
             # Every server's blocks live there: clearing it is the store operator's call
-            # (FLUSHDB, or its LRU and TTL), not one server's.
-            raise ValueError("tier: the remote tier is shared by every server and is not dropped from one")
+            # (FLUSHDB, or its LRU and TTL), not one server's -- configured here or not.
+            raise ValueError(f"tier: the {tier} tier is shared by every server and is not dropped from one")
         with t.lock:
             if tier == "device":
                 pages = t.pool.evictable_pages()
@@ -374,7 +357,15 @@ class Cascade:
                     t.host.remove(h)
                 t.events.removed(hashes, CPU)
                 return len(hashes)
-        if t.disk is None:
+        below = t.below(tier)
+        if below is None:
             return 0
-        t.disk.flush()
-        return t.disk.clear()
+        below.flush()
+        return below.clear()
+
+
+def _evictions(below: LowerTier) -> int:
+    """The blocks `below` has evicted so far, read from its stats record as the cache reports it."""
+    st = TierStats()
+    below.stats().report(st)
+    return st.evictions

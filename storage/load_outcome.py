@@ -4,8 +4,8 @@ Knows: which of a Load's pages a request keeps -- the leading blocks that arrive
 block whose fill failed or has not ended -- and what happens to the rest: the request's reference
 on each is given back, and a fill still running keeps its own (storage/loader.py) and ends on it.
 Counts, per tier a block was being read from, the blocks and loads a request gave up on
-(`TierStats.abandoned`, `abandoned_loads`), and tells the remote tier's breaker that a read was
-too slow to wait for. Doesn't know: deadlines or clocks (the scheduler decides when to stop
+(`TierStats.abandoned`, `abandoned_loads`), and tells each tier read from that a read was too
+slow to wait for (LowerTier.read_late: the remote's breaker counts a failure). Doesn't know: deadlines or clocks (the scheduler decides when to stop
 waiting: engine/load_deadline.py), sequences or billing.
 
 NOTE invariant (a late block never lands in a computed page): the pages of blocks that had not
@@ -60,6 +60,7 @@ def finish(tiers: Tiers, load: Load, abandon: bool = False) -> Acquired:
             tiers.counters[source].abandoned += 1
         for source in set(late):
             tiers.counters[source].abandoned_loads += 1
-        if "remote" in late and tiers.remote is not None:
-            tiers.remote.breaker.failure()      # a small lock of its own, no I/O
+        for below in tiers.lower:
+            if below.name in late:
+                below.read_late()      # the remote's breaker: a small lock of its own, no I/O
     return Acquired(tuple(load.pages[:cut]), tuple(load.tiers[:cut]), time.perf_counter() - load.started)

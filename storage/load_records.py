@@ -99,18 +99,20 @@ class RemoteProbe:
 @dataclass(eq=False)
 class Prefetch:
     """A request's disk -> host prefetch. `moved` collects (under the tiers' lock) the hashes this
-    prefetch brought into the host tier: the request is billed for them as disk hits. `remote`:
-    its remote probe, if one was started (the scheduler admits the request once it is done)."""
+    prefetch brought into the host tier: the request is billed for them as hits of `source`, the
+    tier it read them from (the disk). `probe`: its remote probe, if one was started (the
+    scheduler admits the request once it is done)."""
     chunks: list[_Chunk] = field(default_factory=list)
     moved: set[bytes] = field(default_factory=set)
-    remote: RemoteProbe | None = None
+    probe: RemoteProbe | None = None
+    source: str | None = None
 
     def wait(self, timeout: float | None = None) -> bool:
         ok = all(c.done.wait(timeout) for c in self.chunks)
-        return ok and (self.remote is None or self.remote.done.wait(timeout))
+        return ok and (self.probe is None or self.probe.done.wait(timeout))
 
     def remote_pending(self) -> bool:
-        return self.remote is not None and not self.remote.done.is_set()
+        return self.probe is not None and not self.probe.done.is_set()
 
     def remote_hashes(self) -> frozenset[bytes] | None:
-        return None if self.remote is None else self.remote.hashes
+        return None if self.probe is None else self.probe.hashes

@@ -6,7 +6,9 @@ asking the remote store which of a prompt's blocks it holds, and the worker pool
 work. Doesn't know: sequences or scheduling -- TieredKVCache.plan()
 hands it the fills of one request and the scheduler polls `Load.ready()` between steps. It is
 given the tiers (storage/tiers.py: the pool, the host slab, the tiers below, their lock and
-counters), never the cache that owns it.
+counters), never the cache that owns it, and names no tier below the host: a fill reads from
+its source tier, a tier over a link (not `local`) on the remote workers, and what is read from
+a tier is offered to the tier above it (LowerTier.keep: the store's blocks kept on disk).
 
 Threads (NOTE: who owns what):
 - plan/finish (TieredKVCache) run on the engine thread under the tiers' lock and only allocate,
@@ -25,7 +27,8 @@ Threads (NOTE: who owns what):
   by its timeout) never delays a disk fill: a probe (RemoteProbe: which blocks after the last
   local one the store holds, answered before the request is admitted) and the fills of blocks
   planned from the remote, read and verified with no lock held like disk blocks. A restored
-  remote block is also written into the local tiers (host, and disk) once registered.
+  remote block is also kept by the tier above it (the disk: LowerTier.keep, its payload as read),
+  and reaches the host as any device block does.
 - a prefetch runs on a `tieredkv-prefetch` worker, a chunk of blocks at a time: decoded with no
   lock held; then its host slots are reserved and pinned under the lock (each announced to
   readers as a pending copy, Transfer.writing), written with no lock held, committed under it.
@@ -65,6 +68,7 @@ from storage.cancellation import Cancellation
 from storage.hashing import BlockKey
 from storage.kv_events.sink import CPU, GPU
 from storage.load_records import Fill, Prefetch, RemoteProbe, _Chunk, _Task
+from storage.lower_tier import LowerTier
 from storage.pinned import host_buffer
 from storage.priority import background_priority
 from storage.tiers import Tiers
@@ -94,7 +98,8 @@ class Loader:
                                          initializer=background_priority)
         self._prefetches = ThreadPoolExecutor(PREFETCH_WORKERS, thread_name_prefix="tieredkv-prefetch",
                                               initializer=background_priority)
-        self._remote = None if tiers.remote is None else ThreadPoolExecutor(
+        # The tiers over a link have workers of their own (a slow store never delays a disk fill).
+        self._linked = None if not tiers.linked else ThreadPoolExecutor(
             REMOTE_WORKERS, thread_name_prefix="tieredkv-remote", initializer=background_priority)
         device = tiers.pool.device
         self._stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
@@ -112,18 +117,19 @@ class Loader:
 
     # ---- fills ---------------------------------------------------------------------------
     def start(self, fills: list[Fill], after: object = None) -> None:
-        """Run these fills (planned under the tiers' lock, their pages held) on a worker: the
-        remote ones on the remote pool, the others on the fill pool. `after`: a CUDA event the
-        copies into the pages wait for (their old blocks' copies out)."""
-        local = [f for f in fills if f.source != "remote"]
-        remote = [f for f in fills if f.source == "remote"]
+        """Run these fills (planned under the tiers' lock, their pages held) on a worker: those
+        read from a tier over a link on its pool, the others on the fill pool. `after`: a CUDA
+        event the copies into the pages wait for (their old blocks' copies out)."""
+        linked = {below.name for below in self.t.linked}
+        local = [f for f in fills if f.source not in linked]
+        remote = [f for f in fills if f.source in linked]
         if local:
             self._fills.submit(self._run_fills, local, after)
         if remote:
             task = _Task(remote)
             for f in remote:
                 f.task = task
-            self._remote.submit(self._run_fills, remote, after, task.cancel)
+            self._linked.submit(self._run_fills, remote, after, task.cancel)
 
     def wait_for(self, fill: Fill) -> None:
         """A load waits for `fill` (under the tiers' lock; TieredKVCache.plan)."""
@@ -149,15 +155,18 @@ class Loader:
                 out.append(task.cancel)
         return out
 
-    def probe(self, keys: Sequence[BlockKey], into: RemoteProbe) -> None:
-        """Ask the remote store, on a remote worker, which of `keys` (a chain) it holds."""
-        self._remote.submit(self._run_probe, list(keys), into)
+    def probe(self, tiers: Sequence[LowerTier], keys: Sequence[BlockKey], into: RemoteProbe) -> None:
+        """Ask these tiers over a link, on a remote worker, which of `keys` (a chain) they hold."""
+        self._linked.submit(self._run_probe, tuple(tiers), list(keys), into)
 
-    def _run_probe(self, keys: list[BlockKey], into: RemoteProbe) -> None:
+    def _run_probe(self, tiers: tuple[LowerTier, ...], keys: list[BlockKey], into: RemoteProbe) -> None:
         try:
-            into.hashes = self.t.remote.probe(keys)   # never raises for the store's failures
+            found: frozenset[bytes] = frozenset()
+            for below in tiers:
+                found |= below.probe(keys)      # never raises for the store's failures
+            into.hashes = found
         except Exception:
-            log.exception("probing the remote tier for %d blocks failed: they are misses", len(keys))
+            log.exception("probing the tiers below for %d blocks failed: they are misses", len(keys))
         finally:
             into.done.set()
 
@@ -169,11 +178,16 @@ class Loader:
             self._wait_for_prefetches(fills)
             for f in self._fill_from_host(fills):
                 ok[id(f)] = True
-            disk_fills = [f for f in fills if id(f) not in ok and f.source != "remote"]
-            remote_fills = [f for f in fills if id(f) not in ok and f.source == "remote"]
-            for todo, read in ((disk_fills, self._fill_from_disk), (remote_fills, self._fill_from_remote)):
+            # The rest from their tiers below, in order. A block planned from the host whose slot
+            # went meanwhile is read from the first tier below when that is this process's own
+            # (where the host's evictions go); else it fails, as a block gone from every tier.
+            first = self.t.next_down
+            fallback = first if first is not None and first.local else None
+            for below in self.t.lower:
+                todo = [f for f in fills if id(f) not in ok
+                        and (self.t.below(f.source) or fallback) is below]
                 if todo:
-                    for f, good in zip(todo, read(todo, cancel)):
+                    for f, good in zip(todo, self._fill_from(below, todo, cancel)):
                         ok[id(f)] = good
         except Exception:
             log.exception("loading %d blocks failed: their requests recompute them", len(fills))
@@ -234,30 +248,22 @@ class Loader:
                         device_s if device_s is not None else time.perf_counter() - started)
         return done
 
-    def _fill_from_disk(self, fills: list[Fill], cancel: Cancellation | None = None) -> list[bool]:
-        return self._fill_from(self.t.disk, fills, cancel=cancel)
-
-    def _fill_from_remote(self, fills: list[Fill], cancel: Cancellation | None = None) -> list[bool]:
-        return self._fill_from(self.t.remote, fills, keep=True, cancel=cancel)
-
-    def _fill_from(self, tier, fills: list[Fill], keep: bool = False, cancel: Cancellation | None = None) -> list[bool]:
-        """Read, verify and decode blocks of the disk or remote tier into the fills' pages, and
-        record the tier's restore rate (bytes restored over the wall time)."""
+    def _fill_from(self, tier: LowerTier, fills: list[Fill], cancel: Cancellation | None = None) -> list[bool]:
+        """Read, verify and decode blocks of a tier below into the fills' pages, and record the
+        tier's restore rate (bytes restored over the wall time)."""
         started = time.perf_counter()
-        ok = self._read_into_pages(tier, fills, keep, cancel)
-        if tier is not None:
-            self.t.rates.observe(tier.name, sum(ok) * self.t.layout.nbytes, time.perf_counter() - started)
+        ok = self._read_into_pages(tier, fills, self.t.above(tier), cancel)
+        self.t.rates.observe(tier.name, sum(ok) * self.t.layout.nbytes, time.perf_counter() - started)
         return ok
 
-    def _read_into_pages(self, tier, fills: list[Fill], keep: bool = False, cancel: Cancellation | None = None
-                         ) -> list[bool]:
-        """Read, verify and decode blocks of the disk or remote tier (get_many: a miss is None,
-        never an exception for the store's failures) into the fills' pages. `keep` (the remote
-        tier): the blocks read also go to the local disk, with their payloads (_keep_on_disk).
+    def _read_into_pages(self, tier: LowerTier, fills: list[Fill], keeper: LowerTier | None = None,
+                         cancel: Cancellation | None = None) -> list[bool]:
+        """Read, verify and decode blocks of a tier below (get_many: a miss is None, never an
+        exception for the store's failures) into the fills' pages. `keeper` (the tier above it:
+        the disk above the store): the blocks read also go there, with their payloads (_keep).
         `cancel`: the read stops once it is cancelled (what arrived whole still lands)."""
         c = self.t
-        if tier is None:
-            return [False] * len(fills)
+        keep = keeper is not None
         kw = {"payloads": [None] * len(fills)} if keep else {}
         if cancel is not None:
             kw["cancel"] = cancel
@@ -266,7 +272,7 @@ class Loader:
             # module's invariant), so no lock is needed for the bytes.
             got = tier.get_many([f.key for f in fills], [c.pool.kv[f.page] for f in fills], **kw)
             if keep:
-                self._keep_on_disk([(f.key, c.pool.kv[f.page], p) for f, b, p in zip(fills, got, kw["payloads"])
+                self._keep(keeper, [(f.key, c.pool.kv[f.page], p) for f, b, p in zip(fills, got, kw["payloads"])
                                     if b is not None])
             return [b is not None for b in got]
         # A device the CPU cannot write: decode into this worker's pinned staging halves, then
@@ -292,7 +298,7 @@ class Loader:
                 copying[n % 2] = self._copy_async([(c.pool.kv[f.page], half[i])
                                                    for i, (f, b) in enumerate(zip(chunk, got)) if b is not None])
                 if keep:      # reads the half (CPU) beside the copies, before it is rewritten
-                    self._keep_on_disk([(f.key, half[i], p) for i, (f, b, p) in enumerate(zip(chunk, got, kw["payloads"]))
+                    self._keep(keeper, [(f.key, half[i], p) for i, (f, b, p) in enumerate(zip(chunk, got, kw["payloads"]))
                                         if b is not None])
                 ok += [b is not None for b in got]
         finally:
@@ -374,40 +380,38 @@ class Loader:
                 f.done.set()
             c.events.stored(registered, GPU)
 
-    def _keep_on_disk(self, kept: list[tuple[BlockKey, torch.Tensor, bytes]]) -> None:
-        """Blocks just read from the remote (key, their bytes on the CPU, the payload the store
-        gave) also go to the local disk, so the next miss of this process -- after a restart too --
-        stays local. The payload is stored as it is: the block is not compressed a second time
-        (on a CPU-bound server that would compete with the forward the restore is for). Never
-        waits: a full disk queue drops it, as in the eviction cascade. No lock is held for the
-        copy (the caller's fills own these bytes); the host tier gets them as any device block,
-        when they fall out of the device pool."""
+    def _keep(self, keeper: LowerTier, kept: list[tuple[BlockKey, torch.Tensor, bytes]]) -> None:
+        """Blocks just read from a tier below (key, their bytes on the CPU, the payload it gave)
+        also go to `keeper`, the tier above it (the store's blocks onto the local disk), so the
+        next miss of this process -- after a restart too -- stays local. The payload is stored as
+        it is: the block is not compressed a second time (on a CPU-bound server that would compete
+        with the forward the restore is for). Never waits: a full queue drops it, as in the
+        eviction cascade. No lock is held for the copy (the caller's fills own these bytes); the
+        host tier gets them as any device block, when they fall out of the device pool."""
         c = self.t
-        if c.disk is None:
-            return
         try:
-            queued = sum(1 for key, block, payload in kept
-                         if not c.disk.contains(key) and c.disk.put(key, block, wait=False, payload=payload))
+            queued = keeper.keep(kept)
         except Exception:     # keeping a copy is a nicety: the fills themselves succeeded
-            log.exception("keeping %d remote blocks on disk failed", len(kept))
+            log.exception("keeping %d blocks read from below on %s failed", len(kept), keeper.name)
             return
         if queued:
             with c.lock:
                 for _ in range(queued):
-                    c.count_write("disk")
+                    c.count_write(keeper.name)
 
     # ---- prefetch ------------------------------------------------------------------------
-    def prefetch(self, keys: Sequence[BlockKey], into: Prefetch) -> None:
-        """Read these disk blocks into the host tier in the background, PREFETCH_CHUNK at a time
-        (called under the tiers' lock, with the blocks on disk, not in flight, not prefetched)."""
+    def prefetch(self, tier: LowerTier, keys: Sequence[BlockKey], into: Prefetch) -> None:
+        """Read these blocks of a local tier below (the disk) into the host tier in the background,
+        PREFETCH_CHUNK at a time (called under the tiers' lock, with the blocks in `tier`, not in
+        flight, not prefetched)."""
         for i in range(0, len(keys), PREFETCH_CHUNK):
             chunk = _Chunk(list(keys[i:i + PREFETCH_CHUNK]))
             for k in chunk.keys:
                 self.prefetching[k.hash] = chunk
             into.chunks.append(chunk)
-            self._prefetches.submit(self._run_prefetch, chunk, into)
+            self._prefetches.submit(self._run_prefetch, tier, chunk, into)
 
-    def _run_prefetch(self, chunk: "_Chunk", into: Prefetch) -> None:
+    def _run_prefetch(self, tier: LowerTier, chunk: "_Chunk", into: Prefetch) -> None:
         c = self.t
         keys: list[BlockKey] = []
         try:
@@ -418,13 +422,13 @@ class Loader:
             if not keys:
                 return
             if not c.host.enabled:
-                c.disk.read_ahead(keys)    # no host tier to hold them: warm the OS page cache
+                tier.read_ahead(keys)      # no host tier to hold them: warm the OS page cache
                 return
             started = time.perf_counter()
-            blocks = c.disk.get_many(keys)
-            # The disk's read rate, as its fills record it: when a prefetch brings a hit's blocks
+            blocks = tier.get_many(keys)
+            # The tier's read rate, as its fills record it: when a prefetch brings a hit's blocks
             # up first, the fill comes from the host, and the disk would otherwise go unmeasured.
-            c.rates.observe("disk", sum(b is not None for b in blocks) * c.layout.nbytes,
+            c.rates.observe(tier.name, sum(b is not None for b in blocks) * c.layout.nbytes,
                             time.perf_counter() - started)
             # Reserve under the lock (each slot pinned, its copy announced: a fill planned from it
             # meanwhile waits for our Future), copy with no lock held, commit under the lock.
@@ -459,7 +463,7 @@ class Loader:
                         c.host.unpin(slot)
                     c.events.stored(stored, CPU)
         except Exception:
-            log.exception("prefetching %d disk blocks failed: their requests read them later", len(keys))
+            log.exception("prefetching %d %s blocks failed: their requests read them later", len(keys), tier.name)
         finally:
             with c.lock:
                 for k in keys:
@@ -471,8 +475,8 @@ class Loader:
         """Stop the workers; `release_memory=False` leaves the staging halves pinned and mapped."""
         self._prefetches.shutdown(wait=True)
         self._fills.shutdown(wait=True)
-        if self._remote is not None:
-            self._remote.shutdown(wait=True)
+        if self._linked is not None:
+            self._linked.shutdown(wait=True)
         if self._late is not None:
             self._late.shutdown(wait=True)
         if release_memory:

@@ -15,10 +15,19 @@ NOTE invariants every implementation keeps:
 - contains() does no I/O. A `local` tier knows what it holds (the disk's index); the remote
   tier knows only what this process wrote or read, so the cache asks the store itself with a
   probe off the engine thread (TieredKVCache.prefetch) rather than through contains().
+
+The callers (storage/tiered_cache.py, cascade.py, loader.py) walk `Tiers.lower` and never name a
+tier: what differs between tiers is said here, by the tier -- `local` (its own tier, or a store
+shared over a link), probe, room, clear, the payloads it forwards to the tier below (on_commit),
+what it keeps of a read from the tier below (keep), a read given up (read_late), and its counters
+as a record the cache reports without knowing its fields (TierRecord). Only the wiring that
+builds the tiers from CacheConfig (storage/tier_wiring.py) names them; tests/storage/
+test_tier_boundary.py keeps it so. A verb with a default below is one a tier may leave as it is
+(a tier subclasses LowerTier to inherit them).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Callable, Iterator, Protocol, Sequence, runtime_checkable
 
 from storage.cancellation import Cancellation
 from storage.hashing import BlockKey
@@ -46,12 +55,40 @@ def private_copy(block: torch.Tensor) -> torch.Tensor:
 
 
 @runtime_checkable
+class TierRecord(Protocol):
+    """A lower tier's counters (DiskStats, RemoteStats): a typed record the cache reports (cache
+    status, /metrics) without knowing its fields."""
+
+    def report(self, into) -> None:
+        """Write this record into `into` (storage/tiers.py's TierStats): the shared fields it
+        knows (capacity_bytes, used_bytes, blocks, evictions, ...) and the rest as `into.extra`,
+        under the names cache status shows."""
+
+
+@runtime_checkable
 class LowerTier(Protocol):
     name: str       # "disk" | "remote": the tier's name in stats, billing, metrics and the CLI
-    local: bool     # contains() is the whole answer (no probe of a store is needed)
+    local: bool     # this process's own tier: contains() is the whole answer (no probe), its writer
+                    # always drains (a put may wait for room), and clear() empties it. False: a store
+                    # shared over a link (asked with probe(), waits bounded, never cleared from here)
+    events: object  # the KV-event hook (storage/kv_events/sink.py), set by the cache: the tier says its own
 
     def contains(self, key: BlockKey) -> bool:
         """Whether this tier holds the block, as far as this process knows without I/O."""
+
+    def available(self) -> bool:
+        """Whether a call may be made now (False while a store's breaker is open)."""
+        return True
+
+    def probe(self, keys: Sequence[BlockKey]) -> frozenset[bytes]:
+        """The hashes of the longest prefix of `keys` (a chain) this tier holds: one bounded round
+        trip for a tier over a link, so never on the engine thread."""
+        held = set()
+        for key in keys:
+            if not self.contains(key):
+                break
+            held.add(key.hash)
+        return frozenset(held)
 
     def get_many(self, keys: Sequence[BlockKey], outs: Sequence[torch.Tensor | None] | None = None,
                  payloads: list | None = None, cancel: Cancellation | None = None) -> list[torch.Tensor | None]:
@@ -78,7 +115,48 @@ class LowerTier(Protocol):
     def write_failures(self) -> int:
         """Writes lost so far: a mark for flush(since=...), taken before queueing."""
 
-    def stats(self) -> object:
+    def wait_for_room(self, timeout: float | None = None) -> bool:
+        """Wait until the write queue is below its bound (a caller holding no lock, between
+        batches of puts that never wait). A tier over a link answers at once: its queue drops."""
+        return True
+
+    def clear(self) -> int:
+        """Forget every block (pending writes included); returns how many stored blocks went."""
+
+    def read_ahead(self, keys: Sequence[BlockKey]) -> int:
+        """Warm what a read of these blocks will touch (the OS page cache), decoding nothing: a
+        prefetch with no host tier to decode into. Returns bytes read; never raises."""
+        return 0
+
+    def keep(self, kept: Sequence[tuple[BlockKey, torch.Tensor, bytes | None]]) -> int:
+        """Blocks just read from the tier below this one (key, its bytes on the CPU, the payload
+        that tier verified): this tier keeps a copy, so the next miss stays closer. The payload
+        is stored as it is (a block is not encoded twice). Never waits: a full queue drops
+        (counted). Returns the blocks queued."""
+        return sum(1 for key, block, payload in kept
+                   if not self.contains(key) and self.put(key, block, wait=False, payload=payload))
+
+    def on_commit(self, callback: Callable[[list], None]) -> bool:
+        """Have `callback([(key, payload, raw_size), ...])` called with each batch of blocks this
+        tier stored (on its writer's thread), so the tier below is written from them (encoded
+        once). False: this tier forwards nothing."""
+        return False
+
+    def read_late(self) -> None:
+        """A read from this tier outlived the deadline of the load waiting for it (storage/
+        load_outcome.py): a tier over a link counts it against the link (its breaker)."""
+
+    def iter_blocks(self) -> Iterator:
+        """The blocks this tier holds (records with hash, parent, namespace, token_ids, hits),
+        read in chunks. A store shared with other servers lists none: what it holds is the
+        store's (`tieredkv inspect --remote-url`)."""
+        return iter(())
+
+    def announce(self, keys: Sequence[BlockKey]) -> None:
+        """A KV event (BlockStored) for each of these blocks the tier still holds: what
+        iter_blocks() listed at start (storage/tiered_cache.py announces them)."""
+
+    def stats(self) -> TierRecord:
         """This tier's counters (DiskStats, RemoteStats)."""
 
     def close(self) -> None:

@@ -10,7 +10,9 @@ up; both are given the narrow handle storage/tiers.py, never this object.
 With `kv_events` configured it starts the KV-event publisher (storage/kv_events/) and hands its
 sink to every tier: each block that becomes or stops being findable anywhere is published.
 Doesn't know: models, sequences or requests -- the engine hands in BlockKeys and page ids and
-gets typed results back.
+gets typed results back --, nor which tiers are below the host: they are built from the config by
+storage/tier_wiring.py and walked in order through storage/lower_tier.py's verbs, each tier's
+counters a record it reports itself (tests/storage/test_tier_boundary.py keeps this so).
 
 Thread safety: every public method takes the tiers' one lock, so the engine thread, HTTP
 threads (lookup, status), the loader's threads and the writers can run at once.
@@ -23,16 +25,15 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import torch
 
-from storage.cascade import Cascade, FlushResult
-from storage.codec.payload import Codec
+from storage.cascade import Cascade
 from storage.config import CacheConfig
 from storage.device_pool import DevicePool
-from storage.disk.tier import DiskTier, DiskUnavailable
+from storage.flush_result import FlushResult
 from storage.hashing import BlockKey
 from storage.host_tier import HostTier
 from storage.kv_events.sink import GPU, EventSink
@@ -40,10 +41,10 @@ from storage.layout import BlockLayout
 from storage.load_outcome import Acquired, finish
 from storage.load_records import Fill, Load, Prefetch, RemoteProbe
 from storage.loader import Loader
+from storage.lower_tier import LowerTier
 from storage.prefix_tree import CachedBlock
 from storage.shared_pages import SharedPages
-from storage.remote.breaker import BreakerConfig
-from storage.remote.tier import RemoteTier
+from storage.tier_wiring import NamedTiers, wire
 from storage.tiers import TIERS, Tiers, TierStats
 from storage.transfer import Transfer
 
@@ -68,10 +69,12 @@ class CacheMatch:
         return out
 
 
-class TieredKVCache(SharedPages):
+class TieredKVCache(SharedPages, NamedTiers):
     def __init__(self, layout: BlockLayout, config: CacheConfig, device: str | torch.device = "cpu",
-                 num_pages: int | None = None, disk: DiskTier | None = None, transfer: Transfer | None = None,
-                 remote: RemoteTier | None = None) -> None:
+                 num_pages: int | None = None, disk: LowerTier | None = None, transfer: Transfer | None = None,
+                 remote: LowerTier | None = None) -> None:
+        """`disk`, `remote`: tiers built already (tests, tools); else CacheConfig's are built
+        (storage/tier_wiring.py)."""
         if layout.block_size != config.block_size:
             raise ValueError(f"layout block_size {layout.block_size} != config block_size {config.block_size}")
         self.layout = layout
@@ -82,20 +85,7 @@ class TieredKVCache(SharedPages):
             if num_pages < 2:
                 raise ValueError(f"device_memory: {config.device_bytes} bytes holds {num_pages} blocks of "
                                  f"{layout.nbytes} bytes; need at least 2")
-        self.disk_unavailable: str | None = None   # why the configured disk tier is not running
-        if disk is None and config.disk_path is not None:
-            try:
-                disk = DiskTier(config.disk_path, config.disk_bytes, Codec(config.zstd_level, config.codec),
-                                layout=layout, reserve_bytes=config.disk_reserve_bytes)
-            except DiskUnavailable as e:
-                # NOTE: a full filesystem (or a store that cannot be created) is a cache without its
-                # disk tier, never a server that cannot start; status says why.
-                log.error("disk tier unavailable, running without it: %s", e)
-                self.disk_unavailable = str(e)
-        if remote is None and config.remote is not None:
-            remote = RemoteTier(config.remote, layout, Codec(config.zstd_level, config.codec),
-                                timeout_s=config.remote_timeout_s, ttl_s=config.remote_ttl_s,
-                                breaker=BreakerConfig(cooldown_s=config.remote_retry_s))
+        self._wired = wired = wire(config, layout, disk, remote)
         self.events_publisher = None
         self._announcer: threading.Thread | None = None
         self._closing = threading.Event()
@@ -104,16 +94,14 @@ class TieredKVCache(SharedPages):
                            host=HostTier(layout, config.host_bytes, pin=self.device.type == "cuda",
                                          device=self.device),
                            transfer=transfer or Transfer(self.device),   # tests pass Transfer(deferred=True)
-                           lower=tuple(t for t in (disk, remote) if t is not None))
+                           lower=wired.tiers)
         self._lock = self.tiers.lock
         self.pool, self.host, self.transfer = self.tiers.pool, self.tiers.host, self.tiers.transfer
-        self.disk, self.remote = disk, remote
-        self.cascade = Cascade(self.tiers, write_through=config.write_policy == "write_through",
-                               remote_through=config.remote_write == "write_through",
-                               remote_timeout_s=config.remote_timeout_s)
+        self.cascade = Cascade(self.tiers, write_through=wired.write_through,
+                               link_timeout_s=config.remote_timeout_s)
         self.loader = Loader(self.tiers)
         # A planner needs a figure before the first fill: a few ms of host copies and one decode.
-        self.tiers.rates.calibrate(layout, disk.codec if disk is not None else None, self.device)
+        self.tiers.rates.calibrate(layout, wired.codec, self.device)
         if config.kv_events is not None:
             try:
                 self._publish_events()
@@ -123,9 +111,9 @@ class TieredKVCache(SharedPages):
 
     def _publish_events(self) -> None:
         """Start the KV-event publisher (storage/kv_events/) and give every tier its sink. Its
-        first batch is AllBlocksCleared; then the blocks the disk already held are announced
-        (BlockStored DISK) by a thread reading them: a router learns what a restarted server
-        can serve."""
+        first batch is AllBlocksCleared; then the blocks this process's own tiers below already
+        held (the disk's) are announced (BlockStored DISK) by a thread reading them: a router
+        learns what a restarted server can serve."""
         from storage.kv_events.publisher import KVEventPublisher   # zmq, msgspec: only when on
         c = self.config
         sink = EventSink()
@@ -138,30 +126,33 @@ class TieredKVCache(SharedPages):
                 below.events = sink
         log.info("kv events: publishing on %s (replay %s)", self.events_publisher.endpoint,
                  self.events_publisher.replay_endpoint)
-        if self.disk is not None:
-            self._announcer = threading.Thread(target=self._announce_disk, args=(sink,),
+        if any(below.local for below in self.tiers.lower):
+            self._announcer = threading.Thread(target=self._announce_held, args=(sink,),
                                                name="tieredkv-kv-events-announce", daemon=True)
             self._announcer.start()
 
-    def _announce_disk(self, sink: EventSink) -> None:
-        """The disk's blocks at start as BlockStored DISK, a chunk at a time, never more than a
-        quarter of the sink's queue ahead of the publisher (live events keep their room).
-        NOTE: the index announces only what it still holds, under the lock its removals are said
+    def _announce_held(self, sink: EventSink) -> None:
+        """The blocks held below at start (LowerTier.iter_blocks: the disk's; a store lists none)
+        as BlockStored, a chunk at a time, never more than a quarter of the sink's queue ahead of
+        the publisher (live events keep their room).
+        NOTE: a tier announces only what it still holds, under the lock its removals are said
         under, so an eviction racing the scan never leaves a router believing in a gone block."""
-        try:
-            chunk: list[BlockKey] = []
-            for b in self.disk.iter_blocks():
-                if self._closing.is_set():
-                    return
-                chunk.append(BlockKey(b.hash, b.parent, tuple(b.token_ids), b.namespace))
-                if len(chunk) == 256:
-                    while sink.busy() and not self._closing.wait(0.01):
-                        pass
-                    self.disk.announce(chunk)
-                    chunk = []
-            self.disk.announce(chunk)
-        except Exception:
-            log.exception("kv events: announcing the disk's blocks failed; routers learn them as they move")
+        for below in self.tiers.lower:
+            try:
+                chunk: list[BlockKey] = []
+                for b in below.iter_blocks():
+                    if self._closing.is_set():
+                        return
+                    chunk.append(BlockKey(b.hash, b.parent, tuple(b.token_ids), b.namespace))
+                    if len(chunk) == 256:
+                        while sink.busy() and not self._closing.wait(0.01):
+                            pass
+                        below.announce(chunk)
+                        chunk = []
+                below.announce(chunk)
+            except Exception:
+                log.exception("kv events: announcing the %s tier's blocks failed; routers learn them as they move",
+                              below.name)
 
     # ---- where blocks are ----------------------------------------------------------------
     def _tier_of(self, key: BlockKey, probed: frozenset[bytes] | None = None) -> str | None:
@@ -196,9 +187,10 @@ class TieredKVCache(SharedPages):
         """match() with the remote store asked now (a round trip on the calling thread: never
         call it from the engine thread). For lookups that promote nothing (Engine.lookup)."""
         local = self.match(keys)
-        if self.remote is None or len(local) == len(keys) or not self.remote.available():
+        linked = [below for below in self.tiers.linked if below.available()]
+        if not linked or len(local) == len(keys):
             return local
-        return self.match(keys, self.remote.probe(keys[len(local):]))
+        return self.match(keys, frozenset().union(*(below.probe(keys[len(local):]) for below in linked)))
 
     # ---- promotion -----------------------------------------------------------------------
     def plan(self, match: CacheMatch, prefetch: Prefetch | None = None) -> Load:
@@ -242,7 +234,7 @@ class TieredKVCache(SharedPages):
                         self.pool.release(page)
                         break   # the block left every tier since match(): the prefix ends here
                     moved = source == "host" and prefetch is not None and key.hash in prefetch.moved
-                    fill = Fill(key, page, source, tier="disk" if moved else source)
+                    fill = Fill(key, page, source, tier=prefetch.source if moved else source)
                     self.loader.inflight[key.hash] = fill
                     new.append(fill)
                 self.pool.acquire(fill.page)            # the request's reference
@@ -290,7 +282,7 @@ class TieredKVCache(SharedPages):
             out = []
             for key, tier in blocks:
                 if tier == "host" and prefetch is not None and key.hash in prefetch.moved:
-                    tier = "disk"
+                    tier = prefetch.source
                 self.tiers.counters[tier].hits += 1
                 self.tiers.counters[tier].hit_tokens += len(key.token_ids)
                 self.tiers.counters[tier].recomputed += 1
@@ -318,9 +310,11 @@ class TieredKVCache(SharedPages):
         """Start reading a new request's disk blocks into the host tier (or, with no host tier,
         into the OS page cache), so its time in the queue overlaps the drive. At most half the
         host tier per request, so one long prompt cannot flush everyone's host blocks.
-        With a remote tier, the blocks after the last local one are probed for in the store (on
-        a loader thread): the scheduler admits the request once the probe answered."""
-        out = Prefetch()
+        With a tier over a link (the store), the blocks after the last local one are probed for
+        (on a loader thread): the scheduler admits the request once the probe answered."""
+        # Prefetches read this process's first own tier below (the disk).
+        source = next((below for below in self.tiers.lower if below.local), None)
+        out = Prefetch(source=None if source is None else source.name)
         with self._lock:
             todo = []
             limit = self.host.num_slots // 2 if self.host.enabled else len(keys)
@@ -330,15 +324,17 @@ class TieredKVCache(SharedPages):
                     continue
                 if self.host.enabled and self.host.slot_of(key) is not None:
                     continue
-                if self.disk is None or not self.disk.contains(key):
+                if source is None or not source.contains(key):
                     missing = i    # the chain's first block no local tier holds
                     break
                 if key.hash not in self.loader.prefetching and len(todo) < limit:
                     todo.append(key)
-            self.loader.prefetch(todo, out)
-            if self.remote is not None and missing < len(keys) and self.remote.available():
-                out.remote = RemoteProbe()
-                self.loader.probe(keys[missing:], out.remote)
+            if todo:
+                self.loader.prefetch(source, todo, out)
+            linked = [below for below in self.tiers.linked if below.available()]
+            if linked and missing < len(keys):
+                out.probe = RemoteProbe()
+                self.loader.probe(linked, keys[missing:], out.probe)
         return out
 
     # ---- new blocks ----------------------------------------------------------------------
@@ -401,10 +397,9 @@ class TieredKVCache(SharedPages):
         self.transfer.close()      # every copy into the host slab issued so far is complete...
         if release_memory:
             self.host.close()      # ...before it is unpinned
-        if self.disk is not None:
-            self.disk.close()      # its last commits are forwarded to the remote writer...
-        if self.remote is not None:
-            self.remote.close()    # ...which sends them (bounded) before it stops
+        for below in self.tiers.lower:
+            below.close()          # in order: the disk's last commits are forwarded to the remote
+                                   # writer, which sends them (bounded) before it stops
         if self.events_publisher is not None:
             # Last: the final commits' events go out. Then nothing here is findable any more.
             self.tiers.events.cleared()
@@ -419,9 +414,9 @@ class TieredKVCache(SharedPages):
     # ---- reporting -----------------------------------------------------------------------
     def stats(self) -> dict[str, TierStats]:
         """Per-tier counters, O(1) in the number of pages and blocks (/metrics reads this on every
-        scrape). The disk's are read outside the cache lock: they need an LMDB read."""
-        disk = self.disk.stats() if self.disk is not None else None
-        remote = self.remote.stats() if self.remote is not None else None
+        scrape). The tiers below report their own records (LowerTier.stats), read outside the
+        cache lock: the disk's need an LMDB read."""
+        records = [(below.name, below.stats()) for below in self.tiers.lower]
         with self._lock:
             out = {t: TierStats(**{**self.tiers.counters[t].__dict__, "extra": {}}) for t in TIERS}
             p = self.pool.stats()
@@ -434,39 +429,19 @@ class TieredKVCache(SharedPages):
             out["host"].extra = {"pinned": h.pinned, "enabled": self.host.enabled,
                                  "written_behind": self.cascade.writeback.written,
                                  "inline_writes": self.cascade.inline_writes}
-            if disk is not None:
-                d = disk
-                o = out["disk"]
-                o.capacity_bytes, o.used_bytes, o.blocks, o.evictions = d.capacity_bytes, d.used_bytes, d.blocks, d.evictions
-                o.bytes_read = d.bytes_read
-                o.extra = {"enabled": True, "compression_ratio": d.compression_ratio, "pending_writes": d.pending_writes,
-                           "corrupt": d.corrupt, "write_errors": d.write_errors, "read_errors": d.read_errors,
-                           "recovered": d.recovered, "moved_aside": d.moved_aside, "unavailable": d.unavailable,
-                           "free_bytes": d.free_bytes, "space_bound_bytes": d.space_bound_bytes,
-                           "raw_bytes": d.raw_bytes,
-                           "stored_bytes_written": d.bytes_written}
-            else:
-                out["disk"].extra = {"enabled": False, "unavailable": self.disk_unavailable}
-            o = out["remote"]
-            if remote is not None:
-                # Capacity is the store's own (maxmemory + its eviction policy): not reported here.
-                # hits/promotions/bytes_read are blocks served to requests (as for every tier);
-                # the store client's own counters are in extra (reads, store_hits, ...).
-                r = asdict(remote)
-                o.demotions, o.bytes_written = r["writes"], r.pop("bytes_written")
-                r["store_hits"], r["stored_bytes_read"] = r.pop("hits"), r.pop("bytes_read")
-                o.extra = {**r, "write_policy": self.config.remote_write}
-            else:
-                o.extra = {"enabled": False}
+            for name, record in records:
+                record.report(out[name])
+            for name, extra in self._wired.status.items():   # the config's word (an absent tier, a policy)
+                out[name].extra.update(extra)
             return out
 
     def cached_blocks(self, namespaces: frozenset[bytes] | None = None,
                       max_disk_blocks: int = 20_000) -> tuple[list[CachedBlock], bool]:
-        """Every block the device pool, the host slab and the disk hold (in `namespaces`, or all),
-        each once, in the fastest tier that holds it, and whether the disk's walk stopped at
-        `max_disk_blocks` records read (a big disk tier is shown in part). The remote store's
-        contents are the store's (`tieredkv inspect --remote-url`). The disk is read outside the
-        cache lock, in chunks (DiskTier.iter_blocks)."""
+        """Every block the device pool, the host slab and the tiers below list hold (in
+        `namespaces`, or all), each once, in the fastest tier that holds it, and whether the walk
+        below stopped at `max_disk_blocks` records read (a big disk tier is shown in part). The
+        remote store lists none: its contents are the store's (`tieredkv inspect --remote-url`).
+        The tiers below are read outside the cache lock, in chunks (LowerTier.iter_blocks)."""
         def wanted(ns: bytes) -> bool:
             return namespaces is None or ns in namespaces
         found: dict[bytes, CachedBlock] = {}
@@ -478,21 +453,20 @@ class TieredKVCache(SharedPages):
             for _, k in self.host.blocks():
                 if wanted(k.namespace) and k.hash not in found:
                     found[k.hash] = CachedBlock(k.hash, k.parent, k.namespace, k.token_ids, "host")
-        truncated = False
-        if self.disk is not None:
-            read = 0
+        truncated, read = False, 0
+        for below in self.tiers.lower:
             try:
-                for b in self.disk.iter_blocks():
+                for b in below.iter_blocks():
                     read += 1
                     if read > max_disk_blocks:
                         truncated = True
                         break
                     if wanted(b.namespace):
                         mem = found.get(b.hash)
-                        found[b.hash] = (CachedBlock(b.hash, b.parent, b.namespace, b.token_ids, "disk", b.hits)
+                        found[b.hash] = (CachedBlock(b.hash, b.parent, b.namespace, b.token_ids, below.name, b.hits)
                                          if mem is None else replace(mem, hits=b.hits))
             except Exception as e:    # a closed or replaced store: the memory tiers are still shown
-                log.warning("cached_blocks: the disk tier could not be read: %s", e)
+                log.warning("cached_blocks: the %s tier could not be read: %s", below.name, e)
                 truncated = True
         return list(found.values()), truncated
 

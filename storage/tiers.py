@@ -30,6 +30,7 @@ from storage.lower_tier import LowerTier
 from storage.transfer import Transfer
 
 TIERS = ("device", "host", "disk", "remote")
+SHARED = ("remote",)    # tiers every server shares: an operator drops them at the store, not from one server
 
 
 @dataclass
@@ -73,21 +74,25 @@ class Tiers:
     events: NoEvents = NO_EVENTS
 
     def below(self, name: str) -> LowerTier | None:
-        """The lower tier called `name` ("disk", "remote"), or None when it is not configured."""
+        """The lower tier called `name` (a fill's source, an operator's word), or None when it is
+        not configured."""
         return next((t for t in self.lower if t.name == name), None)
 
-    @property
-    def disk(self):
-        return self.below("disk")
-
-    @property
-    def remote(self):
-        return self.below("remote")
+    def above(self, tier: LowerTier) -> LowerTier | None:
+        """The lower tier just above `tier` (the one that keeps what is read from it), or None."""
+        i = self.lower.index(tier)
+        return self.lower[i - 1] if i > 0 else None
 
     @property
     def next_down(self) -> LowerTier | None:
         """Where a block leaving the lowest in-memory tier goes: the first tier below the host."""
         return self.lower[0] if self.lower else None
+
+    @property
+    def linked(self) -> tuple[LowerTier, ...]:
+        """The tiers below shared over a link (not `local`): asked with a probe, read on their own
+        workers."""
+        return tuple(t for t in self.lower if not t.local)
 
     def count_write(self, tier: str) -> None:
         """A block written into `tier` from the tier above (under the lock)."""

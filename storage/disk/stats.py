@@ -1,7 +1,8 @@
 """The disk tier's counters as it reports them: the store's (shared by every process, from
 `info`) and this process's own, and one stored block's metadata as iter_blocks() lists it.
 
-Knows: the fields and what each counts. Doesn't know: how they are kept (storage/disk/tier.py).
+Knows: the fields and what each counts, and how cache status shows them (DiskStats.report).
+Doesn't know: how they are kept (storage/disk/tier.py).
 """
 from __future__ import annotations
 
@@ -30,6 +31,19 @@ class DiskStats:
     unavailable: str | None = None # why the tier has no store now (nothing is read or written), or None
     free_bytes: int | None = None  # the filesystem's free space, as the writer last saw it
     space_bound_bytes: int | None = None  # the bound the free space set below the capacity, if lower
+
+    def report(self, into) -> None:
+        """Into the cache's TierStats for the disk (storage/lower_tier.py's TierRecord): the shared
+        fields, and the rest under the names cache status shows (stored_bytes_written: the bytes
+        the writer stored; the cache counts the blocks it sent down itself)."""
+        into.capacity_bytes, into.used_bytes, into.blocks = self.capacity_bytes, self.used_bytes, self.blocks
+        into.evictions, into.bytes_read = self.evictions, self.bytes_read
+        into.extra = {"enabled": True, "compression_ratio": self.compression_ratio,
+                      "pending_writes": self.pending_writes, "corrupt": self.corrupt, "write_errors": self.write_errors,
+                      "read_errors": self.read_errors, "recovered": self.recovered, "moved_aside": self.moved_aside,
+                      "unavailable": self.unavailable, "free_bytes": self.free_bytes,
+                      "space_bound_bytes": self.space_bound_bytes, "raw_bytes": self.raw_bytes,
+                      "stored_bytes_written": self.bytes_written}
 
 
 @dataclass(frozen=True, slots=True)

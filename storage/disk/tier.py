@@ -57,7 +57,7 @@ from storage.disk.records import recount as recount_info
 from storage.disk.writer import DiskWriter
 from storage.layout import BlockLayout, dtype_name
 from storage.malloc_tuning import keep_freed_memory
-from storage.lower_tier import private_copy
+from storage.lower_tier import LowerTier, private_copy
 from storage.hashing import BlockKey
 
 if TYPE_CHECKING:      # blocks are tensors, but nothing here makes one: `tieredkv inspect`/`verify` load no torch
@@ -74,7 +74,7 @@ log = logging.getLogger(__name__)
 DEFAULT_RESERVE_BYTES = 256 << 20
 
 
-class DiskTier:
+class DiskTier(LowerTier):
     """Blocks on disk, LRU-bounded by stored (compressed) bytes. Thread-safe.
 
     put() hands a block to a background writer thread; get()/get_many() verify before
@@ -225,11 +225,12 @@ class DiskTier:
         found at open, read back by iter_blocks (storage/tiered_cache.py announces them)."""
         self._index.announce(keys)
 
-    def on_commit(self, callback) -> None:
+    def on_commit(self, callback) -> bool:
         """Have the writer thread call `callback([(key, payload, raw_size), ...])` after each
         commit, with the blocks it stored (the remote tier's write-behind). It must not block
         for long: the next commit waits for it."""
         self._writer.on_commit = callback
+        return True
 
     def wait_for_room(self, timeout: float | None = None) -> bool:
         """Block until the writer's queue is below its bound: what a caller that may wait (and

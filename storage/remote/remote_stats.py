@@ -1,10 +1,11 @@
 """What the remote tier reports: its counters and its breaker's state, one frozen record.
 
-Knows the fields and what each counts; storage/remote/tier.py fills it (RemoteTier.stats).
+Knows the fields and what each counts, and how cache status shows them (report);
+storage/remote/tier.py fills it (RemoteTier.stats).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,3 +29,14 @@ class RemoteStats:
     bytes_written: int
     pending_writes: int
     last_error: str | None
+
+    def report(self, into) -> None:
+        """Into the cache's TierStats for the remote (storage/lower_tier.py's TierRecord).
+        Capacity is the store's own (maxmemory and its eviction policy): not reported here.
+        hits/promotions/bytes_read there are blocks served to requests (as for every tier); this
+        client's own counters are in extra (reads as store_hits, stored_bytes_read, ...), its
+        writes as the tier's demotions and bytes_written."""
+        r = asdict(self)
+        into.demotions, into.bytes_written = r["writes"], r.pop("bytes_written")
+        r["store_hits"], r["stored_bytes_read"] = r.pop("hits"), r.pop("bytes_read")
+        into.extra = r

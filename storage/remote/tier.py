@@ -63,7 +63,7 @@ from storage.hashing import BlockKey
 from storage.kv_events.sink import NO_EVENTS, REMOTE, NoEvents
 from storage.layout import BlockLayout
 from storage.malloc_tuning import keep_freed_memory
-from storage.lower_tier import private_copy
+from storage.lower_tier import LowerTier, private_copy
 from storage.pool_drain import drain_on
 from storage.remote.known_keys import KnownKeys
 from storage.remote.remote_stats import RemoteStats
@@ -85,8 +85,10 @@ _KNOWN_MAX = 1 << 16          # hashes remembered as present in the store (skip 
 _LOG_EVERY_S = 10.0
 
 
-class RemoteTier:
-    """Blocks in a Valkey/Redis store. Thread-safe. Nothing connects until the first call."""
+class RemoteTier(LowerTier):
+    """Blocks in a Valkey/Redis store. Thread-safe. Nothing connects until the first call.
+    LowerTier's defaults hold for it: nothing below it (keep, on_commit), no files to read
+    ahead, no listing (iter_blocks), and a queue that drops rather than waits (wait_for_room)."""
 
     name = "remote"
     local = False    # what the store holds is asked with probe(), off the engine thread
@@ -313,6 +315,15 @@ class RemoteTier:
         if status == "ok" and got:
             self.events.removed([key.hash], REMOTE)
         return status == "ok" and bool(got)
+
+    def clear(self) -> int:
+        """Refused: every server's blocks live in the store; clearing it is the store operator's
+        call (FLUSHDB, or its LRU and TTL), not one server's."""
+        raise ValueError(f"tier: the {self.name} tier is shared by every server and is not dropped from one")
+
+    def read_late(self) -> None:
+        """A read that outlived its load's deadline: a failure for the breaker (no I/O)."""
+        self.breaker.failure()
 
     def flush(self, timeout: float | None = None, since: int | None = None) -> bool:
         """Wait until every queued write was sent. True when none was lost meanwhile (or since

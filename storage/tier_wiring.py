@@ -1,0 +1,75 @@
+"""The wiring: the tiers below the host built from CacheConfig, in order, and what the config says
+about them that the cache passes on without naming them.
+
+Knows: which tiers there are and their order (the disk, then the remote store), how each is built
+from CacheConfig (path, sizes, codec, reserve; URL, timeouts, TTL, breaker), what a configured
+tier that could not start reports (a disk on a full filesystem: `unavailable`), the store's write
+policy (`remote_write`: write-through sends every block down as it is registered), and the
+handles by name (`cache.disk`, `cache.remote`) that callers outside placement use: the engine's
+calibration and start-up line, the CLI, tools and tests.
+Doesn't know: placement or movement. storage/tiered_cache.py, cascade.py and loader.py walk
+`Tiers.lower` through storage/lower_tier.py's verbs and name no tier (tests/storage/
+test_tier_boundary.py): this module is the one place in placement that does.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from storage.codec.payload import Codec
+from storage.config import CacheConfig
+from storage.disk.tier import DiskTier, DiskUnavailable
+from storage.layout import BlockLayout
+from storage.lower_tier import LowerTier
+from storage.remote.breaker import BreakerConfig
+from storage.remote.tier import RemoteTier
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LowerTiers:
+    """The tiers below the host as the cache is given them."""
+    tiers: tuple[LowerTier, ...]           # fastest first
+    write_through: bool                    # every registered block goes down at once (storage/cascade.py)
+    codec: Codec | None                    # what a restore from below decodes with (the disk's): timed at
+                                           # start for the planner's first figure (storage/restore_rates.py)
+    status: dict[str, dict] = field(default_factory=dict)   # per tier name, what its status adds to
+                                           # the tier's own record (an absent tier: {"enabled": False, ...})
+
+
+def wire(config: CacheConfig, layout: BlockLayout, disk: DiskTier | None = None,
+         remote: RemoteTier | None = None) -> LowerTiers:
+    """The tiers CacheConfig asks for, each built unless given ready-made (tests, tools)."""
+    unavailable: str | None = None          # why the configured disk tier is not running
+    if disk is None and config.disk_path is not None:
+        try:
+            disk = DiskTier(config.disk_path, config.disk_bytes, Codec(config.zstd_level, config.codec),
+                            layout=layout, reserve_bytes=config.disk_reserve_bytes)
+        except DiskUnavailable as e:
+            # NOTE: a full filesystem (or a store that cannot be created) is a cache without its
+            # disk tier, never a server that cannot start; status says why.
+            log.error("disk tier unavailable, running without it: %s", e)
+            unavailable = str(e)
+    if remote is None and config.remote is not None:
+        remote = RemoteTier(config.remote, layout, Codec(config.zstd_level, config.codec),
+                            timeout_s=config.remote_timeout_s, ttl_s=config.remote_ttl_s,
+                            breaker=BreakerConfig(cooldown_s=config.remote_retry_s))
+    status = {"disk": {} if disk is not None else {"enabled": False, "unavailable": unavailable},
+              "remote": {"write_policy": config.remote_write} if remote is not None else {"enabled": False}}
+    return LowerTiers(tiers=tuple(t for t in (disk, remote) if t is not None),
+                      write_through=config.write_policy == "write_through"
+                      or (remote is not None and config.remote_write == "write_through"),
+                      codec=disk.codec if disk is not None else None, status=status)
+
+
+class NamedTiers:
+    """The tiers below the host by name, for callers outside placement (a base class of
+    TieredKVCache, whose `tiers` it reads): None when the tier is not running."""
+    @property
+    def disk(self) -> DiskTier | None:
+        return self.tiers.below("disk")
+
+    @property
+    def remote(self) -> RemoteTier | None:
+        return self.tiers.below("remote")
