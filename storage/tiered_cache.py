@@ -7,8 +7,8 @@ release), a new request's disk prefetch and remote probe (prefetch), and the per
 Movement lives beside it: storage/cascade.py moves blocks down (eviction, write-through, and
 the operator's flush/demote/drop, which this class only hands on), storage/loader.py moves them
 up; both are given the narrow handle storage/tiers.py, never this object.
-With `kv_events` configured it starts the KV-event publisher (storage/kv_events/) and hands its
-sink to every tier: each block that becomes or stops being findable anywhere is published.
+With `kv_events` configured it starts the KV-event publisher (storage/cache_events.py) and hands
+its sink to every tier: each block that becomes or stops being findable anywhere is published.
 Doesn't know: models, sequences or requests -- the engine hands in BlockKeys and page ids and
 gets typed results back --, nor which tiers are below the host: they are built from the config by
 storage/tier_wiring.py and walked in order through storage/lower_tier.py's verbs, each tier's
@@ -30,13 +30,14 @@ from typing import Sequence
 
 import torch
 
+from storage.cache_events import CacheEvents
 from storage.cascade import Cascade
 from storage.config import CacheConfig
 from storage.device_pool import DevicePool
 from storage.flush_result import FlushResult
 from storage.hashing import BlockKey
 from storage.host_tier import HostTier
-from storage.kv_events.sink import GPU, EventSink
+from storage.kv_events.sink import GPU
 from storage.layout import BlockLayout
 from storage.load_outcome import Acquired, finish
 from storage.load_records import Fill, Load, Prefetch, RemoteProbe
@@ -69,7 +70,7 @@ class CacheMatch:
         return out
 
 
-class TieredKVCache(SharedPages, NamedTiers):
+class TieredKVCache(SharedPages, CacheEvents, NamedTiers):
     def __init__(self, layout: BlockLayout, config: CacheConfig, device: str | torch.device = "cpu",
                  num_pages: int | None = None, disk: LowerTier | None = None, transfer: Transfer | None = None,
                  remote: LowerTier | None = None) -> None:
@@ -108,51 +109,6 @@ class TieredKVCache(SharedPages, NamedTiers):
             except BaseException:
                 self.close()       # a taken port: the tiers' threads and files go with the error
                 raise
-
-    def _publish_events(self) -> None:
-        """Start the KV-event publisher (storage/kv_events/) and give every tier its sink. Its
-        first batch is AllBlocksCleared; then the blocks this process's own tiers below already
-        held (the disk's) are announced (BlockStored DISK) by a thread reading them: a router
-        learns what a restarted server can serve."""
-        from storage.kv_events.publisher import KVEventPublisher   # zmq, msgspec: only when on
-        c = self.config
-        sink = EventSink()
-        self.events_publisher = KVEventPublisher(sink, c.kv_events, c.kv_events_replay_endpoint,
-                                                 block_size=self.layout.block_size, topic=c.kv_events_topic,
-                                                 tokens=c.kv_events_tokens)
-        with self._lock:
-            self.tiers.events = sink
-            for below in self.tiers.lower:
-                below.events = sink
-        log.info("kv events: publishing on %s (replay %s)", self.events_publisher.endpoint,
-                 self.events_publisher.replay_endpoint)
-        if any(below.local for below in self.tiers.lower):
-            self._announcer = threading.Thread(target=self._announce_held, args=(sink,),
-                                               name="tieredkv-kv-events-announce", daemon=True)
-            self._announcer.start()
-
-    def _announce_held(self, sink: EventSink) -> None:
-        """The blocks held below at start (LowerTier.iter_blocks: the disk's; a store lists none)
-        as BlockStored, a chunk at a time, never more than a quarter of the sink's queue ahead of
-        the publisher (live events keep their room).
-        NOTE: a tier announces only what it still holds, under the lock its removals are said
-        under, so an eviction racing the scan never leaves a router believing in a gone block."""
-        for below in self.tiers.lower:
-            try:
-                chunk: list[BlockKey] = []
-                for b in below.iter_blocks():
-                    if self._closing.is_set():
-                        return
-                    chunk.append(BlockKey(b.hash, b.parent, tuple(b.token_ids), b.namespace))
-                    if len(chunk) == 256:
-                        while sink.busy() and not self._closing.wait(0.01):
-                            pass
-                        below.announce(chunk)
-                        chunk = []
-                below.announce(chunk)
-            except Exception:
-                log.exception("kv events: announcing the %s tier's blocks failed; routers learn them as they move",
-                              below.name)
 
     # ---- where blocks are ----------------------------------------------------------------
     def _tier_of(self, key: BlockKey, probed: frozenset[bytes] | None = None) -> str | None:
@@ -404,12 +360,6 @@ class TieredKVCache(SharedPages, NamedTiers):
             # Last: the final commits' events go out. Then nothing here is findable any more.
             self.tiers.events.cleared()
             self.events_publisher.close()
-
-    def events_status(self) -> dict:
-        """The KV-event stream, for cache status: where it is bound (a router subscribes there),
-        its last sequence number and the events dropped for a full queue; {"enabled": False} off."""
-        p = self.events_publisher
-        return {"enabled": False} if p is None else p.status()
 
     # ---- reporting -----------------------------------------------------------------------
     def stats(self) -> dict[str, TierStats]:

@@ -1,9 +1,10 @@
 """The disk tier: compressed KV blocks in an LMDB environment, with an LRU capacity bound.
 
 Knows: the public face of the disk tier (storage/lower_tier.py's verbs and the operator's) --
-put (handed to the background writer), verified reads served from the store or from a put
-still pending, deletes, flush/close, stats, iteration, verify/repair and the check() audit --
-and this process's counters. Its parts live beside it in storage/disk/: environment.py (opening),
+put (handed to the background writer), deletes, clear, flush/close, stats, verify/repair and the
+check() audit -- and this process's counters. Its parts live beside it in storage/disk/: reads.py
+(verified reads from the store or a pending put, read-ahead, iteration: a base class of
+DiskTier), environment.py (opening),
 gate.py (every transaction), liveness.py (the files checked before each), verdicts.py and
 replacement.py (damage; the store replaced while serving), records.py (databases, formats),
 writer.py and pending.py (the queue, the encode pool, the thread that commits and evicts),
@@ -24,9 +25,9 @@ maps at least the file's own size and adopts a size another process grew (EnvGat
 
 Hits/misses/corrupt/evictions/bytes counters in `stats()` are this process's own.
 
-NOTE invariant: the read paths (contains, get, get_many) never raise a storage error: an LMDB
-or OS error while reading is a miss, counted in `read_errors` and logged. A cache that cannot
-read must cost a recompute, never a failed or hung request (issue 7, item 2).
+NOTE invariant: the read paths (contains, get, get_many: storage/disk/reads.py) never raise a
+storage error: an LMDB or OS error while reading is a miss, counted in `read_errors` and logged.
+A cache that cannot read must cost a recompute, never a failed or hung request (issue 7, item 2).
 """
 from __future__ import annotations
 
@@ -35,19 +36,15 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
-import lmdb
-
-from storage.pool_drain import drain_on
-from storage.priority import background_priority
 from storage.codec.payload import Codec
-from storage.codec.stored_block import BlockMeta, verify_and_decode
 from storage.disk.integrity import DamagedBlock, VerifyReport, audit, verify_store
 from storage.disk.index import DiskIndex
 from storage.disk.environment import DiskUnavailable, default_map_size, open_env, open_writable
 from storage.disk.gate import EnvGate
 from storage.disk.preflight import DamagedEnvironment
+from storage.disk.reads import DiskReads
 from storage.disk.replacement import MAX_REPLACEMENTS, StoreReplacement
 from storage.disk.stats import DiskBlockInfo, DiskStats, _Counters
 from storage.disk.pagewalk import check_pages
@@ -74,7 +71,7 @@ log = logging.getLogger(__name__)
 DEFAULT_RESERVE_BYTES = 256 << 20
 
 
-class DiskTier(LowerTier):
+class DiskTier(DiskReads, LowerTier):
     """Blocks on disk, LRU-bounded by stored (compressed) bytes. Thread-safe.
 
     put() hands a block to a background writer thread; get()/get_many() verify before
@@ -243,137 +240,6 @@ class DiskTier(LowerTier):
         self._check_open()
         return self._writer.is_pending(key.hash) or key.hash in self._index
 
-    def get(self, key: BlockKey, out: torch.Tensor | None = None) -> torch.Tensor | None:
-        """The verified block for `key`, or None (missing, or damaged: then counted and deleted).
-
-        `out`, when given, receives the bytes (contiguous CPU, the block's dtype and numel);
-        a stored block that does not fit it is treated as corrupt.
-        """
-        return self.get_many([key], None if out is None else [out])[0]
-
-    def get_many(self, keys: Sequence[BlockKey], outs: Sequence[torch.Tensor | None] | None = None,
-                 payloads: list | None = None, cancel: object = None) -> list[torch.Tensor | None]:
-        """get() for many keys: payloads read in one read transaction, decoded in parallel
-        (zstd releases the GIL, so a disk restore uses every decode thread). `payloads`, when given,
-        receives each hit's stored payload (copied out of the map), None for a block served
-        from a raw copy awaiting the writer. `cancel` is not honoured: a local read crosses no
-        link and is bounded by the drive (storage/lower_tier.py)."""
-        self._check_open()
-        keys = list(keys)
-        outs = [None] * len(keys) if outs is None else list(outs)
-        if len(outs) != len(keys) or (payloads is not None and len(payloads) != len(keys)):
-            raise ValueError(f"outs, payloads: expected {len(keys)} entries")
-        try:
-            return self._get_many(keys, outs, payloads)
-        except (lmdb.Error, OSError, DamagedEnvironment) as e:
-            # Nothing was served: a decode writes only into `outs`, which the caller does not
-            # use for a miss. The whole call is one miss per key.
-            self._read_failed("get_many", e, misses=len(keys))
-            return [None] * len(keys)
-
-    def _get_many(self, keys: list[BlockKey], outs: list[torch.Tensor | None], payloads: list | None
-                  ) -> list[torch.Tensor | None]:
-        results: list[torch.Tensor | None] = [None] * len(keys)
-        pending = self._writer.pending(k.hash for k in keys)
-        misses, hits = 0, 0
-        gone: list[bytes] = []
-        # The blocks read from the store, as parallel lists (no tuple per block: every object a
-        # get_many keeps alive per block is one more for Python's collector to promote and walk,
-        # and on a process holding a model a full collection costs tens of ms):
-        idx: list[int] = []                       # each one's index in `keys`
-        stored: list[bytes | None] = []           # its payload, copied out of the map
-        metas: list[bytes | None] = []            # its metadata record (copied: ~100 bytes)
-        # NOTE: each payload is copied out of the map as it is found (~8-10% of a get_many,
-        # tools/bench_tiers.py), and verified and decoded from the copy. Decoding in place from
-        # the map was cheaper, but a data.mdb truncated under the server while a restore decoded
-        # from it faulted a page past the file's new end: SIGBUS, the process gone (3 of 18
-        # trials, tools/live_drill.py). A truncate that lands inside the transaction now reads
-        # zeros instead (storage/disk/map_faults.py) and the gate throws the whole read away.
-        with self._begin(buffers=True) as txn:
-            payload_db, meta_db = self._payload, self._meta
-            for i, (key, p) in enumerate(zip(keys, pending)):
-                if p is not None:
-                    # Served from the raw copy awaiting the writer; a key or `out` that does
-                    # not match it is a miss (nothing stored is damaged).
-                    results[i] = p.copy_for(key, outs[i], self.codec)
-                    if payloads is not None and results[i] is not None and p.payload is not None:
-                        payloads[i] = bytes(p.payload)
-                    hits, misses = hits + (results[i] is not None), misses + (results[i] is None)
-                    continue
-                payload, meta = txn.get(key.hash, db=payload_db), txn.get(key.hash, db=meta_db)
-                if payload is None and meta is None:
-                    misses += 1
-                    gone.append(key.hash)     # evicted by another process, or never stored
-                else:
-                    idx.append(i)
-                    stored.append(None if payload is None else bytes(payload))
-                    metas.append(None if meta is None else bytes(meta))
-            tensors: list[torch.Tensor | None] = [None] * len(idx)
-            reasons: list[str | None] = [None] * len(idx)
-
-            def check(j: int) -> None:
-                # NOTE invariant: a block is served only once verify_and_decode accepted it (its
-                # metadata against the key, the header crc32, the binding, the coded crc32 and
-                # every frame's checksum, or the raw codec's xxh3); anything else leaves
-                # tensors[j] None, and it is counted corrupt and deleted below.
-                i = idx[j]
-                tensors[j], reasons[j] = self._verify_and_decode(keys[i], outs[i], stored[j], metas[j])
-            # The raw codec's decode is a hash and one copy (~40 us a block): a pool's dispatch and
-            # the GIL cost more than the threads overlap (256 bf16 blocks: 4.5 GB/s inline, 3.6 on
-            # 2 threads), so it decodes inline. zstd's decode releases the GIL for ~300 us a block
-            # and gains from every thread.
-            if len(idx) > 1 and self._decode_threads > 1 and self.codec.kind != "raw":
-                self._on_pool(check, len(idx))
-            else:
-                for j in range(len(idx)):
-                    check(j)
-            sizes = [0 if payload is None else len(payload) for payload in stored]
-            if payloads is not None:     # the copies themselves: no second copy
-                for j, tensor in enumerate(tensors):
-                    if tensor is not None:
-                        payloads[idx[j]] = stored[j]
-            stored.clear()
-        self._index.discard(gone)
-        damaged, touched, bytes_read = [], [], 0
-        for i, size, tensor, reason in zip(idx, sizes, tensors, reasons):
-            key = keys[i]
-            if tensor is None:
-                log.warning("disk tier: block %s is damaged (%s): a miss", key.hash.hex()[:16], reason)
-                damaged.append(key.hash)
-            else:
-                results[i] = tensor
-                touched.append(key.hash)
-                bytes_read += size
-        with self._stats_lock:
-            c = self._counters
-            c.hits += hits + len(touched)
-            c.misses += misses
-            c.corrupt += len(damaged)
-            c.bytes_read += bytes_read
-        if damaged and not self.readonly:
-            self._delete_now(damaged)
-        if touched and not self.readonly:
-            # NOTE: reads never take LMDB's write lock: accesses are recorded by the writer.
-            self._writer.record_accesses(touched)
-        return results
-
-    def read_ahead(self, keys: Sequence[BlockKey]) -> int:
-        """Read these blocks' stored bytes without decoding them, so a later get_many finds them
-        in the OS page cache (a prefetch with no host tier to decode into). Returns bytes read;
-        never raises (a failed read-ahead only means the later read waits on the drive)."""
-        self._check_open()
-        total = 0
-        try:
-            with self._begin(buffers=True) as txn:
-                for key in keys:
-                    payload = txn.get(key.hash, db=self._payload)
-                    if payload is not None:
-                        bytes(payload[::4096])   # a byte of every 4 KiB page: each is read in
-                        total += len(payload)
-        except (lmdb.Error, OSError, DamagedEnvironment) as e:
-            self._read_failed("read_ahead", e)
-        return total
-
     def delete(self, key: BlockKey) -> bool:
         """Remove a block (pending or stored). True when there was one."""
         self._check_open(write=True)
@@ -441,18 +307,6 @@ class DiskTier(LowerTier):
                          unavailable=self._gate.down, free_bytes=self._writer.space[0],
                          space_bound_bytes=self._writer.space[1])
 
-    def iter_blocks(self) -> Iterator[DiskBlockInfo]:
-        """Every stored block's metadata, in hash order (undecodable records are skipped:
-        verify() reports them). Reads in chunks, so no read transaction stays open long."""
-        self._check_open()
-        for h, raw in self._iter_db("meta"):
-            try:
-                m = BlockMeta.unpack(raw)
-            except ValueError:
-                continue
-            yield DiskBlockInfo(h, m.parent, m.namespace, m.token_ids, m.raw_size, m.stored_size, m.hits,
-                                m.last_access, m.created)
-
     def verify(self, repair: bool = False) -> VerifyReport:
         """Check what open and the writer rely on, then every block.
 
@@ -499,23 +353,6 @@ class DiskTier(LowerTier):
             raise RuntimeError("DiskTier is closed")
         if write and self.readonly:
             raise RuntimeError(f"DiskTier {self.path} was opened readonly")
-
-    def _executor(self) -> ThreadPoolExecutor:
-        with self._stats_lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self._decode_threads, thread_name_prefix="tieredkv-disk-decode",
-                                                initializer=background_priority)
-            return self._pool
-
-    def _on_pool(self, fn: Callable[[int], None], n: int) -> None:
-        """fn(0), ..., fn(n - 1) on the decode threads (storage/pool_drain.py: one task per thread,
-        not a future per block). Raises what fn raised."""
-        for f in drain_on(self._executor(), self._decode_threads, range(n), fn):
-            f.result()
-
-    def _verify_and_decode(self, key: BlockKey, out: torch.Tensor | None, payload: memoryview | None,
-                           meta: bytes | None) -> tuple[torch.Tensor | None, str | None]:
-        return verify_and_decode(self.codec, self.layout, key, out, payload, meta)
 
     # -- internals: info, direct deletes, counters -----------------------------------------
 
