@@ -8,7 +8,7 @@ A part of TieredKVCache (a base class of it: `config`, `layout`, `tiers`, `_lock
 `events_publisher` and `_announcer` are the cache's; its close() joins the announcer and closes
 the publisher).
 Doesn't know: which tiers are below (it walks `Tiers.lower`: LowerTier.iter_blocks/announce),
-or when a block becomes findable (the tiers and storage/tiered_cache.py say so).
+or when a block becomes findable (each tier says so at its index's mutations).
 """
 from __future__ import annotations
 
@@ -34,9 +34,7 @@ class CacheEvents:
                                                  block_size=self.layout.block_size, topic=c.kv_events_topic,
                                                  tokens=c.kv_events_tokens)
         with self._lock:
-            self.tiers.events = sink
-            for below in self.tiers.lower:
-                below.events = sink
+            self.tiers.publish_to(sink)
         log.info("kv events: publishing on %s (replay %s)", self.events_publisher.endpoint,
                  self.events_publisher.replay_endpoint)
         if any(below.local for below in self.tiers.lower):

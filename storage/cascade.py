@@ -11,10 +11,10 @@ Doesn't know: matching, planning, fills (storage/tiered_cache.py, storage/loader
 tier stores bytes, or which tiers there are: it walks `Tiers.lower` and asks each through
 storage/lower_tier.py's verbs (a tier's own or shared over a link: `local`).
 
-KV events (storage/kv_events/sink.py): a block leaving the device pool (evicted, dropped) is
-BlockRemoved GPU, one copied into a host slot BlockStored CPU, one leaving the host slot
-BlockRemoved CPU -- said after the block reached its next tier's queue or slot, so a router never
-sees a block held nowhere that is still held. The tiers below say their own.
+KV events (storage/kv_events/sink.py): every tier says its own, at its index's mutations (the
+pool and the host slab after their `on_evict` -- these edges -- returned, so a router never sees
+a block held nowhere that is still held); a batch of copies into host slots is committed
+(HostTier.commit: one BlockStored CPU) once its copies are issued.
 
 Threads: the pressure edges run on the engine thread under the tiers' lock (the pool and the
 host slab call them while evicting): they issue device -> host copies (asynchronous on CUDA) and
@@ -38,7 +38,6 @@ import torch
 from storage.flush_result import FlushResult
 from storage.hashing import BlockKey
 from storage.host_writeback import HostWriteBack
-from storage.kv_events.sink import CPU, GPU
 from storage.lower_tier import LowerTier, private_copy
 from storage.tiers import SHARED, TIERS, Tiers, TierStats
 from storage.transfer import Transfer
@@ -72,12 +71,11 @@ class Cascade:
             self.device_to_host([(key, page)], through=True)
 
     def device_evicted(self, blocks: list[tuple[BlockKey, int]]) -> None:
-        """The pool evicts these (key, page): down to the host tier, and gone from the device."""
+        """The pool evicts these (key, page): down to the host tier (the pool then says them gone)."""
         self.device_to_host(blocks)
-        self.t.events.removed([key.hash for key, _ in blocks], GPU)
 
     def host_evicted(self, key: BlockKey, slot: int) -> None:
-        """The host tier evicts this slot's block: down to the next tier, and gone from the host.
+        """The host tier evicts this slot's block: down to the next tier (the slab then says it gone).
         A block already below (written through) costs nothing here; any other is copied down on
         the spot, on the evicting thread (counted: `inline_writes`). NOTE (issue 30, open): a
         write-back eviction still memcpys its block under the lock; writing a full slab's LRU end
@@ -85,7 +83,6 @@ class Cascade:
         and evict its own older blocks for them, so it is not done."""
         if self.host_to_lower(key, slot):
             self.inline_writes += 1
-        self.t.events.removed([key.hash], CPU)
 
     def device_to_host(self, blocks: list[tuple[BlockKey, int]], through: bool = False) -> None:
         """Device blocks (key, page) into host unless already there (and, `through`, on down).
@@ -121,18 +118,17 @@ class Cascade:
                     if t.host.slot_of(key) is None:
                         self.to_lower(key, t.pool.kv[page])
                 break
-            batch, keys = [], []
+            batch = []
             for key, page in blocks[start:start + step]:
                 if t.host.slot_of(key) is not None:
                     continue
                 slot = t.host.reserve(key)      # never None within `step` (see above)
                 batch.append((slot, t.pool.kv[page]))
                 copied.append((key, slot))
-                keys.append(key)
                 t.count_write("host")
             t.transfer.copy_to_host(t.host.slab, batch)
-            # Said per batch: the next batch's reserves may evict these (BlockRemoved after).
-            t.events.stored(keys, CPU)
+            # Committed per batch (one BlockStored): the next batch's reserves may evict these.
+            t.host.commit([slot for slot, _ in batch])
             start += step
         return copied
 
@@ -346,17 +342,10 @@ class Cascade:
         with t.lock:
             if tier == "device":
                 pages = t.pool.evictable_pages()
-                hashes = [t.pool.key_of(page).hash for page in pages]
-                for page in pages:
-                    t.pool.drop(page)
-                t.events.removed(hashes, GPU)
+                t.pool.drop(pages)
                 return len(pages)
             if tier == "host":
-                hashes = t.host.hashes()
-                for h in hashes:
-                    t.host.remove(h)
-                t.events.removed(hashes, CPU)
-                return len(hashes)
+                return t.host.remove_many(t.host.hashes())
         below = t.below(tier)
         if below is None:
             return 0

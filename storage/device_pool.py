@@ -5,6 +5,13 @@ each page (refcounts), and the LRU order of cached pages nobody uses. Doesn't kn
 disk tiers -- eviction hands the evicted blocks to `on_evict` (the demotion path), all of one
 allocation in one call (so their copies out go as one batch), before any of their pages is reused.
 
+KV events (storage/kv_events/sink.py, medium GPU; `events`, NO_EVENTS unless the cache publishes):
+said here, at the index's two mutations, one sink call per batch -- a block registered
+(`register`, `register_many`) is BlockStored, one evicted or dropped is BlockRemoved, said after
+`on_evict` returned (its block reached the host's slot or the queue below first, so a router
+never sees a block held nowhere that is still held). Threads: the caller's, under the tiers'
+lock (storage/tiers.py): the pool has no lock of its own; a sink call never blocks.
+
 Page states:
   free       refcount 0, no block            -> in `_free` (FIFO, so page ids are predictable)
   in use     refcount > 0, maybe a block      -> in neither list; never evicted
@@ -14,12 +21,13 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
 from storage.layout import BlockLayout
 from storage.hashing import BlockKey
+from storage.kv_events.sink import GPU, NO_EVENTS, NoEvents
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,7 +43,8 @@ class PoolStats:
 
 class DevicePool:
     def __init__(self, layout: BlockLayout, num_pages: int, device: str | torch.device = "cpu",
-                 on_evict: Callable[[list[tuple[BlockKey, int]]], None] | None = None) -> None:
+                 on_evict: Callable[[list[tuple[BlockKey, int]]], None] | None = None,
+                 events: NoEvents = NO_EVENTS) -> None:
         if num_pages < 1:
             raise ValueError(f"num_pages: need at least 1 page, got {num_pages}")
         self.layout = layout
@@ -44,6 +53,7 @@ class DevicePool:
         # [page, layer, k/v, slot, kv_head, head_dim]: one page holds one block of every layer.
         self.kv = torch.zeros((num_pages, *layout.shape), dtype=layout.dtype, device=self.device)
         self.on_evict = on_evict
+        self.events = events
         self._ref = [0] * num_pages
         self._key: list[BlockKey | None] = [None] * num_pages
         self._index: dict[bytes, int] = {}
@@ -123,6 +133,7 @@ class DevicePool:
             self._key[page] = None
             self._gen[page] += 1
         self.evictions += len(victims)
+        self.events.removed([key.hash for key, _ in victims], GPU)
 
     def acquire(self, page: int) -> None:
         """One more user of a cached page (a prefix hit); it stops being evictable."""
@@ -135,17 +146,29 @@ class DevicePool:
     def register(self, page: int, block: BlockKey) -> bool:
         """Mark an in-use page as holding `block`. False (page stays uncached) when another page
         already caches the same block, e.g. two sequences computed the same prefix at once."""
-        if self._ref[page] < 1:
-            raise RuntimeError(f"device pool: page {page} is not in use; register pages you hold")
-        if self._key[page] is not None:
-            if self._key[page].hash == block.hash:
-                return True
-            raise RuntimeError(f"device pool: page {page} already holds another block")
-        if block.hash in self._index:
-            return False
-        self._index[block.hash] = page
-        self._key[page] = block
-        return True
+        return self.register_many([(page, block)])[0]
+
+    def register_many(self, blocks: Sequence[tuple[int, BlockKey]]) -> list[bool]:
+        """`register` for each (page, block), in order; the blocks newly findable are one
+        BlockStored (a fill's chain: one event)."""
+        out, new = [], []
+        for page, block in blocks:
+            if self._ref[page] < 1:
+                raise RuntimeError(f"device pool: page {page} is not in use; register pages you hold")
+            if self._key[page] is not None:
+                if self._key[page].hash == block.hash:
+                    out.append(True)
+                    continue
+                raise RuntimeError(f"device pool: page {page} already holds another block")
+            if block.hash in self._index:
+                out.append(False)
+                continue
+            self._index[block.hash] = page
+            self._key[page] = block
+            new.append(block)
+            out.append(True)
+        self.events.stored(new, GPU)
+        return out
 
     def release(self, page: int) -> None:
         """One user fewer. At 0 a cached page becomes evictable (most recently used), others free."""
@@ -170,15 +193,23 @@ class DevicePool:
         self._evict(pages)
         self._free.extend(pages)
 
-    def drop(self, page: int) -> None:
-        """Forget the cached block of an unused page without demoting it (used by drop_tier)."""
-        if self._ref[page] != 0 or page not in self._evictable:
-            raise RuntimeError(f"device pool: page {page} is in use or not cached; cannot drop it")
-        del self._evictable[page]
-        del self._index[self._key[page].hash]
-        self._key[page] = None
-        self._gen[page] += 1
-        self._free.append(page)
+    def drop(self, pages: Sequence[int]) -> None:
+        """Forget the cached blocks of unused pages without demoting them (used by drop_tier):
+        one BlockRemoved."""
+        for page in pages:
+            if self._ref[page] != 0 or page not in self._evictable:
+                raise RuntimeError(f"device pool: page {page} is in use or not cached; cannot drop it")
+        if len(set(pages)) != len(pages):
+            raise ValueError(f"device pool: pages to drop repeat: {pages}")
+        hashes = []
+        for page in pages:
+            del self._evictable[page]
+            hashes.append(self._key[page].hash)
+            del self._index[self._key[page].hash]
+            self._key[page] = None
+            self._gen[page] += 1
+            self._free.append(page)
+        self.events.removed(hashes, GPU)
 
     # ---- reporting -----------------------------------------------------------------------
     def stats(self) -> PoolStats:

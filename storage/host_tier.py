@@ -8,6 +8,15 @@ with `pinned: false` in stats when the OS refuses to lock it.
 Doesn't know: the device pool or the disk -- a full slab hands its LRU block to `on_evict`
 (the path to disk) before the slot is reused.
 
+A block's life in a slot: `reserve` (findable: a reader waits for the copy announced for the slot,
+storage/transfer.py), the copy in issued by the caller, `commit` (readable: said), then evicted or
+removed. KV events (storage/kv_events/sink.py, medium CPU; `events`, NO_EVENTS unless the cache
+publishes): said here, one sink call per batch -- `commit` says BlockStored for the slots of a
+batch whose copies are issued, `evict_lru` (after `on_evict` returned: the block reached the tier
+below's queue first) and `remove`/`remove_many` say BlockRemoved, only for a block whose
+BlockStored was said: a reserved block whose copy failed is removed unsaid. Threads: the
+caller's, under the tiers' lock (storage/tiers.py); a sink call never blocks.
+
 NOTE invariant (issue 18): a slot with readers (`pin`) is never evicted, removed to the free list
 or handed out by `reserve` to another block, so its bytes stay put while it is read with the tiers' lock free.
 Enforced here: `evict_lru` skips pinned slots (the LRU unpinned block goes instead), `remove` of
@@ -18,12 +27,13 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
 from storage.layout import BlockLayout
 from storage.hashing import BlockKey
+from storage.kv_events.sink import CPU, NO_EVENTS, NoEvents
 from storage.pinned import host_buffer
 
 
@@ -40,7 +50,7 @@ class HostStats:
 class HostTier:
     def __init__(self, layout: BlockLayout, capacity_bytes: int, pin: bool | None = None,
                  on_evict: Callable[[BlockKey, int], None] | None = None,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, events: NoEvents = NO_EVENTS) -> None:
         self.layout = layout
         self.num_slots = layout.blocks_in(capacity_bytes)
         if pin is None:
@@ -50,6 +60,7 @@ class HostTier:
         self.pinned_bytes = self._buffer.pinned_bytes
         self.slab = self._buffer.tensor.view(layout.dtype).view(self.num_slots, *layout.shape)
         self.on_evict = on_evict
+        self.events = events
         self._keys: list[BlockKey | None] = [None] * self.num_slots
         self._lru: OrderedDict[bytes, int] = OrderedDict()   # hash -> slot, LRU first
         self._free: deque[int] = deque(range(self.num_slots))
@@ -57,6 +68,7 @@ class HostTier:
         self._pinned = 0                   # slots with readers
         self._orphans: set[int] = set()    # slots whose block left while read: free at the last unpin
         self._gen = [0] * self.num_slots   # per slot: bumped whenever its block leaves it
+        self._said = [False] * self.num_slots   # per slot: its block's BlockStored was said (commit)
         self.evictions = 0
 
     @property
@@ -117,8 +129,8 @@ class HostTier:
     def reserve(self, block: BlockKey) -> int | None:
         """A slot for `block` (its old slot if it is already here: callers look it up first, and a
         block present is never rewritten in place). Evicts the LRU unpinned block
-        when full; the caller copies the bytes into `self.slab[slot]`. None when every slot is
-        pinned by a reader (the block does not fit now)."""
+        when full; the caller copies the bytes into `self.slab[slot]`, then `commit`s it. None when
+        every slot is pinned by a reader (the block does not fit now)."""
         if not self.enabled:
             raise RuntimeError("host tier is disabled (host_memory=0)")
         slot = self._lru.get(block.hash)
@@ -132,6 +144,19 @@ class HostTier:
         self._lru[block.hash] = slot
         return slot
 
+    def commit(self, slots: Sequence[int]) -> list[BlockKey]:
+        """The copies into these reserved slots are issued (announced to readers): their blocks
+        are readable, one BlockStored. A slot whose block left meanwhile (removed while its copy
+        ran), or committed already, says nothing. Returns the blocks said."""
+        out = []
+        for slot in slots:
+            key = self._keys[slot]
+            if key is not None and not self._said[slot]:
+                self._said[slot] = True
+                out.append(key)
+        self.events.stored(out, CPU)
+        return out
+
     def evict_lru(self) -> bool:
         """Evict the least recently used block no reader pins now (through `on_evict`). False
         when every block is pinned (nothing evicted)."""
@@ -144,24 +169,40 @@ class HostTier:
         key = self._keys[slot]
         if self.on_evict is not None:
             self.on_evict(key, slot)     # the slot's bytes are intact until this returns
-        self._keys[slot] = None
-        self._gen[slot] += 1
+        said = self._leave(slot)
         self._free.append(slot)
         self.evictions += 1
+        if said:
+            self.events.removed([h], CPU)
         return True
+
+    def _leave(self, slot: int) -> bool:
+        """The slot's block leaves it (its index entry is gone already); whether it was said."""
+        said, self._said[slot] = self._said[slot], False
+        self._keys[slot] = None
+        self._gen[slot] += 1
+        return said
 
     def remove(self, block_hash: bytes) -> bool:
         """Forget a block. A pinned slot joins the free list only at its last unpin."""
-        slot = self._lru.pop(block_hash, None)
-        if slot is None:
-            return False
-        self._keys[slot] = None
-        self._gen[slot] += 1
-        if self._readers[slot]:
-            self._orphans.add(slot)
-        else:
-            self._free.append(slot)
-        return True
+        return self.remove_many([block_hash]) == 1
+
+    def remove_many(self, hashes: Sequence[bytes]) -> int:
+        """`remove` each block here; one BlockRemoved for those said. Returns the blocks removed."""
+        gone, n = [], 0
+        for h in hashes:
+            slot = self._lru.pop(h, None)
+            if slot is None:
+                continue
+            n += 1
+            if self._leave(slot):
+                gone.append(h)
+            if self._readers[slot]:
+                self._orphans.add(slot)
+            else:
+                self._free.append(slot)
+        self.events.removed(gone, CPU)
+        return n
 
     def stats(self) -> HostStats:
         n = len(self._lru)
@@ -183,3 +224,4 @@ class HostTier:
         assert self._pinned == sum(1 for n in self._readers if n), "pinned slots miscounted"
         for h, slot in self._lru.items():
             assert self._keys[slot] is not None and self._keys[slot].hash == h
+        assert not any(self._said[slot] for slot in (*self._free, *self._orphans)), "a gone block is still said"

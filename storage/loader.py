@@ -35,9 +35,9 @@ Threads (NOTE: who owns what):
   A fill waits for a chunk being read and claims the blocks of chunks not started; prefetches never wait on fills (separate pools,
   so a full pool of waiting fills cannot starve the prefetches they wait for).
 
-KV events (storage/kv_events/sink.py): a filled page registered is BlockStored GPU, a block a
-prefetch put in a host slot BlockStored CPU (once its bytes are in; pinned until then, so no
-reserve evicts it first).
+KV events (storage/kv_events/sink.py) are the tiers' own: a fill's pages registered together
+(DevicePool.register_many: one BlockStored GPU), a prefetch's slots committed once their bytes are
+in (HostTier.commit: one BlockStored CPU; pinned until then, so no reserve evicts them first).
 
 NOTE invariant: a page being filled holds a reference of its own (the fill's) from its
 allocation until the fill ends, and is registered only once its bytes are complete: it is never
@@ -66,7 +66,6 @@ import torch
 
 from storage.cancellation import Cancellation
 from storage.hashing import BlockKey
-from storage.kv_events.sink import CPU, GPU
 from storage.load_records import Fill, Prefetch, RemoteProbe, _Chunk, _Task
 from storage.lower_tier import LowerTier
 from storage.pinned import host_buffer
@@ -363,14 +362,13 @@ class Loader:
     def _finish_fills(self, fills: list[Fill], ok: dict[int, bool]) -> None:
         c = self.t
         with c.lock:
-            registered = []
             for f in fills:
                 f.ok = ok.get(id(f), False)
+            # Registered (one BlockStored GPU, said by the pool) before the fills' own references
+            # go: if every request waiting for one is gone, its page becomes a cached block.
+            c.pool.register_many([(f.page, f.key) for f in fills if f.ok])
+            for f in fills:
                 if f.ok:
-                    # Registered before the fill's own reference goes: if every request waiting
-                    # for it is gone, the page becomes a cached block, not a free page.
-                    if c.pool.register(f.page, f.key):
-                        registered.append(f.key)
                     c.count_promotion(f.tier)     # counted once, by the tier it is billed from
                 else:
                     self.failed_fills += 1
@@ -378,7 +376,6 @@ class Loader:
                     del self.inflight[f.key.hash]
                 c.pool.release(f.page)
                 f.done.set()
-            c.events.stored(registered, GPU)
 
     def _keep(self, keeper: LowerTier, kept: list[tuple[BlockKey, torch.Tensor, bytes]]) -> None:
         """Blocks just read from a tier below (key, their bytes on the CPU, the payload it gave)
@@ -451,17 +448,18 @@ class Loader:
                     mine.set_result(None)
             finally:
                 with c.lock:
-                    stored = []
+                    copied = []
                     for key, slot, _, _, mine in taken:
-                        if not mine.done():        # the copy failed: the slot holds no block
+                        if not mine.done():        # the copy failed: the slot holds no block (unsaid)
                             if c.host.slot_of(key) == slot:
                                 c.host.remove(key.hash)
                             mine.set_result(None)
-                        elif c.host.slot_of(key) == slot:
-                            stored.append(key)
-                            self.prefetched_blocks += 1
+                        else:
+                            copied.append(slot)
+                    # Readable now: one BlockStored CPU (a block removed meanwhile says nothing).
+                    self.prefetched_blocks += len(c.host.commit(copied))
+                    for _, slot, _, _, _ in taken:
                         c.host.unpin(slot)
-                    c.events.stored(stored, CPU)
         except Exception:
             log.exception("prefetching %d %s blocks failed: their requests read them later", len(keys), tier.name)
         finally:

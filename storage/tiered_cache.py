@@ -37,7 +37,6 @@ from storage.device_pool import DevicePool
 from storage.flush_result import FlushResult
 from storage.hashing import BlockKey
 from storage.host_tier import HostTier
-from storage.kv_events.sink import GPU
 from storage.layout import BlockLayout
 from storage.load_outcome import Acquired, finish
 from storage.load_records import Fill, Load, Prefetch, RemoteProbe
@@ -313,10 +312,7 @@ class TieredKVCache(SharedPages, CacheEvents, NamedTiers):
         if not self.config.prefix_caching:
             return False
         with self._lock:
-            new = self.pool.key_of(page) is None
-            ok = self.pool.register(page, key)
-            if ok and new:
-                self.tiers.events.stored([key], GPU)
+            ok = self.pool.register(page, key)     # BlockStored GPU when new (DevicePool says it)
             if ok:
                 self.cascade.registered(key, page)
             return ok

@@ -4,10 +4,9 @@ them down) are given, instead of the whole cache.
 Knows: the tiers themselves -- the device pool, the host slab with the copies into it
 (Transfer), and the tiers below the host as one list, fastest first (storage/lower_tier.py:
 the disk, then the remote store) --, the one lock that guards them, and the per-tier counters.
-`events` is the KV-event hook (storage/kv_events/sink.py; a no-op when events are off): whoever
-makes a block findable in the device pool or the host tier, or makes it stop being findable
-there, says so -- `events.stored(keys, GPU)`, `events.removed(hashes, CPU)` -- under the lock it
-already holds (a put on a queue, never I/O). The disk and remote tiers say so themselves.
+`events` is the KV-event hook (storage/kv_events/sink.py; a no-op when events are off), handed
+to every tier by `publish_to`: each tier says its own index's changes (the pool and the host slab
+under the lock their callers hold: a put on a queue, never I/O); the cache says `cleared`.
 Doesn't know: matching, planning or moving blocks (storage/tiered_cache.py places them,
 storage/cascade.py moves them down, storage/loader.py moves them up).
 
@@ -72,6 +71,12 @@ class Tiers:
     rates: RestoreRates = field(default_factory=RestoreRates)
     # The KV-event hook (storage/kv_events/sink.py): NO_EVENTS unless the cache publishes events.
     events: NoEvents = NO_EVENTS
+
+    def publish_to(self, sink: NoEvents) -> None:
+        """Every tier says its changes to `sink` from now on (under the lock: storage/cache_events.py)."""
+        self.events = self.pool.events = self.host.events = sink
+        for below in self.lower:
+            below.events = sink
 
     def below(self, name: str) -> LowerTier | None:
         """The lower tier called `name` (a fill's source, an operator's word), or None when it is

@@ -1,5 +1,5 @@
-"""The hook every tier transition calls: `events.stored(keys, medium)`, `events.removed(hashes,
-medium)`, `events.cleared()`.
+"""The hook every tier's index calls as it changes: `events.stored(keys, medium)`,
+`events.removed(hashes, medium)`; and the cache's `events.cleared()`.
 
 Knows: a bounded queue and what did not fit in it. A call puts one small tuple on the queue and
 returns (`put_nowait`: a full queue drops the call's events and counts them); nothing is encoded,
