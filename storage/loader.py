@@ -1,14 +1,14 @@
 """The loader: fills device pages from the host, disk and remote tiers off the engine thread.
 
 Knows: the pages being filled right now (hash -> Fill, so two requests needing one block load it
-once), the blocks being prefetched from disk into the host tier (hash -> future), the probes
-asking the remote store which of a prompt's blocks it holds, and the worker pools that do the
-work. Doesn't know: sequences or scheduling -- TieredKVCache.plan()
-hands it the fills of one request and the scheduler polls `Load.ready()` between steps. It is
-given the tiers (storage/tiers.py: the pool, the host slab, the tiers below, their lock and
-counters), never the cache that owns it, and names no tier below the host: a fill reads from
-its source tier, a tier over a link (not `local`) on the remote workers, and what is read from
-a tier is offered to the tier above it (LowerTier.keep: the store's blocks kept on disk).
+once), the probes asking the remote store which of a prompt's blocks it holds, and the worker
+pools that do the work; the disk -> host prefetch is its `prefetcher` (storage/prefetch.py).
+Doesn't know: sequences or scheduling -- TieredKVCache.plan() hands it the fills of one request
+and the scheduler polls `Load.ready()` between steps. It is given the tiers (storage/tiers.py:
+the pool, the host slab, the tiers below, their lock and counters), never the cache that owns
+it, and names no tier below the host: a fill reads from its source tier, a tier over a link (not
+`local`) on the remote workers, and what is read from a tier is offered to the tier above it
+(LowerTier.keep: the store's blocks kept on disk).
 
 Threads (NOTE: who owns what):
 - plan/finish (TieredKVCache) run on the engine thread under the tiers' lock and only allocate,
@@ -29,15 +29,11 @@ Threads (NOTE: who owns what):
   planned from the remote, read and verified with no lock held like disk blocks. A restored
   remote block is also kept by the tier above it (the disk: LowerTier.keep, its payload as read),
   and reaches the host as any device block does.
-- a prefetch runs on a `tieredkv-prefetch` worker, a chunk of blocks at a time: decoded with no
-  lock held; then its host slots are reserved and pinned under the lock (each announced to
-  readers as a pending copy, Transfer.writing), written with no lock held, committed under it.
-  A fill waits for a chunk being read and claims the blocks of chunks not started; prefetches never wait on fills (separate pools,
-  so a full pool of waiting fills cannot starve the prefetches they wait for).
+- a prefetch runs on the `tieredkv-prefetch` worker (storage/prefetch.py); a fill first waits
+  for a chunk of its blocks being read and claims those of chunks not started.
 
-KV events (storage/kv_events/sink.py) are the tiers' own: a fill's pages registered together
-(DevicePool.register_many: one BlockStored GPU), a prefetch's slots committed once their bytes are
-in (HostTier.commit: one BlockStored CPU; pinned until then, so no reserve evicts them first).
+KV events (storage/kv_events/sink.py) are the tiers' own: a fill's pages are registered together
+(DevicePool.register_many: one BlockStored GPU).
 
 NOTE invariant: a page being filled holds a reference of its own (the fill's) from its
 allocation until the fill ends, and is registered only once its bytes are complete: it is never
@@ -59,16 +55,17 @@ import logging
 import random
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
 import torch
 
 from storage.cancellation import Cancellation
 from storage.hashing import BlockKey
-from storage.load_records import Fill, Prefetch, RemoteProbe, _Chunk, _Task
+from storage.load_records import Fill, RemoteProbe, _Task
 from storage.lower_tier import LowerTier
 from storage.pinned import host_buffer
+from storage.prefetch import Prefetcher
 from storage.priority import background_priority
 from storage.tiers import Tiers
 from storage.transfer import Transfer
@@ -83,8 +80,6 @@ log = logging.getLogger("tieredkv.loader")
 STAGE_BLOCKS = 64
 STAGE_BYTES = 256 << 20
 LOAD_WORKERS = 2        # requests whose blocks are read at once (each read decodes in parallel)
-PREFETCH_WORKERS = 1    # a prefetch is I/O-bound readahead; one at a time keeps the drive streaming
-PREFETCH_CHUNK = 8      # blocks per prefetch task: a fill claims the chunks not started yet
 REMOTE_WORKERS = 2      # remote probes and fills at once (network-bound, each bounded by a timeout)
 
 
@@ -92,11 +87,10 @@ class Loader:
     def __init__(self, tiers: Tiers) -> None:
         self.t = tiers
         self.inflight: dict[bytes, Fill] = {}          # under the tiers' lock
-        self.prefetching: dict[bytes, _Chunk] = {}     # under the tiers' lock
+        self.prefetcher = Prefetcher(tiers)             # disk -> host, on its own worker
+        self.prefetching = self.prefetcher.chunks       # hash -> its prefetch chunk (under the lock)
         self._fills = ThreadPoolExecutor(LOAD_WORKERS, thread_name_prefix="tieredkv-load",
                                          initializer=background_priority)
-        self._prefetches = ThreadPoolExecutor(PREFETCH_WORKERS, thread_name_prefix="tieredkv-prefetch",
-                                              initializer=background_priority)
         # The tiers over a link have workers of their own (a slow store never delays a disk fill).
         self._linked = None if not tiers.linked else ThreadPoolExecutor(
             REMOTE_WORKERS, thread_name_prefix="tieredkv-remote", initializer=background_priority)
@@ -111,7 +105,6 @@ class Loader:
         # Tests (CPU) call defer_copies(): the fills' copies into pages then complete later, on a
         # thread, as on CUDA, so a missing wait before a source is reused shows as wrong bytes.
         self._late: ThreadPoolExecutor | None = None
-        self.prefetched_blocks = 0
         self.failed_fills = 0
 
     # ---- fills ---------------------------------------------------------------------------
@@ -174,7 +167,7 @@ class Loader:
         try:
             if after is not None:
                 self._stream.wait_event(after)    # device-side: the CPU does not wait
-            self._wait_for_prefetches(fills)
+            self.prefetcher.wait_or_claim([f.key for f in fills])
             for f in self._fill_from_host(fills):
                 ok[id(f)] = True
             # The rest from their tiers below, in order. A block planned from the host whose slot
@@ -192,24 +185,6 @@ class Loader:
             log.exception("loading %d blocks failed: their requests recompute them", len(fills))
         finally:
             self._finish_fills(fills, ok)
-
-    def _wait_for_prefetches(self, fills: list[Fill]) -> None:
-        # A block a prefetch is decoding now lands in the host tier: wait for it rather than
-        # decoding it twice. A block only queued for prefetch is claimed (the prefetch skips it)
-        # and read here, straight into its page: a request admitted at once never waits for a
-        # prefetch that has not started. (A prefetch's own failure is a miss, seen below.)
-        with self.t.lock:
-            started = set()
-            for f in fills:
-                chunk = self.prefetching.get(f.key.hash)
-                if chunk is None:
-                    continue
-                if chunk.started:
-                    started.add(chunk)
-                else:
-                    del self.prefetching[f.key.hash]
-        for chunk in started:
-            chunk.done.wait()
 
     def _fill_from_host(self, fills: list[Fill]) -> list[Fill]:
         """The fills whose block is in the host tier, copied into their pages as one batch.
@@ -396,82 +371,9 @@ class Loader:
                 for _ in range(queued):
                     c.count_write(keeper.name)
 
-    # ---- prefetch ------------------------------------------------------------------------
-    def prefetch(self, tier: LowerTier, keys: Sequence[BlockKey], into: Prefetch) -> None:
-        """Read these blocks of a local tier below (the disk) into the host tier in the background,
-        PREFETCH_CHUNK at a time (called under the tiers' lock, with the blocks in `tier`, not in
-        flight, not prefetched)."""
-        for i in range(0, len(keys), PREFETCH_CHUNK):
-            chunk = _Chunk(list(keys[i:i + PREFETCH_CHUNK]))
-            for k in chunk.keys:
-                self.prefetching[k.hash] = chunk
-            into.chunks.append(chunk)
-            self._prefetches.submit(self._run_prefetch, tier, chunk, into)
-
-    def _run_prefetch(self, tier: LowerTier, chunk: "_Chunk", into: Prefetch) -> None:
-        c = self.t
-        keys: list[BlockKey] = []
-        try:
-            with c.lock:
-                # Only what is still this chunk's: a fill may have claimed a block meanwhile.
-                keys = [k for k in chunk.keys if self.prefetching.get(k.hash) is chunk]
-                chunk.started = True
-            if not keys:
-                return
-            if not c.host.enabled:
-                tier.read_ahead(keys)      # no host tier to hold them: warm the OS page cache
-                return
-            started = time.perf_counter()
-            blocks = tier.get_many(keys)
-            # The tier's read rate, as its fills record it: when a prefetch brings a hit's blocks
-            # up first, the fill comes from the host, and the disk would otherwise go unmeasured.
-            c.rates.observe(tier.name, sum(b is not None for b in blocks) * c.layout.nbytes,
-                            time.perf_counter() - started)
-            # Reserve under the lock (each slot pinned, its copy announced: a fill planned from it
-            # meanwhile waits for our Future), copy with no lock held, commit under the lock.
-            taken: list[tuple[BlockKey, int, torch.Tensor, object, Future]] = []
-            with c.lock:
-                for key, block in zip(keys, blocks):
-                    if block is None or c.pool.page_of(key) is not None or c.host.slot_of(key) is not None:
-                        continue
-                    slot = c.host.reserve(key)
-                    if slot is None:               # every slot is being read by a fill now
-                        continue
-                    c.host.pin(slot)
-                    before, mine = c.transfer.writing(slot)
-                    taken.append((key, slot, block, before, mine))
-                    into.moved.add(key.hash)
-            try:
-                for key, slot, block, before, mine in taken:
-                    Transfer.wait(before)          # a dropped block's late copy must not land on ours
-                    c.host.slab[slot].copy_(block.view(c.layout.shape))
-                    mine.set_result(None)
-            finally:
-                with c.lock:
-                    copied = []
-                    for key, slot, _, _, mine in taken:
-                        if not mine.done():        # the copy failed: the slot holds no block (unsaid)
-                            if c.host.slot_of(key) == slot:
-                                c.host.remove(key.hash)
-                            mine.set_result(None)
-                        else:
-                            copied.append(slot)
-                    # Readable now: one BlockStored CPU (a block removed meanwhile says nothing).
-                    self.prefetched_blocks += len(c.host.commit(copied))
-                    for _, slot, _, _, _ in taken:
-                        c.host.unpin(slot)
-        except Exception:
-            log.exception("prefetching %d %s blocks failed: their requests read them later", len(keys), tier.name)
-        finally:
-            with c.lock:
-                for k in keys:
-                    if self.prefetching.get(k.hash) is chunk:
-                        del self.prefetching[k.hash]
-            chunk.done.set()
-
     def close(self, release_memory: bool = True) -> None:
         """Stop the workers; `release_memory=False` leaves the staging halves pinned and mapped."""
-        self._prefetches.shutdown(wait=True)
+        self.prefetcher.close()
         self._fills.shutdown(wait=True)
         if self._linked is not None:
             self._linked.shutdown(wait=True)

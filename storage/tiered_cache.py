@@ -285,7 +285,7 @@ class TieredKVCache(SharedPages, CacheEvents, NamedTiers):
                 if key.hash not in self.loader.prefetching and len(todo) < limit:
                     todo.append(key)
             if todo:
-                self.loader.prefetch(source, todo, out)
+                self.loader.prefetcher.start(source, todo, out)
             linked = [below for below in self.tiers.linked if below.available()]
             if linked and missing < len(keys):
                 out.probe = RemoteProbe()

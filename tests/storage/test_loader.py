@@ -133,7 +133,7 @@ def test_prefetch_takes_at_most_half_the_host_tier(tmp_path) -> None:
 
 
 def test_a_fill_waits_for_a_started_prefetch_chunk_and_claims_the_rest(tmp_path, monkeypatch, held_reads) -> None:
-    monkeypatch.setattr("storage.loader.PREFETCH_CHUNK", 1)
+    monkeypatch.setattr("storage.prefetch.PREFETCH_CHUNK", 1)
     cache, ks = disk_only(tmp_path, 3, host_slots=8)
     read: list[bytes] = []
     real = DiskTier.get_many

@@ -18,7 +18,7 @@ from storage.kv_events.sink import EventSink
 from tests.storage.conftest import TINY, keys
 
 ROOT = Path(__file__).resolve().parents[2]
-MOVERS = ["storage/cascade.py", "storage/loader.py", "storage/tiered_cache.py"]
+MOVERS = ["storage/cascade.py", "storage/loader.py", "storage/prefetch.py", "storage/tiered_cache.py"]
 
 
 def drained(sink: EventSink) -> list[tuple]:
