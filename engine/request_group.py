@@ -46,8 +46,8 @@ class RequestGroup:
                              tenant=first.tenant, namespace=first.namespace, block_size=first.block_size,
                              max_len=first.max_len, generator=make_generator(i), pages=list(first.pages),
                              num_computed=first.num_computed, keys=list(first.keys), registered=first.registered,
-                             # not None: a preempted choice is re-admitted as admitted (billed) already
-                             hit_tokens_by_tier=dict(first.hit_tokens_by_tier or {}),
+                             # billed already: a preempted choice is re-admitted as admitted
+                             hits=first.hits.forked(),
                              restore_s=first.restore_s, arrival=first.arrival, admitted_at=first.admitted_at,
                              events=first.events, index=i, group=self)
             adopt(child)

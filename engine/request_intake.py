@@ -114,7 +114,8 @@ class RequestIntake:
         for seq in seqs:
             # Its disk blocks start moving to the host tier now, so its wait in the queue overlaps
             # the drive (storage/loader.py; reads only memory here).
-            seq.prefetch = self.cache.prefetch(list(seq.exact.chain) if seq.exact is not None else seq.prefix_keys())
+            seq.prefetch = self.cache.prefetch(list(seq.exact.chain) if seq.exact is not None else seq.prefix_keys(),
+                                               seq.hits)
             self._inbox.put(seq)
         return seqs
 

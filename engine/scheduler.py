@@ -48,7 +48,7 @@ from engine.load_deadline import LoadDeadlines, PlannedLoad
 from engine.restore_planner import RestorePlanner, Split
 from engine.sequence import Sequence, SeqStatus
 from storage.load_records import Load
-from storage.tiered_cache import TIERS, Acquired, CacheMatch, TieredKVCache
+from storage.tiered_cache import Acquired, CacheMatch, TieredKVCache
 
 
 @dataclass(frozen=True, slots=True)
@@ -344,15 +344,13 @@ class Scheduler:
         seq.pages = pages
         seq.registered = len(pages)
         seq.num_computed = len(pages) * self.block_size
-        if seq.hit_tokens_by_tier is None:
-            # NOTE billing: decided once, at the first admission, from the blocks the cache held:
-            # served, recomputed by choice, or being loaded (a back block whose fill fails is
-            # taken off again at the join: the cache did not hold it). A preempted request's
-            # recompute is our cost, not the tenant's.
-            hits = dict.fromkeys(TIERS, 0)
-            for tier in (*tiers, *recomputed, *(back.tiers if back is not None else ())):
-                hits[tier] += self.block_size
-            seq.hit_tokens_by_tier = hits
+        if not seq.hits.billed:
+            # NOTE billing (storage/hit_account.py): the first admission's facts -- the blocks the
+            # cache held, served, recomputed by choice or being loaded (a back block whose fill
+            # fails is taken off again at the join) -- each by the tier the cache gave it.
+            bs = self.block_size
+            seq.hits.admitted(held=[(t, bs) for t in tiers], recomputed=[(t, bs) for t in recomputed],
+                              loading=[(t, bs) for t in (back.tiers if back is not None else ())])
             seq.restore_s = acquired.restore_s
             seq.admitted_at = time.perf_counter()
         if back is not None:
@@ -381,11 +379,8 @@ class Scheduler:
         seq.pages, seq.logits_pages = pages[:kv], pages[kv:]
         seq.registered = len(seq.exact.full)
         seq.num_computed = len(seq.prompt_ids)
-        if seq.hit_tokens_by_tier is None:
-            hits = dict.fromkeys(TIERS, 0)
-            for key, tier in zip(seq.exact.kv, tiers):
-                hits[tier] += len(key.token_ids)
-            seq.hit_tokens_by_tier = hits
+        if not seq.hits.billed:
+            seq.hits.admitted(held=[(tier, len(key.token_ids)) for key, tier in zip(seq.exact.kv, tiers)])
             seq.restore_s = restore_s
             seq.admitted_at = time.perf_counter()
         seq.exact_hit = True
@@ -413,8 +408,7 @@ class Scheduler:
             self.cache.release(acquired.pages)
             raise RuntimeError(f"compute-or-load join out of step: {len(seq.pages)} pages, "
                                f"{seq.registered} registered, {seq.num_computed} tokens computed")
-        for tier in planned[len(acquired.pages):]:
-            seq.hit_tokens_by_tier[tier] -= self.block_size
+        seq.hits.computed_instead([(tier, self.block_size) for tier in planned[len(acquired.pages):]])
         seq.pages.extend(acquired.pages)
         seq.registered += len(acquired.pages)
         seq.num_computed += len(acquired.pages) * self.block_size

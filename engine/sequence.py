@@ -2,7 +2,7 @@
 
 Knows: the prompt and output token ids, the page table, how many tokens have KV in pages
 (num_computed), the block keys of its full blocks and how many are registered in the cache,
-and the request's timing and billing facts. Doesn't know: the pool or the model.
+the request's timing, and its hit account (storage/hit_account.py: what it is billed). Doesn't know: the pool or the model.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import torch
 from engine.sampling_params import SamplingParams
 from storage.exact_entry import ExactKeys
 from storage.hashing import BlockKey, block_keys
+from storage.hit_account import HitAccount
 from storage.load_records import Load, Prefetch
 
 
@@ -43,8 +44,9 @@ class Sequence:
     num_computed: int = 0                         # tokens whose KV is in `pages`
     keys: list[BlockKey] = field(default_factory=list)   # keys of full blocks of tokens, in order
     registered: int = 0                           # leading blocks that are in the cache index
-    # Billing: decided at the first admission; a preempted request is not billed again.
-    hit_tokens_by_tier: dict[str, int] | None = None
+    # Billing (storage/hit_account.py): facts in, decided at the first admission; a preempted
+    # request is not billed again. Its prefetch (below) tells it what it moved up.
+    hits: HitAccount = field(default_factory=HitAccount)
     restore_s: float = 0.0
     load: Load | None = None                      # its prefix being filled: while LOADING, or its back
                                                   # part while RUNNING its front (compute-or-load)
@@ -79,6 +81,11 @@ class Sequence:
     # n > 1 (engine/request_group.py): its choice's index and the request it is a choice of.
     index: int = 0
     group: Any = None
+
+    @property
+    def hit_tokens_by_tier(self) -> dict[str, int] | None:
+        """Its hit tokens per tier as billed (None: never admitted)."""
+        return self.hits.by_tier
 
     @property
     def tokens(self) -> list[int]:

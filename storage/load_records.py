@@ -3,8 +3,8 @@
 Knows: a `Fill` (one device page being filled with one block: where it is read, the tier it is
 billed from, whether it ended well, the loads waiting for it, the cancellable read it is part of),
 a `Load` (one request's planned prefix: its pages, each block's billed tier and token count, the
-fill each waits for), a `Prefetch` (a request's disk -> host chunks, the hashes it moved, its
-`RemoteProbe`). Doesn't know: who fills them or when (storage/loader.py), nor what a load ends
+fill each waits for), a `Prefetch` (a request's disk -> host chunks, the hit account it tells what
+it moved, its `RemoteProbe`). Doesn't know: who fills them or when (storage/loader.py), nor what a load ends
 with (storage/load_outcome.py).
 
 Threads: a Fill's `done` and a probe's `done` are set once by the worker that ran them, after the
@@ -19,14 +19,16 @@ from dataclasses import dataclass, field
 
 from storage.cancellation import Cancellation
 from storage.hashing import BlockKey
+from storage.hit_account import HitAccount
 
 
 @dataclass(eq=False)
 class Fill:
     """One device page being filled with one block. `ok` is meaningful once `done` is set.
-    `source` is where the bytes are read; `tier` is where the block is billed from (the disk for
-    a block its request's own prefetch moved into the host): set once, when the fill is planned,
-    and what every request waiting for it is billed and the promotion is counted by."""
+    `source` is where the bytes are read; `tier` is where the block is billed from (HitAccount.tier_of
+    of the request that planned it: the disk for a block its own prefetch moved into the host): set
+    once, when the fill is planned, and what every request waiting for it is billed and the
+    promotion is counted by."""
     key: BlockKey
     page: int
     source: str                                   # "host", "disk" or "remote" when planned
@@ -98,14 +100,18 @@ class RemoteProbe:
 
 @dataclass(eq=False)
 class Prefetch:
-    """A request's disk -> host prefetch. `moved` collects (under the tiers' lock) the hashes this
-    prefetch brought into the host tier: the request is billed for them as hits of `source`, the
-    tier it read them from (the disk). `probe`: its remote probe, if one was started (the
-    scheduler admits the request once it is done)."""
+    """A request's disk -> host prefetch. What it brought into the host tier goes to the request's
+    hit account (`hits`, storage/hit_account.py: HitAccount.moved_up, under the tiers' lock), which
+    bills those blocks from the tier they were read from (the disk). `probe`: its remote probe, if
+    one was started (the scheduler admits the request once it is done)."""
     chunks: list[_Chunk] = field(default_factory=list)
-    moved: set[bytes] = field(default_factory=set)
+    hits: HitAccount = field(default_factory=HitAccount)
     probe: RemoteProbe | None = None
-    source: str | None = None
+
+    @property
+    def moved(self) -> set[bytes]:
+        """The hashes this prefetch moved into the host tier (read under the tiers' lock, or once done)."""
+        return set(self.hits.moved)
 
     def wait(self, timeout: float | None = None) -> bool:
         ok = all(c.done.wait(timeout) for c in self.chunks)

@@ -4,8 +4,9 @@ slots in the background, so its time in the queue overlaps the drive.
 Knows: the blocks queued or being read (hash -> `_Chunk`, a chunk of PREFETCH_CHUNK blocks per
 task), its worker, and how many blocks it brought up. Doesn't know: requests, fills or billing --
 TieredKVCache.prefetch picks the blocks (at most half the host tier) and hands a `Prefetch` record
-that collects the hashes moved (Prefetch.moved: the request's own hit account); the loader's fills
-ask `wait_or_claim` before reading, and names no tier below the host (it is handed one).
+whose hit account is told each block moved and the tier it was read from (HitAccount.moved_up);
+the loader's fills ask `wait_or_claim` before reading. It names no tier below the host (it is
+handed one).
 
 Threads (NOTE: who owns what): `chunks` is written under the tiers' lock. A chunk runs on the
 `tieredkv-prefetch` worker: read and decoded with no lock held; then its host slots are reserved
@@ -107,7 +108,7 @@ class Prefetcher:
                     c.host.pin(slot)
                     before, mine = c.transfer.writing(slot)
                     taken.append((key, slot, block, before, mine))
-                    into.moved.add(key.hash)
+                    into.hits.moved_up(key, tier.name)     # a fact for the request's bill
             try:
                 for key, slot, block, before, mine in taken:
                     Transfer.wait(before)          # a dropped block's late copy must not land on ours

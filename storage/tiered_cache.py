@@ -36,6 +36,7 @@ from storage.config import CacheConfig
 from storage.device_pool import DevicePool
 from storage.flush_result import FlushResult
 from storage.hashing import BlockKey
+from storage.hit_account import HitAccount
 from storage.host_tier import HostTier
 from storage.layout import BlockLayout
 from storage.load_outcome import Acquired, finish
@@ -155,12 +156,13 @@ class TieredKVCache(SharedPages, CacheEvents, NamedTiers):
         A device hit is acquired; a block another request is filling now shares that fill's
         page; any other block gets a new page (refcount: the fill's and the request's), left
         unregistered until filled. Stops early (a shorter prefix) when the pool is out of pages
-        or the block left every tier since match(). `prefetch`: blocks that request's own
-        prefetch brought from disk into the host tier are billed as disk hits.
-        NOTE: a block's billed tier is decided once, when its fill is made, and carried on the
-        fill (Fill.tier): every request waiting for the fill is billed from it, and the loader
-        counts the promotion from it, so hits and promotions per tier always agree.
+        or the block left every tier since match(). `prefetch`: the request's, whose hit account
+        (storage/hit_account.py) gives each new fill its billed tier.
+        NOTE: a block's billed tier is decided once, when its fill is made (HitAccount.tier_of), and
+        carried on the fill (Fill.tier): every request waiting for the fill is billed from it, and
+        the loader counts the promotion from it, so hits and promotions per tier always agree.
         """
+        hits = prefetch.hits if prefetch is not None else HitAccount()
         with self._lock:
             pages: list[int] = []
             tiers: list[str] = []
@@ -188,8 +190,7 @@ class TieredKVCache(SharedPages, CacheEvents, NamedTiers):
                     if source is None:
                         self.pool.release(page)
                         break   # the block left every tier since match(): the prefix ends here
-                    moved = source == "host" and prefetch is not None and key.hash in prefetch.moved
-                    fill = Fill(key, page, source, tier=prefetch.source if moved else source)
+                    fill = Fill(key, page, source, tier=hits.tier_of(key, source))
                     self.loader.inflight[key.hash] = fill
                     new.append(fill)
                 self.pool.acquire(fill.page)            # the request's reference
@@ -230,14 +231,14 @@ class TieredKVCache(SharedPages, CacheEvents, NamedTiers):
 
     def recomputed(self, blocks: Sequence[tuple[BlockKey, str]], prefetch: Prefetch | None = None) -> tuple[str, ...]:
         """Matched blocks a request recomputes by choice (compute-or-load, engine/restore_planner.py):
-        the tier each is billed from -- the one match() found it in, as plan() would bill it (a
-        block its own prefetch moved into the host is a disk hit) -- counted as a hit and a
-        recompute of that tier. Nothing is read, moved or held."""
+        the tier each is billed from -- the one match() found it in, by the request's hit account
+        as plan() would bill it (HitAccount.tier_of) -- counted as a hit and a recompute of that
+        tier. Nothing is read, moved or held."""
+        hits = prefetch.hits if prefetch is not None else HitAccount()
         with self._lock:
             out = []
-            for key, tier in blocks:
-                if tier == "host" and prefetch is not None and key.hash in prefetch.moved:
-                    tier = prefetch.source
+            for key, found in blocks:
+                tier = hits.tier_of(key, found)
                 self.tiers.counters[tier].hits += 1
                 self.tiers.counters[tier].hit_tokens += len(key.token_ids)
                 self.tiers.counters[tier].recomputed += 1
@@ -261,15 +262,16 @@ class TieredKVCache(SharedPages, CacheEvents, NamedTiers):
         load.wait()
         return self.finish_load(load)
 
-    def prefetch(self, keys: Sequence[BlockKey]) -> Prefetch:
+    def prefetch(self, keys: Sequence[BlockKey], hits: HitAccount | None = None) -> Prefetch:
         """Start reading a new request's disk blocks into the host tier (or, with no host tier,
         into the OS page cache), so its time in the queue overlaps the drive. At most half the
         host tier per request, so one long prompt cannot flush everyone's host blocks.
         With a tier over a link (the store), the blocks after the last local one are probed for
-        (on a loader thread): the scheduler admits the request once the probe answered."""
+        (on a loader thread): the scheduler admits the request once the probe answered. `hits`:
+        the request's hit account, told what the prefetch moves (a new one if not given)."""
         # Prefetches read this process's first own tier below (the disk).
         source = next((below for below in self.tiers.lower if below.local), None)
-        out = Prefetch(source=None if source is None else source.name)
+        out = Prefetch(hits=HitAccount() if hits is None else hits)
         with self._lock:
             todo = []
             limit = self.host.num_slots // 2 if self.host.enabled else len(keys)
