@@ -2,7 +2,8 @@
 
 Knows: the prompt and output token ids, the page table, how many tokens have KV in pages
 (num_computed), the block keys of its full blocks and how many are registered in the cache,
-the request's timing, and its hit account (storage/hit_account.py: what it is billed). Doesn't know: the pool or the model.
+the request's timing, and its hit account (storage/hit_account.py: what it is billed).
+Doesn't know: the pool or the model.
 """
 from __future__ import annotations
 
