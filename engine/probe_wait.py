@@ -89,15 +89,17 @@ class ProbeWait:
         """A running sequence admitted without its probe's answer: once the answer is in (and no
         other load of its is in flight), what a tier holds of its uncomputed prefix is loaded
         from the back. Called by schedule() before the sequence's next chunk is chosen."""
-        probe = seq.late_probe
+        probe, s = seq.late_probe, self.s
         if probe is None or not probe.done.is_set() or seq.load is not None:
             return
+        if s.loads_in_flight() >= s.max_loading:
+            return        # back-pressure on the loader: asked again at its next step
         seq.late_probe = None
-        s, bs = self.s, self.s.block_size
+        bs = s.block_size
         keys = seq.prefix_keys()
         first = len(seq.pages)        # the first block the sequence holds no page for
         if (not probe.hashes or seq.hit_tokens_by_tier is None or first * bs < seq.num_computed
-                or first >= len(keys) or s.loads_in_flight() >= s.max_loading):
+                or first >= len(keys)):
             self.late_unused += 1
             return
         match = s.cache.match(keys[first:], probe.hashes)
