@@ -14,8 +14,9 @@ prefix has host, disk or remote blocks is planned (pages held, fills started) an
 `max_loading` such sequences at once). A request whose remote probe (which of its blocks the
 shared store holds: asked on a loader thread since submit) has not answered yet stays in the
 queue about a round trip, the requests behind it admitted meanwhile; then it computes from the
-front, and a late answer loads the rest from the back (engine/probe_wait.py). A sequence that cannot get pages preempts the newest running one; the
-victim's full blocks are registered in the cache already, so its re-admission hits them.
+front, and a late answer loads the rest from the back (engine/probe_wait.py). A sequence that
+cannot get pages preempts the newest running one; the victim's full blocks are registered in
+the cache already, so its re-admission hits them.
 
 Fair share of the pool (engine/fair_share.py): a tenant below its share of the pages preempts for
 its admission; a running sequence's page comes from a tenant over its share first. A tenant with
