@@ -226,3 +226,56 @@ def test_late_probes_leave_the_breaker_closed_and_the_store_in_use(tmp_path, val
     check_usage(got1["result"], prompts[1], {"remote": 14 * BS})
     check_usage(third, prompts[2], {"remote": 16 * BS})
     assert status["cost_model"]["load_deadline"]["probes_abandoned"] == 2
+
+
+def test_a_late_answers_back_past_its_deadline_is_computed_and_its_late_blocks_never_land_in_it(tmp_path, valkey) -> None:
+    """A late answer's back load is a load like any: its read stalls, its deadline passes, the
+    sequence computes the back itself (billed as computed: nothing was served), and the blocks
+    that arrive afterwards -- marked ones: the store holds noise under every key -- are dropped,
+    never written into a page it computed: the next request hits the computed blocks and its
+    tokens are a cold run's."""
+    tenant = "probe-wait-late-stalled"
+    prompt = random_prompt(16 * BS + 1, seed=64)
+    expected = reference_greedy(None, prompt, GREEDY.max_tokens)
+    with make(tmp_path, remote_url=valkey.url, remote_timeout_s=GUARD_S, max_batch_tokens=2 * BS) as eng:
+        keys = keys_of(eng, prompt, tenant)
+        store(eng, keys, [mark(eng)] * len(keys))
+        remote, sched = eng.cache.remote, eng.scheduler
+        release_probe, _ = stall_method(remote, "probe")
+        release_read, read_reached = stall_method(remote, "get_many")
+        real_after = sched.after_step
+
+        def after_step(scheduled) -> None:
+            real_after(scheduled)
+            for s in scheduled:
+                if s.seq.prompt_ids == prompt and s.seq.num_computed >= 2 * BS and not release_probe.is_set():
+                    release_probe.set()
+                    assert s.seq.prefetch.remote.done.wait(GUARD_S), "the released probe answers"
+        sched.after_step = after_step
+        try:
+            t, got = in_background(lambda: eng.generate(prompt, GREEDY, tenant=tenant))
+            wait_until(lambda: waiting_for_probe(eng, prompt), "its first turn, probe stalled")
+            sched.clock.now += WAIT_S * 1.01 + 1e-6
+            wait_until(lambda: read_reached.is_set() and any(s.load is not None for s in list(sched.running)),
+                       "the late answer's back is loading, its read stalled")
+            assert "result" not in got
+            sched.clock.now += 3600.0                     # past the back's deadline
+            t.join(GUARD_S)
+            done_while_stalled = "result" in got and not release_read.is_set()
+        finally:
+            del sched.after_step
+            release_probe.set()
+            release_read.set()                            # the marked blocks arrive now, late
+        wait_until(lambda: drained(eng), "the late fills end and give their pages back")
+        again = eng.generate(prompt, GREEDY, tenant=tenant)
+        status = eng.cache_status()
+        eng.cache.audit()
+    assert done_while_stalled
+    out = got["result"]
+    assert out.token_ids == expected
+    check_usage(out, prompt, {})                          # the back did not arrive: computed
+    assert out.usage.prompt_cache_miss_tokens == len(prompt)
+    assert status["cost_model"]["load_deadline"]["late_probe_loads"] == 1
+    assert (status["tiers"]["remote"]["abandoned"], status["tiers"]["remote"]["abandoned_loads"]) == (14, 1)
+    assert again.token_ids == expected                    # the cache holds the computed blocks, not marks
+    assert again.usage.hit_tokens_by_tier["device"] == 16 * BS
