@@ -63,7 +63,7 @@ class ProbeWait:
     def at_admission(self, seq: "Sequence") -> tuple[bool, frozenset[bytes] | None]:
         """(admit now, the store's hashes for match()). Not admitted while the probe is out and
         within its wait; past it, admitted with none (the probe kept as `seq.late_probe`)."""
-        probe = seq.prefetch.remote if seq.prefetch is not None else None
+        probe = seq.prefetch.probe if seq.prefetch is not None else None
         if probe is None:
             return True, None
         if probe.done.is_set():

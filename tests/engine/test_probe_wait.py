@@ -142,7 +142,7 @@ def run_with_late_answer(eng, prompt, tenant, release, answer_at: int) -> tuple[
             seq = s.seq
             if seq.prompt_ids == prompt and seq.num_computed >= answer_at and not release.is_set():
                 release.set()
-                assert seq.prefetch.remote.done.wait(GUARD_S), "the released probe answers"
+                assert seq.prefetch.probe.done.wait(GUARD_S), "the released probe answers"
 
     def join(seq, abandon: bool = False) -> None:
         if seq.prompt_ids == prompt:
@@ -210,7 +210,7 @@ def test_late_probes_leave_the_breaker_closed_and_the_store_in_use(tmp_path, val
         t.join(GUARD_S)
         answered_after = "result" in got0 and not release.is_set()
         release.set()                                  # its answer comes after it finished
-        assert first.prefetch.remote.done.wait(GUARD_S)
+        assert first.prefetch.probe.done.wait(GUARD_S)
         release, _ = stall_method(remote, "probe")
         got1, _ = run_with_late_answer(eng, prompts[1], tenant, release, answer_at=2 * BS)
         del remote.probe                               # the store answers in time again
@@ -250,7 +250,7 @@ def test_a_late_answers_back_past_its_deadline_is_computed_and_its_late_blocks_n
             for s in scheduled:
                 if s.seq.prompt_ids == prompt and s.seq.num_computed >= 2 * BS and not release_probe.is_set():
                     release_probe.set()
-                    assert s.seq.prefetch.remote.done.wait(GUARD_S), "the released probe answers"
+                    assert s.seq.prefetch.probe.done.wait(GUARD_S), "the released probe answers"
         sched.after_step = after_step
         try:
             t, got = in_background(lambda: eng.generate(prompt, GREEDY, tenant=tenant))
