@@ -11,6 +11,9 @@ holds --min-gaps inter-token gaps, two windows of one case:
     restore  a burst of --burst requests whose 2048-token   the same burst with the prefixes on
              prefixes are on device (16-token suffixes)     disk only (device and host dropped, the
                                                             OS page cache too where root can)
+    busy     the decoders alone for --window s             one thread at nice +10 hashing --busy-kb
+                                                            chunks (each sha256 call GIL-free) as long:
+                                                            the GIL's cost alone, by how long it is held
 
 A restore window is --window seconds or the burst, whichever is longer, on both sides. Other
 processes' load changes minute to minute; alternating puts it on both sides alike, and pooling the
@@ -37,7 +40,7 @@ Prints a table, or one JSON object with --json:
      "idle_flush": {"blocks", "s", "blocks_per_s"}, "config": {...}, "load": [before, after], "machine"}
     (a flush row also has "decoding_blocks_per_s_median" and "threads_cores": {side: {group: cores}})
 
-    python tools/bench_flush_interference.py [--cases flush,restore] [--rounds 6] [--min-gaps 300] [--json]
+    python tools/bench_flush_interference.py [--cases flush,restore,busy] [--rounds 6] [--min-gaps 300] [--json]
 """
 from __future__ import annotations
 
@@ -112,6 +115,7 @@ class Schedstat:
     def __init__(self, engine) -> None:
         self.engine_tid = engine._thread.native_id
         self.sums: dict[str, dict[str, float]] = {}
+        self._names: dict[int, str] = {}       # native id -> Python thread name, as seen at each snap
 
     def _group(self, tid: int, names: dict[int, str]) -> str:
         if tid == self.engine_tid:
@@ -124,6 +128,7 @@ class Schedstat:
         return "storage" if name.startswith("tieredkv-") else "other"
 
     def snap(self) -> dict[int, tuple[int, int]]:
+        self._names.update((t.native_id, t.name) for t in threading.enumerate())
         out = {-1: (self._sleeps(), 0)}
         for tid in os.listdir("/proc/self/task"):
             try:
@@ -141,7 +146,7 @@ class Schedstat:
             return next(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt_switches"))
 
     def add(self, side: str, a: dict, b: dict, wall: float) -> None:
-        names = {t.native_id: t.name for t in threading.enumerate()}
+        names = self._names
         acc = self.sums.setdefault(side, {"wall": 0.0})
         acc["wall"] += wall
         acc["engine_sleeps_per_s"] = acc.get("engine_sleeps_per_s", 0.0) + b.pop(-1)[0] - a[-1][0]
@@ -251,6 +256,40 @@ def run_restore(engine, dec: Decoders, args, tok) -> dict:
     return summarize("restore", pairs, {"page_cache_dropped": drop_page_cache()})
 
 
+def run_busy(engine, dec: Decoders, args) -> dict:
+    """The mechanism alone: one thread at nice +10 hashing --busy-kb chunks (sha256 releases the GIL
+    for each chunk) for --window s, beside the decoders alone as long. The same CPU work in small
+    chunks takes the GIL back far more often than in large ones."""
+    import hashlib
+    from storage.priority import background_priority
+    data = bytes(args.busy_kb << 10)
+
+    def busy(stop: threading.Event) -> None:
+        background_priority()
+        while not stop.is_set():
+            hashlib.sha256(data).digest()
+    pairs = []
+    while len(pairs) < args.rounds or min(sum(len(b) for b, _ in pairs), sum(len(w) for _, w in pairs)) < args.min_gaps:
+        if len(pairs) >= args.max_rounds:
+            break
+        sa = SCHED.snap()
+        b0, b1 = timed(lambda: time.sleep(args.window))
+        SCHED.add("base", sa, SCHED.snap(), b1 - b0)
+        stop = threading.Event()
+        t = threading.Thread(target=busy, args=(stop,))
+        sa = SCHED.snap()
+        w0 = time.perf_counter()
+        t.start()
+        time.sleep(args.window)
+        sb = SCHED.snap()                                    # while the busy thread is still there
+        stop.set()
+        t.join()
+        w1 = time.perf_counter()
+        SCHED.add("work", sa, sb, w1 - w0)
+        pairs.append((dec.window(b0, b1), dec.window(w0, w1)))
+    return summarize(f"busy{args.busy_kb}k", pairs, {"threads_cores": SCHED.shares()})
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cases", default="flush,restore")
@@ -260,12 +299,14 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=4, help="2048-token prompts whose blocks each flush writes")
     ap.add_argument("--burst", type=int, default=2, help="requests in the restore burst")
     ap.add_argument("--window", type=float, default=1.5, help="a restore window's shortest length, s")
+    ap.add_argument("--busy-kb", type=int, default=64, help="the busy case's chunk (KiB) per GIL-free call")
     ap.add_argument("--decoders", type=int, default=2)
     ap.add_argument("--decode-tokens", type=int, default=300, help="tokens per stream before it restarts")
     ap.add_argument("--switch-interval", type=float, default=None, help="sys.setswitchinterval (default: as is)")
     ap.add_argument("--torch-threads", type=int, default=None, help="torch.set_num_threads before the engine starts")
     ap.add_argument("--encode-width", type=int, default=None, help="the disk encode pool's width while decoding")
     ap.add_argument("--codec", default="zstd")
+    ap.add_argument("--max-seqs", type=int, default=64, help="Engine(max_seqs=...): with 'compile', fewer buckets to build")
     ap.add_argument("--decode-step", default="auto", help="Engine(decode_step=...): 'compile' runs a decode step as one graph")
     ap.add_argument("--flush-nice", action="store_true", help="call Engine.flush from a thread at nice +10")
     ap.add_argument("--disk-dir", default=None, help="where the disk tier's store goes (default: a temp dir)")
@@ -283,7 +324,7 @@ def main() -> int:
     tmp = tempfile.mkdtemp(prefix="tieredkv-flush-interference-", dir=args.disk_dir)
     engine = Engine.from_pretrained(None, cache=CacheConfig(device_memory="1GiB", host_memory="64MiB", codec=args.codec,
                                                             disk_dir=os.path.join(tmp, "kv"), disk_capacity="8GiB"),
-                                    decode_step=args.decode_step)
+                                    decode_step=args.decode_step, max_seqs=args.max_seqs)
     writer = engine.cache.disk._writer
     if args.encode_width is not None:
         writer.encode_width.yielding = min(args.encode_width, writer.encode_width.full)
@@ -302,6 +343,9 @@ def main() -> int:
             for case in args.cases.split(","):
                 if case == "flush":
                     rows.append(run_flush(engine, dec, args, fill))
+                elif case == "busy":
+                    SCHED.sums.clear()
+                    rows.append(run_busy(engine, dec, args))
                 elif case == "restore":
                     rows.append(run_restore(engine, dec, args, tok))
                 else:
