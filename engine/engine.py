@@ -132,7 +132,9 @@ class Engine(StepLoop, RequestIntake):
                                    planner=self.planner, deadlines=LoadDeadlines(
                                        self.planner.compute_seconds, cache.load_deadline_margin,
                                        cache.load_deadline_slack_s, fallback_s=cache.remote_timeout_s,
-                                       load_seconds=self.planner.load_seconds), newcomer_first=newcomer_first,
+                                       load_seconds=self.planner.load_seconds,
+                                       round_trip_s=self.planner.round_trip_seconds,
+                                       probe_slack_s=cache.probe_wait_slack_s), newcomer_first=newcomer_first,
                                    weights=tenant_weights)    # each tenant's weight in the pool's fair share (default 1)
         sink = self.cache.allocate(1)[0] if sink_pages else None     # held for good: never registered or evicted
         self.runner = ModelRunner(loaded.model, self.cache.pool.kv, self.block_size, backend,
@@ -294,7 +296,7 @@ class Engine(StepLoop, RequestIntake):
                                "prefill": self.prefill_model.snapshot(),
                                "planner": self.planner.snapshot(),
                                "load_deadline": {**self.scheduler.deadlines.snapshot(),
-                                                 "probes_abandoned": self.scheduler.probes_abandoned}},
+                                                 **self.scheduler.probes.snapshot()}},
                 "engine": {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                            "loading": len(self.scheduler.loading),
                            "attention": self.runner.backend.name, "decode_step": self.decode_step,

@@ -20,9 +20,18 @@ The deadline is re-derived at every check from the figures as they stand then (`
 start's calibration rescaled by the first real prefill steps, a split's own front among them
 (engine/prefill_model.py) -- moves the deadline with it, so a load planned from a figure 10x too
 pessimistic is not waited for 10x too long.
-The same rule bounds a request's wait for its remote probe (which blocks the shared store holds,
-asked at submit): past `probe_seconds` it is admitted as if the store held none of them.
-A stalled store thus costs a request at most about one recompute plus the margin, and usually
+A request's wait for its remote probe (which blocks the shared store holds, asked at submit) is
+bounded by what a probe is, one round trip of the store, not by the load of the blocks' bytes:
+
+    min(LOAD_MARGIN x round_trip("remote"), PROBE_FRACTION x compute(all blocks)) + probe_slack
+
+(`probe_seconds`; the round trip is the remote tier's latency figure: the link probe's at start,
+then fitted to its fills; without one, the fraction of the recompute alone; `probe_slack` a
+remote worker at nice +10 woken on a busy machine: CacheConfig.probe_wait_slack_s, 0.02 s, not
+the load's slack, which on a ~0.3 s miss was most of what a stalled store cost). Past it the request
+computes from the front and a late answer still loads the rest from the back
+(engine/probe_wait.py), so a stalled store costs a request at most that small fraction of its
+miss on top of the miss. A stalled load costs at most about one recompute plus the margin, and usually
 far less (SGLang HiCache's "timeout" prefetch policy; Cake's compute-or-load split, revised at
 runtime). The late fills end on their own pages, and their times teach the rates.
 Doesn't know: clocks (the scheduler owns one, injectable, and checks deadlines in schedule(), so
@@ -42,6 +51,9 @@ from typing import Callable, Sequence
 # that, and is still far quicker than recomputing), and no network stands between them.
 LOAD_MARGIN = 3.0
 LOCAL = ("host", "disk")
+# A probe's wait (see above): LOAD_MARGIN round trips, never more than this fraction of the
+# predicted recompute of the request's blocks (what a stalled store may add to its miss), + slack.
+PROBE_FRACTION = 0.1
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,9 +75,13 @@ class LoadDeadlines:
     # Predicted load time of blocks held in these tiers (RestorePlanner.load_seconds; None: no
     # figure for one of them). None: deadlines from the compute alone.
     load_seconds: Callable[[Sequence[str]], float | None] | None = None
+    # A call's round trip to a tier, bytes aside (RestorePlanner.round_trip_seconds; None: no
+    # figure). None: a probe's wait from the compute alone.
+    round_trip_s: Callable[[str], float | None] | None = None
+    probe_slack_s: float = 0.02       # CacheConfig.probe_wait_slack_s
 
     def __post_init__(self) -> None:
-        for name, low in (("margin", 1.0), ("slack_s", 0.0), ("fallback_s", 0.0)):
+        for name, low in (("margin", 1.0), ("slack_s", 0.0), ("fallback_s", 0.0), ("probe_slack_s", 0.0)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= low:
                 raise ValueError(f"{name}: expected a number >= {low}, got {v!r}")
@@ -83,8 +99,11 @@ class LoadDeadlines:
 
     def probe_seconds(self, blocks: int) -> float:
         """How long a request of `blocks` full blocks waits for its remote probe (a round trip
-        of the store) before it is admitted without the store's answer."""
-        return self.seconds(0, blocks, ("remote",))
+        of the store) before it is admitted without the store's answer (see above)."""
+        predicted = self.compute_seconds(0, blocks)
+        bound = PROBE_FRACTION * (self.fallback_s if predicted is None else predicted)
+        rtt = None if self.round_trip_s is None else self.round_trip_s("remote")
+        return (bound if rtt is None else min(bound, LOAD_MARGIN * rtt)) + self.probe_slack_s
 
     def _load_bound(self, tiers: Sequence[str]) -> float:
         loading = [t for t in tiers if t != "device"]
@@ -95,4 +114,4 @@ class LoadDeadlines:
 
     def snapshot(self) -> dict:
         return {"margin": self.margin, "load_margin": LOAD_MARGIN, "slack_s": self.slack_s,
-                "fallback_s": self.fallback_s}
+                "fallback_s": self.fallback_s, "probe_slack_s": self.probe_slack_s, "probe_fraction": PROBE_FRACTION}

@@ -133,6 +133,12 @@ class RestorePlanner:
         costs = self._load_costs(tiers)
         return None if costs is None else self._load_seconds(costs, 0, len(costs))
 
+    def round_trip_seconds(self, tier: str) -> float | None:
+        """One call's latency to `tier`, its bytes aside (a probe's round trip), or None
+        without a figure."""
+        seconds = getattr(self.rates, "seconds", None)
+        return None if seconds is None else seconds(tier, 1, 0)
+
     def _load_costs(self, tiers: Sequence[str]) -> list[str] | None:
         """The prefix's tiers, or None when a tier below the device in it has no figure yet."""
         for t in set(tiers) - {"device"}:

@@ -13,9 +13,10 @@ prefix has host, disk or remote blocks is planned (pages held, fills started) an
 `loading` without taking budget: the others keep stepping while its bytes are read (at most
 `max_loading` such sequences at once). A request whose remote probe (which of its blocks the
 shared store holds: asked on a loader thread since submit) has not answered yet stays in the
-queue, and the requests behind it are admitted meanwhile; the probe is bounded by the store's
-timeout. A sequence that cannot get pages preempts the newest running one; the
-victim's full blocks are registered in the cache already, so its re-admission hits them.
+queue about a round trip, the requests behind it admitted meanwhile; then it computes from the
+front, and a late answer loads the rest from the back (engine/probe_wait.py). A sequence that
+cannot get pages preempts the newest running one; the victim's full blocks are registered in
+the cache already, so its re-admission hits them.
 
 Fair share of the pool (engine/fair_share.py): a tenant below its share of the pages preempts for
 its admission; a running sequence's page comes from a tenant over its share first. A tenant with
@@ -45,6 +46,7 @@ from typing import Callable, Iterator
 
 from engine.fair_share import FairShare, Shares
 from engine.load_deadline import LoadDeadlines, PlannedLoad
+from engine.probe_wait import ProbeWait
 from engine.restore_planner import RestorePlanner, Split
 from engine.sequence import Sequence, SeqStatus
 from storage.load_records import Load
@@ -92,7 +94,7 @@ class Scheduler:
         self.newcomer_first = newcomer_first
         self.newcomer_steps = 0       # steps that ran a newcomer's first chunk alone
         self._newcomer_step = False   # the last step was one
-        self.probes_abandoned = 0     # requests admitted without their overdue remote probe
+        self.probes = ProbeWait(self)   # the wait for a remote probe, a late answer's back load
         self.exact_hits = 0           # admissions with nothing to compute (storage/exact_entry.py)
         self.cow_copies = 0           # pages copied before a write (shared or cached pages)
         # Fair share (_admission_order): each tenant's latest admission, numbered (engine thread).
@@ -131,6 +133,7 @@ class Scheduler:
             if seq.status is not SeqStatus.RUNNING:
                 continue   # preempted earlier in this loop
             try:
+                self.probes.late(seq)      # a late probe's answer: load the rest from the back
                 if seq.load is not None and seq.num_computed == seq.compute_until:
                     late = not seq.load.ready()
                     if late and not self._past_deadline(seq):
@@ -253,12 +256,9 @@ class Scheduler:
         """Match, then plan the prefix and either start the first chunk or wait for the loader.
         Scheduled: running now; True: loading; None: wait (a block another request computes
         now, or too many loads in flight); False: not enough pages now (stop admitting)."""
-        remote = seq.prefetch.remote_hashes() if seq.prefetch is not None else None
-        if seq.prefetch is not None and seq.prefetch.remote_pending():
-            if not self._probe_overdue(seq):
-                return None     # its remote probe is out: others go first
-            # Overdue (a stalled or sick store): admitted as if the store held none of it.
-            remote, self.probes_abandoned = frozenset(), self.probes_abandoned + 1
+        ready, remote = self.probes.at_admission(seq)    # engine/probe_wait.py
+        if not ready:
+            return None     # its remote probe is out and within its wait: others go first
         keys = seq.prefix_keys()
         # Exact hit (storage/exact_entry.py): the whole chain, tail and logits included, is cached.
         # Else the match is cut where a prefix hit is capped (len - 1 tokens), as it always was.
@@ -418,16 +418,6 @@ class Scheduler:
         """A load of blocks [start, end) of a prompt (held in `tiers`), planned now: its deadline
         is derived from it at each check (LoadDeadlines.due: the figures as they are then)."""
         return None if self.deadlines is None else PlannedLoad(self.clock(), start, end, tuple(tiers))
-
-    def _probe_overdue(self, seq: Sequence) -> bool:
-        """A remote probe still out: True once the request has waited for it as long as the
-        load rule allows (engine/load_deadline.py), from its first turn at admission."""
-        if self.deadlines is None:
-            return False
-        now = self.clock()
-        if seq.probe_deadline is None:
-            seq.probe_deadline = now + self.deadlines.probe_seconds(len(seq.prefix_keys()))
-        return now >= seq.probe_deadline
 
     def _past_deadline(self, seq: Sequence) -> bool:
         return seq.load_deadline is not None and self.clock() >= self.deadlines.due(seq.load_deadline)

@@ -19,7 +19,7 @@ from engine.sampling_params import SamplingParams
 from storage.exact_entry import ExactKeys
 from storage.hashing import BlockKey, block_keys
 from storage.hit_account import HitAccount
-from storage.load_records import Load, Prefetch
+from storage.load_records import Load, Prefetch, RemoteProbe
 
 
 class SeqStatus(Enum):
@@ -53,6 +53,8 @@ class Sequence:
                                                   # part while RUNNING its front (compute-or-load)
     load_deadline: object | None = None           # the load's PlannedLoad: its deadline derives from it
     probe_deadline: float | None = None           # when waiting for the remote probe stops (likewise)
+    late_probe: RemoteProbe | None = None         # admitted without its probe's answer: still out
+                                                  # (engine/probe_wait.py; engine thread)
     compute_until: int = 0                        # with a back part loading: where its front ends
     fair_guard: int = 0                           # not preempted for fairness again before num_computed
                                                   # reaches this (engine/fair_share.py)
@@ -118,5 +120,6 @@ class Sequence:
         self.num_computed = 0
         self.registered = 0
         self.compute_until = 0
+        self.late_probe = None     # a re-admission reads the answer itself (engine/probe_wait.py)
         self.logits_pages = []
         self.status = SeqStatus.WAITING

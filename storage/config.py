@@ -138,6 +138,10 @@ class CacheConfig:
     # Default: $TIEREDKV_LOAD_DEADLINE_SLACK_S, else 0.1 (a deployment on a busy or slow host, or
     # a test suite on a loaded machine, raises it without touching code; an explicit value wins).
     load_deadline_slack_s: float = field(default_factory=lambda: _env_seconds("TIEREDKV_LOAD_DEADLINE_SLACK_S", 0.1))
+    # A request's wait for its remote probe (engine/probe_wait.py): min(3 round trips of the store,
+    # a tenth of its predicted recompute) + this slack; past it the request computes from the front
+    # and a late answer loads the rest from the back. Default: $TIEREDKV_PROBE_WAIT_SLACK_S, else 0.02.
+    probe_wait_slack_s: float = field(default_factory=lambda: _env_seconds("TIEREDKV_PROBE_WAIT_SLACK_S", 0.02))
     # At start, measure what "auto" decides from before the first request (engine/calibration.py):
     # one prefill chunk and one decode step of the model, and a remote tier's link (a round trip
     # and a block-sized read of the store). False: the figures come from the first requests only
@@ -204,9 +208,10 @@ class CacheConfig:
         v = self.load_deadline_margin
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 1 <= v <= 100:
             raise ValueError(f"load_deadline_margin: expected a factor in [1, 100], got {v!r}")
-        v = self.load_deadline_slack_s
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 3600:
-            raise ValueError(f"load_deadline_slack_s: expected seconds in [0, 3600], got {v!r}")
+        for name in ("load_deadline_slack_s", "probe_wait_slack_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 3600:
+                raise ValueError(f"{name}: expected seconds in [0, 3600], got {v!r}")
         if self.remote_write not in REMOTE_WRITES:
             raise ValueError(f"remote_write: expected one of {REMOTE_WRITES}, got {self.remote_write!r}")
         if self.kv_events is not None:

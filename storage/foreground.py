@@ -11,10 +11,11 @@ storage/remote/writer.py). At nice +10 (storage/priority.py) those threads still
 from the decoders' forward passes, and each holds the GIL for part of every block, which the
 engine thread needs for every op it dispatches. While sequences run a pool works `yielding`
 tasks at a time; with none it is as wide as before, so a flush with nothing decoding keeps its
-throughput. NOTE: on the 2-core VM this did not move the flush case of
-tools/bench_interference.py (docs/BENCHMARKS.md, "Interference"): there even a flush without
-compression slows the decoders ~2x, so the rest of a flush's work is what costs there. A narrower pool while decoding means a flush or a write-back burst
-takes longer then; a full writer queue drops (counted), it never stalls a step.
+throughput. NOTE (docs/BENCHMARKS.md, "Flush interference, run 1"): on the 2-core VM a flush
+still slows the decoders (p50 1.4-1.6x), through the GIL its threads' per-block Python holds,
+not through this pool's width -- but a width of 2 while decoding was worse than 1 (p99 2.41x
+against 1.44-2.00x). A narrower pool while decoding means a flush or a write-back burst takes
+longer then; a full writer queue drops (counted), it never stalls a step.
 
 Threads: `hold` from the owners' threads (the engine thread); `PoolWidth` from the pool's tasks.
 Both take the signal's one condition, never across I/O or an item's work.

@@ -6,8 +6,9 @@ request's first admission on -- its hit tokens per tier (`by_tier`; None before)
 prefix order: blocks it holds at admission, each from the tier the cache served it from (a
 device hit, or a fill's billed tier: Fill.tier, decided by `tier_of` of the request that planned
 the fill, so every request waiting for a fill and the promotion count agree); blocks held below
-that it recomputes by choice (compute-or-load); blocks still loading (a split's back part); and,
-at the join, those of them that did not arrive (computed instead). Computed blocks are misses:
+that it recomputes by choice (compute-or-load); blocks still loading (a split's back part, or a
+late probe's back load after admission: `late_load`); and, at the join, those of them that did
+not arrive (computed instead). Computed blocks are misses:
 hit + miss == prompt tokens follows (`Usage.__post_init__` checks it).
 Doesn't know: pages, fills, deadlines or the ledger (engine/billing.py); prices.
 
@@ -61,6 +62,12 @@ class HitAccount:
         for tier, tokens in (*held, *recomputed, *loading):
             by_tier[tier] += tokens
         self.by_tier = by_tier
+
+    def late_load(self, blocks: Iterable[tuple[str, int]]) -> None:
+        """(tier, tokens) of blocks being loaded for it after its admission (a late probe's answer,
+        engine/probe_wait.py): hits of their tiers, unless computed instead."""
+        for tier, tokens in blocks:
+            self.by_tier[tier] += tokens
 
     def computed_instead(self, blocks: Iterable[tuple[str, int]]) -> None:
         """(tier, tokens) of blocks it was loading that did not arrive (a fill failed, or the load

@@ -16,6 +16,7 @@ os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.g
 # a `tieredkv serve`/`demo` subprocess, which inherit this) would see it computed instead. Every
 # test is patient; the deadline's own tests move the scheduler's clock past any slack.
 os.environ.setdefault("TIEREDKV_LOAD_DEADLINE_SLACK_S", "60")
+os.environ.setdefault("TIEREDKV_PROBE_WAIT_SLACK_S", "60")     # a remote probe's wait likewise
 
 
 @pytest.fixture(scope="session")

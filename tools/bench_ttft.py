@@ -495,12 +495,12 @@ def main(argv: list[str] | None = None) -> int:
     # device pool and in the host tier, so no measurement triggers an eviction.
     # restore_policy="load": each row measures its tier's restore path against that path's limit
     # (the compute-or-load planner's own choice is --restore-policy's subject, tools/ttft_policies.py).
-    # The load deadline is off here (a slack of 600 s unless --load-deadline-slack): each row times its
-    # tier's restore path against that path's limit, and on a GPU a deadline rightly gives up a
+    # The load deadline and the probe's wait are off here (slacks of 600 s unless --load-deadline-slack):
+    # each row times its tier's restore path against that path's limit, and on a GPU a deadline rightly gives up a
     # disk load that recomputing beats (the H200 run: Llama-8B's 2048-token disk hit computed).
     slack = 600.0 if args.load_deadline_slack is None else args.load_deadline_slack
     cfg = CacheConfig(device_memory=args.device_memory, host_memory=args.host_memory, disk_dir=disk_dir,
-                      load_deadline_slack_s=slack, isolate_tenants=True,
+                      load_deadline_slack_s=slack, probe_wait_slack_s=slack, isolate_tenants=True,
                       remote_url=remote_url, restore_policy="load")
     bench = None
     try:

@@ -66,7 +66,7 @@ def add_arguments(ap) -> None:
     ap.add_argument("--remote-timeout", type=float, default=REMOTE_TIMEOUT_S,
                     help=f"with --restore-policy: the engines' remote_timeout_s (default {REMOTE_TIMEOUT_S:g})")
     ap.add_argument("--load-deadline-slack", type=float, default=None,
-                    help="the engines' load_deadline_slack_s (with --restore-policy default: the engine's; without, 600: "
+                    help="the engines' load_deadline_slack_s and probe_wait_slack_s (with --restore-policy default: the engine's; without, 600: "
                          "the rows time each restore path); "
                          "a large one keeps every load however slow the machine (tests of the bench itself)")
     ap.add_argument("--stall-guard", type=float, default=STALL_GUARD_S,

@@ -144,7 +144,8 @@ def make_sites(args, stores: Stores, tmp: str) -> list[Site]:
         return CacheConfig(device_memory=args.device_memory, host_memory=args.host_memory,
                            disk_dir=os.path.join(tmp, f"kv-{label}"), isolate_tenants=True, codec=args.codec,
                            remote_url=url, remote_write="write_back", remote_timeout_s=args.remote_timeout,
-                           **({} if args.load_deadline_slack is None else {"load_deadline_slack_s": args.load_deadline_slack}))
+                           **({} if args.load_deadline_slack is None else {"load_deadline_slack_s": args.load_deadline_slack,
+                                                                            "probe_wait_slack_s": args.load_deadline_slack}))
 
     sites = [Site(LOCAL, (Source("host", "host", LOCAL), Source("disk", "disk", LOCAL)), cfg(LOCAL, None))]
     if stores.url is not None:

@@ -42,6 +42,8 @@ def test_disabling_tiers():
     ({"load_deadline_margin": True}, "load_deadline_margin"),
     ({"load_deadline_slack_s": -0.1}, "load_deadline_slack_s"),
     ({"load_deadline_slack_s": "1s"}, "load_deadline_slack_s"),
+    ({"probe_wait_slack_s": -0.1}, "probe_wait_slack_s"),
+    ({"probe_wait_slack_s": 4000}, "probe_wait_slack_s"),
 ])
 def test_bad_values_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):

@@ -22,7 +22,8 @@ def test_billed_once_at_the_first_admission_less_what_was_computed_instead() -> 
     assert not hits.billed and hits.by_tier is None
     hits.admitted(held=[("device", 4), ("host", 4)], recomputed=[("disk", 4)], loading=[("disk", 4), ("remote", 4)])
     assert hits.by_tier == {"device": 4, "host": 4, "disk": 8, "remote": 4}
-    hits.computed_instead([("remote", 4)])         # the back block that did not arrive
+    hits.late_load([("remote", 4)])                # a late probe's back load
+    hits.computed_instead([("remote", 8)])         # the back blocks that did not arrive
     hits.admitted(held=[("device", 16)])           # re-admitted after a preemption: not billed again
     assert hits.billed and hits.by_tier == {"device": 4, "host": 4, "disk": 8, "remote": 0}
     child = hits.forked()
