@@ -122,6 +122,9 @@ class PolicyBench:
         self.overhead_s = 0.0        # the fitted prefill's fixed cost a step, after the rounds (a split's floor)
         # (kind, n, column) -> [(ttft_s, recomputed hit tokens, hit tokens from the source's tier, guard fired)]
         self.samples: dict[tuple[str, int, str], list[tuple[float, int, int, bool]]] = {}
+        # The same keys -> each sample's queue_s (submit -> admitted): a slow admission (a probe's
+        # wait, back-pressure) and a slow prefill read apart (issue 27, run 5).
+        self.queues: dict[tuple[str, int, str], list[float]] = {}
 
     def tenant(self, n: int) -> str:
         return tenant_of(self.run, n)
@@ -150,6 +153,7 @@ class PolicyBench:
         hit = out.usage.hit_tokens_by_tier[self.source.tier]
         self.samples.setdefault((kind, n, column), []).append(
             (out.metrics.ttft_s, out.metrics.recomputed_hit_tokens, hit, guarded))
+        self.queues.setdefault((kind, n, column), []).append(out.metrics.queue_s)
 
     def miss(self, kind: str, n: int, prefix: list[int]) -> None:
         out = self.ask(prefix, f"pol-{self.run}-miss-{_next()}")
@@ -184,6 +188,7 @@ class PolicyBench:
 
     def clear(self) -> None:
         self.samples.clear()
+        self.queues.clear()
 
 
 _counter = [0]

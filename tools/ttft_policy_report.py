@@ -44,6 +44,7 @@ def _row(bench, kind: str, n: int) -> dict | None:
     row = {"source": src.label, "tier": src.tier, "kind": kind, "prefix_tokens": n,
            "ttft_s": {c: round(v, 5) for c, v in med.items()},
            "samples_s": {c: [round(s[0], 5) for s in v] for c, v in cols.items()},
+           "queue_s": {c: [round(q, 5) for q in getattr(bench, "queues", {}).get((kind, n, c), [])] for c in cols},
            "recomputed_hit_tokens": {c: statistics.median(s[1] for s in v) for c, v in cols.items()
                                      if c not in ("miss", "device")},
            "hit_tokens": {c: [s[2] for s in v] for c, v in cols.items() if c not in ("miss", "device")},

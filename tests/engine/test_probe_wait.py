@@ -18,6 +18,7 @@ import torch
 from engine.load_deadline import LOAD_MARGIN, PROBE_FRACTION, LoadDeadlines
 from engine.model import model_from_config
 from storage.config import CacheConfig
+from storage.loader import REMOTE_WORKERS
 from storage.remote.breaker import BreakerConfig
 from tests.engine.conftest import random_prompt, reference_greedy, tiny_llama_config
 from tests.engine.test_load_deadline import (GUARD_S, Clock, check_usage, drained, in_background, keys_of,
@@ -279,3 +280,43 @@ def test_a_late_answers_back_past_its_deadline_is_computed_and_its_late_blocks_n
     assert (status["tiers"]["remote"]["abandoned"], status["tiers"]["remote"]["abandoned_loads"]) == (14, 1)
     assert again.token_ids == expected                    # the cache holds the computed blocks, not marks
     assert again.usage.hit_tokens_by_tier["device"] == 16 * BS
+
+
+def test_stalled_probes_in_a_row_each_wait_their_own_round_trip_whatever_the_policy(tmp_path, valkey) -> None:
+    """Issue 27, run 4b's stalled row (auto ~2 s where load and recompute took 0.25-0.74 s, hit 0
+    every time), as bench_ttft's round runs it: requests one after the other, the store stalled
+    for all of them, the policy switched between them (load, recompute, auto, then auto first),
+    every earlier probe still stuck -- so from the third on, every remote worker
+    (storage/loader.py REMOTE_WORKERS) is held and the request's probe never even starts. Each is
+    admitted when the scheduler's clock reaches its own probe wait (the clock moves only when the
+    test moves it, so no other wait -- back-pressure, a breaker, a worker, a store timeout --
+    gates it), computes, and the breaker is never asked (the store was never called)."""
+    prompts = [random_prompt(16 * BS + 1, seed=70 + i) for i in range(4)]
+    with make(tmp_path, remote_url=valkey.url, remote_timeout_s=GUARD_S) as eng:
+        release, _ = stall_method(eng.cache.remote, "probe")
+        started, stalled = [], eng.cache.remote.probe
+        eng.cache.remote.probe = lambda keys: (started.append(len(keys)), stalled(keys))[1]
+        clock, sched = eng.scheduler.clock, eng.scheduler
+        waits = []
+        try:
+            for prompt, policy in zip(prompts, ("load", "recompute", "auto", "auto")):
+                eng.planner.policy = policy
+                t, got = in_background(lambda: eng.generate(prompt, GREEDY, tenant="probe-wait-row"))
+                wait_until(lambda: waiting_for_probe(eng, prompt), f"{policy}: its first turn, probe stalled")
+                seq = next(s for s in list(sched.waiting) if s.prompt_ids == prompt)
+                waits.append(seq.probe_deadline - clock.now)
+                clock.now = seq.probe_deadline          # no further: admitted at its own wait
+                t.join(GUARD_S)
+                assert "result" in got and not release.is_set(), f"{policy}: admitted at its probe's wait"
+                assert got["result"].token_ids == reference_greedy(None, prompt, GREEDY.max_tokens)
+                assert sched.loads_in_flight() == 0 and not sched.loading
+                clock.now += 1.0
+            stats = eng.cache.remote.stats()
+            assert len(started) == REMOTE_WORKERS      # the last two probes never started
+        finally:
+            release.set()
+        wait_until(lambda: drained(eng), "every page comes back")
+        probes = eng.cache_status()["cost_model"]["load_deadline"]
+    assert waits == pytest.approx([WAIT_S] * 4)
+    assert probes["probes_abandoned"] == 4
+    assert stats.breaker == "closed" and stats.errors == 0 and stats.skipped == 0
