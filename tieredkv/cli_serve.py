@@ -263,6 +263,10 @@ def serve(
         sock.close()
         raise
     from service.server import serve as run_server
+    from tieredkv.startup_heap import freeze_startup_heap
+    frozen = freeze_startup_heap()      # no full GC pass walks the start-up heap mid-request
+    err.print(f"tieredkv: {frozen:,} start-up objects frozen out of the garbage collector's full passes",
+              soft_wrap=True)
     log_to_stderr(log_level)
     if disable_log_requests:
         import logging
