@@ -3,8 +3,8 @@
 Knows: the bounded queue of pending puts (a block waiting here is still served: see
 PendingBlock.copy_for), the accesses reads record for it, deletes that race a commit
 (cancelled), batching many blocks into one write transaction with compression done outside it,
-LRU eviction that enforces the capacity bound in the same transaction, and what to do when LMDB
-runs out of map or disk (MapFull/ENOSPC: evict, retry smaller, drop what still does not fit).
+the capacity bound enforced in the same transaction, and what to do when LMDB runs out of map or
+disk (MapFull/ENOSPC: make room, retry smaller, drop what still does not fit).
 
 Compression runs on a pool (`tieredkv-disk-encode`, os.cpu_count() threads by default: zstd and
 the byte-plane split release the GIL) and is pipelined with the commits (the look-ahead of
@@ -15,6 +15,7 @@ fsync and commit hidden behind encoding; on the 16-core GPU machines users run, 
 batch also run 16 at a time (tools/bench_write_pool.py measures both) -- while no sequence runs:
 while one does, one encode at a time (storage/foreground.py: the decoders keep their cores).
 Doesn't know: the read path or verification (storage/disk/tier.py, storage/disk/integrity.py),
+how room is made in the store (LRU eviction, the map bounded by free space: storage/disk/room.py),
 or the byte layout of the records beyond storage/disk/records.py's functions.
 
 Write failures never reach the caller of put: they are logged and counted (write_errors), and
@@ -44,8 +45,8 @@ from storage.priority import background_priority
 from storage.codec.payload import Codec
 from storage.disk.gate import EnvGate
 from storage.disk.verdicts import is_damage, is_no_space
-from storage.disk.records import (StoreDamaged, StoreInfo, delete_in_txn, load_capacity, load_info, lru_hash,
-                                  lru_key, read_meta, store_info)
+from storage.disk.records import load_capacity, load_info, lru_key, read_meta, store_info
+from storage.disk.room import FreeSpace, evict_in_txn, make_room
 from storage.disk.index import DiskIndex
 from storage.disk.pending import PendingBlock
 from storage.codec.stored_block import BlockMeta, payload_binding
@@ -57,8 +58,6 @@ if TYPE_CHECKING:      # blocks are tensors, but nothing here makes one: `tiered
 log = logging.getLogger(__name__)
 
 _READER_CHECK_S = 5.0   # how often the writer clears dead processes' reader slots
-_SPACE_CHECK_S = 0.5    # how often the writer reads the filesystem's free space
-_MAP_STEP = 16 << 20    # the map grows back toward its full size in steps of at least this
 
 
 @dataclass(slots=True)
@@ -115,14 +114,8 @@ class DiskWriter(BackgroundWriter[_Batch]):
         # files checked, a store another process moved aside followed (storage/disk/replacement.py).
         self.on_tick: Callable[[], None] | None = None
         # The filesystem's free space (issue 17, item 2): the store never grows into the last
-        # `reserve_bytes` of it (the billing ledger and everything else on the disk need them).
-        # None: no such bound. Writer thread only, but for `space` (read by stats()).
-        self._reserve = reserve_bytes
-        self._full_map = map_size
-        self._last_space_check = -1e9
-        self._last_set: int | None = None        # the map size this writer last set
-        self._growth_left: int | None = None     # bytes the data file may still grow; None: unbounded
-        self.space: tuple[int | None, int | None] = (None, None)   # (free bytes, the map's bound or None)
+        # `reserve_bytes` of it. Writer thread only, but for `space` (read by stats()).
+        self._room = FreeSpace(gate, capacity_bytes, reserve_bytes, map_size)
 
     # -- the tier's side -------------------------------------------------------------------
 
@@ -297,41 +290,13 @@ class DiskWriter(BackgroundWriter[_Batch]):
             batch.encoded.append((it, enc))
 
     def fit_to_space(self, force: bool = False) -> None:
-        """Bound the data file by the filesystem's free space minus the reserve: the map size is the
-        most LMDB lets the file grow to, so a commit that would eat into the reserve gets MapFull,
-        which evicts (LRU) and reuses the freed pages inside the file: a smaller cache, never a
-        full filesystem. Checked at most twice a second (statvfs), and on every MapFull/ENOSPC."""
-        if self._reserve is None or self._full_map is None:
-            return
-        now = time.monotonic()
-        if not force and now - self._last_space_check < _SPACE_CHECK_S:
-            return
-        self._last_space_check = now
-        try:
-            st = os.statvfs(self._gate.env.path())
-            used = os.path.getsize(os.path.join(self._gate.env.path(), "data.mdb"))
-        except OSError:
-            return
-        free = st.f_bavail * st.f_frsize
-        # At most a tenth of the filesystem: a reserve larger than a small disk would leave no tier.
-        reserve = min(self._reserve, st.f_blocks * st.f_frsize // 10)
-        room = free - reserve
-        current = self._gate.info()["map_size"]     # after the files' check (it reads the map)
-        if current != self._last_set and current > self._full_map:
-            self._full_map = current          # another process grew the map: that is the full size now
-        target = min(self._full_map, used + max(0, room))
-        # Hysteresis: shrink at once, grow back only by a good step (each change waits for every
-        # open transaction of the process).
-        if target < current or target >= current + _MAP_STEP or (target == self._full_map != current):
-            current = self._last_set = self._gate.set_map_size(target)
-            # Said once per change, and as a warning only when the file's bound is below the
-            # configured capacity (the cache really is smaller); above it the map's slack shrinks.
-            if current < self._full_map:
-                log.log(logging.WARNING if current < self._capacity_bytes else logging.DEBUG,"disk tier %s: %d bytes free on its filesystem, %d reserved: the store is bounded "
-                            "at %d bytes of file (a smaller cache, LRU first)", self._gate.env.path(), free,
-                            reserve, current)
-        self._growth_left = None if current >= self._full_map else max(0, current - used)
-        self.space = (free, None if current >= self._full_map else current)
+        """Bound the data file by the filesystem's free space minus the reserve (storage/disk/room.py)."""
+        self._room.fit(force)
+
+    @property
+    def space(self) -> tuple[int | None, int | None]:
+        """(free bytes, the map's bound or None): read by stats() from any thread."""
+        return self._room.space
 
     def _write(self, batch: _Batch) -> bool:
         encoded, touches = batch.encoded, batch.touches
@@ -386,7 +351,8 @@ class DiskWriter(BackgroundWriter[_Batch]):
             # pages only once no transaction can still see them, hence several attempts.
             with self._begin() as txn:
                 info = load_info(txn, self._gate.dbs)
-            if self._make_room(max(need, info.used_bytes // 10) << attempt) == 0 and info.blocks == 0:
+            if make_room(self._begin, self._gate, self._index, self._count,
+                         max(need, info.used_bytes // 10) << attempt) == 0 and info.blocks == 0:
                 break
         log.warning("disk tier: no room for %d block(s) after evicting; dropping them", len(encoded))
         return False
@@ -400,10 +366,10 @@ class DiskWriter(BackgroundWriter[_Batch]):
             dbs = self._gate.dbs
             info = load_info(txn, dbs)
             capacity = self._capacity_in(txn)
-            if self._growth_left is not None:
+            if self._room.growth_left is not None:
                 # Bounded by free space: grow by at most most of what the file may still grow
                 # (page rounding and copy-on-write pages need the rest); MapFull catches the rest.
-                capacity = min(capacity, info.used_bytes + self._growth_left * 3 // 4)
+                capacity = min(capacity, info.used_bytes + self._room.growth_left * 3 // 4)
             with self._cond:
                 # NOTE: read inside the write txn, so a delete() either cancelled the put before
                 # this (the block is skipped) or starts its own write txn after this one commits
@@ -439,7 +405,7 @@ class DiskWriter(BackgroundWriter[_Batch]):
             # NOTE: the capacity invariant (used_bytes <= capacity_bytes) is enforced here, in the
             # same transaction that added the bytes: no committed state exceeds it, whichever
             # process committed it.
-            self._evict_in_txn(txn, info, lambda: info.used_bytes > capacity, evicted)
+            evict_in_txn(txn, self._gate.dbs, info, lambda: info.used_bytes > capacity, evicted)
             store_info(txn, dbs, info)
         # Committed: now the index says so. In the transaction every put came before every
         # eviction (a batch larger than the capacity evicts its own first blocks), so the same
@@ -462,80 +428,3 @@ class DiskWriter(BackgroundWriter[_Batch]):
             log.warning("disk tier: another process set the capacity to %d bytes (this one was configured "
                         "with %d); enforcing the store's %d", capacity, self._capacity_bytes, capacity)
         return capacity
-
-    def _make_room(self, target: int) -> int:
-        """Evict LRU blocks until `target` stored bytes are freed, in a transaction of its own
-        (smaller ones if even the deletes hit MapFull). Returns the bytes freed."""
-        freed, per_txn = 0, 64
-        while freed < target:
-            try:
-                with self._begin(write=True) as txn:
-                    info = load_info(txn, self._gate.dbs)
-                    before, limit = info.used_bytes, [per_txn]
-
-                    def more() -> bool:
-                        limit[0] -= 1
-                        return limit[0] >= 0 and before - info.used_bytes + freed < target
-                    gone: list[bytes] = []
-                    n = self._evict_in_txn(txn, info, more, gone)
-                    store_info(txn, self._gate.dbs, info)
-                self._index.discard(gone)
-            except Exception as e:
-                if not is_no_space(e, self._gate.env.path()):
-                    raise
-                if per_txn == 1:
-                    # Not even one delete fits: every page is taken or still visible to the
-                    # last two snapshots. Give the caller what was freed; its next attempt
-                    # comes after the small commit below, which makes freed pages reusable.
-                    break
-                per_txn = max(1, per_txn // 4)
-                continue
-            self._count(evictions=n)
-            freed += before - info.used_bytes
-            if n == 0:
-                break
-        # LMDB reuses a page freed by transaction N only from transaction N+2 on (N+1 may still
-        # be read against N's snapshot), so commit one small transaction before the retry.
-        try:
-            with self._begin(write=True) as txn:
-                store_info(txn, self._gate.dbs, load_info(txn, self._gate.dbs))
-        except Exception as e:
-            if not is_no_space(e, self._gate.env.path()):
-                raise
-        return freed
-
-    def _evict_in_txn(self, txn: lmdb.Transaction, info: StoreInfo, more: Callable[[], bool],
-                      evicted: list[bytes]) -> int:
-        """Delete least recently used blocks while more() says so, appending their hashes to
-        `evicted`. Returns how many.
-
-        NOTE: bounded. Each turn deletes the LRU database's first entry and proves it did (the
-        next first entry is another key); one that comes back means the lru tree is out of order
-        (a flipped bit in a leaf: LMDB's search no longer finds the key its cursor is on), which
-        is StoreDamaged -- the store is replaced -- never a loop. At most as many turns as the
-        database has entries, plus one."""
-        dbs = self._gate.dbs
-        n = 0
-        turns = txn.stat(dbs.lru)["entries"] + 1
-        cur = txn.cursor(db=dbs.lru)
-        while more():
-            if turns == 0:
-                raise StoreDamaged("the lru database holds more entries than it says (its tree is damaged)")
-            turns -= 1
-            if not cur.first():
-                break
-            first = bytes(cur.key())
-            h = lru_hash(first)
-            raw, m = read_meta(txn, dbs, h)
-            if m is not None and lru_key(m.last_access, h) == first:
-                delete_in_txn(txn, dbs, h, info)     # raises StoreDamaged if it deleted nothing
-                n += 1
-                evicted.append(h)
-            elif m is None and raw is not None:
-                delete_in_txn(txn, dbs, h, info)     # undecodable meta: deleted with a recount
-                evicted.append(h)
-            if cur.first() and bytes(cur.key()) == first:
-                cur.delete()                         # a stray entry: no block, or an older sequence
-                if cur.first() and bytes(cur.key()) == first:
-                    raise StoreDamaged(f"lru entry {first.hex()[:24]} survives its delete (the lru tree is damaged)")
-        return n
