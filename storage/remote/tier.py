@@ -4,7 +4,8 @@ Knows: the LowerTier verbs (storage/lower_tier.py) over a store: batched reads (
 32 keys -- in cluster mode of one hash slot --, `connections` of them in flight at once, each
 group verified and decoded as it arrives), queued writes (a batch sent as `connections`
 pipelines at once), the probe for a chain's blocks, verification of what it reads, the
-circuit breaker in front of every call, and this process's counters.
+circuit breaker in front of every call (storage/remote/guarded_calls.py makes each call through
+it), and this process's counters.
 Doesn't know: the other tiers, the engine, or when a block should be written (storage/
 cascade.py decides; storage/remote/writer.py is the thread that writes). Keys and the value frame
 are storage/remote/value.py's; building the client is storage/remote/client.py's.
@@ -49,13 +50,12 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from concurrent.futures import Future
 from typing import Sequence
 
 import torch
 
-from storage.cancellation import Cancellation, Cancelled
+from storage.cancellation import Cancellation
 from storage.remote.breaker import OPEN, BreakerConfig, CircuitBreaker
 from storage.codec.payload import Codec
 from storage.codec.stored_block import payload_binding, verify_and_decode
@@ -68,7 +68,8 @@ from storage.pool_drain import drain_on
 from storage.remote.known_keys import KnownKeys
 from storage.remote.remote_stats import RemoteStats
 from storage.remote.tier_pools import RemotePools
-from storage.remote.client import is_unavailable, make_client, mget_groups, mget_one, pipeline, run_parallel, split
+from storage.remote.client import mget_groups, mget_one, pipeline, run_parallel, split
+from storage.remote.guarded_calls import GuardedCalls
 from storage.remote.recv_buffers import RecvBuffers
 from storage.remote.url import RemoteURL
 from storage.remote.value import pack_value, remote_key, unpack_value
@@ -82,7 +83,6 @@ log = logging.getLogger(__name__)
 # so there it is one. Measured only there: a larger default elsewhere is a reasoned guess.
 DEFAULT_CONNECTIONS = max(1, min(4, (os.cpu_count() or 1) // 2))
 _KNOWN_MAX = 1 << 16          # hashes remembered as present in the store (skip re-writing them)
-_LOG_EVERY_S = 10.0
 
 
 class RemoteTier(LowerTier):
@@ -108,17 +108,16 @@ class RemoteTier(LowerTier):
         self.ttl_ms = None if ttl_s is None else max(1, int(ttl_s * 1000))
         self._lock = threading.Lock()
         self.events: NoEvents = NO_EVENTS        # the KV-event hook, set by the cache
-        self._client_obj = None
-        self._client_lock = threading.Lock()     # building the client (RedisCluster connects)
         # Keys this process wrote or read, so a block is not sent again (storage/remote/known_keys.py).
         self._known = KnownKeys(float("inf") if ttl_s is None else ttl_s / 2, _KNOWN_MAX)
         self._c = dict.fromkeys(("hits", "misses", "errors", "corrupt", "skipped", "cancelled",
                                  "cancelled_connections", "writes", "write_errors", "write_drops", "bytes_read",
                                  "bytes_written"), 0)
-        self._last_error: str | None = None
-        self._last_log = -1e9
         # A store back after being down may have restarted empty: forget what we knew it held.
         self.breaker = CircuitBreaker(breaker, on_close=self._known.clear)
+        # Every call to the store, through the breaker (storage/remote/guarded_calls.py).
+        self._calls = GuardedCalls(url, timeout_s, self.breaker, self._count, self._lock)
+        self._call, self._client, self._note_error = self._calls.call, self._calls.client, self._calls.note_error
         self._writer = RemoteWriter(self._write_batch, self._count, queue_blocks, batch_blocks,
                                     encode=self._encode, encode_threads=encode_threads)
         self._writer.start()
@@ -268,7 +267,7 @@ class RemoteTier(LowerTier):
         if status == "ok":
             return None
         with self._lock:
-            return self._last_error if status == "failed" else "breaker open"
+            return self._calls.last_error if status == "failed" else "breaker open"
 
     # ---- writes (queued; the remote writer's thread sends them) ----------------------------
     def put(self, key: BlockKey, block: torch.Tensor | None = None, *, wait: bool = False,
@@ -340,13 +339,7 @@ class RemoteTier(LowerTier):
         self._writer.flush(timeout)
         self._writer.stop()
         self._pools.close()
-        with self._client_lock:
-            client, self._client_obj = self._client_obj, None
-        if client is not None:
-            try:
-                client.close()
-            except Exception:
-                pass
+        self._calls.close()
 
     def _encode(self, it: WriteItem) -> None:
         """The value stored for an item: a raw block's payload (bound to hash || namespace) framed
@@ -416,62 +409,15 @@ class RemoteTier(LowerTier):
         self.events.stored(landed, REMOTE)
         return len(landed) == len(sent)
 
-    # ---- the client ------------------------------------------------------------------------
-    def _call(self, what: str, fn) -> tuple[str, object]:
-        """fn(client) through the breaker: ("ok", its result), or ("skipped" | "failed" |
-        "cancelled", None) (counted; a failure logged)."""
-        if not self.breaker.allow():
-            self._count(skipped=1)
-            return "skipped", None
-        try:
-            out = fn(self._client())
-        except Cancelled:
-            # The caller gave up (storage/cancellation.py), not the store: no verdict here (the
-            # load's outcome tells the breaker when it was too slow: storage/load_outcome.py),
-            # but a half-open breaker's probe slot this call held is free again.
-            self.breaker.release()
-            self._count(cancelled=1)
-            return "cancelled", None
-        except Exception as e:   # noqa: BLE001 -- any failure of the store is a miss, never a failed request
-            from redis.exceptions import ResponseError
-            if isinstance(e, ResponseError) and not is_unavailable(e):
-                self.breaker.success()       # it answered: a refusal is not an outage
-            else:
-                self.breaker.failure()
-                self._count(errors=1)
-            self._note_error(what, e)
-            return "failed", None
-        self.breaker.success()
-        return "ok", out
-
-    def _client(self):
-        with self._client_lock:
-            if self._client_obj is None:
-                self._client_obj = self._build_client()
-            return self._client_obj
-
-    def _build_client(self):
-        return make_client(self.url, self.timeout_s)
-
     # ---- bookkeeping -----------------------------------------------------------------------
     def _count(self, **deltas: int) -> None:
         with self._lock:
             for k, v in deltas.items():
                 self._c[k] += v
 
-    def _note_error(self, what: str, e: BaseException) -> None:
-        msg = f"{what}: {type(e).__name__}: {e}"
-        now = time.monotonic()
-        with self._lock:
-            self._last_error = msg
-            if now - self._last_log < _LOG_EVERY_S:
-                return           # one line per 10 s: a dead store is called on every lookup
-            self._last_log = now
-        log.warning("remote tier %s: %s (a miss; breaker %s)", self.url.redacted, msg, self.breaker.state)
-
     def stats(self) -> RemoteStats:
         with self._lock:
-            c, last = dict(self._c), self._last_error
+            c, last = dict(self._c), self._calls.last_error
         return RemoteStats(enabled=True, url=self.url.redacted, cluster=self.url.cluster, breaker=self.breaker.state,
                            breaker_opened=self.breaker.opened, pending_writes=self._writer.pending_count(),
                            last_error=last, **c)
