@@ -14,7 +14,7 @@ Rules, as built:
   than its share, newest first, and never one whose loss would take its tenant below its share.
 - Progress (no livelock): a sequence preempted for fairness is not taken again for fairness
   until it has computed a block past where it was taken (`Sequence.fair_guard`); its re-admission
-  goes first in line (Scheduler._admission_order), so each preempt/resume cycle moves it on.
+  goes first in line (engine/admission_order.py), so each preempt/resume cycle moves it on.
 - A running sequence that needs a page takes it from a tenant over its share first (the newest of
   its sequences that leaves it at or above its share); a sequence of a tenant over its share that
   finds no such victim gives way itself rather than take from a tenant at or below its share;

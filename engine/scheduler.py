@@ -19,8 +19,8 @@ cannot get pages preempts the newest running one; the victim's full blocks are r
 the cache already, so its re-admission hits them.
 
 Fair share of the pool (engine/fair_share.py): a tenant below its share of the pages preempts for
-its admission; a running sequence's page comes from a tenant over its share first. A tenant with
-nothing running or loading has its first chunk run alone (`newcomer_first`; never twice in a row).
+its admission; a running sequence's page comes from a tenant over its share first. Admission's
+order, the tenants' turns, and a newcomer's first chunk run alone: engine/admission_order.py.
 
 Every load (a loading sequence's, or a running one's back part) has a deadline, derived from when
 it was planned (engine/load_deadline.py) and today's figures, on this scheduler's clock (`clock`,
@@ -40,10 +40,11 @@ engine to fail and release, and the step goes on for the others.
 from __future__ import annotations
 
 import time
-from collections import Counter, deque
+from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable
 
+from engine.admission_order import AdmissionOrder
 from engine.fair_share import FairShare, Shares
 from engine.load_deadline import LoadDeadlines, PlannedLoad
 from engine.probe_wait import ProbeWait
@@ -91,15 +92,11 @@ class Scheduler:
         # Fair share of the pool between tenants (engine/fair_share.py); `weights` by tenant.
         self.fair = FairShare(cache.pool.num_pages, self.block_size, weights)
         self.fair_preemptions = 0     # preemptions for a starved tenant's admission
-        self.newcomer_first = newcomer_first
-        self.newcomer_steps = 0       # steps that ran a newcomer's first chunk alone
-        self._newcomer_step = False   # the last step was one
+        # Who admission tries next, and the newcomer's step (engine/admission_order.py).
+        self.order = AdmissionOrder(self, newcomer_first)
         self.probes = ProbeWait(self)   # the wait for a remote probe, a late answer's back load
         self.exact_hits = 0           # admissions with nothing to compute (storage/exact_entry.py)
         self.cow_copies = 0           # pages copied before a write (shared or cached pages)
-        # Fair share (_admission_order): each tenant's latest admission, numbered (engine thread).
-        self._admissions = 0
-        self._last_admitted: dict[str, int] = {}
         self._failed: list[tuple[Sequence, Exception]] = []   # engine thread only
 
     def take_failed(self) -> list[tuple[Sequence, Exception]]:
@@ -173,7 +170,7 @@ class Scheduler:
         pending = self._pending_prompt_blocks()
         # Once a request finds no pages: `short` (the shares, kept current) and its tenant `stalled`.
         step_budget, short, stalled = budget + sum(x.num_tokens for x in out), None, set()
-        for seq in self._admission_order():
+        for seq in self.order.waiting():
             budget = step_budget - sum(x.num_tokens for x in out)    # a fairness preemption gives back
             if budget <= 0 or len(self.running) + len(self.loading) >= self.max_seqs:
                 break
@@ -200,49 +197,15 @@ class Scheduler:
                 continue    # now loading: no budget taken
             out.append(admitted)
             pending |= {k.hash for k in seq.prefix_keys()[seq.registered:]}
-        return self._newcomers_first(out, holding)
+        return self.order.newcomers_first(out, holding)
 
-    def _newcomers_first(self, out: list[Scheduled], holding: set[str]) -> list[Scheduled]:
-        """A step with a newcomer's first chunk (its tenant had nothing running or loading) and
-        others' work runs the newcomers alone; the others keep their pages and run next step
-        (never two such steps in a row: the others always progress)."""
-        fresh = [x for x in out if x.seq.tenant not in holding]
-        if self.newcomer_first and fresh and len(fresh) < len(out) and not self._newcomer_step:
-            self._newcomer_step = True
-            self.newcomer_steps += 1
-            return fresh
-        self._newcomer_step = False
-        return out
+    @property
+    def newcomer_steps(self) -> int:
+        """Steps that ran a newcomer's first chunk alone (engine/admission_order.py)."""
+        return self.order.newcomer_steps
 
     def _shares(self, taken: Sequence | None = None) -> Shares:    # taken: out of the queue, being admitted
         return self.fair.shares((*self.running, *self.loading), (*self.waiting, *([taken] if taken else ())))
-
-    def _admission_order(self) -> Iterator[Sequence]:
-        """The waiting sequences in the order admission tries them, each at most once a step.
-        Re-admissions first, in line (preempted, or given back after a load: admitted before,
-        billed already). Then the tenants take turns: next is the tenant with the fewest
-        sequences running or loading, ties to the one admitted least recently, then to the one
-        whose first waiting sequence is first in line; FIFO within a tenant. The counts are live
-        (an admission is counted before the next pick), so one tenant's flood of waiting
-        requests delays another tenant's request by at most one admission per other tenant."""
-        yield from [s for s in self.waiting if s.hit_tokens_by_tier is not None]
-        queues: dict[str, deque[tuple[int, Sequence]]] = {}
-        for pos, s in enumerate(self.waiting):
-            if s.hit_tokens_by_tier is None:
-                queues.setdefault(s.tenant, deque()).append((pos, s))
-        active = Counter(s.tenant for s in (*self.running, *self.loading))
-        if len(self._last_admitted) > 4 * (len(queues) + len(active)) + 64:   # tenants long gone
-            self._last_admitted = {t: n for t, n in self._last_admitted.items() if t in queues or t in active}
-        while queues:
-            tenant = min(queues, key=lambda t: (active[t], self._last_admitted.get(t, -1), queues[t][0][0]))
-            _, seq = queues[tenant].popleft()
-            if not queues[tenant]:
-                del queues[tenant]
-            yield seq
-            if seq.status in (SeqStatus.RUNNING, SeqStatus.LOADING):
-                active[tenant] += 1
-                self._admissions += 1
-                self._last_admitted[tenant] = self._admissions
 
     def _pending_prompt_blocks(self) -> set[bytes]:
         pending = set()
