@@ -31,7 +31,7 @@ computed. Checked between steps: the engine thread never waits for a load.
 An exact hit (storage/exact_entry.py: the prompt's tail block and stored logits cached too) is
 admitted with nothing to compute (Scheduled with 0 tokens; the engine samples its stored logits).
 NOTE invariant: the page a sequence writes next is its own -- copied first when it is shared (a
-forked choice's partial prompt page) or cached (an exact entry's tail): _reserve.
+forked choice's partial prompt page) or cached (an exact entry's tail): engine/preemption.py.
 
 NOTE invariant: an exception while admitting, reserving for or advancing one sequence is that
 sequence's failure alone: it is set aside (take_failed) with whatever pages it holds, for the
@@ -47,6 +47,7 @@ from typing import Callable
 from engine.admission_order import AdmissionOrder
 from engine.fair_share import FairShare, Shares
 from engine.load_deadline import LoadDeadlines, PlannedLoad
+from engine.preemption import Preemption
 from engine.probe_wait import ProbeWait
 from engine.restore_planner import RestorePlanner, Split
 from engine.sequence import Sequence, SeqStatus
@@ -92,6 +93,7 @@ class Scheduler:
         # Fair share of the pool between tenants (engine/fair_share.py); `weights` by tenant.
         self.fair = FairShare(cache.pool.num_pages, self.block_size, weights)
         self.fair_preemptions = 0     # preemptions for a starved tenant's admission
+        self.preemption = Preemption(self)   # pages taken from others when the pool has none
         # Who admission tries next, and the newcomer's step (engine/admission_order.py).
         self.order = AdmissionOrder(self, newcomer_first)
         self.probes = ProbeWait(self)   # the wait for a remote probe, a late answer's back load
@@ -141,7 +143,7 @@ class Scheduler:
                     n = min(n, seq.compute_until - seq.num_computed)
                 if n <= 0:
                     continue
-                if not self._reserve(seq, n, out):
+                if not self.preemption.reserve(seq, n, out):
                     continue
             except Exception as e:
                 self._failed.append((seq, e))
@@ -237,7 +239,7 @@ class Scheduler:
         remaining = 0 if exact is not None else seq.num_tokens - len(match) * self.block_size
         n = min(remaining, budget)
         need = len(match) + -(-n // self.block_size)   # conservative: every matched block may need a page
-        if not self.cache.can_allocate(need) and not self._fair_room(seq, need, out):
+        if not self.cache.can_allocate(need) and not self.preemption.fair_room(seq, need, out):
             # With nothing running every page is free or evictable, and the engine only accepts
             # sequences that fit the pool (Sequence.max_len), so this cannot stall forever.
             return False
@@ -252,17 +254,6 @@ class Scheduler:
             self.loading.append(seq)
             return True
         return self._start(seq, self.cache.finish_load(load), budget)
-
-    def _fair_room(self, seq: Sequence, need: int, out: list[Scheduled]) -> bool:
-        """A starved tenant's admission: preempt sequences of tenants over their share (taken out
-        of this step if scheduled) until `need` pages can be had. False: not enough to take."""
-        victims = self.fair.admission_victims(seq, need, self.cache.can_allocate, self.running, self._shares(seq))
-        for victim in victims:
-            self.fair.taken(victim)
-            self.fair_preemptions += 1
-            out[:] = [x for x in out if x.seq is not victim]
-            self.preempt(victim)
-        return bool(victims) and self.cache.can_allocate(need)
 
     def _split(self, seq: Sequence, match: CacheMatch) -> Split | None:
         """The planner's split for a first admission (None: load everything). A re-admission
@@ -336,7 +327,7 @@ class Scheduler:
         """An exact hit: the prompt's every block (its tail too) and its stored logits are held.
         It runs with nothing to compute: the engine samples its first token from the stored
         logits (`logits_pages`, held until then) and decodes on the cached pages (the tail page is
-        copied before the sequence writes into it: _reserve). NOTE billing: every prompt token is
+        copied before the sequence writes into it: Preemption.reserve). NOTE billing: every prompt token is
         a hit billed from the tier of the block holding it (the logits blocks hold none)."""
         kv = len(seq.exact.kv)
         seq.pages, seq.logits_pages = pages[:kv], pages[kv:]
@@ -396,27 +387,6 @@ class Scheduler:
             seq.load, seq.load_deadline = None, None
         self.cache.release(seq.pages + seq.logits_pages)
         seq.reset_for_preemption()
-
-    def _reserve(self, seq: Sequence, n: int, scheduled: list[Scheduled]) -> bool:
-        """Pages for n more tokens of a running sequence, preempting others if needed (from a
-        tenant over its share first: FairShare.growth_victim). False if `seq` itself had to be
-        preempted."""
-        need = seq.pages_needed(seq.num_computed + n)
-        # Copy-on-write: the page the next token goes into may be shared (a forked choice's
-        # partial prompt page) or cached (an exact entry's tail): it is copied first.
-        at = seq.num_computed // self.block_size
-        cow = at < len(seq.pages) and self.cache.is_shared(seq.pages[at])
-        while not self.cache.can_allocate(need + cow):
-            candidates = [s for s in self.running if s is not seq and all(x.seq is not s for x in scheduled)]
-            victim = self.fair.growth_victim(seq, candidates, self._shares())
-            self.preempt(victim)
-            if victim is seq:
-                return False
-        if cow:
-            seq.pages[at] = self.cache.copy_on_write(seq.pages[at])
-            self.cow_copies += 1
-        seq.pages.extend(self.cache.allocate(need))
-        return True
 
     def preempt(self, seq: Sequence) -> None:
         """Give back a running sequence's pages; it goes first in line to be re-admitted."""
