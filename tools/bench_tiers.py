@@ -53,7 +53,8 @@ import torch
 import zstandard
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_report import emit, machine_note  # noqa: E402  (a sibling script)
+from bench_report import emit, machine_note  # noqa: E402  (sibling scripts)
+from real_kv import real_kv_blocks  # noqa: E402  (siblings import it from here too)
 from storage.codec import byte_planes  # noqa: E402
 from storage.codec.payload import Codec
 from storage.disk.tier import DiskTier, default_map_size
@@ -64,77 +65,9 @@ from storage.hashing import BlockKey, block_keys
 
 EDGES = ("device_to_host", "host_to_disk", "disk_to_host", "host_to_device")
 TARGET = 0.8
-CHUNK_TOKENS = 512          # tokens per forward: KV of longer forwards is no different, only slower here
 COPY_REPS = 3              # memory-edge samples per round
 WRITER_BATCH = 32           # DiskTier's default batch_blocks: blocks per write transaction
 NAMESPACE = b"bench-tiers".ljust(32, b"\0")
-
-# Real prose, written for this benchmark. Consecutive 512-token windows of the tiled text start
-# at different places in it, so every block's KV differs.
-PROSE = """\
-The ferry across the estuary ran every forty minutes in summer and twice a day in winter, and
-the timetable was painted by hand on a board beside the slipway. When the tide was very low
-the boat could not reach the concrete ramp, so passengers walked the last stretch on planks
-laid over the mud, carrying their shoes, while the ferryman apologised as if he had personally
-arranged the moon. Nobody complained much. The alternative was a drive of two hours around the
-head of the water, past the paper mill and through three towns that all claimed to have the
-oldest bridge in the county.
-
-In the middle of the crossing there is a point where neither shore seems closer than the
-other. Gulls follow the boat to that point and then turn back, as though an agreement had been
-made long ago about whose birds belong where. Children are told to watch for seals there, and
-sometimes one appears, a round grey head that looks at the boat with the patience of an old
-man waiting for a bus, then sinks without a ripple.
-
-The ferryman kept a notebook in which he recorded the weather, the number of passengers, and
-anything he found on the deck after the last run of the day: gloves, a library book, a bag of
-apples, once a violin in a case with no name on it. Most things were collected within a week.
-The violin stayed on the shelf in the ticket hut for eleven years, until a woman came to ask
-for it, explaining that her father had left it there on purpose, hoping that whoever found it
-would learn to play. Nobody had. She took it home and, the ferryman said, looked relieved.
-
-Plans for a bridge were drawn up more than once. Engineers arrived with instruments on
-tripods, measured the channel, drilled into the bed of the river and went away again. Each
-time the cost came out higher than the year before, and each time the council decided that
-the ferry would do for now. The drawings are kept in the town archive, where anyone can look
-at them: elegant arches that were never built, spanning water that still has to be crossed
-slowly, at the speed of a small diesel engine and the patience of the tide.
-
-When the old boat was finally replaced, the new one was faster, warmer and painted a bright
-blue that people disliked at first and then defended fiercely against visitors who called it
-ugly. The notebook continued in the same hand. Its last entries are mostly about the weather,
-the way the light falls on the mud flats in October, and the names of regular passengers who
-no longer travel, written in a short list at the back with the dates of their final crossings.
-"""
-
-
-# ---- real KV blocks ------------------------------------------------------------------------
-
-@torch.inference_mode()
-def real_kv_blocks(n_blocks: int, block_size: int = 16,
-                   model: str | None = None) -> tuple[BlockLayout, torch.Tensor, list[int]]:
-    """(fp32 layout, [n_blocks, *layout.shape] fp32 KV, the token ids it covers), computed on
-    the CPU by `model` (None: the default model; a random-weight copy of its shape times the
-    same, but its KV compresses like noise, so ratios from it do not hold)."""
-    from engine.model import kv_layout, load_model
-
-    loaded = load_model(model, device="cpu", dtype="float32")
-    layout = kv_layout(loaded, block_size)
-    base = loaded.tokenizer(PROSE)["input_ids"]
-    need = n_blocks * block_size
-    stream = (base * (need // len(base) + 1))[:need]
-    blocks = torch.empty((n_blocks, *layout.shape), dtype=torch.float32)
-    b = 0
-    for start in range(0, need, CHUNK_TOKENS):
-        ids = stream[start:start + CHUNK_TOKENS]
-        out = loaded.model(input_ids=torch.tensor([ids]), use_cache=True)
-        # Per layer: keys/values [1, kv_heads, seq, head_dim] -> [layers, 2, seq, kv_heads, head_dim]
-        kv = torch.stack([torch.stack((layer.keys[0], layer.values[0])) for layer in out.past_key_values.layers])
-        kv = kv.permute(0, 1, 3, 2, 4)
-        for s in range(0, len(ids), block_size):
-            blocks[b].copy_(kv[:, :, s:s + block_size])
-            b += 1
-    return layout, blocks, stream
 
 
 # ---- helpers -------------------------------------------------------------------------------
