@@ -235,7 +235,7 @@ class Drill(OtherRows):
 
 
 def print_table(result: dict) -> None:
-    print(f"| attack | trials | crashes | wrong answers | failed requests | health 500s | other outcome |")
+    print("| attack | trials | crashes | wrong answers | failed requests | health 500s | other outcome |")
     print("|---|---:|---:|---:|---|---|---|")
     for r in result["rows"]:
         failed = ", ".join(f"{k}: {v}" for k, v in sorted(r["failed"].items())) or "0"
