@@ -77,8 +77,12 @@ class RestorePlanner:
         self.decisions = {"load": 0, "recompute": 0, "split": 0}   # engine thread only
         self.reasons = {"policy": 0, "no figures": 0, "predicted": 0}
 
-    def split(self, tiers: Sequence[str]) -> Split:
-        """The split for a matched prefix whose blocks are held in `tiers` (prefix order)."""
+    def split(self, tiers: Sequence[str], suffix_tokens: int = 0) -> Split:
+        """The split for a matched prefix whose blocks are held in `tiers` (prefix order), before
+        `suffix_tokens` tokens of the prompt no tier holds (0: the suffix left out). A plan that
+        loads joins before the suffix runs, in a step of its own; recomputing everything runs the
+        suffix in the prefix's chunks, so it is charged the suffix within them (run 6 of issue 27:
+        a 32-token back over a 30 Mbit link cost a 256-token prompt one more step than the miss)."""
         n = len(tiers)
         d = next((i for i, t in enumerate(tiers) if t != "device"), n)
         if self.policy == "load" or d == n:
@@ -111,14 +115,28 @@ class RestorePlanner:
                 candidates.append((max(c, ld), s, c, ld))
         finish, best, compute, load = min(candidates)
         if best == d or finish > load_all * (1 - MIN_GAIN):
-            return self._decided(Split(d, d, n, 0.0, load_all, "predicted"))
-        return self._decided(Split(d, best, n, compute, load, "predicted"))
+            plan = Split(d, d, n, 0.0, load_all, "predicted")
+            finish = load_all
+        else:
+            plan = Split(d, best, n, compute, load, "predicted")
+        if suffix_tokens > 0 and plan.loaded:
+            # The whole prompt computed (prefix and suffix in the scheduler's chunks) against this
+            # plan and then the suffix's own step after the join.
+            whole = self._tokens_seconds(d * self.block_size, n * self.block_size + suffix_tokens)
+            after = self._tokens_seconds(n * self.block_size, n * self.block_size + suffix_tokens)
+            if whole is not None and after is not None and whole <= finish + after:
+                return self._decided(Split(d, n, n, self.compute_seconds(d, n), None, "predicted"))
+        return self._decided(plan)
 
     def compute_seconds(self, start: int, end: int) -> float | None:
         """Predicted time to prefill blocks [start, end) in the scheduler's chunks."""
-        if end <= start:
+        return self._tokens_seconds(start * self.block_size, end * self.block_size)
+
+    def _tokens_seconds(self, pos: int, stop: int) -> float | None:
+        """Predicted time to prefill tokens [pos, stop) in the scheduler's chunks."""
+        if stop <= pos:
             return 0.0
-        total, pos, stop = 0.0, start * self.block_size, end * self.block_size
+        total = 0.0
         while pos < stop:
             chunk = min(self.chunk_tokens, stop - pos)
             t = self.prefill.predict(chunk, pos + chunk)

@@ -261,7 +261,8 @@ class Scheduler:
         the pool's newest (often still on the device)."""
         if self.planner is None or seq.hit_tokens_by_tier is not None:
             return None
-        return self.planner.split([tier for _, tier in match.blocks])
+        return self.planner.split([tier for _, tier in match.blocks],
+                                  suffix_tokens=len(seq.prompt_ids) - len(match) * self.block_size)
 
     def _start_split(self, seq: Sequence, match: CacheMatch, split: Split, budget: int) -> Scheduled | None:
         """Compute-or-load: the device blocks [0, d) are acquired, blocks [d, s) are recomputed

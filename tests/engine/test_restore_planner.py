@@ -117,3 +117,25 @@ def test_local_tiers_each_pay_their_latency_once():
     costs = p._load_costs(["device", "host", "host", "disk", "disk", "disk"])
     assert p._load_seconds(costs, 0, 6) == pytest.approx(0.001 + 2e-3 + 0.004 + 3e-3)
     assert p._load_seconds(costs, 3, 6) == pytest.approx(0.004 + 3e-3)
+
+
+def test_a_load_pays_the_suffix_step_that_recomputing_everything_folds_into_its_chunk():
+    # Issue 27, run 6: a short prompt over a slow link. 16 blocks of 4 tokens, a step costs 0.09 s
+    # plus 0.5 ms a token, a block loads in 0.07 s. Suffix left out, the split computes the front
+    # while the back's last blocks load (where compute and load cross), far ahead of loading all
+    # 16 (1.12 s), and a hair ahead of computing all 16 (0.122 s).
+    tiers = ["remote"] * 16
+    p = planner(rates={"remote": BLOCK_BYTES / 0.07}, token_s=0.0005, step_s=0.09)
+    split = p.split(tiers)
+    assert split.loaded and 0 < split.start < 16
+    finish = max(split.compute_s, split.load_s)
+    # Everything computed with a 4-token suffix: one chunk, 0.09 + 68 x 0.0005 = 0.124 s. The split
+    # then needs the suffix's own step after its join: finish + 0.09 + 4 x 0.0005 > 0.124 s.
+    whole = 0.09 + (16 * BS + 4) * 0.0005
+    assert whole < finish + 0.09 + 4 * 0.0005
+    with_suffix = p.split(tiers, suffix_tokens=4)
+    assert (with_suffix.start, with_suffix.loaded, with_suffix.recomputed) == (16, False, 16)
+    # A long prompt spans chunks either way (chunk 32 tokens): the suffix is a step of its own
+    # whichever way, so the split stands.
+    long = planner(rates={"remote": BLOCK_BYTES / 0.07}, token_s=0.0005, step_s=0.09, chunk=32)
+    assert long.split(tiers, suffix_tokens=4).start == long.split(tiers).start < 16
