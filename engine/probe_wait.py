@@ -105,7 +105,10 @@ class ProbeWait:
         match = s.cache.match(keys[first:], probe.hashes)
         start = first
         if len(match) and s.planner is not None:
-            start = s.planner.split(["device"] * first + [t for _, t in match.blocks]).start
+            # The suffix after the matched blocks, as admission's split is told (scheduler._split):
+            # a back load joins before it runs, recomputing runs it in the front's chunks.
+            suffix = len(seq.prompt_ids) - (first + len(match)) * bs
+            start = s.planner.split(["device"] * first + [t for _, t in match.blocks], suffix_tokens=suffix).start
         back = s.cache.plan(CacheMatch(match.blocks[start - first:]), seq.prefetch) if start < first + len(match) else None
         if back is None or not back.pages:
             self.late_unused += 1

@@ -51,11 +51,27 @@ class Fixed:
         return 0.0 if nblocks <= 0 else RTT_S + BLOCK_S * nblocks * block_bytes / self.block_bytes
 
 
-def make(tmp_path, **kw) -> Engine:
+class Stepped(Fixed):
+    """A step's own cost and a fast store: a chunk of n tokens takes STEP_S + TOKEN_S x n, a
+    load of k blocks RTT_S + FAST_BLOCK_S x k."""
+
+    def predict(self, new_tokens, context):
+        return STEP_S + TOKEN_S * new_tokens
+
+    def seconds(self, tier, nblocks, block_bytes):
+        return 0.0 if nblocks <= 0 else RTT_S + FAST_BLOCK_S * nblocks * block_bytes / self.block_bytes
+
+
+STEP_S = 0.05
+FAST_BLOCK_S = 0.05
+
+
+def make(tmp_path, figures=Fixed, **kw) -> Engine:
     cache = CacheConfig(block_size=BS, device_memory="256KiB", host_memory="256KiB", disk_dir=None,
-                        restore_policy="load", probe_wait_slack_s=PROBE_SLACK_S, **{k: kw.pop(k) for k in list(kw) if k.startswith("remote")})
+                        restore_policy=kw.pop("restore_policy", "load"), probe_wait_slack_s=PROBE_SLACK_S,
+                        **{k: kw.pop(k) for k in list(kw) if k.startswith("remote")})
     eng = Engine(model_from_config(tiny_llama_config(), seed=0), cache, exact_hits=False, **kw)
-    eng.planner.prefill = eng.planner.rates = Fixed(eng.layout.nbytes)
+    eng.planner.prefill = eng.planner.rates = figures(eng.layout.nbytes)
     eng.scheduler.clock = Clock()
     return eng
 
@@ -188,6 +204,37 @@ def test_a_late_answer_loads_the_blocks_not_computed_yet_and_never_the_computed_
     back, computed = seen[0]
     assert len(back) == 14 and len(computed) == 2 and not set(back) & set(computed)
     assert (probes["probes_abandoned"], probes["late_probe_loads"], probes["late_probe_blocks"]) == (1, 1, 14)
+
+
+def test_a_late_answer_is_planned_with_its_suffix_so_a_back_that_would_cost_a_step_is_computed(tmp_path, valkey) -> None:
+    """Under `auto`, the probe answers once 14 of the prompt's 15 blocks are computed: what is
+    left is block 14 and a 3-token suffix, 7 tokens, one chunk (0.05 + 0.07 = 0.12 s). Loading
+    block 14 (0.06 s) joins first and then runs the suffix in a step of its own (0.08 s), so it is
+    charged that step, as admission's split is (engine/restore_planner.py): the planner
+    recomputes, the late answer goes unused, and the bill is all computed. Before, late() planned
+    without the suffix: the load (0.06 s) beat computing block 14 (0.09 s) and the back loaded."""
+    tenant = "probe-wait-late-suffix"
+    prompt = random_prompt(15 * BS + 3, seed=65)
+    blocks = cold_blocks(tmp_path, prompt, tenant)
+    with make(tmp_path, figures=Stepped, restore_policy="auto", remote_url=valkey.url, remote_timeout_s=GUARD_S,
+              max_batch_tokens=2 * BS) as eng:
+        store(eng, keys_of(eng, prompt, tenant), blocks)
+        release, _ = stall_method(eng.cache.remote, "probe")
+        split = eng.planner.split(["device"] * 14 + ["remote"], suffix_tokens=3)
+        unsuffixed = eng.planner.split(["device"] * 14 + ["remote"])
+        got, seen = run_with_late_answer(eng, prompt, tenant, release, answer_at=14 * BS)
+        wait_until(lambda: drained(eng), "every page comes back")
+        probes = eng.cache_status()["cost_model"]["load_deadline"]
+        eng.cache.audit()
+    # The planner's two answers for what late() sees: loading block 14 wins without the suffix
+    # (0.06 s against 0.09 s), loses with it (0.06 + 0.08 s against one 7-token chunk, 0.12 s).
+    assert (unsuffixed.start, split.start) == (14, 15)
+    out = got["result"]
+    assert out.token_ids == reference_greedy(None, prompt, GREEDY.max_tokens)
+    check_usage(out, prompt, {})
+    assert out.usage.prompt_cache_miss_tokens == len(prompt)
+    assert seen == []
+    assert (probes["probes_abandoned"], probes["late_probe_loads"], probes["late_probes_unused"]) == (1, 0, 1)
 
 
 def test_late_probes_leave_the_breaker_closed_and_the_store_in_use(tmp_path, valkey) -> None:
