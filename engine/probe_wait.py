@@ -109,7 +109,7 @@ class ProbeWait:
             # a back load joins before it runs, recomputing runs it in the front's chunks.
             suffix = len(seq.prompt_ids) - (first + len(match)) * bs
             start = s.planner.split(["device"] * first + [t for _, t in match.blocks], suffix_tokens=suffix).start
-        back = s.cache.plan(CacheMatch(match.blocks[start - first:]), seq.prefetch) if start < first + len(match) else None
+        back = s.cache.start_load(CacheMatch(match.blocks[start - first:]), seq.prefetch) if start < first + len(match) else None
         if back is None or not back.pages:
             self.late_unused += 1
             return

@@ -246,7 +246,7 @@ class Scheduler:
         split = self._split(seq, match) if needs_load and exact is None else None
         if split is not None and split.start > split.device:
             return self._start_split(seq, match, split, budget)
-        load = self.cache.plan(match, seq.prefetch)
+        load = self.cache.start_load(match, seq.prefetch)
         if load.pending:
             first = next(i for i, f in enumerate(load.fills) if f is not None)
             seq.load_deadline = self._deadline(first, len(load.fills), load.tiers[first:])
@@ -269,12 +269,12 @@ class Scheduler:
         by this sequence's prefill from now on, and blocks [s, n) are planned on the loader at the
         same time. The sequence runs its front (never past block s) while its back loads, and
         joins the back when both are done (_join)."""
-        front = self.cache.finish_load(self.cache.plan(CacheMatch(match.blocks[:split.device])))
+        front = self.cache.finish_load(self.cache.start_load(CacheMatch(match.blocks[:split.device])))
         if len(front.pages) < split.device:     # the pool changed under us: load as usual instead
             self.cache.release(front.pages)
             return None
         recomputed = self.cache.recomputed(match.blocks[split.device:split.start], seq.prefetch)
-        back = self.cache.plan(CacheMatch(match.blocks[split.start:]), seq.prefetch) if split.loaded else None
+        back = self.cache.start_load(CacheMatch(match.blocks[split.start:]), seq.prefetch) if split.loaded else None
         if back is not None:
             seq.load_deadline = self._deadline(split.start, split.start + len(back.fills), back.tiers)
         seq.recomputed_hit_tokens = len(recomputed) * self.block_size

@@ -3,7 +3,7 @@
 Knows: the pages being filled right now (hash -> Fill, so two requests needing one block load it
 once), the probes asking the remote store which of a prompt's blocks it holds, and the worker
 pools that do the work; the disk -> host prefetch is its `prefetcher` (storage/prefetch.py).
-Doesn't know: sequences or scheduling -- TieredKVCache.plan() hands it the fills of one request
+Doesn't know: sequences or scheduling -- TieredKVCache.start_load() hands it the fills of one request
 and the scheduler polls `Load.ready()` between steps. It is given the tiers (storage/tiers.py:
 the pool, the host slab, the tiers below, their lock and counters), never the cache that owns
 it, and names no tier below the host: a fill reads from its source tier, a tier over a link (not
@@ -124,7 +124,7 @@ class Loader:
             self._linked.submit(self._run_fills, remote, after, task.cancel)
 
     def wait_for(self, fill: Fill) -> None:
-        """A load waits for `fill` (under the tiers' lock; TieredKVCache.plan)."""
+        """A load waits for `fill` (under the tiers' lock; TieredKVCache.start_load)."""
         fill.waiters += 1
 
     def stop_waiting(self, fills: Sequence[Fill | None]) -> list[Cancellation]:

@@ -16,7 +16,7 @@ counters a record it reports itself (tests/storage/test_tier_boundary.py keeps t
 
 Thread safety: every public method takes the tiers' one lock, so the engine thread, HTTP
 threads (lookup, status), the loader's threads and the writers can run at once.
-NOTE invariant: the engine thread never reads or decodes a disk block (plan() only holds pages;
+NOTE invariant: the engine thread never reads or decodes a disk block (start_load() only holds pages;
 test: tests/engine/test_async_restore.py) and never talks to the remote store: whether the store
 holds a prompt's blocks is asked by a probe the loader runs when the request is submitted
 (prefetch()); match() then reads the probe's answer from memory.
@@ -149,7 +149,7 @@ class TieredKVCache(SharedPages, CacheEvents, NamedTiers):
         return self.match(keys, frozenset().union(*(below.probe(keys[len(local):]) for below in linked)))
 
     # ---- promotion -----------------------------------------------------------------------
-    def plan(self, match: CacheMatch, prefetch: Prefetch | None = None) -> Load:
+    def start_load(self, match: CacheMatch, prefetch: Prefetch | None = None) -> Load:
         """Hold device pages for a matched prefix and start filling the host/disk ones on the
         loader (storage/loader.py). Returns at once: no copy, read or decode happens here.
 
@@ -232,7 +232,7 @@ class TieredKVCache(SharedPages, CacheEvents, NamedTiers):
     def recomputed(self, blocks: Sequence[tuple[BlockKey, str]], prefetch: Prefetch | None = None) -> tuple[str, ...]:
         """Matched blocks a request recomputes by choice (compute-or-load, engine/restore_planner.py):
         the tier each is billed from -- the one match() found it in, by the request's hit account
-        as plan() would bill it (HitAccount.tier_of) -- counted as a hit and a recompute of that
+        as start_load() would bill it (HitAccount.tier_of) -- counted as a hit and a recompute of that
         tier. Nothing is read, moved or held."""
         hits = prefetch.hits if prefetch is not None else HitAccount()
         with self._lock:
@@ -257,8 +257,8 @@ class TieredKVCache(SharedPages, CacheEvents, NamedTiers):
             read.cancel()
 
     def load_now(self, match: CacheMatch) -> Acquired:
-        """plan() and wait for it: device pages for a matched prefix, filled (tests, tools)."""
-        load = self.plan(match)
+        """start_load() and wait for it: device pages for a matched prefix, filled (tests, tools)."""
+        load = self.start_load(match)
         load.wait()
         return self.finish_load(load)
 

@@ -89,7 +89,7 @@ def one_round(cache: TieredKVCache, lock: TimedLock, keys, blocks: torch.Tensor)
     prober.start()
     lock.holds.clear()
     t0 = time.perf_counter()
-    load = cache.plan(match)
+    load = cache.start_load(match)
     assert load.wait(60)
     fill_s = time.perf_counter() - t0
     stop.set()

@@ -37,7 +37,7 @@ def disk_only(tmp_path: Path, n: int, pages: int = 6, host_slots: int = 0):
 def test_a_request_gone_mid_load_gives_its_pages_back_and_the_fill_ends_safely(tmp_path, held_reads) -> None:
     cache, ks = disk_only(tmp_path, 3)
     try:
-        load = cache.plan(cache.match(ks))
+        load = cache.start_load(cache.match(ks))
         assert load.pending and not load.ready()
         assert [cache.pool.refcount(p) for p in load.pages] == [2, 2, 2]    # the fill's + the request's
         cache.cancel_load(load)
@@ -62,8 +62,8 @@ def test_a_request_gone_mid_load_gives_its_pages_back_and_the_fill_ends_safely(t
 def test_two_plans_share_one_fill_per_block(tmp_path, held_reads) -> None:
     cache, ks = disk_only(tmp_path, 3)
     try:
-        first = cache.plan(cache.match(ks))
-        second = cache.plan(cache.match(ks[:2]))
+        first = cache.start_load(cache.match(ks))
+        second = cache.start_load(cache.match(ks[:2]))
         assert second.pages == first.pages[:2] and second.fills == first.fills[:2]
         assert [cache.pool.refcount(p) for p in first.pages] == [3, 3, 2]
         held_reads.set()
@@ -81,7 +81,7 @@ def test_two_plans_share_one_fill_per_block(tmp_path, held_reads) -> None:
 def test_a_block_gone_between_plan_and_fill_cuts_the_prefix(tmp_path, held_reads) -> None:
     cache, ks = disk_only(tmp_path, 3)
     try:
-        load = cache.plan(cache.match(ks))
+        load = cache.start_load(cache.match(ks))
         assert cache.disk.delete(ks[1])          # another process evicted it meanwhile
         held_reads.set()
         assert load.wait(10)
@@ -104,7 +104,7 @@ def test_prefetch_moves_disk_blocks_into_host_and_a_plan_bills_them_as_disk(tmp_
         assert pre.moved == {k.hash for k in ks}
         assert [cache.host.slot_of(k) is not None for k in ks] == [True] * 3
         assert cache.prefetch(ks).chunks == []              # nothing left to prefetch
-        load = cache.plan(cache.match(ks), pre)
+        load = cache.start_load(cache.match(ks), pre)
         assert load.wait(10)
         got = cache.finish_load(load)
         assert got.tiers == ("disk",) * 3
@@ -143,7 +143,7 @@ def test_a_fill_waits_for_a_started_prefetch_chunk_and_claims_the_rest(tmp_path,
         pre = cache.prefetch(ks)                 # chunk k0 starts (its read is held); k1, k2 wait
         while not pre.chunks[0].started:
             time.sleep(0.001)
-        load = cache.plan(cache.match(ks), pre)
+        load = cache.start_load(cache.match(ks), pre)
         # The fill claims k1 and k2 before k0's read is let go: else the prefetch worker may
         # start k1's chunk first (a loaded machine schedules the fill's thread late).
         deadline = time.monotonic() + 10
@@ -172,7 +172,7 @@ def test_staged_disk_fills_put_each_block_in_its_own_page(tmp_path, held_reads, 
     cache, ks = disk_only(tmp_path, 8, pages=10)
     try:
         cache.loader.stage_decodes = True
-        load = cache.plan(cache.match(ks))
+        load = cache.start_load(cache.match(ks))
         assert cache.disk.delete(ks[4])          # the second chunk's middle block
         held_reads.set()
         assert load.wait(10)

@@ -74,7 +74,7 @@ def test_a_host_fill_copies_with_the_lock_free_and_its_slots_are_never_reused(tm
         cache.demote("device")                      # k0..k2 now only in the host slots
         slots = slots_of(cache, ks)
         cache.loader.defer_copies()
-        load = cache.plan(cache.match(ks))
+        load = cache.start_load(cache.match(ks))
         assert load.tiers == ["host"] * 3
         assert copying.wait(10)                     # the fill's copies out of the slots are running
         # Another thread takes the tiers' lock mid-copy (the old fill held it until its copies
@@ -131,7 +131,7 @@ def test_a_host_fill_waits_for_the_copy_into_its_slot_with_the_lock_free(tmp_pat
         cache.release(fill(cache, ks))
         cache.demote("device")                      # the copies into the slots are held
         slots = slots_of(cache, ks)
-        load = cache.plan(cache.match(ks))
+        load = cache.start_load(cache.match(ks))
         assert load.tiers == ["host"] * 2
 
         def pinned() -> bool:
@@ -171,7 +171,7 @@ def test_host_fills_under_pressure_from_a_tiny_host_tier_are_exact(tmp_path) -> 
         cache.release(fill(cache, chain))
         for r in range(40):
             want = chain[:rng.randint(1, len(chain))]
-            load = cache.plan(cache.match(want))
+            load = cache.start_load(cache.match(want))
             for k in keys(1, start_token=10_000 + 4 * r):     # a new block computed meanwhile
                 if cache.can_allocate(1):
                     cache.release(fill(cache, [k]))
@@ -216,7 +216,7 @@ def test_a_miss_in_one_staged_part_cuts_the_prefix_there(tmp_path, staged, held_
     try:
         cache.loader.stage_decodes = True
         cache.loader.defer_copies()
-        load = cache.plan(cache.match(ks))
+        load = cache.start_load(cache.match(ks))
         assert cache.disk.delete(ks[missing])     # gone between plan and read
         held_reads.set()
         assert load.wait(10)
@@ -265,7 +265,7 @@ def test_a_staging_half_is_rewritten_only_after_its_copies_and_reads_overlap_cop
     try:
         cache.loader.stage_decodes = True
         cache.loader.defer_copies()
-        load = cache.plan(cache.match(ks))
+        load = cache.start_load(cache.match(ks))
         # Part 0's copies are held: part 1 is read into the other half meanwhile, and part 2
         # waits for half 0's copies instead of reading into it.
         until(lambda: waiting.is_set() or len(log) > 2, "the fill to wait for half 0")

@@ -43,7 +43,7 @@ def restore(cache: TieredKVCache, ks):
     """What the engine does: prefetch (the remote probe) at submit, match and plan at admission."""
     pre = cache.prefetch(ks)
     assert pre.wait(10)
-    load = cache.plan(cache.match(ks, pre.remote_hashes()), pre)
+    load = cache.start_load(cache.match(ks, pre.remote_hashes()), pre)
     assert load.wait(10)
     return cache.finish_load(load)
 

@@ -131,7 +131,7 @@ def test_an_abandoned_load_cuts_its_read_only_when_no_request_waits_and_a_new_lo
                 until(lambda: pre.wait(0), "the probe")
                 match = c.match(ks, pre.remote_hashes())
                 assert len(match) == 64
-                first, second = c.plan(match), c.plan(match)     # the second request shares the fills
+                first, second = c.start_load(match), c.start_load(match)     # the second request shares the fills
                 task = first.fills[0].task
                 assert task is not None and all(f.task is task for f in first.fills + second.fills)
                 until(lambda: task.cancel.reading > 0, "the first MGET on the wire")
@@ -162,7 +162,7 @@ def test_an_abandoned_load_cuts_its_read_only_when_no_request_waits_and_a_new_lo
                 pre = c.prefetch(ks[:4])
                 until(lambda: pre.wait(0), "the probe after the cancel")
                 assert pre.remote_hashes() is None or len(c.match(ks[:4], pre.remote_hashes())) == 4
-                load = c.plan(c.match(ks[:4], pre.remote_hashes()))
+                load = c.start_load(c.match(ks[:4], pre.remote_hashes()))
                 assert all(f is None or not f.given_up for f in load.fills)
                 until(load.ready, "the new load")
                 got = c.finish_load(load)
