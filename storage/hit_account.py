@@ -4,7 +4,7 @@ Knows: the blocks this request's own prefetch moved into the host tier and the t
 from (`moved_up`), the rule that gives a block its billed tier (`tier_of`), and -- from the
 request's first admission on -- its hit tokens per tier (`by_tier`; None before). The facts, in
 prefix order: blocks it holds at admission, each from the tier the cache served it from (a
-device hit, or a fill's billed tier: Fill.tier, decided by `tier_of` of the request that planned
+device hit, or a fill's billed tier: Fill.billed_tier, decided by `tier_of` of the request that planned
 the fill, so every request waiting for a fill and the promotion count agree); blocks held below
 that it recomputes by choice (compute-or-load); blocks still loading (a split's back part, or a
 late probe's back load after admission: `late_load`); and, at the join, those of them that did

@@ -55,7 +55,7 @@ def finish(tiers: Tiers, load: Load, abandon: bool = False) -> Acquired:
         tiers.counters[tier].hits += 1
         tiers.counters[tier].hit_tokens += n
     if abandon:
-        late = [f.source for f in load.fills[cut:] if f is not None and not f.done.is_set()]
+        late = [f.read_from for f in load.fills[cut:] if f is not None and not f.done.is_set()]
         for source in late:
             tiers.counters[source].abandoned += 1
         for source in set(late):

@@ -25,21 +25,21 @@ from storage.hit_account import HitAccount
 @dataclass(eq=False)
 class Fill:
     """One device page being filled with one block. `ok` is meaningful once `done` is set.
-    `source` is where the bytes are read; `tier` is where the block is billed from (HitAccount.tier_of
+    `read_from` is the tier its bytes are read from; `billed_tier` the one it is billed from (HitAccount.tier_of
     of the request that planned it: the disk for a block its own prefetch moved into the host): set
     once, when the fill is planned, and what every request waiting for it is billed and the
     promotion is counted by."""
     key: BlockKey
     page: int
-    source: str                                   # "host", "disk" or "remote" when planned
-    tier: str = ""                                # billed tier; "" means the source
+    read_from: str                                # "host", "disk" or "remote" when planned
+    billed_tier: str = ""                         # "" means read_from
     done: threading.Event = field(default_factory=threading.Event)
     ok: bool = False
     waiters: int = 0                              # loads waiting for it (under the tiers' lock)
     task: "_Task | None" = None                   # the read it is part of, when it can be cancelled
 
     def __post_init__(self) -> None:
-        self.tier = self.tier or self.source
+        self.billed_tier = self.billed_tier or self.read_from
 
     @property
     def given_up(self) -> bool:

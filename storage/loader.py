@@ -113,8 +113,8 @@ class Loader:
         read from a tier over a link on its pool, the others on the fill pool. `after`: a CUDA
         event the copies into the pages wait for (their old blocks' copies out)."""
         linked = {below.name for below in self.t.linked}
-        local = [f for f in fills if f.source not in linked]
-        remote = [f for f in fills if f.source in linked]
+        local = [f for f in fills if f.read_from not in linked]
+        remote = [f for f in fills if f.read_from in linked]
         if local:
             self._fills.submit(self._run_fills, local, after)
         if remote:
@@ -143,7 +143,7 @@ class Loader:
         for task in tasks:
             if all(f.waiters <= 0 or f.done.is_set() for f in task.fills):
                 task.given_up = True
-                self.t.counters[task.fills[0].source].reads_cancelled += 1
+                self.t.counters[task.fills[0].read_from].reads_cancelled += 1
                 out.append(task.cancel)
         return out
 
@@ -177,7 +177,7 @@ class Loader:
             fallback = first if first is not None and first.local else None
             for below in self.t.lower:
                 todo = [f for f in fills if id(f) not in ok
-                        and (self.t.below(f.source) or fallback) is below]
+                        and (self.t.below(f.read_from) or fallback) is below]
                 if todo:
                     for f, good in zip(todo, self._fill_from(below, todo, cancel)):
                         ok[id(f)] = good
@@ -344,7 +344,7 @@ class Loader:
             c.pool.register_many([(f.page, f.key) for f in fills if f.ok])
             for f in fills:
                 if f.ok:
-                    c.count_promotion(f.tier)     # counted once, by the tier it is billed from
+                    c.count_promotion(f.billed_tier)     # counted once, by the tier it is billed from
                 else:
                     self.failed_fills += 1
                 if self.inflight.get(f.key.hash) is f:

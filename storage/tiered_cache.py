@@ -159,7 +159,7 @@ class TieredKVCache(SharedPages, CacheEvents, NamedTiers):
         or the block left every tier since match(). `prefetch`: the request's, whose hit account
         (storage/hit_account.py) gives each new fill its billed tier.
         NOTE: a block's billed tier is decided once, when its fill is made (HitAccount.tier_of), and
-        carried on the fill (Fill.tier): every request waiting for the fill is billed from it, and
+        carried on the fill (Fill.billed_tier): every request waiting for the fill is billed from it, and
         the loader counts the promotion from it, so hits and promotions per tier always agree.
         """
         hits = prefetch.hits if prefetch is not None else HitAccount()
@@ -190,13 +190,13 @@ class TieredKVCache(SharedPages, CacheEvents, NamedTiers):
                     if source is None:
                         self.pool.release(page)
                         break   # the block left every tier since match(): the prefix ends here
-                    fill = Fill(key, page, source, tier=hits.tier_of(key, source))
+                    fill = Fill(key, page, source, billed_tier=hits.tier_of(key, source))
                     self.loader.inflight[key.hash] = fill
                     new.append(fill)
                 self.pool.acquire(fill.page)            # the request's reference
                 self.loader.wait_for(fill)
                 pages.append(fill.page)
-                tiers.append(fill.tier)
+                tiers.append(fill.billed_tier)
                 fills.append(fill)
                 tokens.append(len(key.token_ids))
             # NOTE: pages just allocated may still be copying their evicted blocks out (CUDA):
