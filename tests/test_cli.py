@@ -685,7 +685,7 @@ def test_demo_says_why_a_hit_is_slower_than_recomputing() -> None:
 def test_route_is_listed_and_its_options_are_checked_before_it_binds() -> None:
     assert re.search(r"^\W*route\s", tkv("--help").stdout, re.M)
     r = tkv("route", "-h")
-    assert r.returncode == 0 and "--backend" in r.stdout and "--load-tokens" in r.stdout
+    assert r.returncode == 0 and "--backend" in r.stdout and "--in-flight-tokens" in r.stdout
     assert tkv("route").returncode == 2                      # --backend is required
     assert_one_line_error(tkv("route", "--backend", "ftp://127.0.0.1:1"), 2, "--backend", "ftp://")
     assert_one_line_error(tkv("route", "--backend", "http://127.0.0.1:1", "--backend", "http://127.0.0.1:1/"), 2,

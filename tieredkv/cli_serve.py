@@ -286,9 +286,11 @@ def route(
     api_key: Optional[str] = typer.Option(None, help="An admin key of the backends, to read where their KV "
                                           "events are (/v1/cache/status), where they have keys "
                                           "(default $TIEREDKV_API_KEY)."),
-    load_tokens: float = typer.Option(64.0, help="What one request in flight on a backend costs (its decode "
-                                      "steps), in prompt tokens to prefill: weighed against the prefix it holds. "
-                                      "The prefill queued there counts too (half, so a hit is preferred)."),
+    in_flight_tokens: float = typer.Option(64.0, "--in-flight-tokens", "--load-tokens",
+                                           help="What one request in flight on a backend costs (its decode "
+                                           "steps), in prompt tokens to prefill: weighed against the prefix it "
+                                           "holds. The prefill queued there counts too (half, so a hit is "
+                                           "preferred). --load-tokens: its old name."),
     health_interval: float = typer.Option(2.0, help="Seconds between health checks of each backend."),
     prediction_ttl: float = typer.Option(30.0, help="Seconds a routed prompt's blocks count as on its backend "
                                          "before its events confirm them (without events: the only knowledge)."),
@@ -310,7 +312,7 @@ def route(
     from service.router.server import serve_router
     from service.router.settings import RouterSettings
     settings = RouterSettings(backends=tuple(backend), host=host, port=port, api_key=api_key_of(api_key),
-                              load_tokens=load_tokens, health_interval_s=health_interval,
+                              in_flight_tokens=in_flight_tokens, health_interval_s=health_interval,
                               prediction_ttl_s=prediction_ttl, eject_cooldown_s=eject_cooldown,
                               eject_cooldown_max_s=max(60.0, eject_cooldown))
     sock = bind_socket(host, port)

@@ -52,7 +52,7 @@ class Router:
                                    eject_cooldown_s=settings.eject_cooldown_s,
                                    eject_cooldown_max_s=settings.eject_cooldown_max_s)
         self.metrics = RouterMetrics(self.backends)
-        self.proxy = Proxy(self.backends, self.index, Policy(settings.load_tokens, settings.queue_weight, dict(settings.weights)),
+        self.proxy = Proxy(self.backends, self.index, Policy(settings.in_flight_tokens, settings.queue_weight, dict(settings.weights)),
                            self.metrics, self.client, hash_timeout_s=settings.hash_timeout_s)
 
     async def start(self) -> None:

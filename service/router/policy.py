@@ -3,12 +3,12 @@
 Knows: the cost of sending a request to a backend, in prompt tokens' worth of work,
 
     miss(b) = prompt_tokens - block_size * sum(weight[medium] of each block of b's prefix)
-    cost(b) = miss(b) + queue_weight * pending(b) + load_tokens * in_flight(b)
+    cost(b) = miss(b) + queue_weight * pending(b) + in_flight_tokens * in_flight(b)
 
 where a block on the device ("GPU") or in host memory ("CPU") is worth (nearly) a whole block
 and one on disk or in the remote store less (it must still be read and decoded); pending(b) is
 the prefill the router has queued there (the misses of its requests on b that have not started
-answering), and every request in flight on b costs `load_tokens` more (its decode steps). Dynamo's
+answering), and every request in flight on b costs `in_flight_tokens` more (its decode steps). Dynamo's
 KV router weighs overlap against active load the same way. queue_weight < 1 leans towards the
 hit: waiting behind a queued prefill and computing the same prefill elsewhere take about as long,
 but only the first leaves one copy of the prefix and the machine's work smaller. The cheapest
@@ -27,13 +27,13 @@ DEFAULT_WEIGHTS = {"GPU": 1.0, "CPU": 0.9, "DISK": 0.5, "REMOTE": 0.3}
 
 @dataclass(frozen=True, slots=True)
 class Policy:
-    load_tokens: float = 64.0
+    in_flight_tokens: float = 64.0
     queue_weight: float = 0.5
     weights: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_WEIGHTS))
 
     def __post_init__(self) -> None:
-        if self.load_tokens < 0:
-            raise ValueError(f"load_tokens: expected >= 0, got {self.load_tokens}")
+        if self.in_flight_tokens < 0:
+            raise ValueError(f"in_flight_tokens: expected >= 0, got {self.in_flight_tokens}")
         if self.queue_weight < 0:
             raise ValueError(f"queue_weight: expected >= 0, got {self.queue_weight}")
         unknown = set(self.weights) - set(MEDIA)
@@ -71,7 +71,7 @@ def choose(policy: Policy, candidates: list[Candidate], prefixes: dict[str, list
         ranks = prefixes.get(c.name, [])
         held = block_size * sum(weight[r] for r in ranks)
         miss = max(0.0, prompt_tokens - held)
-        cost = miss + policy.queue_weight * c.pending_tokens + policy.load_tokens * c.in_flight
+        cost = miss + policy.queue_weight * c.pending_tokens + policy.in_flight_tokens * c.in_flight
         key = (cost, -held, c.in_flight, c.routed, order)
         if best is None or key < best[0]:
             best = (key, Choice(c.name, len(ranks) * block_size, round(miss), cost))

@@ -20,7 +20,7 @@ class RouterSettings:
     api_key: str | None = None           # an admin key of the backends, to read their /v1/cache/status
     health_interval_s: float = 2.0
     health_timeout_s: float = 5.0
-    load_tokens: float = 64.0            # an in-flight request costs as much as prefilling this many tokens
+    in_flight_tokens: float = 64.0            # an in-flight request costs as much as prefilling this many tokens
     queue_weight: float = 0.5            # the weight of prefill already queued on a backend against a miss
     weights: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_WEIGHTS))
     prediction_ttl_s: float = 30.0       # how long a routed prompt's blocks count as on its backend unconfirmed

@@ -109,7 +109,7 @@ def test_predictions_count_as_device_blocks_until_they_expire_or_are_removed() -
 
 
 def test_the_policy_weighs_the_prefix_by_medium_against_load_and_sends_misses_to_the_least_loaded() -> None:
-    policy = Policy(load_tokens=100, queue_weight=0.5)
+    policy = Policy(in_flight_tokens=100, queue_weight=0.5)
     gpu, disk = [0] * 10, [2] * 10                                        # ranks: 0 GPU, 2 DISK
     idle = [Candidate("a", 0), Candidate("b", 0), Candidate("c", 0)]
     # The longest prefix wins; at equal length the device beats the disk.
