@@ -64,7 +64,7 @@ def emit(seq: Sequence, final: bool) -> None:
         return
     seq.sent_chars, seq.sent_tokens = max(seq.sent_chars, end), len(seq.output_ids)
     if not final:
-        seq.events.put(("delta", StreamChunk(seq.request_id, text, ids, index=seq.index,
+        seq.outbox.put(("delta", StreamChunk(seq.request_id, text, ids, index=seq.index,
                                              **logprobs_of_last(seq, len(ids)))))
     else:
         seq.pending_final = (text, ids)

@@ -49,7 +49,7 @@ class RequestGroup:
                              # billed already: a preempted choice is re-admitted as admitted
                              hits=first.hits.forked(),
                              restore_s=first.restore_s, arrival=first.arrival, admitted_at=first.admitted_at,
-                             events=first.events, index=i, group=self)
+                             outbox=first.outbox, index=i, group=self)
             adopt(child)
             children.append(child)
         self.members = [first, *children]

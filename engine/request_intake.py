@@ -4,7 +4,7 @@
 Knows: a request validated and built into a Sequence on the caller's thread (nothing queued
 when any prompt of a batch is refused), a batch queued all at once or not at all (the engine's
 queue bound counts every prompt), an AbortHandle bound to the whole call, and how the engine
-thread's events reach the caller -- one prompt's from its sequence's queue, a batch's streamed
+thread's messages reach the caller -- one prompt's from its sequence's outbox, a batch's streamed
 chunks from one queue that every prompt's sequence writes to, each chunk indexed by OpenAI's
 rule for batched prompts (index = prompt_index * n + choice).
 An abort's `delivered_tokens` (engine/abort.py): None (every token generated counts), an int
@@ -86,7 +86,7 @@ class RequestIntake:
     def _submit(self, prompts: list[Prompt], params: SamplingParams | None, tenant: str,
                 abort: AbortHandle | None, shared: "queue.Queue | None" = None, id_prefix: str = "cmpl") -> list[Sequence]:
         """Build every prompt's sequence, then queue them all (QueueFullError: none queued).
-        `shared`: a batch's one event queue (each sequence's events tagged with its place)."""
+        `shared`: a batch's one queue (each sequence's messages tagged with its place)."""
         if self._closed:
             raise EngineClosedError("engine is closed")
         if not (id_prefix.isascii() and id_prefix.isalnum()):
@@ -97,7 +97,7 @@ class RequestIntake:
         seqs = [self._sequence(p, params, tenant, id_prefix) for p in prompts]
         if shared is not None:
             for i, seq in enumerate(seqs):
-                seq.events = _Tagged(shared, i)
+                seq.outbox = _Tagged(shared, i)
         with self._inflight_lock:
             if self._inflight - len(self.scheduler.running) + len(seqs) > self.max_queue:
                 raise QueueFullError(f"engine queue is full ({self.max_queue} requests waiting); retry later")
@@ -156,21 +156,21 @@ class RequestIntake:
         seqs = self._submit(prompt if batch else [prompt], params, tenant, abort, shared, id_prefix)
         yielded = [0] * (len(seqs) * n)
         try:
-            events = self._batch_events(shared, len(seqs), n) if batch else self._chunks(seqs[0])
-            for chunk in events:
+            chunks = self._batch_messages(shared, len(seqs), n) if batch else self._chunks(seqs[0])
+            for chunk in chunks:
                 yielded[chunk.index] += len(chunk.token_ids)
                 yield chunk
         except GeneratorExit:
             abort.abort(CALLER_CLOSED, tuple(yielded) if batch or n > 1 else yielded[0])
             raise
 
-    # ---- the engine thread's events, read on the caller's thread -----------------------------
+    # ---- the engine thread's messages, read on the caller's thread ---------------------------
     @staticmethod
-    def _events(seq: Sequence) -> Iterator[tuple[str, object]]:
-        """A sequence's events from the engine thread, up to and including "final"; an
-        "error" event is raised in the caller's thread."""
+    def _messages(seq: Sequence) -> Iterator[tuple[str, object]]:
+        """A sequence's messages from the engine thread, up to and including "final"; an
+        "error" message is raised in the caller's thread."""
         while True:
-            kind, payload = seq.events.get()
+            kind, payload = seq.outbox.get()
             if kind == "error":
                 raise payload
             yield kind, payload
@@ -178,12 +178,12 @@ class RequestIntake:
                 return
 
     def _chunks(self, seq: Sequence) -> Iterator[StreamChunk]:
-        for kind, payload in self._events(seq):
+        for kind, payload in self._messages(seq):
             if kind == "delta":
                 yield payload
 
     @staticmethod
-    def _batch_events(shared: "queue.Queue", prompts: int, n: int) -> Iterator[StreamChunk]:
+    def _batch_messages(shared: "queue.Queue", prompts: int, n: int) -> Iterator[StreamChunk]:
         """A batch's chunks as they come, re-indexed prompt-major; ends once every prompt ended."""
         open_, error = prompts, None
         while open_:
@@ -198,7 +198,7 @@ class RequestIntake:
             raise error
 
     def _wait(self, seq: Sequence) -> CompletionOutput | list[CompletionOutput]:
-        for kind, payload in self._events(seq):
+        for kind, payload in self._messages(seq):
             if kind == "final":
                 if seq.group is not None and not isinstance(payload, list):
                     return [payload]      # ended before its choices were forked (aborted while queued)

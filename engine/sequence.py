@@ -66,8 +66,9 @@ class Sequence:
     finish_reason: str | None = None
     # Aborted (engine/abort.py): completion tokens that reached the caller; None: all generated.
     delivered_tokens: int | None = None
-    # Output plumbing: the engine thread puts events here, the caller's thread reads them.
-    events: "queue.Queue" = field(default_factory=queue.Queue)
+    # Output plumbing: the engine thread posts ("delta" | "final" | "error", payload) messages
+    # here, the caller's thread reads them (not KV events: those are storage/kv_events/).
+    outbox: "queue.Queue" = field(default_factory=queue.Queue)
     text: str = ""                                # detokenized output so far
     detok: Any = None                             # its IncrementalDetokenizer (engine thread)
     sent_chars: int = 0                           # text already streamed

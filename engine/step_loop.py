@@ -97,7 +97,7 @@ class StepLoop:
         if seq.status is not SeqStatus.FINISHED:
             self.scheduler.finish(seq)
             self._done(seq)
-        seq.events.put(("error", error))
+        seq.outbox.put(("error", error))
 
     def _step(self) -> None:
         # NOTE invariant: one request's failure fails that request alone. Admission failures
@@ -244,7 +244,7 @@ class StepLoop:
             self._inflight -= 1
         usage = group.usage()
         if usage is None:           # every choice failed: the request did
-            seq.events.put(("error", group.first_error()))
+            seq.outbox.put(("error", group.first_error()))
             return
         results = group.results(usage)
         self._bill(seq, usage, results, [out for out, _ in results])
@@ -257,11 +257,11 @@ class StepLoop:
             # never sees a result that is not billed; a bill that cannot be written fails the
             # request instead of serving it unbilled.
             if error is not None:
-                seq.events.put(("error", RuntimeError(f"billing failed: {error}")))
+                seq.outbox.put(("error", RuntimeError(f"billing failed: {error}")))
                 return
             for _, last in results:
-                seq.events.put(("delta", last))
-            seq.events.put(("final", final))
+                seq.outbox.put(("delta", last))
+            seq.outbox.put(("final", final))
         if self.billing is None:
             complete()
             return
