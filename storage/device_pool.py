@@ -27,7 +27,7 @@ import torch
 
 from storage.layout import BlockLayout
 from storage.hashing import BlockKey
-from storage.kv_events.sink import GPU, NO_EVENTS, NoEvents
+from storage.kv_events.sink import DEVICE_MEDIUM, NO_EVENTS, NoEvents
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,7 +133,7 @@ class DevicePool:
             self._key[page] = None
             self._gen[page] += 1
         self.evictions += len(victims)
-        self.events.removed([key.hash for key, _ in victims], GPU)
+        self.events.removed([key.hash for key, _ in victims], DEVICE_MEDIUM)
 
     def acquire(self, page: int) -> None:
         """One more user of a cached page (a prefix hit); it stops being evictable."""
@@ -167,7 +167,7 @@ class DevicePool:
             self._key[page] = block
             new.append(block)
             out.append(True)
-        self.events.stored(new, GPU)
+        self.events.stored(new, DEVICE_MEDIUM)
         return out
 
     def release(self, page: int) -> None:
@@ -209,7 +209,7 @@ class DevicePool:
             self._key[page] = None
             self._gen[page] += 1
             self._free.append(page)
-        self.events.removed(hashes, GPU)
+        self.events.removed(hashes, DEVICE_MEDIUM)
 
     # ---- reporting -----------------------------------------------------------------------
     def stats(self) -> PoolStats:

@@ -33,7 +33,7 @@ import torch
 
 from storage.layout import BlockLayout
 from storage.hashing import BlockKey
-from storage.kv_events.sink import CPU, NO_EVENTS, NoEvents
+from storage.kv_events.sink import HOST_MEDIUM, NO_EVENTS, NoEvents
 from storage.pinned import host_buffer
 
 
@@ -154,7 +154,7 @@ class HostTier:
             if key is not None and not self._said[slot]:
                 self._said[slot] = True
                 out.append(key)
-        self.events.stored(out, CPU)
+        self.events.stored(out, HOST_MEDIUM)
         return out
 
     def evict_lru(self) -> bool:
@@ -173,7 +173,7 @@ class HostTier:
         self._free.append(slot)
         self.evictions += 1
         if said:
-            self.events.removed([h], CPU)
+            self.events.removed([h], HOST_MEDIUM)
         return True
 
     def _leave(self, slot: int) -> bool:
@@ -201,7 +201,7 @@ class HostTier:
                 self._orphans.add(slot)
             else:
                 self._free.append(slot)
-        self.events.removed(gone, CPU)
+        self.events.removed(gone, HOST_MEDIUM)
         return n
 
     def stats(self) -> HostStats:

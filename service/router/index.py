@@ -22,13 +22,13 @@ from typing import Callable, Iterable
 from service.router.events import MEDIA
 from storage.kv_events.wire import AllBlocksCleared, BlockRemoved, BlockStored, Event, KVEventBatch
 
-GPU = 0                                   # ranks: index into MEDIA; lower is faster
+DEVICE_RANK = 0                           # ranks: index into MEDIA ("GPU", the device pool, first); lower is faster
 _RANK = {m: i for i, m in enumerate(MEDIA)}
 
 
 def rank_of(medium: str | None) -> int:
     """vLLM's medium None is the device pool; a medium this router does not know counts as the slowest."""
-    return GPU if medium is None else _RANK.get(medium.upper(), len(MEDIA) - 1)
+    return DEVICE_RANK if medium is None else _RANK.get(medium.upper(), len(MEDIA) - 1)
 
 
 class PrefixIndex:
@@ -127,7 +127,7 @@ class PrefixIndex:
                 if mask:
                     out[b].append((mask & -mask).bit_length() - 1)       # lowest set bit: the fastest medium
                 elif b in predicted:
-                    out[b].append(GPU)
+                    out[b].append(DEVICE_RANK)
                 else:
                     walking.discard(b)
         return out

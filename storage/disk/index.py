@@ -5,7 +5,7 @@ process's commits, evictions and deletes, so `DiskTier.contains()` -- asked for 
 every waiting request on every engine step -- never reads LMDB. Thread-safe (one lock, never
 held across I/O): the writer thread adds and removes after its commits; reader threads remove
 what they found gone.
-Every change of what it holds is a KV event (storage/kv_events/sink.py, medium DISK), said under
+Every change of what it holds is a KV event (storage/kv_events/sink.py, medium "DISK"), said under
 its lock so the events' order is the index's: a committed block (`add_keys`) is BlockStored, one
 evicted, deleted, found gone or cleared is BlockRemoved. Hashes added without their keys (`replace`:
 a store another process made) have no BlockStored (it needs the tokens and the parent).
@@ -19,7 +19,7 @@ import threading
 from typing import Iterable, Sequence
 
 from storage.hashing import BlockKey
-from storage.kv_events.sink import DISK, NO_EVENTS, NoEvents
+from storage.kv_events.sink import DISK_MEDIUM, NO_EVENTS, NoEvents
 
 
 class DiskIndex:
@@ -41,12 +41,12 @@ class DiskIndex:
         with self._lock:
             new = [k for k in keys if k.hash not in self._hashes]
             self._hashes.update(k.hash for k in new)
-            self.events.stored(new, DISK)
+            self.events.stored(new, DISK_MEDIUM)
 
     def announce(self, keys: Sequence[BlockKey]) -> None:
         """BlockStored for the keys still held (the blocks found at open, read back with their keys)."""
         with self._lock:
-            self.events.stored([k for k in keys if k.hash in self._hashes], DISK)
+            self.events.stored([k for k in keys if k.hash in self._hashes], DISK_MEDIUM)
 
     def add(self, hashes: Iterable[bytes]) -> None:
         """Hashes known stored, without their keys (no event)."""
@@ -57,13 +57,13 @@ class DiskIndex:
         with self._lock:
             gone = [h for h in dict.fromkeys(hashes) if h in self._hashes]
             self._hashes.difference_update(gone)
-            self.events.removed(gone, DISK)
+            self.events.removed(gone, DISK_MEDIUM)
 
     def replace(self, hashes: Iterable[bytes]) -> None:
         """Hold exactly `hashes` now (a store replaced or recounted): BlockRemoved for the others."""
         with self._lock:
             new = set(hashes)
-            self.events.removed([h for h in self._hashes if h not in new], DISK)
+            self.events.removed([h for h in self._hashes if h not in new], DISK_MEDIUM)
             self._hashes = new
 
     def clear(self) -> None:

@@ -18,8 +18,9 @@ from typing import Sequence
 
 from storage.hashing import BlockKey
 
-GPU, CPU, DISK, REMOTE = "GPU", "CPU", "DISK", "REMOTE"
-MEDIUM = {"device": GPU, "host": CPU, "disk": DISK, "remote": REMOTE}   # our tier -> vLLM's medium
+# Our tiers' media under vLLM's wire names (the names are the wire's; ours say which tier).
+DEVICE_MEDIUM, HOST_MEDIUM, DISK_MEDIUM, REMOTE_MEDIUM = "GPU", "CPU", "DISK", "REMOTE"
+MEDIUM = {"device": DEVICE_MEDIUM, "host": HOST_MEDIUM, "disk": DISK_MEDIUM, "remote": REMOTE_MEDIUM}   # tier -> medium
 
 
 class NoEvents:

@@ -25,7 +25,7 @@ answers every call at once -- a read misses, a write is dropped (`skipped`) -- u
 lets a probe through. A store that refuses a write (out of memory, read-only replica) counts a
 `write_errors` and is not a breaker failure: it answered.
 
-KV events (storage/kv_events/sink.py, medium REMOTE): a block this process wrote is BlockStored once
+KV events (storage/kv_events/sink.py, medium "REMOTE"): a block this process wrote is BlockStored once
 the store took it; BlockRemoved when this process deletes it (delete(), a damaged value) or a read
 finds it gone. The store's own evictions (its LRU, a TTL) are not visible to us and say nothing
 until a read misses the block.
@@ -60,7 +60,7 @@ from storage.remote.breaker import OPEN, BreakerConfig, CircuitBreaker
 from storage.codec.payload import Codec
 from storage.codec.stored_block import payload_binding, verify_and_decode
 from storage.hashing import BlockKey
-from storage.kv_events.sink import NO_EVENTS, REMOTE, NoEvents
+from storage.kv_events.sink import NO_EVENTS, REMOTE_MEDIUM, NoEvents
 from storage.layout import BlockLayout
 from storage.malloc_tuning import keep_freed_memory
 from storage.lower_tier import LowerTier, private_copy
@@ -229,7 +229,7 @@ class RemoteTier(LowerTier):
             nbytes += size
             self._known.remember(rkeys[i])
         self._count(hits=hits, misses=len(keys) - hits, corrupt=len(damaged), bytes_read=nbytes)
-        self.events.removed(gone, REMOTE)
+        self.events.removed(gone, REMOTE_MEDIUM)
         if damaged:
             self._call("delete", lambda c: pipeline(c, [("UNLINK", k) for k in damaged]))
         return results
@@ -312,7 +312,7 @@ class RemoteTier(LowerTier):
         self._known.forget(rk)
         status, got = self._call("delete", lambda c: c.unlink(rk))
         if status == "ok" and got:
-            self.events.removed([key.hash], REMOTE)
+            self.events.removed([key.hash], REMOTE_MEDIUM)
         return status == "ok" and bool(got)
 
     def clear(self) -> int:
@@ -406,7 +406,7 @@ class RemoteTier(LowerTier):
                 self._count(writes=1, bytes_written=n)
                 self._known.remember(rk)
         self._count(write_errors=lost)
-        self.events.stored(landed, REMOTE)
+        self.events.stored(landed, REMOTE_MEDIUM)
         return len(landed) == len(sent)
 
     # ---- bookkeeping -----------------------------------------------------------------------
