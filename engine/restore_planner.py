@@ -9,8 +9,11 @@ rule. For a matched prefix of `n` blocks whose first `d` are on the device, it p
 [d, n]: blocks [d, s) are recomputed by chunked prefill from the front while blocks [s, n) are
 loaded at the same time (the idea of Cake, "Compute Or Load KV Cache? Why Not Both?"), with
 `s` minimizing the predicted max(compute(d..s), load(s..n)). `s = d` loads everything (today's
-behaviour), `s = n` recomputes everything. Both parts end before the suffix's prefill starts,
-so the suffix's own time is the same for every `s` and is left out.
+behaviour), `s = n` recomputes everything. A plan that loads joins before the suffix runs, in a
+step of its own; recomputing everything runs the suffix in the prefix's chunks (the suffix's
+length, when the caller gives it, is charged each way). A plan that loads must beat recomputing
+everything by MIN_GAIN, and a split must beat loading everything by MIN_GAIN: a near-tie goes
+to the recompute (no store in the request's path) over a load, and to the load over a split.
 Doesn't know: pages, fills or sequences (the scheduler carries the split out), or billing (a
 block the cache held is billed from the tier that held it whichever way it reached the pool).
 
@@ -33,6 +36,10 @@ from storage.config import RESTORE_POLICIES as POLICIES
 LOCAL = ("host", "disk")        # fills on the loader's fill pool, one after another
 # A split must beat loading everything by this fraction: recomputing takes engine steps every
 # running request shares, a load runs on the loader's threads, so a near-tie goes to the load.
+# And any plan that loads must beat recomputing everything by it: a load's time is a prediction
+# of a store and a link (a stall, a slower day), a recompute's is the engine's own, so a
+# near-tie goes to the recompute (issue 27 run 7: 5 Mbit/s, 2048 tokens, a split predicted ~2%
+# ahead of recomputing took 1.05-1.2x it).
 MIN_GAIN = 0.10
 
 
@@ -119,13 +126,12 @@ class RestorePlanner:
             finish = load_all
         else:
             plan = Split(d, best, n, compute, load, "predicted")
-        if suffix_tokens > 0 and plan.loaded:
-            # The whole prompt computed (prefix and suffix in the scheduler's chunks) against this
-            # plan and then the suffix's own step after the join.
-            whole = self._tokens_seconds(d * self.block_size, n * self.block_size + suffix_tokens)
-            after = self._tokens_seconds(n * self.block_size, n * self.block_size + suffix_tokens)
-            if whole is not None and after is not None and whole <= finish + after:
-                return self._decided(Split(d, n, n, self.compute_seconds(d, n), None, "predicted"))
+        # The whole prompt computed (prefix and suffix in the scheduler's chunks) against this
+        # plan and then the suffix's own step after the join: the plan must win by MIN_GAIN.
+        whole = self._tokens_seconds(d * self.block_size, n * self.block_size + suffix_tokens)
+        after = self._tokens_seconds(n * self.block_size, n * self.block_size + suffix_tokens)
+        if whole is not None and after is not None and finish + after > whole * (1 - MIN_GAIN):
+            return self._decided(Split(d, n, n, self.compute_seconds(d, n), None, "predicted"))
         return self._decided(plan)
 
     def compute_seconds(self, start: int, end: int) -> float | None:

@@ -120,22 +120,41 @@ def test_local_tiers_each_pay_their_latency_once():
 
 
 def test_a_load_pays_the_suffix_step_that_recomputing_everything_folds_into_its_chunk():
-    # Issue 27, run 6: a short prompt over a slow link. 16 blocks of 4 tokens, a step costs 0.09 s
-    # plus 0.5 ms a token, a block loads in 0.07 s. Suffix left out, the split computes the front
-    # while the back's last blocks load (where compute and load cross), far ahead of loading all
-    # 16 (1.12 s), and a hair ahead of computing all 16 (0.122 s).
+    # Issue 27, run 6: a short prompt over a link. 16 blocks of 4 tokens, a step costs 0.09 s plus
+    # 0.5 ms a token, a block loads in 0.01 s. Suffix left out, the split computes 6 blocks while
+    # the other 10 load (0.102 s), ahead of loading all 16 (0.16 s) and of computing all 16
+    # (0.122 s) by more than MIN_GAIN.
     tiers = ["remote"] * 16
-    p = planner(rates={"remote": BLOCK_BYTES / 0.07}, token_s=0.0005, step_s=0.09)
+    p = planner(rates={"remote": BLOCK_BYTES / 0.01}, token_s=0.0005, step_s=0.09)
     split = p.split(tiers)
-    assert split.loaded and 0 < split.start < 16
+    assert (split.loaded, split.start) == (True, 6)
     finish = max(split.compute_s, split.load_s)
+    assert finish == pytest.approx(0.102)
     # Everything computed with a 4-token suffix: one chunk, 0.09 + 68 x 0.0005 = 0.124 s. The split
-    # then needs the suffix's own step after its join: finish + 0.09 + 4 x 0.0005 > 0.124 s.
+    # then needs the suffix's own step after its join: 0.102 + 0.09 + 4 x 0.0005 = 0.194 s.
     whole = 0.09 + (16 * BS + 4) * 0.0005
     assert whole < finish + 0.09 + 4 * 0.0005
     with_suffix = p.split(tiers, suffix_tokens=4)
     assert (with_suffix.start, with_suffix.loaded, with_suffix.recomputed) == (16, False, 16)
     # A long prompt spans chunks either way (chunk 32 tokens): the suffix is a step of its own
     # whichever way, so the split stands.
-    long = planner(rates={"remote": BLOCK_BYTES / 0.07}, token_s=0.0005, step_s=0.09, chunk=32)
-    assert long.split(tiers, suffix_tokens=4).start == long.split(tiers).start < 16
+    long = planner(rates={"remote": BLOCK_BYTES / 0.01}, token_s=0.0005, step_s=0.09, chunk=32)
+    assert long.split(tiers, suffix_tokens=4).start == long.split(tiers).start == 6
+
+
+def test_a_plan_that_loads_must_beat_recomputing_everything_by_min_gain():
+    # Issue 27 run 7 (5 Mbit/s, 2048 tokens): a split predicted ~2% ahead of recomputing took
+    # 1.05-1.2x it. 16 blocks as above, a block loads in 0.07 s: the best split (15 computed, 1
+    # loaded) finishes at 0.12 s against 0.122 s for computing all 16 -- a near-tie: recompute.
+    tiers = ["remote"] * 16
+    p = planner(rates={"remote": BLOCK_BYTES / 0.07}, token_s=0.0005, step_s=0.09)
+    s = p.split(tiers)
+    assert (s.start, s.loaded, s.reason) == (16, False, "predicted")
+    assert s.compute_s == pytest.approx(0.122)
+    # A store whose round trip is all its cost (no split beats loading everything): loading beats
+    # the whole recompute (20 blocks, 20 s) by 5% only: recompute; by 15%: load.
+    for latency, loaded in ((19.0, False), (17.0, True)):
+        rates = RestoreRates()
+        rates.seed("remote", 1e12, latency)
+        s = RestorePlanner("auto", rates, Figures(None, 0.25), BLOCK_BYTES, BS, 512).split(["remote"] * 20)
+        assert (s.start, s.loaded) == ((0, True) if loaded else (20, False))
