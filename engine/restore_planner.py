@@ -38,7 +38,7 @@ LOCAL = ("host", "disk")        # fills on the loader's fill pool, one after ano
 # running request shares, a load runs on the loader's threads, so a near-tie goes to the load.
 # And any plan that loads must beat recomputing everything by it: a load's time is a prediction
 # of a store and a link (a stall, a slower day), a recompute's is the engine's own, so a
-# near-tie goes to the recompute (issue 27 run 7: 5 Mbit/s, 2048 tokens, a split predicted ~2%
+# near-tie goes to the recompute (issue 27 run 7: 5 Mbit/s, 2048 tokens, a split a few percent
 # ahead of recomputing took 1.05-1.2x it).
 MIN_GAIN = 0.10
 

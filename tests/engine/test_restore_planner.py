@@ -143,7 +143,7 @@ def test_a_load_pays_the_suffix_step_that_recomputing_everything_folds_into_its_
 
 
 def test_a_plan_that_loads_must_beat_recomputing_everything_by_min_gain():
-    # Issue 27 run 7 (5 Mbit/s, 2048 tokens): a split predicted ~2% ahead of recomputing took
+    # Issue 27 run 7 (5 Mbit/s, 2048 tokens): a split a few percent ahead of recomputing, by the fit, took
     # 1.05-1.2x it. 16 blocks as above, a block loads in 0.07 s: the best split (15 computed, 1
     # loaded) finishes at 0.12 s against 0.122 s for computing all 16 -- a near-tie: recompute.
     tiers = ["remote"] * 16
