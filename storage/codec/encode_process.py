@@ -20,10 +20,17 @@ disk writer encodes it in its own process).
 Slots: two, used in turn, so batch k+1 encodes while batch k's payloads (views of its slot) are
 committed. NOTE: a payload is a view of shared memory, valid until the submit after next; a
 caller that keeps one longer copies it (the disk writer does for what it forwards).
+Memory: each slot holds a batch's blocks and their payloads' bound (~2x the batch's bytes: 24 MB
+at 32 blocks of 360 KiB), resident once touched, kept for the next batch; the child ~19 MB more.
 
 Threads: one owner thread calls submit/collect/close (the disk writer's); stats() from any.
-Off: TIEREDKV_ENCODE_PROCESS=0 (`encode_process_policy`); "idle" runs the child at SCHED_IDLE
-instead of nice +10.
+Priority: the child runs at SCHED_IDLE by default (it gets a CPU only when nothing else wants one;
+no GIL is shared any more, so no priority inversion): measured against nice +10, it kept a flush's
+decoders' p99 at 1.18-1.37x (nice +10: 1.31-1.79x) for the same write rate with nothing decoding
+(docs/BENCHMARKS.md, "Flush interference, run 2"). NOTE the price: on a host whose CPUs other work
+keeps busy, the child gets almost nothing -- the write-behind falls behind, the cascade drops
+blocks (counted), a flush takes longer; a batch unanswered for `reply_timeout_s` is encoded here.
+TIEREDKV_ENCODE_PROCESS=nice runs it at nice +10 instead, =0 turns it off (`encode_process_policy`).
 """
 from __future__ import annotations
 
@@ -57,12 +64,12 @@ _STORAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
 
 
 def encode_process_policy(value: str | None = None) -> str | None:
-    """The encode process's setting: None (off: encode in this process), "nice" (on, the child
-    at nice +10; the default) or "idle" (on, SCHED_IDLE). `value` defaults to $TIEREDKV_ENCODE_PROCESS."""
+    """The encode process's setting: None (off: encode in this process), "idle" (on, the child at
+    SCHED_IDLE; the default) or "nice" (on, nice +10). `value` defaults to $TIEREDKV_ENCODE_PROCESS."""
     v = (os.environ.get(ENV, "") if value is None else value).strip().lower()
     if v in ("0", "off", "false", "no"):
         return None
-    return "idle" if v == "idle" else "nice"
+    return "nice" if v == "nice" else "idle"
 
 
 def _bound(nbytes: int) -> int:
@@ -100,7 +107,7 @@ class EncodeProcessStats:
 
 
 class EncodeProcess:
-    def __init__(self, kind: str = "zstd", level: int = 3, policy: str = "nice", reply_timeout_s: float = 120.0) -> None:
+    def __init__(self, kind: str = "zstd", level: int = 3, policy: str = "idle", reply_timeout_s: float = 120.0) -> None:
         if kind not in KINDS:
             raise ValueError(f"kind: expected one of {KINDS}, got {kind!r}")
         self._kind, self._level, self._policy = kind, level, policy

@@ -17,7 +17,7 @@ parent prove the payload was made from the bytes it copied in.
 
 Lifetime: it exits on EOF on stdin (the parent closed it, or died), and where Linux has prctl,
 when the thread that started it ends (PR_SET_PDEATHSIG). Priority: set on itself before its
-threads start (they inherit it): nice +10, or SCHED_IDLE with `idle` as its argument.
+threads start (they inherit it): SCHED_IDLE with `idle` as its argument, else nice +10.
 
 Threads: the main thread reads requests, replies and owns the maps; `width` pool threads
 encode a batch's jobs, each writing its own payloads (the output cursor under `_out_lock`).
@@ -74,10 +74,9 @@ def write_message(fd: int, obj) -> None:
 
 def _lower_priority(policy: str) -> None:
     try:
+        os.setpriority(os.PRIO_PROCESS, 0, BACKGROUND_NICE)     # also where SCHED_IDLE is refused
         if policy == "idle":
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-        else:
-            os.setpriority(os.PRIO_PROCESS, 0, BACKGROUND_NICE)
     except (AttributeError, OSError):
         pass
 

@@ -48,7 +48,7 @@ class BatchEncoder:
         self._threads = threads
         self.width = PoolWidth(threads)              # one encoder at a time while sequences run
         self.pool: ThreadPoolExecutor | None = None  # built at the first block the pool encodes
-        self._policy = process_policy                # None: no encode process ("nice", "idle")
+        self._policy = process_policy                # None: no encode process ("idle", "nice")
         self._process: EncodeProcess | None = None   # built at the first batch
 
     def start(self, items: list[PendingBlock]) -> Encoding:

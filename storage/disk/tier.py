@@ -82,7 +82,7 @@ class DiskTier(DiskReads, LowerTier):
     store leaves on its filesystem, whatever its capacity (None: only the capacity bounds it).
     decode_threads / encode_threads: the read path's decode pool and the writer's encode pool
     (default: os.cpu_count() each; zstd releases the GIL). encode_process: where the writer
-    encodes -- "auto" ($TIEREDKV_ENCODE_PROCESS: on unless "0"), "nice" or "idle" (a child
+    encodes -- "auto" ($TIEREDKV_ENCODE_PROCESS: "idle" unless "0" or "nice"), "idle" or "nice" (a child
     process at that priority, storage/codec/encode_process.py), None (the pool in this process).
     """
 

@@ -96,7 +96,8 @@ def test_a_disk_tier_writes_through_the_child_and_reads_back_bit_identical(tmp_p
 
 def test_off_by_env_or_argument_encodes_in_this_process(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv(encode_process.ENV, "0")
-    assert encode_process_policy() is None and encode_process_policy("idle") == "idle"
+    assert encode_process_policy() is None and encode_process_policy("nice") == "nice"
+    assert encode_process_policy("") == encode_process_policy("1") == "idle"      # the default
     ks = keys(6, layout=MID)
     with DiskTier(str(tmp_path), CAP, batch_blocks=4) as t:
         for k in ks:
