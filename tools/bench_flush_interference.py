@@ -31,7 +31,7 @@ Knobs for experiments (each is the process's, set before the engine starts):
 --switch-interval (sys.setswitchinterval), --torch-threads (torch.set_num_threads),
 --encode-width (the disk encode pool's width while sequences decode; default: the product's),
 --codec, --decode-step, --disk-dir, --flush-nice (the flush called from a thread at nice +10); and the
-environment's TIEREDKV_ENCODE_PROCESS (0: encode in this process; idle: the encode process at SCHED_IDLE).
+environment's TIEREDKV_ENCODE_PROCESS (0: encode in this process; nice: the encode process at nice +10, not SCHED_IDLE).
 Other sessions' load on a shared machine reaches the baseline too; to keep it off, run in an
 autogroup of its own at nice -10 (nice inside the process unchanged): `setsid sh -c 'echo -10 >
 /proc/self/autogroup && exec python tools/bench_flush_interference.py ...'`.
