@@ -26,10 +26,12 @@ and for flush the write rate while decoding and, after the rounds, with nothing 
 Where the time went (Linux schedstat, per side, in cores: seconds per second of window): the
 engine thread's CPU and runqueue wait, its sleeps per second (voluntary context switches: the
 GIL, a lock, its OpenMP team's barrier), torch's native threads, the flush caller (main) and the
-storage threads. Knobs for experiments (each is the process's, set before the engine starts):
+storage threads, and the disk writer's encode process (its threads: storage/codec/encode_process.py).
+Knobs for experiments (each is the process's, set before the engine starts):
 --switch-interval (sys.setswitchinterval), --torch-threads (torch.set_num_threads),
 --encode-width (the disk encode pool's width while sequences decode; default: the product's),
---codec, --decode-step, --disk-dir, --flush-nice (the flush called from a thread at nice +10).
+--codec, --decode-step, --disk-dir, --flush-nice (the flush called from a thread at nice +10); and the
+environment's TIEREDKV_ENCODE_PROCESS (0: encode in this process; nice: the encode process at nice +10, not SCHED_IDLE).
 Other sessions' load on a shared machine reaches the baseline too; to keep it off, run in an
 autogroup of its own at nice -10 (nice inside the process unchanged): `setsid sh -c 'echo -10 >
 /proc/self/autogroup && exec python tools/bench_flush_interference.py ...'`.
@@ -114,6 +116,7 @@ class Schedstat:
 
     def __init__(self, engine) -> None:
         self.engine_tid = engine._thread.native_id
+        self._encoding = getattr(getattr(engine.cache, "disk", None), "_writer", None)
         self.sums: dict[str, dict[str, float]] = {}
         self._names: dict[int, str] = {}       # native id -> Python thread name, as seen at each snap
 
@@ -121,6 +124,8 @@ class Schedstat:
         if tid == self.engine_tid:
             return "engine"
         name = names.get(tid)
+        if isinstance(tid, tuple):
+            return "encode_process"
         if name is None:
             return "native"
         if name == "MainThread":
@@ -137,7 +142,20 @@ class Schedstat:
                 out[int(tid)] = (cpu, wait)
             except (OSError, ValueError):
                 pass
+        pid = self._child_pid()
+        for tid in os.listdir(f"/proc/{pid}/task") if pid is not None and os.path.isdir(f"/proc/{pid}/task") else ():
+            try:
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                    cpu, wait, _ = map(int, f.read().split())
+                out[(pid, int(tid))] = (cpu, wait)
+            except (OSError, ValueError):
+                pass
         return out
+
+    def _child_pid(self) -> int | None:
+        """The disk writer's encode process (storage/codec/encode_process.py), while one runs."""
+        process = getattr(getattr(self._encoding, "_encoding", None), "_process", None)
+        return getattr(process, "pid", None)
 
     def _sleeps(self) -> int:
         """The engine thread's voluntary context switches so far: each one a sleep (a futex: the GIL,
@@ -364,6 +382,7 @@ def main() -> int:
         shutil.rmtree(tmp, ignore_errors=True)
     config = {k: v for k, v in vars(args).items() if k != "json"}
     config.update(switch_interval_s=sys.getswitchinterval(), torch_threads=torch.get_num_threads(),
+                  encode_process=os.environ.get("TIEREDKV_ENCODE_PROCESS", "(default)"),
                   encode_width=[writer.encode_width.full, writer.encode_width.yielding])
     result = {"cases": rows, "idle_flush": idle, "config": config, "load": [load0, os.getloadavg()[0]],
               "machine": machine_note()}

@@ -195,7 +195,7 @@ def _planes_buffer(nbytes: int) -> np.ndarray:
     return buf
 
 
-def _bytes_view(t: torch.Tensor) -> np.ndarray:
+def tensor_bytes(t: torch.Tensor) -> np.ndarray:
     """The tensor's memory as a flat uint8 numpy array (no copy). Works for bf16, which numpy lacks."""
     import torch        # a tensor was given: torch is loaded already
     return t.reshape(-1).view(torch.uint8).numpy()
@@ -212,6 +212,53 @@ def _check_buffer(header: CodecHeader) -> np.ndarray:
     if buf is None or buf.nbytes < header.raw_size:
         buf = _tls.check = np.empty(max(header.raw_size, 1 << 16), dtype=np.uint8)
     return buf[:header.raw_size].view(_UINTS[itemsize]).reshape(header.shape)
+
+
+def encode_bytes(data: np.ndarray, dtype: str, shape: tuple[int, ...], binding: bytes, kind: str = "zstd",
+                 level: int = 3) -> tuple[bytes | memoryview | np.ndarray, ...]:
+    """Codec.encode_parts without torch: `data` is the block's bytes (a flat contiguous uint8
+    array, element order), `dtype` its name ("float32", "float16", "bfloat16"), `shape` its
+    shape. The parts are the very payload Codec(level, kind).encode_parts gives for that tensor
+    (it calls this); the same NOTE on views holds. The encode process (storage/codec/
+    encode_worker.py) calls it on blocks in shared memory."""
+    if not isinstance(binding, bytes) or len(binding) > MAX_BINDING:
+        raise ValueError(f"binding: expected at most {MAX_BINDING} bytes, got {binding!r:.40}")
+    if dtype not in _DTYPE_CODES:
+        raise ValueError(f"block: unsupported dtype {dtype!r}")
+    if len(shape) > _MAX_NDIM or any(d >= 2**32 for d in shape):
+        raise ValueError(f"block: shape {shape} does not fit the header (ndim <= {_MAX_NDIM}, dims < 2**32)")
+    itemsize = DTYPE_ITEMSIZES[dtype]
+    if data.dtype != np.uint8 or data.ndim != 1 or not data.flags.c_contiguous or data.size != math.prod(shape) * itemsize:
+        raise ValueError(f"block: expected {math.prod(shape) * itemsize} contiguous bytes, got {data.dtype} {data.shape}")
+    ndim = len(shape)
+    if kind == "raw":
+        header = b"".join((
+            _FIXED.pack(MAGIC, FORMAT_VERSION, _FLAG_WHOLE, _DTYPE_CODES[dtype], 0, ndim),
+            struct.pack(f"<{ndim}I", *shape), _RAW_SIZE.pack(data.size),
+            bytes((len(binding),)), binding, _PLANE.pack(PLANE_STORED, data.size),
+            _XXH.pack(xxhash.xxh3_64_intdigest(data))))
+        return header, _CRC.pack(_crc32(header)), data
+    dim1_major = byte_planes.can_swap(shape)
+    flags = _FLAG_DIM1_MAJOR if dim1_major else 0
+    # Into this thread's warm buffer: the planes live only until their frames are made.
+    planes = byte_planes.split(data.view(_UINTS[itemsize]).reshape(shape), dim1_major, out=_planes_buffer(data.size))
+    coded = CODED_PLANES[itemsize]
+    cuts = block_cuts(shape, dim1_major)
+    # Each frame as its parts: the coded plane's zstd frame, a stored plane's raw-block
+    # frame around views of the planes buffer (so the caller's join is its one copy).
+    frames = [[compress_coded(planes[b], level, cuts)] if b in coded else stored_frame(planes[b])
+              for b in range(len(planes))]
+    coded_crc = 0
+    for b in sorted(coded):
+        coded_crc = _crc32(frames[b][0], coded_crc)
+    header = b"".join((
+        _FIXED.pack(MAGIC, FORMAT_VERSION, flags, _DTYPE_CODES[dtype], level, ndim),
+        struct.pack(f"<{ndim}I", *shape), _RAW_SIZE.pack(data.size),
+        bytes((len(binding),)), binding,
+        *(_PLANE.pack(PLANE_CODED if b in coded else PLANE_STORED, sum(len(x) for x in f))
+          for b, f in enumerate(frames)),
+        _CRC.pack(coded_crc)))
+    return (header, _CRC.pack(_crc32(header)), *(x for f in frames for x in f))
 
 
 @dataclass(frozen=True)
@@ -240,45 +287,11 @@ class Codec:
         parts are views -- with the raw codec of `block`'s own bytes, with zstd of this thread's
         planes buffer (the stored planes) -- valid only until the block changes or this thread
         encodes again: join the parts on this thread, before either."""
-        if not isinstance(binding, bytes) or len(binding) > MAX_BINDING:
-            raise ValueError(f"binding: expected at most {MAX_BINDING} bytes, got {binding!r:.40}")
         if block.device.type != "cpu" or not block.is_contiguous():
             raise ValueError(f"block: expected a contiguous CPU tensor, got device={block.device}, "
                              f"contiguous={block.is_contiguous()}")
-        name = dtype_name(block.dtype)
-        if block.dim() > _MAX_NDIM or any(d >= 2**32 for d in block.shape):
-            raise ValueError(f"block: shape {tuple(block.shape)} does not fit the header (ndim <= {_MAX_NDIM}, dims < 2**32)")
-        shape = tuple(block.shape)
-        if self.kind == "raw":
-            data = _bytes_view(block)
-            header = b"".join((
-                _FIXED.pack(MAGIC, FORMAT_VERSION, _FLAG_WHOLE, _DTYPE_CODES[name], 0, block.dim()),
-                struct.pack(f"<{block.dim()}I", *shape), _RAW_SIZE.pack(data.size),
-                bytes((len(binding),)), binding, _PLANE.pack(PLANE_STORED, data.size),
-                _XXH.pack(xxhash.xxh3_64_intdigest(data))))
-            return header, _CRC.pack(_crc32(header)), data
-        else:
-            dim1_major = byte_planes.can_swap(shape)
-            flags, level = _FLAG_DIM1_MAJOR if dim1_major else 0, self.level
-            # Into this thread's warm buffer: the planes live only until their frames are made.
-            planes = byte_planes.split(block, dim1_major, out=_planes_buffer(block.numel() * block.element_size()))
-            coded = CODED_PLANES[block.element_size()]
-            cuts = block_cuts(shape, dim1_major)
-            # Each frame as its parts: the coded plane's zstd frame, a stored plane's raw-block
-            # frame around views of the planes buffer (so the caller's join is its one copy).
-            frames = [[compress_coded(planes[b], self.level, cuts)] if b in coded else stored_frame(planes[b])
-                      for b in range(len(planes))]
-        coded_crc = 0
-        for b in sorted(coded):
-            coded_crc = _crc32(frames[b][0], coded_crc)
-        header = b"".join((
-            _FIXED.pack(MAGIC, FORMAT_VERSION, flags, _DTYPE_CODES[name], level, block.dim()),
-            struct.pack(f"<{block.dim()}I", *shape), _RAW_SIZE.pack(block.numel() * block.element_size()),
-            bytes((len(binding),)), binding,
-            *(_PLANE.pack(PLANE_CODED if b in coded else PLANE_STORED, sum(len(x) for x in f))
-              for b, f in enumerate(frames)),
-            _CRC.pack(coded_crc)))
-        return (header, _CRC.pack(_crc32(header)), *(x for f in frames for x in f))
+        return encode_bytes(tensor_bytes(block), dtype_name(block.dtype), tuple(block.shape), binding,
+                            self.kind, self.level)
 
     def peek_header(self, payload: bytes | memoryview) -> CodecHeader:
         """Parse and sanity-check the header without checking the crc or decompressing."""

@@ -6,7 +6,9 @@ Doesn't know: how they are kept (storage/disk/tier.py).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+
+from storage.codec.encode_process import EncodeProcessStats
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +33,10 @@ class DiskStats:
     unavailable: str | None = None # why the tier has no store now (nothing is read or written), or None
     free_bytes: int | None = None  # the filesystem's free space, as the writer last saw it
     space_bound_bytes: int | None = None  # the bound the free space set below the capacity, if lower
+    # The writer's encode process (storage/codec/encode_process.py): its starts, deaths (killed or
+    # hung with a batch: that batch encoded in this process), failed starts, blocks it handed back;
+    # None while it was never used (off, or nothing written yet).
+    encode_process: EncodeProcessStats | None = None
 
     def report(self, into) -> None:
         """Into the cache's TierStats for the disk (storage/lower_tier.py's TierRecord): the shared
@@ -43,7 +49,8 @@ class DiskStats:
                       "read_errors": self.read_errors, "recovered": self.recovered, "moved_aside": self.moved_aside,
                       "unavailable": self.unavailable, "free_bytes": self.free_bytes,
                       "space_bound_bytes": self.space_bound_bytes, "raw_bytes": self.raw_bytes,
-                      "stored_bytes_written": self.bytes_written}
+                      "stored_bytes_written": self.bytes_written,
+                      "encode_process": None if self.encode_process is None else asdict(self.encode_process)}
 
 
 @dataclass(frozen=True, slots=True)

@@ -46,6 +46,7 @@ from storage.disk.gate import EnvGate
 from storage.disk.preflight import DamagedEnvironment
 from storage.disk.reads import DiskReads
 from storage.disk.replacement import MAX_REPLACEMENTS, StoreReplacement
+from storage.codec.encode_process import encode_process_policy
 from storage.disk.stats import DiskBlockInfo, DiskStats, _Counters
 from storage.disk.pagewalk import check_pages
 from storage.disk.records import (DISK_FORMAT_VERSION, StoreInfo, delete_in_txn, load_capacity, load_info,
@@ -80,13 +81,15 @@ class DiskTier(DiskReads, LowerTier):
     neither records accesses nor deletes damaged blocks). reserve_bytes: the free space the
     store leaves on its filesystem, whatever its capacity (None: only the capacity bounds it).
     decode_threads / encode_threads: the read path's decode pool and the writer's encode pool
-    (default: os.cpu_count() each; zstd releases the GIL).
+    (default: os.cpu_count() each; zstd releases the GIL). encode_process: where the writer
+    encodes -- "auto" ($TIEREDKV_ENCODE_PROCESS: "idle" unless "0" or "nice"), "idle" or "nice" (a child
+    process at that priority, storage/codec/encode_process.py), None (the pool in this process).
     """
 
     def __init__(self, path: str, capacity_bytes: int, codec: Codec = Codec(), *, layout: BlockLayout | None = None,
                  map_size: int | None = None, queue_blocks: int = 256, batch_blocks: int = 32,
                  readonly: bool = False, decode_threads: int | None = None, encode_threads: int | None = None,
-                 reserve_bytes: int | None = DEFAULT_RESERVE_BYTES) -> None:
+                 reserve_bytes: int | None = DEFAULT_RESERVE_BYTES, encode_process: str | None = "auto") -> None:
         for name, v in (("capacity_bytes", capacity_bytes), ("queue_blocks", queue_blocks),
                         ("batch_blocks", batch_blocks), ("map_size", map_size), ("decode_threads", decode_threads),
                         ("encode_threads", encode_threads)):
@@ -129,7 +132,8 @@ class DiskTier(DiskReads, LowerTier):
         self._index = DiskIndex(hashes if hashes is not None else (h for h, _ in self._iter_db("meta", values=False)))
         # Built readonly too (nothing pending, ever), but its thread runs only for a writer.
         self._writer = DiskWriter(self._gate, codec, capacity_bytes, queue_blocks, batch_blocks, self._count,
-                                  self._index, reserve_bytes, self._map_size, encode_threads)
+                                  self._index, reserve_bytes, self._map_size, encode_threads,
+                                  encode_process_policy() if encode_process == "auto" else encode_process)
         self._replacement = StoreReplacement(self.path, self._map_size, capacity_bytes, self._gate, self._index,
                                              self._count, lambda: self._counters.moved_aside, recovered)
         if not readonly:
@@ -305,7 +309,7 @@ class DiskTier(DiskReads, LowerTier):
                          read_errors=c.read_errors, pending_writes=pending, recovered=self.recovered,
                          queue_full_drops=c.queue_full_drops, moved_aside=c.moved_aside,
                          unavailable=self._gate.down, free_bytes=self._writer.space[0],
-                         space_bound_bytes=self._writer.space[1])
+                         space_bound_bytes=self._writer.space[1], encode_process=self._writer.encode_process_stats())
 
     def verify(self, repair: bool = False) -> VerifyReport:
         """Check what open and the writer rely on, then every block.

@@ -6,13 +6,15 @@ PendingBlock.copy_for), the accesses reads record for it, deletes that race a co
 the capacity bound enforced in the same transaction, and what to do when LMDB runs out of map or
 disk (MapFull/ENOSPC: make room, retry smaller, drop what still does not fit).
 
-Compression runs on a pool (`tieredkv-disk-encode`, os.cpu_count() threads by default: zstd and
-the byte-plane split release the GIL) and is pipelined with the commits (the look-ahead of
-storage/background_writer.py): while batch k commits -- LMDB's copy into the map and its fsync,
-one thread --, the pool encodes batch k+1; no more than that one batch is ever encoded ahead, and
-batches commit one at a time in the order they were taken. On this 2-core CPU the gain is the
-fsync and commit hidden behind encoding; on the 16-core GPU machines users run, the encodes of a
-batch also run 16 at a time (tools/bench_write_pool.py measures both) -- while no sequence runs:
+Compression runs in the encode process (a child, so its per-block Python holds the child's GIL,
+not the engine's: storage/codec/encode_process.py) or, when that is off or hands a block back, on
+a pool (`tieredkv-disk-encode`, os.cpu_count() threads by default); storage/disk/batch_encoder.py
+decides. It is pipelined with the commits (the look-ahead of storage/background_writer.py): while
+batch k commits -- LMDB's copy into the map and its fsync, one thread --, batch k+1 encodes; no
+more than that one batch is ever encoded ahead, and batches commit one at a time in the order they
+were taken. On this 2-core CPU the gain is the fsync and commit hidden behind encoding; on the
+16-core GPU machines users run, the encodes of a batch also run 16 at a time (tools/
+bench_write_pool.py measures both; the child's threads as the pool's) -- while no sequence runs:
 while one does, one encode at a time (storage/foreground.py: the decoders keep their cores).
 Doesn't know: the read path or verification (storage/disk/tier.py, storage/disk/integrity.py),
 how room is made in the store (LRU eviction, the map bounded by free space: storage/disk/room.py),
@@ -32,7 +34,6 @@ import logging
 import os
 import time
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterable
 
@@ -40,16 +41,17 @@ import lmdb
 
 from storage.background_writer import BackgroundWriter
 from storage.foreground import PoolWidth
-from storage.pool_drain import drain_on
 from storage.priority import background_priority
+from storage.codec.encode_process import EncodeProcessStats
 from storage.codec.payload import Codec
+from storage.disk.batch_encoder import BatchEncoder, Encoding
 from storage.disk.gate import EnvGate
 from storage.disk.verdicts import is_damage, is_no_space
 from storage.disk.records import load_capacity, load_info, lru_key, read_meta, store_info
 from storage.disk.room import FreeSpace, evict_in_txn, make_room
 from storage.disk.index import DiskIndex
 from storage.disk.pending import PendingBlock
-from storage.codec.stored_block import BlockMeta, payload_binding
+from storage.codec.stored_block import BlockMeta
 from storage.hashing import BlockKey
 
 if TYPE_CHECKING:      # blocks are tensors, but nothing here makes one: `tieredkv inspect`/`verify` load no torch
@@ -65,10 +67,10 @@ class _Batch:
     """What the writer took at once: puts and accesses, and the puts' encodings as they come."""
     items: list[PendingBlock]
     touches: dict[bytes, int]
-    # Per item: its payload, what its encode raised, or None while it is not encoded yet.
-    encoding: list[bytes | memoryview | BaseException | None] = field(default_factory=list)
-    tasks: list[Future] = field(default_factory=list)     # the encode pool's tasks on this batch
-    encoded: list[tuple[PendingBlock, bytes]] = field(default_factory=list)   # once ready: what encoded
+    encoding: Encoding | None = None     # its encodes in flight, once prepared
+    # Once ready: what encoded (NOTE: a payload may be a view of the encode process's memory, valid
+    # until the batch after next is prepared: committed before then).
+    encoded: list[tuple[PendingBlock, bytes | memoryview]] = field(default_factory=list)
 
 
 class DiskWriter(BackgroundWriter[_Batch]):
@@ -84,7 +86,7 @@ class DiskWriter(BackgroundWriter[_Batch]):
     def __init__(self, gate: EnvGate, codec: Codec, capacity_bytes: int,
                  queue_blocks: int, batch_blocks: int, count: Callable[..., None], index: DiskIndex,
                  reserve_bytes: int | None = None, map_size: int | None = None,
-                 encode_threads: int | None = None) -> None:
+                 encode_threads: int | None = None, encode_process: str | None = None) -> None:
         super().__init__("tieredkv-disk-writer")
         # The tier's environment and every transaction on it: counted for close(), map resizes
         # adopted, a damaged store replaced. NOTE: read self._gate.dbs inside a transaction only.
@@ -102,9 +104,9 @@ class DiskWriter(BackgroundWriter[_Batch]):
         # NOTE: a put in the writer's hands (taken, encoding or committing) was cancelled when _pending
         # no longer maps its hash to that very PendingBlock (a delete popped it, or a new put of the
         # same hash replaced it): checked inside the commit's transaction.
-        self._encode_threads = encode_threads or os.cpu_count() or 1
-        self._encoder: ThreadPoolExecutor | None = None  # writer thread only; built at the first encode
-        self.encode_width = PoolWidth(self._encode_threads)   # one encoder at a time while sequences run
+        # How batches are encoded (writer thread only): in the encode process unless
+        # `encode_process` is None, on the pool what it cannot (storage/disk/batch_encoder.py).
+        self._encoding = BatchEncoder(codec, encode_threads or os.cpu_count() or 1, encode_process)
         self._dropped = 0                               # blocks ever dropped (never committed)
         self._last_reader_check, self._warned_capacity = 0.0, False   # writer thread only
         # Called on the writer thread after each commit with (key, payload, raw size) of every block
@@ -231,9 +233,7 @@ class DiskWriter(BackgroundWriter[_Batch]):
         self.clear_stale_readers(force=True)
 
     def _on_exit(self) -> None:
-        if self._encoder is not None:
-            self._encoder.shutdown()
-            self._encoder = None
+        self._encoding.close()           # the encode process exits and is reaped; the pool ends
 
     def _has_work(self) -> bool:
         return bool(self._queue or self._touches)
@@ -244,50 +244,28 @@ class DiskWriter(BackgroundWriter[_Batch]):
         touches, self._touches = self._touches, {}
         return _Batch(items, touches)
 
-    # -- encoding: on the pool, a batch ahead of the commits (outside any transaction: the write
-    # lock is held only to commit) ---------------------------------------------------------------
+    # -- encoding: in the encode process or on the pool, a batch ahead of the commits (outside any
+    # transaction: the write lock is held only to commit); storage/disk/batch_encoder.py -----------
 
     def _prepare(self, batch: _Batch) -> None:
-        # A payload already encoded (a remote read's) is stored as it is; the others are encoded
-        # by one task per pool thread, each taking the next block until none is left (a future
-        # per block cost ~7.5 us of CPU with the GIL held, on the thread that commits too).
-        batch.encoding = [it.payload for it in batch.items]
-        todo = [j for j, enc in enumerate(batch.encoding) if enc is None]
-        if not todo:
-            return
-
-        def encode(j: int) -> None:
-            try:
-                batch.encoding[j] = self._encode(batch.items[j])
-            except Exception as e:           # noqa: BLE001 -- _ready drops the block, counted
-                batch.encoding[j] = e
-        try:
-            if self._encoder is None:
-                self._encoder = ThreadPoolExecutor(self._encode_threads, thread_name_prefix="tieredkv-disk-encode",
-                                                   initializer=background_priority)
-            batch.tasks = drain_on(self._encoder, self._encode_threads, todo, encode, self.encode_width)
-        except RuntimeError:                 # no new threads (the interpreter is exiting): _ready
-            pass                             # encodes what no task took, on the writer thread
-
-    def _encode(self, it: PendingBlock) -> bytes:
-        return self._codec.encode(it.block, payload_binding(it.key.hash, it.key.namespace))
+        batch.encoding = self._encoding.start(batch.items)
 
     def _ready(self, batch: _Batch) -> None:
         """Collect the batch's encodings; a block that fails to encode is dropped (counted)."""
-        for task in batch.tasks:
-            task.result()                    # every block a task took is encoded (or failed) then
-        for j, it in enumerate(batch.items):
-            enc = batch.encoding[j]
-            if enc is None:                  # no task ran (see _prepare)
-                try:
-                    enc = self._encode(it)
-                except Exception as e:       # noqa: BLE001
-                    enc = e
-            if isinstance(enc, BaseException):
-                log.error("disk tier: encoding block %s failed", it.key.hash.hex()[:16], exc_info=enc)
-                self.lost(1)
-                continue
-            batch.encoded.append((it, enc))
+        encoded, failed = self._encoding.finish(batch.encoding)
+        batch.encoded = encoded
+        for it, e in failed:
+            log.error("disk tier: encoding block %s failed", it.key.hash.hex()[:16], exc_info=e)
+            self.lost(1)
+
+    @property
+    def encode_width(self) -> PoolWidth:
+        """How many blocks encode at once (the pool's tasks, or the encode process's threads)."""
+        return self._encoding.width
+
+    def encode_process_stats(self) -> EncodeProcessStats | None:
+        """The encode process's counters (any thread), or None while it has never been used."""
+        return self._encoding.process_stats()
 
     def fit_to_space(self, force: bool = False) -> None:
         """Bound the data file by the filesystem's free space minus the reserve (storage/disk/room.py)."""
@@ -401,7 +379,8 @@ class DiskWriter(BackgroundWriter[_Batch]):
                 info.blocks += 1
                 written += len(payload)
                 stored.append(key)
-                new.append((key, payload, raw_size))
+                if self.on_commit is not None:   # kept past this batch: a view of the encode process's memory copied
+                    new.append((key, payload if isinstance(payload, bytes) else bytes(payload), raw_size))
             # NOTE: the capacity invariant (used_bytes <= capacity_bytes) is enforced here, in the
             # same transaction that added the bytes: no committed state exceeds it, whichever
             # process committed it.

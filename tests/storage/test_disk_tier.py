@@ -394,15 +394,15 @@ def test_readonly_open_of_a_missing_directory_fails(tmp_path: Path) -> None:
 def test_flush_since_a_mark_reports_a_block_dropped_before_the_flush_began(tmp_path: Path) -> None:
     """A put the writer drops before flush() starts waiting (here: one that cannot be encoded)
     makes flush(since=mark) False; a plain flush() started after the drop would say True."""
-    with DiskTier(str(tmp_path), CAP) as t:
+    with DiskTier(str(tmp_path), CAP, encode_process=None) as t:
         mark = t.write_failures()
-        t._writer._codec = None                   # the next encode fails: the writer drops the block
+        t._writer._encoding._codec = None         # the next encode fails: the writer drops the block
         t.put(make_key(1), make_block(1))
         deadline = time.monotonic() + 60
         while t.write_failures() == mark and time.monotonic() < deadline:
             time.sleep(0.01)
         assert t.write_failures() == mark + 1
-        t._writer._codec = t.codec
+        t._writer._encoding._codec = t.codec
         assert t.flush(timeout=60) is True        # nothing lost while it waited
         assert t.flush(timeout=60, since=mark) is False
         mark = t.write_failures()

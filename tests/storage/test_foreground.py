@@ -124,7 +124,8 @@ def test_the_disk_writer_encodes_one_block_at_a_time_while_sequences_run(tmp_pat
     gate = Gate()
     ks = keys(9)
     FOREGROUND.hold(foreground_owner, True)
-    with DiskTier(str(tmp_path), 64 << 20, GatedCodec(gate), batch_blocks=9, encode_threads=3) as t:
+    with DiskTier(str(tmp_path), 64 << 20, GatedCodec(gate), batch_blocks=9, encode_threads=3,
+                  encode_process=None) as t:      # the pool's width (the process's: test_encode_process.py)
         with t._writer._cond:           # (re-entrant) the writer takes the nine as one batch
             for k in ks:
                 assert t.put(k, block_data(k))
@@ -173,7 +174,7 @@ def test_the_encode_pool_threads_run_at_the_background_niceness(tmp_path: Path) 
     if base >= BACKGROUND_NICE:
         pytest.skip(f"this process already runs at nice {base}")
     ks = keys(12)
-    with DiskTier(str(tmp_path), 64 << 20, batch_blocks=4, encode_threads=3) as t:
+    with DiskTier(str(tmp_path), 64 << 20, batch_blocks=4, encode_threads=3, encode_process=None) as t:
         for k in ks:
             assert t.put(k, block_data(k))
         assert t.flush(timeout=HANG_GUARD_S)

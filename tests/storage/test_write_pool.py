@@ -76,10 +76,10 @@ def test_with_no_encode_pool_to_be_had_the_writer_encodes_on_its_own_thread(tmp_
     # What an exiting interpreter does to the pool (its submit raises RuntimeError), done by hand:
     # every block, and one that cannot encode among them, is handled on the writer thread.
     ks = keys(9)
-    with DiskTier(str(tmp_path), CAP, batch_blocks=4) as t:
+    with DiskTier(str(tmp_path), CAP, batch_blocks=4, encode_process=None) as t:   # (the pool's fallback)
         t.put(ks[0], block_data(ks[0]))
         assert t.flush(timeout=60)
-        t._writer._encoder.shutdown()                        # built by the first batch
+        t._writer._encoding.pool.shutdown()                  # built by the first batch
         mark = t.write_failures()
         for k in ks[1:]:
             t.put(k, bad_block() if k is ks[5] else block_data(k))

@@ -1,0 +1,231 @@
+"""The encode process (storage/codec/encode_process.py, storage/codec/encode_worker.py): payloads
+byte for byte those of Codec.encode, every failure of the child a block encoded here instead (none
+lost, none wrong), and the child's lifetime tied to its writer's and its parent's.
+
+Real children, real LMDB, real zstd; a misbehaving child is tests/storage/lying_encode_worker.py.
+No wall-clock asserts: waits are for events (a marker file, a pid gone) under generous deadlines.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from storage.codec import encode_process
+from storage.codec.encode_process import EncodeJob, EncodeProcess, encode_process_policy
+from storage.codec.payload import Codec, tensor_bytes
+from storage.disk.tier import DiskTier
+from storage.layout import BlockLayout, dtype_name
+from tests.storage.conftest import block_data, keys
+from tests.storage.test_tiered_cache import same_bits
+
+DEADLINE_S = 120.0
+MID = BlockLayout(num_layers=4, block_size=16, num_kv_heads=2, head_dim=32, dtype=torch.bfloat16)
+CAP = 64 << 20
+LIAR = "tests.storage.lying_encode_worker"
+
+
+def blocks() -> list[torch.Tensor]:
+    """fp32/fp16/bf16 blocks, dim-1-major (a KV block's 5 dims) and not (2 dims; dim 0 of 1), and
+    fp32 values that came from bf16 (zero low planes: the stored planes' zstd path)."""
+    g = torch.Generator().manual_seed(7)
+    out = []
+    for dt in (torch.float32, torch.float16, torch.bfloat16):
+        for shape in ((4, 2, 16, 2, 8), (64, 24), (1, 2, 16, 8)):
+            out.append(torch.randn(shape, generator=g).to(dt))
+    out.append(torch.randn((4, 2, 16, 2, 8), generator=g).to(torch.bfloat16).to(torch.float32))
+    return out
+
+
+def job(block: torch.Tensor, i: int) -> EncodeJob:
+    return EncodeJob(tensor_bytes(block), dtype_name(block.dtype), tuple(block.shape), bytes([i]) * 64)
+
+
+def wait_until(cond, what: str) -> None:
+    deadline = time.monotonic() + DEADLINE_S
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def gone(pid: int) -> bool:
+    """The process exited (reaped, or a zombie nobody reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.parametrize("kind", ["zstd", "raw"])
+def test_the_childs_payloads_are_codec_encodes_byte_for_byte(kind: str) -> None:
+    bs = blocks()
+    p = EncodeProcess(kind, 3)
+    try:
+        for width in (1, 3):          # one encode thread in the child, and several
+            got = p.collect(p.submit([job(b, i) for i, b in enumerate(bs)], width))
+            for i, (b, payload) in enumerate(zip(bs, got)):
+                assert payload is not None
+                assert bytes(payload) == Codec(3, kind).encode(b, bytes([i]) * 64), (b.dtype, tuple(b.shape))
+        s = p.stats()
+        assert (s.starts, s.deaths, s.fallbacks, s.refused) == (1, 0, 0, 0)
+        with open(f"/proc/{p.pid}/maps") as f:
+            assert "libtorch" not in f.read()       # the child never imported torch
+    finally:
+        p.close()
+
+
+def test_a_disk_tier_writes_through_the_child_and_reads_back_bit_identical(tmp_path: Path) -> None:
+    ks = keys(24, layout=MID)
+    with DiskTier(str(tmp_path), CAP, batch_blocks=5, encode_process="nice") as t:
+        for k in ks:
+            assert t.put(k, block_data(k, MID))
+        assert t.flush(timeout=DEADLINE_S)
+        s = t.stats()
+        assert s.write_errors == 0 and s.blocks == 24
+        assert s.encode_process is not None and (s.encode_process.starts, s.encode_process.fallbacks) == (1, 0)
+        assert all(same_bits(t.get(k), block_data(k, MID)) for k in ks)
+        assert t.check() == []
+
+
+def test_off_by_env_or_argument_encodes_in_this_process(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv(encode_process.ENV, "0")
+    assert encode_process_policy() is None and encode_process_policy("nice") == "nice"
+    assert encode_process_policy("") == encode_process_policy("1") == "idle"      # the default
+    ks = keys(6, layout=MID)
+    with DiskTier(str(tmp_path), CAP, batch_blocks=4) as t:
+        for k in ks:
+            assert t.put(k, block_data(k, MID))
+        assert t.flush(timeout=DEADLINE_S)
+        assert t.stats().encode_process is None and t.stats().blocks == 6
+
+
+def test_a_child_killed_mid_batch_loses_nothing_and_is_restarted(tmp_path: Path, monkeypatch) -> None:
+    marker = tmp_path / "stalled"
+    monkeypatch.setattr(encode_process, "WORKER_MODULE", LIAR)
+    monkeypatch.setenv("LYING_ENCODE_WORKER", "stall")     # the first child stalls holding its batch
+    monkeypatch.setenv("LYING_MARKER", str(marker))
+    ks = keys(16, layout=MID)
+    with DiskTier(str(tmp_path / "store"), CAP, batch_blocks=8, encode_process="nice") as t:
+        with t._writer._cond:            # (re-entrant) the writer takes the eight as one batch
+            for k in ks[:8]:
+                assert t.put(k, block_data(k, MID))
+        wait_until(marker.exists, "the child to take its batch")
+        pid = int(marker.read_text())
+        os.kill(pid, signal.SIGKILL)
+        assert t.flush(timeout=DEADLINE_S)                  # encoded here instead
+        s = t.stats()
+        assert (s.write_errors, s.blocks) == (0, 8)
+        assert (s.encode_process.deaths, s.encode_process.fallbacks) == (1, 8)
+        assert gone(pid)
+        for k in ks[8:]:                                    # a new child (the marker is there: it behaves)
+            assert t.put(k, block_data(k, MID))
+        assert t.flush(timeout=DEADLINE_S)
+        s = t.stats()
+        assert (s.encode_process.starts, s.encode_process.fallbacks, s.blocks) == (2, 8, 16)
+        assert all(same_bits(t.get(k), block_data(k, MID)) for k in ks)
+        assert t.check() == []
+
+
+def test_a_child_that_cannot_start_means_encoding_here_logged_once(tmp_path: Path, monkeypatch, caplog) -> None:
+    monkeypatch.setattr(encode_process, "PYTHON", str(tmp_path / "no-such-python"))
+    ks = keys(20, layout=MID)
+    with DiskTier(str(tmp_path / "store"), CAP, batch_blocks=4, encode_process="nice") as t:
+        for k in ks:
+            assert t.put(k, block_data(k, MID))
+        assert t.flush(timeout=DEADLINE_S)
+        s = t.stats()
+        assert (s.write_errors, s.blocks) == (0, 20)
+        assert s.encode_process.starts == 0 and s.encode_process.fallbacks == 20
+        assert s.encode_process.given_up and s.encode_process.start_failures == encode_process.MAX_FAILURES
+        assert all(same_bits(t.get(k), block_data(k, MID)) for k in ks)
+    assert sum("cannot start" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_child_that_dies_before_answering_counts_as_a_failed_start() -> None:
+    bs = blocks()[:3]
+    p = EncodeProcess()
+    encode_process.PYTHON, real = "/bin/false", encode_process.PYTHON
+    try:
+        got = p.collect(p.submit([job(b, i) for i, b in enumerate(bs)]))
+    finally:
+        encode_process.PYTHON = real
+    s = p.stats()
+    assert got == [None] * 3 and (s.start_failures, s.deaths, s.fallbacks) == (1, 0, 3)
+    got = p.collect(p.submit([job(b, i) for i, b in enumerate(bs)]))     # the next starts the real one
+    assert [bytes(x) for x in got] == [Codec().encode(b, bytes([i]) * 64) for i, b in enumerate(bs)]
+    p.close()
+
+
+@pytest.mark.parametrize("mode", ["header", "binding", "digest", "length", "outside"])
+def test_a_payload_that_fails_its_check_is_never_stored(tmp_path: Path, monkeypatch, mode: str) -> None:
+    monkeypatch.setattr(encode_process, "WORKER_MODULE", LIAR)
+    monkeypatch.setenv("LYING_ENCODE_WORKER", mode)
+    ks = keys(6, layout=MID)
+    with DiskTier(str(tmp_path), CAP, batch_blocks=3, encode_process="nice") as t:
+        for k in ks:
+            assert t.put(k, block_data(k, MID))
+        assert t.flush(timeout=DEADLINE_S)
+        s = t.stats()
+        assert (s.write_errors, s.blocks) == (0, 6)
+        assert s.encode_process.refused == 6 and s.encode_process.fallbacks == 6
+        assert all(same_bits(t.get(k), block_data(k, MID)) for k in ks)
+        assert t.verify().damaged == ()
+
+
+def test_closing_the_writer_ends_the_child_by_eof_and_reaps_it(tmp_path: Path) -> None:
+    k = keys(1, layout=MID)[0]
+    t = DiskTier(str(tmp_path), CAP, encode_process="nice")
+    t.put(k, block_data(k, MID))
+    assert t.flush(timeout=DEADLINE_S)
+    proc = t._writer._encoding._process._proc
+    t.close()
+    assert proc.returncode == 0             # it exited on EOF (a kill would read -9), and was reaped
+    assert not os.path.exists(f"/proc/{proc.pid}")
+
+
+_PARENT = """
+import sys, time, torch
+from storage.codec.encode_process import EncodeJob, EncodeProcess
+from storage.codec.payload import tensor_bytes
+p = EncodeProcess()
+b = torch.randn(4, 2, 16, 2, 8)
+p.collect(p.submit([EncodeJob(tensor_bytes(b), "float32", tuple(b.shape), b"x")]))
+print(p.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_child_whose_parent_is_killed_exits() -> None:
+    root = str(Path(__file__).resolve().parents[2])
+    parent = subprocess.Popen([sys.executable, "-c", _PARENT], stdout=subprocess.PIPE, text=True, cwd=root,
+                              env={**os.environ, "PYTHONPATH": root})
+    try:
+        child = int(parent.stdout.readline())
+        assert not gone(child)
+        parent.kill()
+        parent.wait()
+        wait_until(lambda: gone(child), "the orphaned child to exit")
+    finally:
+        parent.kill()
+        parent.wait()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="Linux: /proc says a process's priority")
+@pytest.mark.parametrize("policy", ["nice", "idle"])
+def test_the_child_runs_at_background_priority(policy: str) -> None:
+    p = EncodeProcess(policy=policy)
+    try:
+        p.collect(p.submit([job(blocks()[0], 0)]))
+        with open(f"/proc/{p.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        nice, sched = int(fields[16]), int(fields[38])      # proc(5): fields 19 and 41
+        assert (nice, sched) == ((10, 0) if policy == "nice" else (nice, 5))   # 5: SCHED_IDLE
+    finally:
+        p.close()
