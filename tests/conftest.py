@@ -17,6 +17,11 @@ os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.g
 # test is patient; the deadline's own tests move the scheduler's clock past any slack.
 os.environ.setdefault("TIEREDKV_LOAD_DEADLINE_SLACK_S", "60")
 os.environ.setdefault("TIEREDKV_PROBE_WAIT_SLACK_S", "60")     # a remote probe's wait likewise
+# The disk writer's encode process runs at SCHED_IDLE while sequences decode (storage/codec/
+# encode_process.py): it gets a CPU only when no other process wants one, and with `-n 2` the other
+# test worker keeps both busy, so a flush behind it waits for seconds. The suite runs the child at
+# nice +10 (the same process, the same checks); tests/storage/test_encode_process.py runs both.
+os.environ.setdefault("TIEREDKV_ENCODE_PROCESS", "nice")
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,5 @@
-"""How the disk writer's batches are encoded: in the encode process, or on a pool in this one.
+"""How the disk writer's batches are encoded: in the encode process while sequences decode, or on
+a pool in this one.
 
 Knows: which of a batch's blocks need encoding (a payload already encoded, a remote read's, is
 stored as it is), handing them to the encode process (storage/codec/encode_process.py: the
@@ -9,6 +10,11 @@ batch whose child was killed, a payload it refused, a block it could not be give
 a batch is encoded a batch ahead of the commits (`start` as it is taken, `finish` before its
 commit: storage/background_writer.py's look-ahead). `width` is how many encode at once (the
 pool's tasks, the child's threads): narrowed while sequences decode (storage/foreground.py).
+The process takes a batch only while sequences decode in this process (the foreground signal set
+when the batch starts): that is when the engine's GIL is worth keeping free, and the child runs
+at SCHED_IDLE, which other processes' work (another server, a test worker) would starve of CPU
+for as long as it keeps the cores busy -- with nothing decoding here, the pool (nice +10, full
+width) keeps the write path's throughput as before.
 Doesn't know: the queue, the store or what a failure costs (the writer drops the block, counted).
 
 Threads: the writer thread only (start, finish, close); process_stats() from any.
@@ -23,7 +29,7 @@ from storage.codec.encode_process import EncodeJob, EncodeProcess, EncodeProcess
 from storage.codec.payload import Codec, tensor_bytes
 from storage.codec.stored_block import payload_binding
 from storage.disk.pending import PendingBlock
-from storage.foreground import PoolWidth
+from storage.foreground import FOREGROUND, PoolWidth
 from storage.layout import dtype_name
 from storage.pool_drain import drain_on
 from storage.priority import background_priority
@@ -55,7 +61,7 @@ class BatchEncoder:
         """Start encoding the batch (never raises, never waits for an encode)."""
         enc = Encoding(items, [it.payload for it in items])
         todo = [j for j, r in enumerate(enc.results) if r is None]
-        if todo and self._policy is not None:
+        if todo and self._policy is not None and FOREGROUND.active():
             todo = self._to_process(enc, todo)
         if todo:
             self._to_pool(enc, todo)

@@ -21,6 +21,7 @@ from storage.codec import encode_process
 from storage.codec.encode_process import EncodeJob, EncodeProcess, encode_process_policy
 from storage.codec.payload import Codec, tensor_bytes
 from storage.disk.tier import DiskTier
+from storage.foreground import FOREGROUND
 from storage.layout import BlockLayout, dtype_name
 from tests.storage.conftest import block_data, keys
 from tests.storage.test_tiered_cache import same_bits
@@ -54,6 +55,16 @@ def wait_until(cond, what: str) -> None:
         time.sleep(0.01)
 
 
+@pytest.fixture
+def decoding():
+    """Sequences decode in this process (the engine's foreground signal, as an engine with running
+    sequences holds it): the disk writer hands its batches to the encode process only then."""
+    owner = object()
+    FOREGROUND.hold(owner, True)
+    yield
+    FOREGROUND.hold(owner, False)
+
+
 def gone(pid: int) -> bool:
     """The process exited (reaped, or a zombie nobody reaped yet)."""
     try:
@@ -81,7 +92,7 @@ def test_the_childs_payloads_are_codec_encodes_byte_for_byte(kind: str) -> None:
         p.close()
 
 
-def test_a_disk_tier_writes_through_the_child_and_reads_back_bit_identical(tmp_path: Path) -> None:
+def test_a_disk_tier_writes_through_the_child_and_reads_back_bit_identical(tmp_path: Path, decoding) -> None:
     ks = keys(24, layout=MID)
     with DiskTier(str(tmp_path), CAP, batch_blocks=5, encode_process="nice") as t:
         for k in ks:
@@ -92,6 +103,21 @@ def test_a_disk_tier_writes_through_the_child_and_reads_back_bit_identical(tmp_p
         assert s.encode_process is not None and (s.encode_process.starts, s.encode_process.fallbacks) == (1, 0)
         assert all(same_bits(t.get(k), block_data(k, MID)) for k in ks)
         assert t.check() == []
+
+
+def test_with_nothing_decoding_the_pool_encodes_and_no_child_starts(tmp_path: Path) -> None:
+    """The child (SCHED_IDLE) is for batches written while sequences decode; a flush with nothing
+    decoding -- a shutdown, a busy machine's other work -- is encoded here, at full width."""
+    assert not FOREGROUND.active()
+    ks = keys(12, layout=MID)
+    with DiskTier(str(tmp_path), CAP, batch_blocks=4, encode_process="idle") as t:
+        for k in ks:
+            assert t.put(k, block_data(k, MID))
+        assert t.flush(timeout=DEADLINE_S)
+        s = t.stats()
+        assert (s.write_errors, s.blocks) == (0, 12)
+        assert s.encode_process is None                   # never built: no child started
+        assert all(same_bits(t.get(k), block_data(k, MID)) for k in ks)
 
 
 def test_off_by_env_or_argument_encodes_in_this_process(tmp_path: Path, monkeypatch) -> None:
@@ -106,7 +132,7 @@ def test_off_by_env_or_argument_encodes_in_this_process(tmp_path: Path, monkeypa
         assert t.stats().encode_process is None and t.stats().blocks == 6
 
 
-def test_a_child_killed_mid_batch_loses_nothing_and_is_restarted(tmp_path: Path, monkeypatch) -> None:
+def test_a_child_killed_mid_batch_loses_nothing_and_is_restarted(tmp_path: Path, monkeypatch, decoding) -> None:
     marker = tmp_path / "stalled"
     monkeypatch.setattr(encode_process, "WORKER_MODULE", LIAR)
     monkeypatch.setenv("LYING_ENCODE_WORKER", "stall")     # the first child stalls holding its batch
@@ -133,7 +159,7 @@ def test_a_child_killed_mid_batch_loses_nothing_and_is_restarted(tmp_path: Path,
         assert t.check() == []
 
 
-def test_a_child_that_cannot_start_means_encoding_here_logged_once(tmp_path: Path, monkeypatch, caplog) -> None:
+def test_a_child_that_cannot_start_means_encoding_here_logged_once(tmp_path: Path, monkeypatch, caplog, decoding) -> None:
     monkeypatch.setattr(encode_process, "PYTHON", str(tmp_path / "no-such-python"))
     ks = keys(20, layout=MID)
     with DiskTier(str(tmp_path / "store"), CAP, batch_blocks=4, encode_process="nice") as t:
@@ -164,7 +190,7 @@ def test_a_child_that_dies_before_answering_counts_as_a_failed_start() -> None:
 
 
 @pytest.mark.parametrize("mode", ["header", "binding", "digest", "length", "outside"])
-def test_a_payload_that_fails_its_check_is_never_stored(tmp_path: Path, monkeypatch, mode: str) -> None:
+def test_a_payload_that_fails_its_check_is_never_stored(tmp_path: Path, monkeypatch, mode: str, decoding) -> None:
     monkeypatch.setattr(encode_process, "WORKER_MODULE", LIAR)
     monkeypatch.setenv("LYING_ENCODE_WORKER", mode)
     ks = keys(6, layout=MID)
@@ -179,7 +205,7 @@ def test_a_payload_that_fails_its_check_is_never_stored(tmp_path: Path, monkeypa
         assert t.verify().damaged == ()
 
 
-def test_closing_the_writer_ends_the_child_by_eof_and_reaps_it(tmp_path: Path) -> None:
+def test_closing_the_writer_ends_the_child_by_eof_and_reaps_it(tmp_path: Path, decoding) -> None:
     k = keys(1, layout=MID)[0]
     t = DiskTier(str(tmp_path), CAP, encode_process="nice")
     t.put(k, block_data(k, MID))
