@@ -21,14 +21,14 @@ PREVIEW_CHARS = 72
 
 @dataclass(frozen=True, slots=True)
 class CachedBlock:
-    """One block a running cache holds, in the fastest tier that holds it. `hits`: the disk's
+    """One block a running cache holds, in the fastest tier that holds it. `reads`: the disk's
     count of reads of it (0 for a block only in memory: the pool and the slab keep no count)."""
     hash: bytes
     parent: bytes
     namespace: bytes
     token_ids: tuple[int, ...]
     tier: str
-    hits: int = 0
+    reads: int = 0
 
 
 @dataclass(slots=True)
@@ -38,7 +38,7 @@ class PrefixNode:
     orphan: bool = False         # the first block's parent is not stored (evicted or deleted)
     hashes: list[bytes] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
-    hits: list[int] = field(default_factory=list)
+    reads: list[int] = field(default_factory=list)
     tiers: list[str | None] = field(default_factory=list)   # per block; None where the source has no tiers
     children: list["PrefixNode"] = field(default_factory=list)
 
@@ -47,8 +47,8 @@ class PrefixNode:
         return len(self.hashes) + sum(c.total_blocks for c in self.children)
 
     @property
-    def total_hits(self) -> int:
-        return sum(self.hits) + sum(c.total_hits for c in self.children)
+    def total_reads(self) -> int:
+        return sum(self.reads) + sum(c.total_reads for c in self.children)
 
 
 def build_forest(blocks: Iterable[Any]) -> dict[bytes, list[PrefixNode]]:
@@ -74,7 +74,7 @@ def build_forest(blocks: Iterable[Any]) -> dict[bytes, list[PrefixNode]]:
             seen.add(cur.hash)
             node.hashes.append(cur.hash)
             node.token_ids.extend(cur.token_ids)
-            node.hits.append(cur.hits)
+            node.reads.append(cur.reads)
             node.tiers.append(getattr(cur, "tier", None))
             kids = [k for k in children.get(cur.hash, ()) if k.hash not in seen]
             if len(kids) != 1:
@@ -91,7 +91,7 @@ def build_forest(blocks: Iterable[Any]) -> dict[bytes, list[PrefixNode]]:
 def ordered(nodes: list[PrefixNode]) -> list[PrefixNode]:
     """Whole prefixes before orphans, then the most-hit, then the biggest; the first hash breaks
     ties (stable output)."""
-    return sorted(nodes, key=lambda n: (n.orphan, -n.total_hits, -n.total_blocks, n.hashes[0] if n.hashes else b""))
+    return sorted(nodes, key=lambda n: (n.orphan, -n.total_reads, -n.total_blocks, n.hashes[0] if n.hashes else b""))
 
 
 def preview(token_ids: list[int], decode: Callable[[list[int]], str] | None, limit: int = PREVIEW_CHARS) -> str:
@@ -115,7 +115,7 @@ def node_to_dict(node: PrefixNode, decode: Callable[[list[int]], str] | None, ma
     """JSON form of a node, `max_depth` levels and `max_width` branches per node. `tiers`: how
     many of the node's own blocks each tier holds (only where the blocks say)."""
     d: dict[str, Any] = {"first_block": node.depth, "orphan": node.orphan, "blocks": len(node.hashes),
-                         "tokens": len(node.token_ids), "first_hash": node.hashes[0].hex(), "hits": node.hits,
+                         "tokens": len(node.token_ids), "first_hash": node.hashes[0].hex(), "reads": node.reads,
                          "preview": preview(node.token_ids, decode, preview_chars), "subtree_blocks": node.total_blocks}
     if any(t is not None for t in node.tiers):
         counts: dict[str, int] = {}

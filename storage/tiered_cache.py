@@ -411,8 +411,8 @@ class TieredKVCache(SharedPages, CacheEvents, NamedTiers):
                         break
                     if wanted(b.namespace):
                         mem = found.get(b.hash)
-                        found[b.hash] = (CachedBlock(b.hash, b.parent, b.namespace, b.token_ids, below.name, b.hits)
-                                         if mem is None else replace(mem, hits=b.hits))
+                        found[b.hash] = (CachedBlock(b.hash, b.parent, b.namespace, b.token_ids, below.name, b.reads)
+                                         if mem is None else replace(mem, reads=b.reads))
             except Exception as e:    # a closed or replaced store: the memory tiers are still shown
                 log.warning("cached_blocks: the %s tier could not be read: %s", below.name, e)
                 truncated = True

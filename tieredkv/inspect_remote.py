@@ -66,7 +66,7 @@ def remote_overview(report: dict[str, Any]) -> Any:
                       "?" if nd["used_memory"] is None else format_size(int(nd["used_memory"])), size(nd["maxmemory"]),
                       escape(str(nd["maxmemory_policy"] or "?")),
                       "?" if nd["evicted_keys"] is None else f"{int(nd['evicted_keys']):,}")
-    return Group(head, nodes, namespace_table(report["namespaces"], hits=False))
+    return Group(head, nodes, namespace_table(report["namespaces"], reads=False))
 
 
 def inspect_remote(url: str, cache_dir: Optional[str], check: bool, repair: bool, namespace: Optional[str],

@@ -54,12 +54,12 @@ def survey(tier: Any, billing_dir: str, decode: bool) -> Survey:
     stats = tier.stats()
     per_ns: dict[bytes, dict[str, int]] = {}
     for b in blocks:
-        d = per_ns.setdefault(b.namespace, {"blocks": 0, "tokens": 0, "stored_bytes": 0, "raw_bytes": 0, "hits": 0})
+        d = per_ns.setdefault(b.namespace, {"blocks": 0, "tokens": 0, "stored_bytes": 0, "raw_bytes": 0, "reads": 0})
         d["blocks"] += 1
         d["tokens"] += len(b.token_ids)
         d["stored_bytes"] += b.stored_size
         d["raw_bytes"] += b.raw_size
-        d["hits"] += b.hits
+        d["reads"] += b.reads
     found = namespace_labels(set(per_ns), {len(b.token_ids) for b in blocks}, billing_dir)
     labels = {ns: label for ns, (label, _) in found.items()}
     namespaces = []
@@ -150,7 +150,7 @@ def overview(report: dict[str, Any], url: str = "http://127.0.0.1:8000") -> Any:
             f"{format_size(report['raw_bytes'])} raw, compression {report['compression_ratio']:.2f}x")
     if n == 0:
         return Group(head, escape(empty_disk_note(url)))
-    return Group(head, namespace_table(report["namespaces"], hits=True))
+    return Group(head, namespace_table(report["namespaces"], reads=True))
 
 
 def empty_disk_note(url: str) -> str:
@@ -163,7 +163,7 @@ def empty_disk_note(url: str) -> str:
             "  (Ctrl-C flushes), then run inspect again.")
 
 
-def namespace_table(namespaces: list[dict[str, Any]], hits: bool) -> Any:
+def namespace_table(namespaces: list[dict[str, Any]], reads: bool) -> Any:
     """One row per namespace (identified by `identify`): the disk tier's (with its hit counts)
     and the remote store's (tieredkv/inspect_remote.py; a store keeps no hit counts)."""
     from rich import box
@@ -173,14 +173,14 @@ def namespace_table(namespaces: list[dict[str, Any]], hits: bool) -> Any:
     from storage.config import format_size
     t = Table(title="Namespaces (one per model identity, block size and tenant)", title_justify="left",
               box=box.SIMPLE_HEAD, pad_edge=False)
-    for col in ("Namespace", "Model", "Tenant", "Blocks", "Tokens", "Stored") + (("Hits",) if hits else ()):
+    for col in ("Namespace", "Model", "Tenant", "Blocks", "Tokens", "Stored") + (("Reads",) if reads else ()):
         t.add_column(col, justify="left" if col in ("Namespace", "Model", "Tenant") else "right",
                      no_wrap=col != "Model", min_width=21 if col == "Model" else None)
     for ns in namespaces:
         model = f"{ns['model']} ({ns['dtype']})" if ns["model"] else "unknown (not the default model)"
         tenant = "?" if not ns["model"] else ns["tenant"] or "(shared by all)"
         t.add_row(ns["namespace"][:10], escape(model), escape(tenant), f"{ns['blocks']:,}", f"{ns['tokens']:,}",
-                  format_size(ns["stored_bytes"]), *((f"{ns['hits']:,}",) if hits else ()))
+                  format_size(ns["stored_bytes"]), *((f"{ns['reads']:,}",) if reads else ()))
     return t
 
 
@@ -188,7 +188,7 @@ def forest_tree(s: Survey, max_depth: int, max_width: int) -> Any:
     """The prefix tree of every namespace; `max_depth` levels, `max_width` branches per node."""
     from rich.markup import escape
     from rich.tree import Tree
-    top = Tree("Cached prefixes (chains folded; hits = disk reads of a block)")
+    top = Tree("Cached prefixes (chains folded; reads = gets of a block from disk)")
     for ns, nodes in s.forest.items():
         label = str(s.labels[ns]) if ns in s.labels else "unknown model"
         count = sum(n.total_blocks for n in nodes)
@@ -203,10 +203,10 @@ def _add_nodes(parent: Any, nodes: list[PrefixNode], decode: Callable[[list[int]
     for n in shown:
         last = None if n.depth is None else n.depth + len(n.hashes) - 1
         where = "?" if n.depth is None else (f"{n.depth}-{last}" if last != n.depth else f"{n.depth}")
-        hits = f"{n.hits[0]}" if min(n.hits) == max(n.hits) else f"{max(n.hits)}…{min(n.hits)}"
+        reads = f"{n.reads[0]}" if min(n.reads) == max(n.reads) else f"{max(n.reads)}…{min(n.reads)}"
         orphan = " [dim](parent not stored)[/]" if n.orphan else ""
         noun = "blocks" if len(n.hashes) > 1 else "block"
-        child = parent.add(f"[cyan]{noun} {where}[/] ({len(n.token_ids):,} tok, hits {hits}){orphan} "
+        child = parent.add(f"[cyan]{noun} {where}[/] ({len(n.token_ids):,} tok, reads {reads}){orphan} "
                            f"{escape(preview(n.token_ids, decode))}")
         if n.children and depth_left > 1:
             _add_nodes(child, n.children, decode, depth_left - 1, max_width, escape)

@@ -302,11 +302,11 @@
       const where = first === null ? "?" : n.blocks > 1 ? `${first}–${first + n.blocks - 1}` : `${first}`;
       const chips = el("span", { class: "chips" });
       for (const [tier, count] of Object.entries(n.tiers || {})) chips.append(el("span", { class: "chip t-" + tier }, `${tier} ${count}`));
-      const hits = n.hits.reduce((a, b) => a + b, 0);
+      const reads = n.reads.reduce((a, b) => a + b, 0);
       const li = el("li", {},
         el("span", { class: "where" }, (n.blocks > 1 ? "blocks " : "block ") + where),
         el("span", { class: "muted" }, ` ${n.tokens} tok`), " ", chips,
-        hits ? el("span", { class: "muted" }, ` ${hits} disk hits `) : " ",
+        reads ? el("span", { class: "muted" }, ` ${reads} disk reads `) : " ",
         n.orphan ? el("span", { class: "muted" }, "(parent not cached) ") : null,
         el("q", { class: "text" }, n.preview));
       if (n.children.length) li.append(nodeList(n.children, n.more_children));

@@ -35,25 +35,25 @@ class BlockMeta:
     stored_size: int
     created: float
     last_access: int
-    hits: int
+    reads: int                 # gets that returned it (the LRU's access count)
 
     def pack(self) -> bytes:
         return (_META_FIXED.pack(_META_VERSION, self.parent, self.raw_size, self.stored_size, self.created,
-                                 self.last_access, self.hits, len(self.namespace), len(self.token_ids))
+                                 self.last_access, self.reads, len(self.namespace), len(self.token_ids))
                 + self.namespace + struct.pack(f"<{len(self.token_ids)}I", *self.token_ids))
 
     @staticmethod
     def unpack(buf: bytes | memoryview) -> "BlockMeta":
         """Raises ValueError for a damaged record."""
         try:
-            v, parent, raw, stored, created, last, hits, ns_len, n_tok = _META_FIXED.unpack_from(buf, 0)
+            v, parent, raw, stored, created, last, reads, ns_len, n_tok = _META_FIXED.unpack_from(buf, 0)
         except struct.error as e:
             raise ValueError(f"metadata record damaged: {e}") from None
         if v != _META_VERSION or len(buf) != _META_FIXED.size + ns_len + 4 * n_tok:
             raise ValueError("metadata record damaged: bad version or length")
         ns = bytes(buf[_META_FIXED.size:_META_FIXED.size + ns_len])
         toks = struct.unpack_from(f"<{n_tok}I", buf, _META_FIXED.size + ns_len)
-        return BlockMeta(parent, ns, toks, raw, stored, created, last, hits)
+        return BlockMeta(parent, ns, toks, raw, stored, created, last, reads)
 
     @staticmethod
     def token_count(head: bytes | memoryview) -> int | None:

@@ -174,7 +174,7 @@ class DiskReads:
                 m = BlockMeta.unpack(raw)
             except ValueError:
                 continue
-            yield DiskBlockInfo(h, m.parent, m.namespace, m.token_ids, m.raw_size, m.stored_size, m.hits,
+            yield DiskBlockInfo(h, m.parent, m.namespace, m.token_ids, m.raw_size, m.stored_size, m.reads,
                                 m.last_access, m.created)
 
     def _executor(self) -> ThreadPoolExecutor:

@@ -4,7 +4,7 @@ that keep the stored counters equal to what the databases hold.
 Databases in the environment directory:
 
     payload  hash -> codec payload (storage/codec/payload.py)
-    meta     hash -> BlockMeta (parent, namespace, token ids, sizes, created, last access seq, hits)
+    meta     hash -> BlockMeta (parent, namespace, token ids, sizes, created, last access seq, reads)
     lru      8-byte big-endian access sequence || hash -> b""   (key order == LRU order)
     info     b"counters" -> used bytes, blocks, raw bytes, next sequence; b"format" -> version;
              b"capacity" -> the stored-bytes bound every writing process enforces

@@ -61,7 +61,7 @@ class DiskBlockInfo:
     token_ids: tuple[int, ...]
     raw_size: int
     stored_size: int
-    hits: int
+    reads: int                 # gets that returned it (BlockMeta.reads)
     last_access: int
     created: float
 

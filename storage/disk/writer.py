@@ -100,7 +100,7 @@ class DiskWriter(BackgroundWriter[_Batch]):
         self._count = count
         self._pending: dict[bytes, PendingBlock] = {}   # every put not yet committed (queued or in flight)
         self._queue: deque[bytes] = deque()             # pending hashes the writer has not taken yet
-        self._touches: dict[bytes, int] = {}            # hash -> hits to record, in access order
+        self._touches: dict[bytes, int] = {}            # hash -> reads to record, in access order
         # NOTE: a put in the writer's hands (taken, encoding or committing) was cancelled when _pending
         # no longer maps its hash to that very PendingBlock (a delete popped it, or a new put of the
         # same hash replaced it): checked inside the commit's transaction.
@@ -358,7 +358,7 @@ class DiskWriter(BackgroundWriter[_Batch]):
                 if m is None:
                     continue   # evicted or deleted since it was read (or damaged: the next get deletes it)
                 txn.delete(lru_key(m.last_access, h), db=dbs.lru)
-                m.last_access, m.hits = info.next_seq, m.hits + n
+                m.last_access, m.reads = info.next_seq, m.reads + n
                 info.next_seq += 1
                 txn.put(h, m.pack(), db=dbs.meta)
                 txn.put(lru_key(m.last_access, h), b"", db=dbs.lru)

@@ -137,7 +137,7 @@ def test_capacity_bound_and_exact_lru_eviction_order(tmp_path: Path) -> None:
         assert (t.stats().used_bytes, t.stats().blocks, t.stats().evictions) == (3 * size, 3, 2)
         by_age = sorted(t.iter_blocks(), key=lambda b: b.last_access)
         assert [b.hash for b in by_age] == [keys[n].hash for n in "ADE"]
-        assert [b.hits for b in by_age] == [1, 0, 0]
+        assert [b.reads for b in by_age] == [1, 0, 0]
         assert t.check() == []
 
 
