@@ -58,11 +58,11 @@ ROWS = ("v3", "v3-shuffle", "v4")
 
 # ---- the format-3 writer, as the previous build wrote it ----------------------------------------
 
-_V3_DTYPE_CODES = {"float32": 1, "float16": 2, "bfloat16": 3}   # storage/codec/payload.py's codes
+_V3_DTYPE_CODES = {"float32": 1, "float16": 2, "bfloat16": 3}   # storage/codec/header.py's codes
 
 
 def encode_v3(block: torch.Tensor, binding: bytes, level: int, shuffle: bool, cctx: zstandard.ZstdCompressor) -> bytes:
-    """A format-3 payload (storage/codec/payload.py's docstring): header, crc32 of it, one zstd frame."""
+    """A format-3 payload (storage/codec/header.py's docstring): header, crc32 of it, one zstd frame."""
     raw = byte_planes.split(block).reshape(-1) if shuffle else block.reshape(-1).view(torch.uint8).numpy()
     frame = cctx.compress(raw)
     name = str(block.dtype).removeprefix("torch.")

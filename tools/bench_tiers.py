@@ -323,7 +323,8 @@ BINDING = bytes(64)   # the disk tier binds each payload to block hash || namesp
 def codec_profile(blocks: torch.Tensor, level: int, repeat: int) -> dict:
     """Single-thread microseconds per block of each step of Codec.encode / Codec.decode (the work
     the disk writer and get_many's decode threads do per block), best of `repeat`, warm buffers."""
-    from storage.codec.payload import CODED_PLANES, _crc32
+    from storage.codec.header import crc32
+    from storage.codec.payload import CODED_PLANES
     from storage.codec.zstd_frames import _store_compressor, block_cuts as _block_cuts, compress_coded as _compress_coded
 
     codec = Codec(level=level)
@@ -349,7 +350,7 @@ def codec_profile(blocks: torch.Tensor, level: int, repeat: int) -> dict:
         "encode.stored": lambda: [_store_compressor().compress(ps[b]) for ps in planes
                                   for b in range(len(ps)) if b not in coded],
         "encode.total": lambda: [codec.encode(b, BINDING) for b in blocks],
-        "decode.crc32": lambda: [_crc32(f) for f in coded_frames] + [codec.check_header(p) for p in payloads],
+        "decode.crc32": lambda: [crc32(f) for f in coded_frames] + [codec.check_header(p) for p in payloads],
         "decode.zstd": lambda: [_decompress_into(f, warm[b]) for fs in frames for b, f in enumerate(fs)],
         "decode.join": lambda: [byte_planes.join(warm, out, swapped) for _ in blocks],
         "decode.total": lambda: [codec.decode(p, BINDING, out=out) for p in payloads],

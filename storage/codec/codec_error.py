@@ -1,7 +1,7 @@
 """The block codec's one error: a payload that is damaged or not the one asked for.
 
-Knows nothing else; raised by storage/codec/payload.py (the container) and
-storage/codec/zstd_frames.py (the frames inside it), caught by every tier's read as a miss.
+Knows nothing else; raised by storage/codec/header.py (the container's header),
+storage/codec/payload.py (the codec) and storage/codec/zstd_frames.py (the frames inside it), caught by every tier's read as a miss.
 """
 
 

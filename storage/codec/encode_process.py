@@ -49,7 +49,8 @@ import xxhash
 
 from storage.codec.codec_error import CodecError
 from storage.codec.encode_worker import LEN, READY, write_message
-from storage.codec.payload import FORMAT_VERSION, KINDS, Codec
+from storage.codec.header import FORMAT_VERSION, KINDS
+from storage.codec.payload import Codec
 
 log = logging.getLogger(__name__)
 

@@ -1,40 +1,18 @@
 """The block codec: a KV block tensor <-> self-describing, checksummed bytes, zstd-compressed or raw.
 
-Knows: the payload formats (below), which byte planes are worth compressing, and how to prove a
-payload is intact and is the one asked for before handing bytes back. Anything wrong with a
-payload raises `CodecError`; a damaged payload, or one stored under another block's key, never
-decodes to wrong bytes. Doesn't know: where payloads are stored, what a binding means (the
-disk tier binds a payload to its block hash and namespace), or eviction. The byte regrouping
-itself is storage/codec/byte_planes.py.
+Knows: what follows the header in each kind of payload (below), which byte planes are worth
+compressing, and how to prove a payload is intact and is the one asked for before handing bytes
+back. Anything wrong with a payload raises `CodecError`; a damaged payload, or one stored under
+another block's key, never decodes to wrong bytes. Doesn't know: the header's byte layout (its
+versions, flags, plane table and crcs: storage/codec/header.py, which this fills and checks the
+data against), where payloads are stored, what a binding means (the disk tier binds a payload to
+its block hash and namespace), or eviction. The byte regrouping itself is
+storage/codec/byte_planes.py.
 
 Two codecs write it (Codec.kind, CacheConfig.codec); decode() reads either, whatever the
 reader's own kind: "zstd" splits the tensor into byte planes and compresses the top one (below);
 "raw" stores the tensor's bytes as they are, in element order, under an xxh3_64 checksum, with
-no zstd at all (bit 2 of the flags, "whole", below).
-
-Payload format, version 4 (written; all integers little-endian):
-
-    magic  b"TKVB"      4 bytes
-    version             u8   (4)
-    flags               u8   (bit 1: planes in dim-1-major order; bit 2: whole, the raw codec's
-                              layout: the tensor's bytes in element order, no zstd; at most one
-                              of them; other bits must be 0)
-    dtype code          u8   (_DTYPE_CODES; never renumber)
-    level               i8   (zstd level of the coded planes, 0 with none; informational)
-    ndim                u8
-    dims                ndim x u32
-    raw size            u64  (bytes of the tensor)
-    binding length      u8
-    binding             bytes (what the payload belongs to; the disk tier: block hash || namespace)
-    plane table         itemsize x (mode u8: 0 stored, 1 coded; frame length u32), plane 0 first;
-                        whole: ONE entry (mode 0 stored, length = raw size)
-    coded crc32         u32  over the coded planes' frames, as stored, in plane order (0: none);
-      whole, instead:   data xxh3   u64  xxh3_64 (seed 0) of the tensor's bytes
-    header crc32        u32  over everything above
-    plane frames        one zstd frame per plane, plane 0 (least significant byte) first, back
-                        to back, of exactly the lengths in the table and nothing after them;
-                        each has its content size (numel) and zstd's content checksum;
-      whole, instead:   data        the tensor's bytes in element order, exactly raw size of them
+no zstd at all (the header's "whole" flag).
 
 A tensor is split into byte planes (plane b = byte b of every element). The top plane holds
 the sign and the exponent's high bits, which take few values: it is "coded", i.e. compressed
@@ -80,18 +58,10 @@ would decode each without complaint. The raw codec has no frame: its third and f
 one, the xxh3_64 over all of its data, whose length must be exactly the raw size (a truncated or
 extended payload is refused before hashing). So any damage raises, and no damage decodes to
 other bytes.
-
-Version 3 (still read, no longer written): the same header up to the binding, no plane table,
-flags bit 0 = byte-shuffled, then the crc32 and ONE zstd frame of the whole tensor (shuffled
-into planes when the flag is set); no coded crc, so a flip in a don't-care bit of its frame
-decodes, to the right bytes, without an error. Version 1 had a crc32 over the whole frame (~22% of a
-restore's time, guarding nothing zstd's checksum does not); version 2 had no binding. This
-build refuses both.
 """
 from __future__ import annotations
 
 import math
-import struct
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -101,85 +71,17 @@ import xxhash
 
 from storage.codec import byte_planes
 from storage.codec.codec_error import CodecError
+from storage.codec.header import (
+    KINDS, CodecHeader, PlaneFrame, check_encodable, crc32, pack_header, parse_header)
 from storage.codec.zstd_frames import block_cuts, compress_coded, decompress_frame, raw_block_segments, stored_frame
 from storage.layout import DTYPE_ITEMSIZES, dtype_from_name, dtype_name
 
 if TYPE_CHECKING:      # torch is imported where a tensor is made (decode): `check` and the header need none
     import torch
 
-try:
-    # ISA-L's crc32: the very CRC-32 zlib computes (same polynomial, init and xor), with the
-    # carry-less-multiply fast path this machine's zlib 1.2.13 lacks: ~1.3 us for a bf16 block's
-    # 70 KB coded frame where zlib.crc32 takes ~16 (a tenth of what a zstd block decode costs).
-    from isal.isal_zlib import crc32 as _crc32
-except ImportError:     # a dependency (pyproject.toml); without it the same checks run, slower
-    from zlib import crc32 as _crc32
-
-MAGIC = b"TKVB"
-FORMAT_VERSION = 4                 # what encode() writes
-READABLE_VERSIONS = (3, 4)         # what decode() reads
-_FLAG_SHUFFLE = 0x01               # v3: the one frame holds byte planes
-_FLAG_DIM1_MAJOR = 0x02            # v4: planes list elements with dims 0 and 1 swapped
-_FLAG_WHOLE = 0x04                 # v4: the tensor's bytes as they are, under an xxh3_64 (raw codec)
-_FLAGS_BY_VERSION = {3: _FLAG_SHUFFLE, 4: _FLAG_DIM1_MAJOR | _FLAG_WHOLE}
-# What Codec.kind may be (storage/config.py's CODECS says the same to users).
-KINDS = ("zstd", "raw")
-# Stable codes for the dtype byte; they are on disk, so never renumber.
-_DTYPE_CODES: dict[str, int] = {"float32": 1, "float16": 2, "bfloat16": 3}
-_DTYPE_BY_CODE: dict[int, str] = {v: k for k, v in _DTYPE_CODES.items()}
-_FIXED = struct.Struct("<4sBBBbB")   # magic, version, flags, dtype code, level, ndim
-_RAW_SIZE = struct.Struct("<Q")
-_PLANE = struct.Struct("<BI")        # mode, frame length
-_CRC = struct.Struct("<I")
-_XXH = struct.Struct("<Q")           # whole: xxh3_64 of the tensor's bytes
-_MAX_NDIM = 8
-MAX_BINDING = 255
-
-PLANE_STORED = 0
-PLANE_CODED = 1
 # Which planes are coded, by itemsize: the top byte (sign and exponent). Measured, not assumed:
 # tools/bench_codec.py prints what every plane would code to.
 CODED_PLANES: dict[int, frozenset[int]] = {2: frozenset({1}), 4: frozenset({3})}
-
-
-@dataclass(frozen=True, slots=True)
-class PlaneFrame:
-    """One plane's entry in a v4 plane table."""
-    coded: bool        # compressed at the codec's level (True; the coded crc32 covers it) or stored
-    length: int        # bytes of its zstd frame
-
-
-@dataclass(frozen=True, slots=True)
-class CodecHeader:
-    version: int
-    dtype: str
-    shape: tuple[int, ...]
-    raw_size: int
-    shuffled: bool                     # the bytes are in planes (v4 unless whole; v3 when flagged)
-    level: int
-    binding: bytes
-    header_size: int                   # bytes before the first zstd frame (whole: before the data)
-    dim1_major: bool = False           # v4: planes in dim-1-major order
-    planes: tuple[PlaneFrame, ...] = ()   # v4: one per plane, or one (whole: the data, stored); v3: empty
-    coded_crc: int | None = None       # v4 planes: crc32 of the coded planes' frames
-    data_xxh3: int | None = None       # v4 whole: xxh3_64 of the tensor's bytes
-    # True only when check_header parsed it: its crc32 matched, so every field above is the one
-    # encode() wrote. decode(header=...) refuses a header without it (peek_header's).
-    crc_checked: bool = False
-
-    @property
-    def whole(self) -> bool:
-        """The raw codec's layout: the tensor's bytes as they are, no zstd frame."""
-        return self.data_xxh3 is not None
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def frame_size(self) -> int:
-        """What each v4 frame decompresses to: a plane (numel bytes), or the whole tensor."""
-        return self.numel if self.shuffled else self.raw_size
 
 
 # This thread's scratch buffers (one per thread: encode and check run on pool threads).
@@ -221,25 +123,14 @@ def encode_bytes(data: np.ndarray, dtype: str, shape: tuple[int, ...], binding: 
     shape. The parts are the very payload Codec(level, kind).encode_parts gives for that tensor
     (it calls this); the same NOTE on views holds. The encode process (storage/codec/
     encode_worker.py) calls it on blocks in shared memory."""
-    if not isinstance(binding, bytes) or len(binding) > MAX_BINDING:
-        raise ValueError(f"binding: expected at most {MAX_BINDING} bytes, got {binding!r:.40}")
-    if dtype not in _DTYPE_CODES:
-        raise ValueError(f"block: unsupported dtype {dtype!r}")
-    if len(shape) > _MAX_NDIM or any(d >= 2**32 for d in shape):
-        raise ValueError(f"block: shape {shape} does not fit the header (ndim <= {_MAX_NDIM}, dims < 2**32)")
+    check_encodable(dtype, shape, binding)
     itemsize = DTYPE_ITEMSIZES[dtype]
     if data.dtype != np.uint8 or data.ndim != 1 or not data.flags.c_contiguous or data.size != math.prod(shape) * itemsize:
         raise ValueError(f"block: expected {math.prod(shape) * itemsize} contiguous bytes, got {data.dtype} {data.shape}")
-    ndim = len(shape)
     if kind == "raw":
-        header = b"".join((
-            _FIXED.pack(MAGIC, FORMAT_VERSION, _FLAG_WHOLE, _DTYPE_CODES[dtype], 0, ndim),
-            struct.pack(f"<{ndim}I", *shape), _RAW_SIZE.pack(data.size),
-            bytes((len(binding),)), binding, _PLANE.pack(PLANE_STORED, data.size),
-            _XXH.pack(xxhash.xxh3_64_intdigest(data))))
-        return header, _CRC.pack(_crc32(header)), data
+        return (*pack_header(dtype, shape, data.size, binding, (PlaneFrame(coded=False, length=data.size),),
+                             data_xxh3=xxhash.xxh3_64_intdigest(data)), data)
     dim1_major = byte_planes.can_swap(shape)
-    flags = _FLAG_DIM1_MAJOR if dim1_major else 0
     # Into this thread's warm buffer: the planes live only until their frames are made.
     planes = byte_planes.split(data.view(_UINTS[itemsize]).reshape(shape), dim1_major, out=_planes_buffer(data.size))
     coded = CODED_PLANES[itemsize]
@@ -250,15 +141,10 @@ def encode_bytes(data: np.ndarray, dtype: str, shape: tuple[int, ...], binding: 
               for b in range(len(planes))]
     coded_crc = 0
     for b in sorted(coded):
-        coded_crc = _crc32(frames[b][0], coded_crc)
-    header = b"".join((
-        _FIXED.pack(MAGIC, FORMAT_VERSION, flags, _DTYPE_CODES[dtype], level, ndim),
-        struct.pack(f"<{ndim}I", *shape), _RAW_SIZE.pack(data.size),
-        bytes((len(binding),)), binding,
-        *(_PLANE.pack(PLANE_CODED if b in coded else PLANE_STORED, sum(len(x) for x in f))
-          for b, f in enumerate(frames)),
-        _CRC.pack(coded_crc)))
-    return (header, _CRC.pack(_crc32(header)), *(x for f in frames for x in f))
+        coded_crc = crc32(frames[b][0], coded_crc)
+    table = [PlaneFrame(coded=b in coded, length=sum(len(x) for x in f)) for b, f in enumerate(frames)]
+    return (*pack_header(dtype, shape, data.size, binding, table, level=level, dim1_major=dim1_major,
+                         coded_crc=coded_crc), *(x for f in frames for x in f))
 
 
 @dataclass(frozen=True)
@@ -295,13 +181,13 @@ class Codec:
 
     def peek_header(self, payload: bytes | memoryview) -> CodecHeader:
         """Parse and sanity-check the header without checking the crc or decompressing."""
-        return _parse_header(memoryview(payload))
+        return parse_header(memoryview(payload))
 
     def check_header(self, payload: bytes | memoryview) -> CodecHeader:
         """Parse the header and check its crc32 (no decompression): the fields, binding and plane
         table included, are then the ones encode() wrote. Raises CodecError. The answer, given
         back to decode(header=...) with the same payload, spares decode a second parse."""
-        return _parse_header(memoryview(payload), check_crc=True)
+        return parse_header(memoryview(payload), check_crc=True)
 
     def frames(self, payload: bytes | memoryview) -> list[tuple[memoryview, int]]:
         """The payload's zstd frames, each with the size it decompresses to (the header checked,
@@ -397,7 +283,7 @@ def _decode_into(mv: memoryview, header: CodecHeader, out: np.ndarray) -> None:
     for p in header.planes:
         frames.append(mv[at:at + p.length])
         if p.coded:
-            crc = _crc32(frames[-1], crc)
+            crc = crc32(frames[-1], crc)
         at += p.length
     if crc != header.coded_crc:
         raise CodecError("coded planes' crc32 mismatch: payload damaged")
@@ -410,60 +296,3 @@ def _decode_into(mv: memoryview, header: CodecHeader, out: np.ndarray) -> None:
         planes.append(segments if segments is not None else decompress_frame(f, header.numel))
     byte_planes.join(planes, out, header.dim1_major)
 
-
-def _parse_header(mv: memoryview, check_crc: bool = False) -> CodecHeader:
-    """The header's fields, sanity-checked (CodecError); with check_crc, its crc32 verified too
-    (before any field is returned: a damaged one never drives an allocation or a slice)."""
-    mv = mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
-    if len(mv) < _FIXED.size:
-        raise CodecError(f"truncated payload: {len(mv)} bytes")
-    magic, version, flags, code, level, ndim = _FIXED.unpack_from(mv, 0)
-    if magic != MAGIC:
-        raise CodecError(f"bad magic {bytes(magic)!r}")
-    if version not in READABLE_VERSIONS:
-        raise CodecError(f"unsupported codec version {version} (this build reads {READABLE_VERSIONS})")
-    if flags & ~_FLAGS_BY_VERSION[version]:
-        raise CodecError(f"unknown flags {flags:#x} for version {version}")
-    whole = version == 4 and bool(flags & _FLAG_WHOLE)
-    if whole and flags & _FLAG_DIM1_MAJOR:
-        raise CodecError(f"flags {flags:#x}: a whole-tensor frame has no planes to order dim-1-major")
-    if code not in _DTYPE_BY_CODE:
-        raise CodecError(f"unknown dtype code {code}")
-    if ndim > _MAX_NDIM:
-        raise CodecError(f"ndim {ndim} > {_MAX_NDIM}")
-    binding_at = _FIXED.size + 4 * ndim + _RAW_SIZE.size
-    if len(mv) < binding_at + 1:
-        raise CodecError(f"truncated payload: {len(mv)} bytes")
-    binding_end = binding_at + 1 + mv[binding_at]
-    dtype = _DTYPE_BY_CODE[code]
-    itemsize = DTYPE_ITEMSIZES[dtype]
-    n_planes = (1 if whole else itemsize) if version == 4 else 0
-    table_end = binding_end + _PLANE.size * n_planes
-    size = table_end + ((_XXH.size if whole else _CRC.size) if version == 4 else 0) + _CRC.size
-    if len(mv) < size:
-        raise CodecError(f"truncated payload: {len(mv)} bytes")
-    if check_crc and _crc32(mv[:size - _CRC.size]) != _CRC.unpack_from(mv, size - _CRC.size)[0]:
-        raise CodecError("header crc32 mismatch: payload damaged")
-    binding = bytes(mv[binding_at + 1:binding_end])
-    shape = tuple(struct.unpack_from(f"<{ndim}I", mv, _FIXED.size))
-    (raw_size,) = _RAW_SIZE.unpack_from(mv, _FIXED.size + 4 * ndim)
-    if math.prod(shape) * itemsize != raw_size:
-        raise CodecError(f"raw size {raw_size} does not match shape {shape} of {dtype}")
-    planes = []
-    for b in range(n_planes):
-        mode, length = _PLANE.unpack_from(mv, binding_end + b * _PLANE.size)
-        if mode not in (PLANE_STORED, PLANE_CODED) or (whole and mode != PLANE_STORED):
-            raise CodecError(f"unknown mode {mode} for plane {b}" + (" of a whole-tensor frame" if whole else ""))
-        planes.append(PlaneFrame(coded=mode == PLANE_CODED, length=length))
-    if whole and planes[0].length != raw_size:
-        raise CodecError(f"plane table: a whole tensor's entry of {planes[0].length} bytes, raw size {raw_size}")
-    coded_crc = _CRC.unpack_from(mv, table_end)[0] if version == 4 and not whole else None
-    data_xxh3 = _XXH.unpack_from(mv, table_end)[0] if whole else None
-    dim1_major = bool(flags & _FLAG_DIM1_MAJOR)
-    if dim1_major and not byte_planes.can_swap(shape):
-        raise CodecError(f"dim-1-major planes flagged for shape {shape}, which has no dims 0 and 1 to swap")
-    return CodecHeader(version=version, dtype=dtype, shape=shape, raw_size=raw_size,
-                       shuffled=(version == 4 and not whole) or (version == 3 and bool(flags & _FLAG_SHUFFLE)),
-                       level=level, binding=binding,
-                       header_size=size, dim1_major=dim1_major, planes=tuple(planes), coded_crc=coded_crc,
-                       data_xxh3=data_xxh3, crc_checked=check_crc)

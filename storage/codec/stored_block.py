@@ -15,7 +15,9 @@ import struct
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from storage.codec.payload import Codec, CodecError, CodecHeader
+from storage.codec.codec_error import CodecError
+from storage.codec.header import CodecHeader
+from storage.codec.payload import Codec
 from storage.hashing import BlockKey
 from storage.layout import BlockLayout, dtype_name
 

@@ -9,7 +9,7 @@ one whole frame with every check zstd skips (`decompress_frame`: the unused head
 size and checksum present, nothing after it); and a frame of raw blocks read where it lies
 (`raw_block_segments`). Anything wrong raises `CodecError`.
 Doesn't know: the payload container (header, plane table, crcs, bindings) around the frames:
-storage/codec/payload.py.
+storage/codec/header.py and storage/codec/payload.py.
 
 Threads: any; each thread has its own zstd objects (`_tls`), nothing else is shared.
 """

@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from storage.codec.payload import Codec, CodecError
+from storage.codec.codec_error import CodecError
+from storage.codec.payload import Codec
 from storage.codec.stored_block import payload_binding
 from storage.hashing import BlockKey
 

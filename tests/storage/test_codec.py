@@ -3,7 +3,7 @@ of codec ("zstd" and "raw"), and a payload of either kind read by a codec of the
 
 Payloads are real bytes from the real encoder; damage is done to them byte by byte. Where a
 test needs a header that lies with a valid crc (a forger, not damage), it rebuilds the header
-with the layout written down in storage/codec/payload.py and recomputes the crc32.
+with the layout written down in storage/codec/header.py and recomputes the crc32.
 """
 from __future__ import annotations
 
@@ -18,7 +18,9 @@ import xxhash
 import zstandard
 
 from storage.codec import byte_planes
-from storage.codec.payload import FORMAT_VERSION, MAGIC, Codec, CodecError
+from storage.codec.codec_error import CodecError
+from storage.codec.header import FORMAT_VERSION, MAGIC
+from storage.codec.payload import Codec
 from storage.layout import dtype_from_name
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -70,7 +72,7 @@ def assert_same_bits(a: torch.Tensor, b: torch.Tensor) -> None:
 # ---- the v4 layout, written down here independently of the parser -----------------------------
 
 def plane_table_at(payload: bytes) -> int:
-    """Offset of the plane table: fixed fields, dims, raw size, binding (see storage/codec/payload.py)."""
+    """Offset of the plane table: fixed fields, dims, raw size, binding (see storage/codec/header.py)."""
     at = 9 + 4 * payload[8] + 8
     return at + 1 + payload[at]
 
@@ -564,13 +566,13 @@ def test_the_header_crc_is_checked_before_any_field_is_trusted() -> None:
 
 
 def test_the_crc32_is_zlibs() -> None:
-    """payload._crc32 (ISA-L's when installed) is zlib's CRC-32, chained from any start value:
+    """header.crc32 (ISA-L's when installed) is zlib's CRC-32, chained from any start value:
     payloads written by either read with the other."""
-    from storage.codec.payload import _crc32
+    from storage.codec.header import crc32
     data = memoryview(bytes(range(256)) * 300 + b"tail")
     for start, seed in ((0, 0), (3, 0), (0, 0x12345678), (1000, 77)):
-        assert _crc32(data[start:], seed) == zlib.crc32(data[start:], seed)
-    assert _crc32(data) == zlib.crc32(data)
+        assert crc32(data[start:], seed) == zlib.crc32(data[start:], seed)
+    assert crc32(data) == zlib.crc32(data)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -150,7 +150,7 @@ def test_verify_of_a_live_evicting_cache_reports_no_damage(tmp_path: Path) -> No
 # ---- payloads of codec format 3, already on disk, stay served ----------------------------------
 
 def encode_v3(block, binding: bytes, shuffle: bool) -> bytes:
-    """A codec format-3 payload as the previous build wrote it (storage/codec/payload.py's docstring):
+    """A codec format-3 payload as the previous build wrote it (storage/codec/header.py's docstring):
     header, crc32 of it, one zstd frame of the (optionally byte-shuffled) block."""
     import struct
     import zlib
