@@ -137,7 +137,7 @@ class DiskReads:
                 bytes_read += size
         with self._stats_lock:
             c = self._counters
-            c.hits += hits + len(touched)
+            c.store_hits += hits + len(touched)
             c.misses += misses
             c.corrupt += len(damaged)
             c.bytes_read += bytes_read

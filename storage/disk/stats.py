@@ -18,7 +18,7 @@ class DiskStats:
     raw_bytes: int
     blocks: int
     compression_ratio: float
-    hits: int
+    store_hits: int            # gets this process made that found the block (TierStats.hits: blocks served)
     misses: int
     corrupt: int
     evictions: int
@@ -68,7 +68,7 @@ class DiskBlockInfo:
 
 @dataclass(slots=True)
 class _Counters:
-    hits: int = 0
+    store_hits: int = 0
     misses: int = 0
     corrupt: int = 0
     evictions: int = 0

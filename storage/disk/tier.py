@@ -23,7 +23,7 @@ with another capacity sets it (a restart with a new setting takes effect) and sa
 a process whose own setting was overridden meanwhile warns once. The map size follows: a process
 maps at least the file's own size and adopts a size another process grew (EnvGate.begin).
 
-Hits/misses/corrupt/evictions/bytes counters in `stats()` are this process's own.
+Store hits/misses/corrupt/evictions/bytes counters in `stats()` are this process's own.
 
 NOTE invariant: the read paths (contains, get, get_many: storage/disk/reads.py) never raise a
 storage error: an LMDB or OS error while reading is a miss, counted in `read_errors` and logged.
@@ -304,7 +304,7 @@ class DiskTier(DiskReads, LowerTier):
         return DiskStats(capacity_bytes=capacity, used_bytes=info.used_bytes, raw_bytes=info.raw_bytes,
                          blocks=info.blocks,
                          compression_ratio=info.raw_bytes / info.used_bytes if info.used_bytes else 0.0,
-                         hits=c.hits, misses=c.misses, corrupt=c.corrupt, evictions=c.evictions,
+                         store_hits=c.store_hits, misses=c.misses, corrupt=c.corrupt, evictions=c.evictions,
                          bytes_read=c.bytes_read, bytes_written=c.bytes_written, write_errors=c.write_errors,
                          read_errors=c.read_errors, pending_writes=pending, recovered=self.recovered,
                          queue_full_drops=c.queue_full_drops, moved_aside=c.moved_aside,

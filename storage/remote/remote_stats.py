@@ -15,7 +15,7 @@ class RemoteStats:
     cluster: bool
     breaker: str               # closed | open | half_open
     breaker_opened: int        # times the breaker opened
-    hits: int                  # blocks read and verified
+    store_hits: int            # blocks read and verified (the store's answers: TierStats.hits are blocks served)
     misses: int                # blocks asked for and not served (absent, damaged, or an error)
     errors: int                # calls that failed (connection, timeout): breaker failures
     corrupt: int               # values that failed verification (deleted)
@@ -34,9 +34,9 @@ class RemoteStats:
         """Into the cache's TierStats for the remote (storage/lower_tier.py's TierRecord).
         Capacity is the store's own (maxmemory and its eviction policy): not reported here.
         hits/promotions/bytes_read there are blocks served to requests (as for every tier); this
-        client's own counters are in extra (reads as store_hits, stored_bytes_read, ...), its
+        client's own counters are in extra (store_hits, stored_bytes_read, ...), its
         writes as the tier's demotions and bytes_written."""
         r = asdict(self)
         into.demotions, into.bytes_written = r["writes"], r.pop("bytes_written")
-        r["store_hits"], r["stored_bytes_read"] = r.pop("hits"), r.pop("bytes_read")
+        r["stored_bytes_read"] = r.pop("bytes_read")
         into.extra = r

@@ -110,7 +110,7 @@ class RemoteTier(LowerTier):
         self.events: NoEvents = NO_EVENTS        # the KV-event hook, set by the cache
         # Keys this process wrote or read, so a block is not sent again (storage/remote/known_keys.py).
         self._known = KnownKeys(float("inf") if ttl_s is None else ttl_s / 2, _KNOWN_MAX)
-        self._c = dict.fromkeys(("hits", "misses", "errors", "corrupt", "skipped", "cancelled",
+        self._c = dict.fromkeys(("store_hits", "misses", "errors", "corrupt", "skipped", "cancelled",
                                  "cancelled_connections", "writes", "write_errors", "write_drops", "bytes_read",
                                  "bytes_written"), 0)
         # A store back after being down may have restarted empty: forget what we knew it held.
@@ -228,7 +228,7 @@ class RemoteTier(LowerTier):
             hits += 1
             nbytes += size
             self._known.remember(rkeys[i])
-        self._count(hits=hits, misses=len(keys) - hits, corrupt=len(damaged), bytes_read=nbytes)
+        self._count(store_hits=hits, misses=len(keys) - hits, corrupt=len(damaged), bytes_read=nbytes)
         self.events.removed(gone, REMOTE_MEDIUM)
         if damaged:
             self._call("delete", lambda c: pipeline(c, [("UNLINK", k) for k in damaged]))

@@ -87,4 +87,4 @@ def test_the_remote_tiers_first_figure_is_the_links(tmp_path, valkey) -> None:
     assert rates["remote"]["latency_s"] > 0 and rates["remote"]["bytes_per_s"] > 0
     # The probe's value was read back and deleted; no block was counted as hit or written.
     assert leftovers == []
-    assert (stats.hits, stats.misses, stats.writes, stats.errors, stats.corrupt) == (0, 0, 0, 0, 0)
+    assert (stats.store_hits, stats.misses, stats.writes, stats.errors, stats.corrupt) == (0, 0, 0, 0, 0)

@@ -71,7 +71,7 @@ def test_put_flush_get_is_bit_identical(tmp_path: Path, dtype: torch.dtype, kind
         got = t.get(make_key(3), out=out)
         assert got.data_ptr() == out.data_ptr() and same_bits(got, make_block(3, dtype))
         s = t.stats()
-        assert (s.blocks, s.hits, s.misses, s.corrupt, s.pending_writes) == (5, 6, 0, 0, 0)
+        assert (s.blocks, s.store_hits, s.misses, s.corrupt, s.pending_writes) == (5, 6, 0, 0, 0)
         assert s.raw_bytes == 5 * make_block(0, dtype).numel() * dtype.itemsize
         assert s.bytes_written == s.used_bytes and s.compression_ratio == s.raw_bytes / s.used_bytes
         assert t.get(make_key(99)) is None and t.stats().misses == 1
@@ -104,7 +104,7 @@ def test_pending_block_is_found_and_queue_applies_backpressure(tmp_path: Path) -
     third.join(30)
     assert not third.is_alive() and t.flush(timeout=30)
     s = t.stats()
-    assert (s.pending_writes, s.blocks, s.hits) == (0, 3, 2)
+    assert (s.pending_writes, s.blocks, s.store_hits) == (0, 3, 2)
     for i, dtype in ((1, torch.bfloat16), (2, None), (3, None)):
         assert same_bits(t.get(make_key(i)), make_block(i, dtype))
     t.close()
@@ -151,7 +151,7 @@ def test_key_mismatch_is_corrupt_and_deleted(tmp_path: Path, field: str) -> None
         t.flush()
         assert t.get(dataclasses.replace(key, **{field: wrong})) is None
         s = t.stats()
-        assert (s.corrupt, s.hits, s.misses, s.blocks) == (1, 0, 0, 1)
+        assert (s.corrupt, s.store_hits, s.misses, s.blocks) == (1, 0, 0, 1)
         assert not t.contains(key)
         assert t.get(key) is None and t.stats().misses == 1
         assert same_bits(t.get(make_key(8)), make_block(8))
@@ -171,7 +171,7 @@ def test_damaged_stored_block_is_a_miss_and_deleted(tmp_path: Path, db: str, dam
         s = t.stats()
         # A damaged payload is found by the read that serves it; an undecodable meta record is
         # already deleted by the open, which recounts the store (records.repair_counters).
-        assert (s.corrupt, s.hits, s.blocks) == ((1, 0, 2) if db == "payload" else (0, 0, 2))
+        assert (s.corrupt, s.store_hits, s.blocks) == ((1, 0, 2) if db == "payload" else (0, 0, 2))
         assert not t.contains(make_key(1))
         assert same_bits(t.get(make_key(0)), make_block(0)) and same_bits(t.get(make_key(2)), make_block(2))
         assert t.check() == []
@@ -191,7 +191,7 @@ def test_get_many_decodes_in_parallel_and_sorts_out_misses_and_damage(tmp_path: 
             if g is not None:
                 assert same_bits(g, make_block(i)) and g.data_ptr() == o.data_ptr()
         s = t.stats()
-        assert (s.hits, s.misses, s.corrupt, s.blocks) == (5, 1, 1, 5)
+        assert (s.store_hits, s.misses, s.corrupt, s.blocks) == (5, 1, 1, 5)
         assert t.check() == []
 
 
@@ -228,7 +228,7 @@ def test_one_pooled_get_many_misses_and_deletes_every_damaged_block_and_serves_t
             if g is not None:
                 assert same_bits(g, make_block(i)) and g.data_ptr() == outs[i].data_ptr()
         s = t.stats()
-        assert (s.hits, s.misses, s.corrupt, s.blocks) == (4, 0, 4, 4)
+        assert (s.store_hits, s.misses, s.corrupt, s.blocks) == (4, 0, 4, 4)
         assert not any(t.contains(make_key(i)) for i in damages)
         assert t.verify().damaged == () and t.check() == []
 

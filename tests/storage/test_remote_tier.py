@@ -57,7 +57,7 @@ def test_round_trip_is_bit_identical_and_a_batched_get_serves_what_is_there(serv
         for g, out, k in zip(got[:30], outs, ks):
             assert same_bits(g, block_data(k)) and same_bits(out, block_data(k))
         s = rt.stats()
-        assert (s.hits, s.misses, s.corrupt, s.errors, s.writes, s.breaker) == (30, 10, 0, 0, 30, "closed")
+        assert (s.store_hits, s.misses, s.corrupt, s.errors, s.writes, s.breaker) == (30, 10, 0, 0, 30, "closed")
         assert s.bytes_written == s.bytes_read > 0
     finally:
         rt.close()
@@ -80,7 +80,7 @@ def test_a_damaged_value_is_a_miss_deleted_and_counted(server, kind: str) -> Non
         got = rt.get_many(ks)
         assert got[0] is None and got[1] is None and same_bits(got[2], block_data(ks[2]))
         s = rt.stats()
-        assert (s.corrupt, s.hits, s.misses) == (2, 1, 2)
+        assert (s.corrupt, s.store_hits, s.misses) == (2, 1, 2)
         assert raw.exists(remote_key(ks[0])) == 0 and raw.exists(remote_key(ks[1])) == 0   # deleted
         assert raw.exists(remote_key(ks[2])) == 1
     finally:
@@ -112,7 +112,7 @@ def test_a_get_over_parallel_connections_is_bit_identical_and_a_damaged_value_is
             else:
                 assert same_bits(g, block_data(k)) and same_bits(out, block_data(k)), i
         s = rt.stats()
-        assert (s.hits, s.misses, s.corrupt, s.errors) == (128, 12, 2, 0)
+        assert (s.store_hits, s.misses, s.corrupt, s.errors) == (128, 12, 2, 0)
         assert raw.exists(remote_key(ks[5])) == 0 and raw.exists(remote_key(ks[100])) == 0   # deleted
         assert raw.exists(remote_key(ks[6])) == 1
     finally:

@@ -177,7 +177,7 @@ def test_acquire_promotes_from_every_tier_bit_identically(caches, dtype: torch.d
     assert counts(cache, "host") == (2, 2, 4, 2, 2)
     assert counts(cache, "disk") == (2, 2, 2, 0, 2)
     assert cache.stats()["host"].bytes_read == 2 * layout.nbytes
-    assert cache.disk.stats().hits == 2
+    assert cache.disk.stats().store_hits == 2
     cache.release(got.pages)
     check(cache)
 
