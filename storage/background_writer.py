@@ -3,7 +3,7 @@
 Knows: the condition that guards a writer's state, its thread (started, stopped, joined), the
 loop -- wait for work or a stop, take a batch under the condition, write it with no lock held,
 then record the outcome under the condition and wake every waiter --, and waits with a deadline
-(a flush, room in the queue).
+(a drain, room in the queue).
 Doesn't know: what the work is. A subclass says what is queued and how a batch is taken
 (`_has_work`, `_take`, under the condition), writes it (`_write`, no lock held; its answer goes to
 `_after`), and may prepare its thread (`_on_start`) and clean up after it (`_on_exit`). The disk
@@ -19,7 +19,7 @@ the order they were taken, each `_after` before the next `_write`.
 
 Threads: the subclass's queueing methods run on any thread and hold `_cond` only to edit the
 queue; `_write` runs on the writer's own thread with no lock held (NOTE: never hold `_cond`
-across I/O: every submit and flush would wait for the drive or the network).
+across I/O: every submit and drain would wait for the drive or the network).
 """
 from __future__ import annotations
 

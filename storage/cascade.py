@@ -281,7 +281,7 @@ class Cascade:
             evictions = _evictions(first) if first.local else None
             written = behind + self.copy_down(seen=seen)
             if first.local:
-                complete = first.flush(timeout, since=marks[id(first)])
+                complete = first.drain(timeout, since=marks[id(first)])
                 # NOTE: complete means on disk now -- the writer done is not enough: a disk smaller
                 # than the cache evicts this flush's own blocks to make room for the next ones.
                 evicted = _evictions(first) - evictions
@@ -297,7 +297,7 @@ class Cascade:
             for done in copies:     # complete before the flush answers: waited for with no lock held
                 Transfer.wait(done)
             written = len(copied)
-        sent = [below.flush(timeout, since=marks[id(below)]) for below in t.linked]
+        sent = [below.drain(timeout, since=marks[id(below)]) for below in t.linked]
         return FlushResult(written, complete, all(sent) if sent else None, evicted, held, len(seen))
 
     def demote(self, tier: str) -> int:
@@ -349,7 +349,7 @@ class Cascade:
         below = t.below(tier)
         if below is None:
             return 0
-        below.flush()
+        below.drain()
         return below.clear()
 
 

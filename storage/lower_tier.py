@@ -108,12 +108,12 @@ class LowerTier(Protocol):
     def delete(self, key: BlockKey) -> bool:
         """Remove the block. True when there was one."""
 
-    def flush(self, timeout: float | None = None, since: int | None = None) -> bool:
+    def drain(self, timeout: float | None = None, since: int | None = None) -> bool:
         """Wait until every queued write landed; False when one was lost (while waiting, or since
         `since`, a write_failures() mark) or the wait timed out."""
 
     def write_failures(self) -> int:
-        """Writes lost so far: a mark for flush(since=...), taken before queueing."""
+        """Writes lost so far: a mark for drain(since=...), taken before queueing."""
 
     def wait_for_room(self, timeout: float | None = None) -> bool:
         """Wait until the write queue is below its bound (a caller holding no lock, between

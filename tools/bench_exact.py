@@ -6,7 +6,7 @@ nothing, and n choices cost one prefill.
                    (every token and its stored logits on the device)      with another last token (a device
                                                                           hit computing one token)
     exact/host     the same after demote("device")                        0.5x that one-token device hit
-    exact/disk     after demote("device"), demote("host"), disk.flush()   0.5x likewise
+    exact/disk     after demote("device"), demote("host"), disk.drain()   0.5x likewise
     n=8            one request, n=8, --n-prompt tokens of prose,          total <= 0.3x eight separate
                    max_tokens --n-max-tokens, on a cold cache             requests (submitted together,
                    (a fresh tenant)                                       each its own tenant: no sharing);
@@ -72,7 +72,7 @@ def exact_rows(eng: Engine, repeat: int) -> dict:
                 eng.cache.demote("device")
             if tier == "disk":
                 eng.cache.demote("host")
-                eng.cache.disk.flush()
+                eng.cache.disk.drain()
             before = eng.runner.tokens_computed
             s, usage = _ttft(eng, ids, tenant)
             assert usage.hit_tokens_by_tier[tier] == len(ids), usage

@@ -154,7 +154,7 @@ def main() -> int:
         # (a) prefixes on disk only, page cache dropped.
         engine.demote("device")
         engine.demote("host")
-        engine.cache.disk.flush()
+        engine.cache.disk.drain()
         engine.drop_tier("device")
         engine.drop_tier("host")
         dropped = drop_page_cache()

@@ -75,7 +75,7 @@ def run(args) -> dict:
         g = torch.Generator().manual_seed(0)
         for k in ks:
             tier.put(k, (torch.randn(SHAPE, generator=g) * 0.5).to(torch.bfloat16))
-        assert tier.flush(timeout=600)
+        assert tier.drain(timeout=600)
         outs = [torch.empty(SHAPE, dtype=torch.bfloat16) for _ in ks]
         gate, watch = tier._gate, tier._gate.maps
         assert watch.watching, "the store's maps are not watched (storage/disk/_map_faults.c not built?)"
@@ -104,7 +104,7 @@ def run(args) -> dict:
                 for name, fn, reps in (("get_many", get_many, 1), ("get x N", get_each, 1),
                                        ("begin", begin, 2000)):
                     rows.setdefault(name, {}).setdefault(mode, []).append(timed(fn, reps))
-                tier.flush()                                     # the writer records the accesses: not timed
+                tier.drain()                                     # the writer records the accesses: not timed
             rows.setdefault("lmdb copy", {}).setdefault("peer", []).append(timed(lmdb_copy))
             rows.setdefault("check", {}).setdefault("watched", []).append(timed(watch.check, 20000))
         gate.maps = watch

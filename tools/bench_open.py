@@ -41,7 +41,7 @@ def main() -> None:
         with DiskTier(d, 1 << 34, batch_blocks=64) as t:
             for i in range(args.blocks):
                 t.put(make_key(i), make_block(i, shape=(2, 2, 16, 2, 16)))
-            t.flush()
+            t.drain()
         raw, walk, tier, pages = [], [], [], 0
         for _ in range(args.repeat):
             t0 = time.perf_counter()

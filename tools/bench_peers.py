@@ -11,14 +11,14 @@ bfloat16 (360 KiB a block). LMCache gets the same blocks through a file and stor
 own chunk layout (KV_2LTD: the same bytes, reordered). GB/s counts raw block bytes.
 
     path                  ours (per codec kind)                 LMCache 0.5.6 (CPU, as shipped)
-    disk put (durable)    DiskTier.put of every block + flush(): LocalDiskBackend.batched_submit_put_task,
+    disk put (durable)    DiskTier.put of every block + drain(): LocalDiskBackend.batched_submit_put_task,
                           encoded and committed by its writer,   until every file is written; "fsync":
                           32 blocks per LMDB txn, fsync'd        the same with an fsync per file (LMCache
                                                                  never fsyncs: patched in, the durable
                                                                  comparison); "no fsync": as shipped
     disk get              DiskTier.get_many into warm tensors    LocalDiskBackend.batched_get_blocking
                           (verified, decoded on all cores)       (4 read threads, no checks)
-    remote put            RemoteTier.put of every block + flush() RemoteBackend(valkey://, naive serde)
+    remote put            RemoteTier.put of every block + drain() RemoteBackend(valkey://, naive serde)
                           (writer encodes; a batch of 32 SETs    .batched_submit_put_task, until done
                           as C pipelines at once)
     remote get            RemoteTier.get_many into warm tensors  RemoteBackend.batched_get_blocking

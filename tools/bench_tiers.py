@@ -8,7 +8,7 @@ real code path and through the bare operation that bounds it:
     edge            real path                                   limit (same bytes, same threads)
     device_to_host  TieredKVCache.demote("device"): every       torch copy_ page -> host slab slot,
                     page evicted into the host slab             one block at a time
-    host_to_disk    TieredKVCache.demote("host") + disk.flush(): the format's own work in one thread
+    host_to_disk    TieredKVCache.demote("host") + disk.drain(): the format's own work in one thread
                     DiskTier.put copies, the writer's pool      like the writer did: Codec.encode of each
                     encodes a batch ahead, its thread commits   block (byte planes, zstd per plane,
                     32-block transactions                       crcs), then LMDB puts of the
@@ -189,7 +189,7 @@ class EdgeBench:
         # host -> disk: the host tier's blocks through the disk writer, committed.
         def host_to_disk() -> None:
             c.demote("host")
-            assert self.disk.flush(timeout=600)
+            assert self.disk.drain(timeout=600)
         real = timed(host_to_disk)
         assert self.disk.stats().blocks == self.n and self.disk.stats().write_errors == 0
         self.record("host_to_disk", real, self.raw_compress_and_put())
@@ -200,7 +200,7 @@ class EdgeBench:
         res = self.disk.get_many(self.keys, outs)
         real = time.perf_counter() - t0
         assert all(r is not None for r in res) and same_bits(self.outs, self.blocks)
-        self.disk.flush()   # the writer records the accesses; not part of the read
+        self.disk.drain()   # the writer records the accesses; not part of the read
         self.outs.zero_()
         self.record("disk_to_host", real, self.raw_get_and_decompress())
         self.format_limit_gbps = max(self.format_limit_gbps, gbps(self.nbytes, self.raw_get_and_decompress(join=True)))

@@ -11,10 +11,10 @@ suffix is always computed and only the prefix can hit.
     device     a warm-up request left it in device pages             that device hit's own TTFT (the
                                                                      suffix prefill attending to n tokens)
     host       demote("device")                                      device TTFT + bytes / torch copy GB/s
-    disk       demote("device"), demote("host"), disk.flush();       device TTFT + raw LMDB get + raw
+    disk       demote("device"), demote("host"), disk.drain();       device TTFT + raw LMDB get + raw
                the host tier is empty                                zstd decompress (all threads)
     remote     the disk's commits were forwarded to the store        device TTFT + raw pipelined GET of
-               (remote writer flushed), then every local tier        the same stored values (redis-py,
+               (remote writer drained), then every local tier        the same stored values (redis-py,
                emptied (device and host dropped, disk cleared):      one pipeline of 32-key MGETs) + raw
                the store alone holds the prefix                      zstd decompress of their frames
 

@@ -7,7 +7,7 @@ very same bytes):
 
     row            what is timed
     put_durable    DiskTier.put of every block from one thread (a private copy each, as the cascade
-                   does), then DiskTier.flush(): every block committed and fsynced (LMDB's default
+                   does), then DiskTier.drain(): every block committed and fsynced (LMDB's default
                    sync), with --encode-threads encoders (the tier's default: os.cpu_count())
     zstd_1thread   Codec.encode of every block, one after another on one thread: what the writer
                    did before its encode pool
@@ -78,7 +78,7 @@ def put_durable(blocks: torch.Tensor, keys: list[BlockKey], path: str, encode_th
         t0 = time.perf_counter()
         for key, block in zip(keys, blocks):
             assert disk.put(key, block)
-        assert disk.flush(timeout=600)
+        assert disk.drain(timeout=600)
         elapsed = time.perf_counter() - t0
         s = disk.stats()
         assert s.blocks == len(keys) and s.write_errors == 0, s

@@ -34,7 +34,7 @@ WRITER = """
         t.put(make_key(i), make_block(i))
         i += 1
         if i % 16 == 0:
-            if t.flush():
+            if t.drain():
                 print(f"acked {i}", flush=True)
 """
 
@@ -87,7 +87,7 @@ def attack_full_disk() -> dict:
             t = DiskTier(sys.argv[1], 64 << 20, map_size=64 << 20)     # the map is larger than the disk
             for i in range(1500):                   # ~9 MiB of blocks into a 4 MiB filesystem
                 t.put(make_key(i), make_block(i))
-            complete = t.flush()
+            complete = t.drain()
             s = t.stats()
             t.close()
             print(json.dumps({"complete": complete, "write_errors": s.write_errors, "evictions": s.evictions}))
@@ -140,7 +140,7 @@ def attack_read_errors(requests: int) -> dict:
             expected = [eng.generate(p, greedy).token_ids for p in prompts]
             eng.cache.demote("device")
             eng.cache.demote("host")
-            eng.cache.disk.flush()
+            eng.cache.disk.drain()
             healthy = eng.cache.disk._gate._env
             eng.cache.disk._gate._env = ReadsFail(healthy)
             results: list = [None] * requests

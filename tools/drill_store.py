@@ -61,16 +61,16 @@ def populate_evicting(path: str | Path, blocks: int, capacity: int = SMALL_CAP) 
             for i in range(first):
                 t.put(make_key(i), make_block(i))
                 if i % 50 == 49:
-                    t.flush()
+                    t.drain()
                     for j in range(i - 40, i, 3):
                         t.get(make_key(j))
         with DiskTier(str(path), capacity) as t:
             for i in range(first, blocks):
                 t.put(make_key(i), make_block(i))
-            t.flush()
+            t.drain()
             for j in range(max(0, first - 100), first, 2):
                 t.get(make_key(j))
-            t.flush()
+            t.drain()
             return [i for i in range(blocks) if t.contains(make_key(i))]
     finally:
         quiet.level = level

@@ -192,7 +192,7 @@ def phase_run(progress: _Progress, path: str, known: list[int], fresh: list[int]
             break
     progress.step("flush")
     try:
-        progress.set(flushed=t.flush(timeout=flush_timeout))
+        progress.set(flushed=t.drain(timeout=flush_timeout))
     except Exception as e:
         progress.error("flush", e)
     try:

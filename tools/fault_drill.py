@@ -23,7 +23,7 @@ Attacks (each on real LMDB files and real processes):
                bytes. Then a trial runs in two child processes, each killed (and counted as a
                hang, with every thread's stack) when it outlives --hang-timeout:
                  run     open a writable DiskTier, verify(), read every stored block (right,
-                         wrong, missed), put ~1.2 MiB of new blocks (evictions), flush(timeout),
+                         wrong, missed), put ~1.2 MiB of new blocks (evictions), drain(timeout),
                          read them back, close();
                  reopen  open a writable DiskTier again (a restart), check(), read every block,
                          close().
@@ -31,8 +31,8 @@ Attacks (each on real LMDB files and real processes):
   swap         payloads rotated among keys (what a damaged page pointer does): the same trial.
   kill9        a writer process killed with SIGKILL at a random moment, again and again; after each,
                the store must open, pass check() and verify(), and hold every block the writer had
-               acknowledged (flush() returned) before it died.
-  full_disk    writes into a small tmpfs until it is full: no crash, flush() False, the store
+               acknowledged (drain() returned) before it died.
+  full_disk    writes into a small tmpfs until it is full: no crash, drain() False, the store
                opens afterwards (skipped, and said so, where tmpfs cannot be mounted).
   read_errors  an engine serving concurrent requests while every disk read fails: every request
                completes with the same greedy tokens as without the fault.
@@ -47,7 +47,7 @@ Outcomes counted per trial (page kind, truncate, swap):
   verify_said_clean_but_failed  verify() found 0 damaged blocks, then the run met an LMDB error
                   (MDB_CORRUPTED, ...), write errors, a hang or a crash
   write_errors    trials whose writer dropped blocks (stats().write_errors > 0; blocks in
-                  write_errors_blocks); flush_false: flush(timeout) returned False
+                  write_errors_blocks); flush_false: drain(timeout) returned False
   lmdb_errors     trials where an LMDB error was raised or logged anywhere
   audit_failed    the reopen's check() found problems
   no_effect       nothing at all happened: every block served intact, no error, check() clean
@@ -181,7 +181,7 @@ def main() -> None:
     ap.add_argument("--kills", type=int)
     ap.add_argument("--requests", type=int)
     ap.add_argument("--hang-timeout", type=float, default=60, help="seconds a trial's child may run")
-    ap.add_argument("--flush-timeout", type=float, default=30, help="flush(timeout=) and put(timeout=) in a trial")
+    ap.add_argument("--flush-timeout", type=float, default=30, help="drain(timeout=) and put(timeout=) in a trial")
     ap.add_argument("--workers", type=int, default=2, help="trials run at once")
     ap.add_argument("--only", default="", help="comma-separated attacks to run (default all): "
                     "page_flip,truncate,swap,kill9,full_disk,read_errors")

@@ -100,7 +100,7 @@ class Ours:
         def put() -> None:
             for k, b in zip(keys, self.blocks):
                 self.disk.put(k, b)
-            assert self.disk.flush(timeout=600), "disk flush failed"
+            assert self.disk.drain(timeout=600), "disk drain failed"
         put_s = timed(put)
         st = self.disk.stats()
         assert st.blocks == self.n and st.write_errors == 0, st
@@ -110,7 +110,7 @@ class Ours:
         got = self.disk.get_many(keys, outs)
         get_s = time.perf_counter() - t0
         assert all(g is not None for g in got) and same_bits(self.outs, self.blocks), "disk get: wrong bytes"
-        self.disk.flush()     # the writer records the reads' accesses; not part of the read
+        self.disk.drain()     # the writer records the reads' accesses; not part of the read
         self.disk.clear()
         return {"disk_put": put_s, "disk_get": get_s}
 
@@ -120,7 +120,7 @@ class Ours:
         def put() -> None:
             for k, b in zip(keys, self.blocks):
                 self.remote.put(k, b, wait=True)
-            assert self.remote.flush(timeout=600), "remote flush failed"
+            assert self.remote.drain(timeout=600), "remote drain failed"
         put_s = timed(put)
         assert self.remote.stats().write_errors == 0 and self.remote.stats().write_drops == 0
         self.outs.zero_()

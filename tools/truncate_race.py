@@ -47,14 +47,14 @@ def read():
                 wrong[0] += not same_bits(g, b)
 for k, b in zip(keys, blocks):
     t.put(k, b)
-assert t.flush(timeout=300)
+assert t.drain(timeout=300)
 threads = [threading.Thread(target=read, daemon=True) for _ in range(readers)]
 for th in threads:
     th.start()
 for c in range(cuts):
     for k, b in zip(keys, blocks):
         t.put(k, b)
-    t.flush(timeout=300)
+    t.drain(timeout=300)
     before = t.stats().moved_aside
     time.sleep(rng.uniform(0, 0.03))
     data = os.path.join(path, "data.mdb")

@@ -148,7 +148,7 @@ class TTFTBench:
             # disk: device -> host -> disk, writer drained, host empty.
             self.cache.demote("device")
             self.cache.demote("host")
-            self.cache.disk.flush()
+            self.cache.disk.drain()
             if len(self.cache.host):
                 raise RuntimeError(f"host tier still holds {len(self.cache.host)} blocks")
             self.expect_in(n, "disk")
@@ -160,7 +160,7 @@ class TTFTBench:
             if "remote" in self.sources:
                 # remote: the disk's commits were forwarded to the store; once they are all sent,
                 # every local tier is emptied, so only the store holds the prefix.
-                if not self.cache.remote.flush(60):
+                if not self.cache.remote.drain(60):
                     raise RuntimeError(f"prefix {n}: the remote writer lost writes: "
                                        f"{self.cache.stats()['remote'].to_dict()}")
                 for tier in ("device", "host", "disk"):
@@ -169,7 +169,7 @@ class TTFTBench:
                 self.record(n, "remote", self.request(n, self.tenant(n), expect="remote"))
                 # The hit also wrote the blocks into host and disk (a server keeps what it read):
                 # let the disk writer finish before the next timed request.
-                self.cache.disk.flush()
+                self.cache.disk.drain()
                 self.remote_raw_s[n].append(self.raw_remote(n))
 
     # ---- limits --------------------------------------------------------------------------

@@ -210,20 +210,20 @@ class ShortPlacement(Exception):
 
 def _place(engine: Engine, source: Source, prefix: list[int], tenant: str, settle_s: float) -> None:
     cache = engine.cache
-    # Write-through blocks go down behind the engine (storage/host_writeback.py): a disk flush
+    # Write-through blocks go down behind the engine (storage/host_writeback.py): a disk drain
     # waits only for what reached the disk's writer, so the write-behind is waited for first,
     # else a kept copy lands on the disk after it was dropped.
     cache.cascade.writeback.wait_idle(60)
     if source.tier == "remote":
         engine.drop_tier("device")
         engine.drop_tier("host")
-        cache.disk.flush()              # the kept copies of the last hit land before they are dropped
+        cache.disk.drain()              # the kept copies of the last hit land before they are dropped
         engine.drop_tier("disk")
     else:
         cache.demote("device")
         if source.tier == "disk":
             cache.demote("host")
-            cache.disk.flush()
+            cache.disk.drain()
             engine.drop_tier("host")
     # A store's lookup can come back short while its link is busy (the probe has a deadline: the
     # rest of the chain reads as absent), so a remote placement is looked up again for a while.

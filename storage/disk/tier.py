@@ -1,7 +1,7 @@
 """The disk tier: compressed KV blocks in an LMDB environment, with an LRU capacity bound.
 
 Knows: the public face of the disk tier (storage/lower_tier.py's verbs and the operator's) --
-put (handed to the background writer), deletes, clear, flush/close, stats, verify/repair and the
+put (handed to the background writer), deletes, clear, drain/close, stats, verify/repair and the
 check() audit -- and this process's counters. Its parts live beside it in storage/disk/: reads.py
 (verified reads from the store or a pending put, read-ahead, iteration: a base class of
 DiskTier), environment.py (opening),
@@ -263,25 +263,25 @@ class DiskTier(DiskReads, LowerTier):
         self._index.clear()
         return n
 
-    def flush(self, timeout: float | None = None, since: int | None = None) -> bool:
+    def drain(self, timeout: float | None = None, since: int | None = None) -> bool:
         """Block until every queued put and access update is committed (including those other
         threads add meanwhile). False on timeout, if the writer thread is gone, or if any block
         was dropped (no room even after evicting, an I/O error) while it waited -- or since
         `since`, a write_failures() mark: the dropped blocks are counted in stats().write_errors."""
         if self.readonly or self._closed:
             return True
-        return self._writer.flush(timeout, since)
+        return self._writer.drain(timeout, since)
 
     def write_failures(self) -> int:
-        """A mark for flush(since=...): taken before queueing puts, a flush then also sees a block
-        the writer dropped before the flush began waiting."""
+        """A mark for drain(since=...): taken before queueing puts, a drain then also sees a block
+        the writer dropped before the drain began waiting."""
         return self._writer.dropped()
 
     def close(self) -> None:
-        """Flush, stop the writer, close the environment. Idempotent."""
+        """Drain, stop the writer, close the environment. Idempotent."""
         if self._closed:
             return
-        self.flush()
+        self.drain()
         self._writer.stop()
         self._writer.join()        # before _stopping: its last commits still need transactions
         self._read_info()

@@ -21,7 +21,7 @@ how room is made in the store (LRU eviction, the map bounded by free space: stor
 or the byte layout of the records beyond storage/disk/records.py's functions.
 
 Write failures never reach the caller of put: they are logged and counted (write_errors), and
-flush() reports them: it is True only when nothing was dropped while it waited.
+drain() reports them: it is True only when nothing was dropped while it waited.
 
 Stale readers: a process killed inside a read transaction leaves its slot in LMDB's reader
 table, and LMDB then keeps every page that snapshot could see -- freed pages are never reused,
@@ -180,7 +180,7 @@ class DiskWriter(BackgroundWriter[_Batch]):
             self._queue.clear()
             self._cond.notify_all()
 
-    def flush(self, timeout: float | None = None, since: int | None = None) -> bool:
+    def drain(self, timeout: float | None = None, since: int | None = None) -> bool:
         """Block until every queued put and access update is committed (including those other
         threads add meanwhile). False on timeout, if the writer thread is gone, or if any block
         was dropped instead of committed while waiting -- or since `since`, a dropped() mark taken
@@ -203,7 +203,7 @@ class DiskWriter(BackgroundWriter[_Batch]):
             return self._dropped
 
     def lost(self, n: int) -> None:
-        """n blocks will never be committed: counted for stats() and for flush()'s answer."""
+        """n blocks will never be committed: counted for stats() and for drain()'s answer."""
         if n:
             with self._cond:
                 self._dropped += n

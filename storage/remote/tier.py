@@ -324,19 +324,19 @@ class RemoteTier(LowerTier):
         """A read that outlived its load's deadline: a failure for the breaker (no I/O)."""
         self.breaker.failure()
 
-    def flush(self, timeout: float | None = None, since: int | None = None) -> bool:
+    def drain(self, timeout: float | None = None, since: int | None = None) -> bool:
         """Wait until every queued write was sent. True when none was lost meanwhile (or since
         `since`, a write_failures() mark)."""
-        return self._writer.flush(timeout, since)
+        return self._writer.drain(timeout, since)
 
     def write_failures(self) -> int:
-        """A mark for flush(since=...): taken before queueing writes, a flush then also sees the
+        """A mark for drain(since=...): taken before queueing writes, a drain then also sees the
         batches that failed before it began waiting."""
         return self._writer.failures()
 
     def close(self, timeout: float | None = 10.0) -> None:
         """Send what is queued (bounded), stop the writer, close the connections."""
-        self._writer.flush(timeout)
+        self._writer.drain(timeout)
         self._writer.stop()
         self._pools.close()
         self._calls.close()

@@ -1,7 +1,7 @@
 """The remote tier's write-behind: a bounded queue of blocks and the one thread that sends them.
 
 Knows: the queue (blocks waiting to be sent, raw or already encoded), batching them, what a
-flush waits for, and what is lost (a full queue drops; a failed batch is not retried -- a block
+drain waits for, and what is lost (a full queue drops; a failed batch is not retried -- a block
 the store never got is a later miss, and whoever misses it computes and writes it again).
 Doesn't know: the store, keys or the value format: it hands each batch to `send(items) -> bool`
 (storage/remote/tier.py's _write_batch), which counts its own results, and each block to
@@ -13,12 +13,12 @@ a time while sequences run: storage/foreground.py); an
 item whose value was made at put() skips it. A block that fails to encode is counted
 (write_errors) and not sent.
 
-Threads: `submit`, `flush`, `pending_count` from any thread (the disk writer's, the cache's
+Threads: `submit`, `drain`, `pending_count` from any thread (the disk writer's, the cache's
 flush, the loader's); the `tieredkv-remote-writer` thread sends (the loop of
 storage/background_writer.py), its pool encodes. State is under `_cond`, which is never held
 while encoding or sending.
 NOTE: nothing here ever waits on the network while a caller waits on it without a bound,
-except flush(None) -- and the store's calls are bounded by their timeout.
+except drain(None) -- and the store's calls are bounded by their timeout.
 """
 from __future__ import annotations
 
@@ -79,7 +79,7 @@ class RemoteWriter(BackgroundWriter[_Batch]):
         self._queue: deque[WriteItem] = deque()
         self._queued: set[bytes] = set()     # hashes in the queue (a block queued twice is sent once)
         self._sending = 0                    # items in the writer's hands (encoding or being sent)
-        self._failed = 0                     # batches that did not fully land (flush's answer)
+        self._failed = 0                     # batches that did not fully land (drain's answer)
 
     def submit(self, item: WriteItem, wait: bool = False, timeout: float | None = None) -> bool:
         """Queue a block. wait=False never waits: a full queue drops it (False, counted in
@@ -102,11 +102,11 @@ class RemoteWriter(BackgroundWriter[_Batch]):
             return len(self._queue) + self._sending
 
     def failures(self) -> int:
-        """Batches that did not fully land so far: a mark for flush(since=...)."""
+        """Batches that did not fully land so far: a mark for drain(since=...)."""
         with self._cond:
             return self._failed
 
-    def flush(self, timeout: float | None = None, since: int | None = None) -> bool:
+    def drain(self, timeout: float | None = None, since: int | None = None) -> bool:
         """Wait until everything queued (now and meanwhile) was sent. False on timeout, if the
         thread is gone, or if a batch did not fully land while waiting -- or since `since` (a
         failures() mark taken before the writes were queued: a batch may fail before the wait)."""

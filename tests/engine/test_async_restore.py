@@ -67,7 +67,7 @@ def to_disk_only(eng) -> None:
     """Every cached block of the engine ends up on disk only (device and host emptied)."""
     eng.cache.demote("device")
     eng.cache.demote("host")
-    assert eng.cache.disk.flush()
+    assert eng.cache.disk.drain()
     eng.cache.drop("host")
     assert eng.cache.stats()["device"].blocks == 0 and eng.cache.stats()["host"].blocks == 0
 

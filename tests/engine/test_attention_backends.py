@@ -66,7 +66,7 @@ def test_flex_paged_greedy_equals_transformers_with_hits_from_every_tier(tmp_pat
                 eng.cache.demote("device")
             if tier == "disk":
                 eng.cache.demote("host")
-                eng.cache.disk.flush()
+                eng.cache.disk.drain()
             outs = eng.generate(prompts, GREEDY)
             assert [o.token_ids for o in outs] == want, tier
             hits = [o.usage.hit_tokens_by_tier[tier] for o in outs]

@@ -66,12 +66,12 @@ def test_logits_after_hits_from_each_tier_equal_recompute(tmp_path):
         check({"device": 0, "host": 24, "disk": 0, "remote": 0})
         cache.demote("device")
         cache.demote("host")
-        cache.disk.flush()
+        cache.disk.drain()
         check({"device": 0, "host": 0, "disk": 24, "remote": 0})
         # Mixed: disk everything; promote 0-3 then push them to host; promote 0-1 to device.
         cache.demote("device")
         cache.demote("host")
-        cache.disk.flush()
+        cache.disk.drain()
         eng.generate(ids[:4 * B + 1], SamplingParams(max_tokens=1))
         cache.demote("device")
         eng.generate(ids[:2 * B + 1], SamplingParams(max_tokens=1))
@@ -214,7 +214,7 @@ def test_greedy_through_every_tier_is_exact_in_half_precision(tmp_path, dtype):
             host = eng.generate(ids, GREEDY)
             eng.cache.demote("device")
             eng.cache.demote("host")
-            assert eng.cache.disk.flush()
+            assert eng.cache.disk.drain()
             disk = eng.generate(ids, GREEDY)
             full = len(ids)       # an exact hit: every token, the tail and the logits from the tier
             assert device.usage.hit_tokens_by_tier["device"] == host.usage.hit_tokens_by_tier["host"] == full

@@ -52,7 +52,7 @@ def test_exact_repeat_equals_cold_from_every_tier_with_no_forward(tmp_path, dtyp
                 eng.cache.demote("device")
             if tier == "disk":
                 eng.cache.demote("host")
-                assert eng.cache.disk.flush()
+                assert eng.cache.disk.drain()
             computed, hits = eng.runner.tokens_computed, eng.scheduler.exact_hits
             out = eng.generate(ids, GREEDY)
             assert out.token_ids == cold.token_ids
@@ -87,7 +87,7 @@ def test_a_damaged_logits_block_on_disk_is_a_miss_and_the_prompt_is_computed(tmp
         cold = eng.generate(ids, GREEDY)
         eng.cache.demote("device")
         eng.cache.demote("host")
-        assert eng.cache.disk.flush()
+        assert eng.cache.disk.drain()
         logits_key = _chain(eng, ids)[-1]
         disk = eng.cache.disk
         with disk._gate.begin(write=True) as txn:       # flip a byte inside the stored payload
@@ -198,7 +198,7 @@ def test_an_exact_repeat_from_the_remote_store_computes_nothing(tmp_path, valkey
         cold = a.generate(ids, GREEDY, tenant=tenant)
         assert cold.usage.prompt_cache_miss_tokens == length
         stored = _logits_of(a, ids, tenant)
-        assert a.cache.flush().complete and a.cache.remote.flush(30)
+        assert a.cache.flush().complete and a.cache.remote.drain(30)
     with server("b") as b:
         assert b.lookup(ids, tenant=tenant).hit_tokens_by_tier["remote"] == length
         computed, hits = b.runner.tokens_computed, b.scheduler.exact_hits

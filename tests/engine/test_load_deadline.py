@@ -123,7 +123,7 @@ def mark_on_disk(eng, keys) -> torch.Tensor:
     mark = torch.randn(eng.layout.shape, generator=torch.Generator().manual_seed(7)).to(eng.layout.dtype)
     for k in keys:
         assert eng.cache.disk.put(k, mark, wait=True)
-    assert eng.cache.disk.flush()
+    assert eng.cache.disk.drain()
     return mark
 
 
@@ -350,7 +350,7 @@ def test_a_stalled_remote_read_is_abandoned_and_its_breaker_learns(tmp_path, val
             assert eng.cache.disk.put(k, block, wait=True)
         for k, block in zip(keys[4:], blocks[4:]):
             assert eng.cache.remote.put(k, block, wait=True)
-        assert eng.cache.disk.flush() and eng.cache.remote.flush()
+        assert eng.cache.disk.drain() and eng.cache.remote.drain()
         remote = eng.cache.remote
         remote.breaker.config = BreakerConfig(failures_to_open=1, cooldown_s=3600)
         release, reached = stall_method(remote, "get_many")
@@ -390,7 +390,7 @@ def test_a_request_stops_waiting_for_a_stalled_remote_probe_and_computes(tmp_pat
         keys = keys_of(eng, prompt, tenant)
         for k, block in zip(keys, blocks):
             assert eng.cache.remote.put(k, block, wait=True)
-        assert eng.cache.remote.flush()
+        assert eng.cache.remote.drain()
         remote = eng.cache.remote
         release, reached = stall_method(remote, "probe")
         eng.scheduler.clock = clock = Clock()

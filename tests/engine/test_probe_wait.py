@@ -85,7 +85,7 @@ def cold_blocks(tmp_path, prompt, tenant: str) -> list[torch.Tensor]:
 def store(eng, keys, blocks) -> None:
     for k, block in zip(keys, blocks):
         assert eng.cache.remote.put(k, block, wait=True)
-    assert eng.cache.remote.flush()
+    assert eng.cache.remote.drain()
 
 
 def mark(eng) -> torch.Tensor:

@@ -94,7 +94,7 @@ def test_the_store_killed_mid_run_costs_hits_not_requests(tmp_path) -> None:
             now = [0.0]
             one.cache.remote.breaker._clock = lambda: now[0]
             first = one.generate(p[0], GREEDY)
-            assert one.cache.disk.flush(10) and one.cache.remote.flush(10)   # the disk commits, then forwards
+            assert one.cache.disk.drain(10) and one.cache.remote.drain(10)   # the disk commits, then forwards
             check_billed(two.generate(p[0], GREEDY), "remote", hit(p[0]))
 
             server.stop()
@@ -116,7 +116,7 @@ def test_the_store_killed_mid_run_costs_hits_not_requests(tmp_path) -> None:
             server.start()                              # back, empty
             now[0] += one.cache.remote.breaker.config.cooldown_s    # past the cooldown: the next call probes it
             out = one.generate(p[4], GREEDY)
-            assert one.cache.disk.flush(10) and one.cache.remote.flush(10)   # the disk commits, then forwards
+            assert one.cache.disk.drain(10) and one.cache.remote.drain(10)   # the disk commits, then forwards
             assert one.cache_status()["tiers"]["remote"]["breaker"] == "closed"
             resumed = two.generate(p[4], GREEDY)        # hits resume
             assert resumed.token_ids == out.token_ids

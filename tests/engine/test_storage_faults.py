@@ -37,7 +37,7 @@ def test_unreadable_disk_is_a_counted_miss_and_fails_no_request(tmp_path) -> Non
         first = eng.generate(prompt, greedy)
         eng.cache.demote("device")
         eng.cache.demote("host")
-        eng.cache.disk.flush()
+        eng.cache.disk.drain()
         assert eng.lookup(prompt).hit_tokens_by_tier["disk"] == 32
         total_pages = eng.cache.pool.num_pages
         healthy_env = eng.cache.disk._gate._env             # every transaction of the tier begins here

@@ -3,9 +3,9 @@
     python -m tests.storage.disk_tier_child write PATH CAPACITY START COUNT
         put blocks START..START+COUNT-1, close, print "done"
     python -m tests.storage.disk_tier_child forever PATH CAPACITY
-        put blocks 0, 1, 2, ... without end; after each flush print "committed N"
+        put blocks 0, 1, 2, ... without end; after each drain print "committed N"
     python -m tests.storage.disk_tier_child share PATH CAPACITY START COUNT OTHER_START
-        put COUNT blocks from START, flush, print "written"; on the line "check" from stdin,
+        put COUNT blocks from START, drain, print "written"; on the line "check" from stdin,
         read blocks OTHER_START..OTHER_START+COUNT-1 and print "seen K" (K bit-identical)
 
 Block i is deterministic (seeded by i), its dtype cycles float32/float16/bfloat16, and its
@@ -64,13 +64,13 @@ def main(argv: list[str]) -> None:
             tier.put(make_key(i), make_block(i, shape=(4, 2, 16, 4, 32)))
             i += 1
             if i % 16 == 0:
-                tier.flush()
+                tier.drain()
                 print(f"committed {i}", flush=True)
     elif mode == "share":
         start, count, other = int(argv[3]), int(argv[4]), int(argv[5])
         for i in range(start, start + count):
             tier.put(make_key(i), make_block(i))
-        tier.flush()
+        tier.drain()
         print("written", flush=True)
         assert sys.stdin.readline().strip() == "check"
         seen = sum(same_bits(tier.get(make_key(i)), make_block(i)) for i in range(other, other + count))

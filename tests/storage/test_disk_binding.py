@@ -126,7 +126,7 @@ def test_verify_of_a_live_evicting_cache_reports_no_damage(tmp_path: Path) -> No
     with DiskTier(str(tmp_path), n * make_block(0, shape=shape).numel() * 4, batch_blocks=64) as t:
         for i in range(n):
             t.put(make_key(i), make_block(i, shape=shape))
-        t.flush()
+        t.drain()
         stop = threading.Event()
 
         def churn() -> None:
@@ -141,7 +141,7 @@ def test_verify_of_a_live_evicting_cache_reports_no_damage(tmp_path: Path) -> No
         finally:
             stop.set()
             writer.join()
-        t.flush()
+        t.drain()
         assert t.stats().evictions > 0
         assert [r.damaged for r in reports] == [()] * 3
         assert t.check() == []

@@ -212,12 +212,12 @@ def test_the_page_walk_reads_every_tree_of_a_healthy_store(tmp_path: Path) -> No
     with DiskTier(str(kv), CAP) as t:
         for i in range(300):
             t.put(make_key(i), make_block(i, shape=(2, 2, 16, 2, 16)))
-        assert t.flush(timeout=60)
+        assert t.drain(timeout=60)
         for i in range(0, 300, 2):
             t.delete(make_key(i))
         for i in range(300, 400):
             t.put(make_key(i), make_block(i, shape=(2, 2, 16, 2, 16)))
-        assert t.flush(timeout=60)
+        assert t.drain(timeout=60)
         walked = check_pages(t._env, t.path)
         leaves = sum(t._env.stat()["leaf_pages"] for _ in [0])
     assert walked > 10 and walked >= leaves

@@ -1,5 +1,5 @@
 """Issue 7, item 3: a dead process's reader slot, on real LMDB files and real processes.
-(Item 4, flush() after a dropped write, is in test_disk_tier.py's full-map test.)"""
+(Item 4, drain() after a dropped write, is in test_disk_tier.py's full-map test.)"""
 from __future__ import annotations
 
 import os
@@ -35,11 +35,11 @@ def test_a_killed_readers_slot_is_cleared_and_no_write_is_lost(tmp_path: Path) -
     with DiskTier(str(tmp_path), capacity, map_size=8 << 20, batch_blocks=8) as t:
         for i in range(32):
             t.put(make_key(i), make_block(i, shape=SHAPE))
-        assert t.flush()
+        assert t.drain()
         kill_9_a_reader(tmp_path)                                 # its slot pins this snapshot
         for i in range(32, 32 + 1200):                            # ~19 MiB through an 8 MiB map
             t.put(make_key(i), make_block(i, shape=SHAPE))
-        assert t.flush() is True
+        assert t.drain() is True
         s = t.stats()
         assert s.write_errors == 0 and s.evictions > 0 and s.used_bytes <= capacity
         assert t.check() == []
@@ -58,12 +58,12 @@ def test_a_process_that_grows_the_map_does_not_break_another(tmp_path: Path) -> 
     # Item 5: the other process used to die of MapResizedError at its next transaction.
     with DiskTier(str(tmp_path), 64 << 20, map_size=8 << 20) as t:   # this process maps 8 MiB
         t.put(make_key(0), make_block(0))
-        assert t.flush()
+        assert t.drain()
         run_child("write", tmp_path, 64 << 20, 1, 2000)               # maps 1 GiB and writes ~12 MiB past ours
         assert os.path.getsize(tmp_path / "data.mdb") > 8 << 20
         assert same_bits(t.get(make_key(1999)), make_block(1999))     # adopted, not an error
         t.put(make_key(50), make_block(50))
-        assert t.flush() is True
+        assert t.drain() is True
         s = t.stats()
         assert (s.read_errors, s.write_errors) == (0, 0)
         assert t._env.info()["map_size"] == 1 << 30
@@ -75,13 +75,13 @@ def test_capacity_lives_in_the_store_and_a_change_is_loud_and_enforced_by_all(tm
     with DiskTier(str(tmp_path), 64 << 20) as t:
         for i in range(30):
             t.put(make_key(i), make_block(i))
-        assert t.flush() and t.stats().blocks == 30
+        assert t.drain() and t.stats().blocks == 30
         stderr = run_child("write", tmp_path, 10 * block, 100, 1)     # another process, a smaller capacity
         assert "capacity changed from" in stderr
         s = t.stats()
         assert s.capacity_bytes == 10 * block and s.used_bytes <= 10 * block
         t.put(make_key(200), make_block(200))                          # this process enforces the store's bound
-        assert t.flush()
+        assert t.drain()
         assert t.stats().used_bytes <= 10 * block and t.check() == []
 
 
@@ -99,13 +99,13 @@ def small_filesystem(tmp_path: Path):
 
 def test_a_full_filesystem_evicts_instead_of_dropping(small_filesystem: Path) -> None:
     # LMDB reports a full tmpfs as EIO from a short write at commit: the old writer dropped the
-    # whole batch (and flush() said True). ~9 MiB of blocks into 4 MiB with a 64 MiB capacity.
+    # whole batch (and drain() said True). ~9 MiB of blocks into 4 MiB with a 64 MiB capacity.
     # The tier leaves 256 KiB of the filesystem free (its reserve), whatever its capacity says.
     from storage.disk.environment import free_bytes
     with DiskTier(str(small_filesystem / "kv"), 64 << 20, map_size=64 << 20, reserve_bytes=256 << 10) as t:
         for i in range(1500):
             t.put(make_key(i), make_block(i))
-        assert t.flush() is True
+        assert t.drain() is True
         s = t.stats()
         assert s.write_errors == 0 and s.evictions > 0
         assert same_bits(t.get(make_key(1499)), make_block(1499))
@@ -140,14 +140,14 @@ def test_contains_reads_no_lmdb_and_follows_commits_evictions_and_deletes(tmp_pa
     with DiskTier(str(tmp_path), capacity) as t:
         for i in range(4):
             t.put(make_key(i), make_block(i))
-        assert t.flush()
+        assert t.drain()
     with DiskTier(str(tmp_path), capacity) as t:                   # loaded at open
         counting = CountingEnv(t._gate._env)
         t._gate._env = counting                                    # every transaction of the tier begins here
         assert [t.contains(make_key(i)) for i in range(5)] == [True] * 4 + [False]
         assert counting.begins == 0
         t.put(make_key(4), make_block(4))                          # evicts block 0 (LRU)
-        assert t.flush()
+        assert t.drain()
         assert [t.contains(make_key(i)) for i in range(5)] == [False] + [True] * 4
         assert t.delete(make_key(2)) and not t.contains(make_key(2))
         run_child("write", tmp_path, size[3] + size[4] + size[10], 10, 1)   # another process: stores 10, evicts 1
@@ -170,7 +170,7 @@ def test_a_batch_larger_than_the_store_leaves_the_index_exact(tmp_path: Path) ->
         with t._writer._cond:            # (re-entrant) the writer cannot take a batch until all four are queued
             for i in range(4):
                 t.put(make_key(i), make_block(i))
-        assert t.flush()
+        assert t.drain()
         on_disk = {b.hash for b in t.iter_blocks()}
         assert [t.contains(make_key(i)) for i in range(4)] == [make_key(i).hash in on_disk for i in range(4)]
         assert len(on_disk) == 3

@@ -32,7 +32,7 @@ data = os.path.join(path, "data.mdb")
 t = DiskTier(path, 64 << 20, batch_blocks=4)
 for i in range(40):
     t.put(make_key(i), make_block(i, shape=SHAPE))
-assert t.flush(timeout=120)
+assert t.drain(timeout=120)
 size = os.path.getsize(data)
 if change == "truncate":
     os.truncate(data, 8 * 4096)
@@ -50,7 +50,7 @@ else:
     print("stats", t.stats().blocks, flush=True)     # what /ready and status read
 for i in range(100, 110):
     t.put(make_key(i), make_block(i, shape=SHAPE))
-print("flushed", t.flush(timeout=120), flush=True)
+print("flushed", t.drain(timeout=120), flush=True)
 print("new", sum(same_bits(t.get(make_key(i)), make_block(i, shape=SHAPE)) for i in range(100, 110)))
 print("old", sum(t.get(make_key(i)) is not None for i in range(40)))
 s = t.stats()

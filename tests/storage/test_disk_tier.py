@@ -60,11 +60,11 @@ def flip_middle_byte(v: bytes) -> bytes:
 
 @pytest.mark.parametrize("kind", ["zstd", "raw"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_put_flush_get_is_bit_identical(tmp_path: Path, dtype: torch.dtype, kind: str) -> None:
+def test_put_drain_get_is_bit_identical(tmp_path: Path, dtype: torch.dtype, kind: str) -> None:
     with DiskTier(str(tmp_path), CAP, Codec(kind=kind)) as t:
         for i in range(5):
             t.put(make_key(i), make_block(i, dtype))
-        assert t.flush(timeout=30)
+        assert t.drain(timeout=30)
         for i in range(5):
             assert same_bits(t.get(make_key(i)), make_block(i, dtype))
         out = torch.empty(make_block(0).numel(), dtype=dtype)
@@ -92,7 +92,7 @@ def test_pending_block_is_found_and_queue_applies_backpressure(tmp_path: Path) -
         assert same_bits(t.get(make_key(1)), make_block(1, torch.bfloat16))
         out = torch.empty(make_block(1).numel(), dtype=torch.bfloat16)
         assert same_bits(t.get(make_key(1), out=out), make_block(1, torch.bfloat16))
-        assert not t.flush(timeout=0.2)     # the writer waits on the other process's write lock
+        assert not t.drain(timeout=0.2)     # the writer waits on the other process's write lock
         t.put(make_key(2), make_block(2))
         third = threading.Thread(target=t.put, args=(make_key(3), make_block(3)))
         third.start()
@@ -102,7 +102,7 @@ def test_pending_block_is_found_and_queue_applies_backpressure(tmp_path: Path) -
         holder.stdin.close()
         holder.wait(30)
     third.join(30)
-    assert not third.is_alive() and t.flush(timeout=30)
+    assert not third.is_alive() and t.drain(timeout=30)
     s = t.stats()
     assert (s.pending_writes, s.blocks, s.store_hits) == (0, 3, 2)
     for i, dtype in ((1, torch.bfloat16), (2, None), (3, None)):
@@ -122,17 +122,17 @@ def test_capacity_bound_and_exact_lru_eviction_order(tmp_path: Path) -> None:
     with DiskTier(str(tmp_path), 3 * size, codec) as t:
         for n in "ABC":
             t.put(keys[n], blocks[n])
-        t.flush()
+        t.drain()
         assert t.get(keys["A"]) is not None          # A becomes the most recently used
         t.put(keys["D"], blocks["D"])
-        t.flush()
+        t.drain()
 
         def present() -> set[str]:
             return {n for n in names if t.contains(keys[n])}
         assert present() == {"A", "C", "D"}
         assert (t.stats().used_bytes, t.stats().evictions) == (3 * size, 1)
         t.put(keys["E"], blocks["E"])
-        t.flush()
+        t.drain()
         assert present() == {"A", "D", "E"}
         assert (t.stats().used_bytes, t.stats().blocks, t.stats().evictions) == (3 * size, 3, 2)
         by_age = sorted(t.iter_blocks(), key=lambda b: b.last_access)
@@ -148,7 +148,7 @@ def test_key_mismatch_is_corrupt_and_deleted(tmp_path: Path, field: str) -> None
     with DiskTier(str(tmp_path), CAP) as t:
         t.put(key, make_block(7))
         t.put(make_key(8), make_block(8))
-        t.flush()
+        t.drain()
         assert t.get(dataclasses.replace(key, **{field: wrong})) is None
         s = t.stats()
         assert (s.corrupt, s.store_hits, s.misses, s.blocks) == (1, 0, 0, 1)
@@ -248,11 +248,11 @@ def test_layout_mismatch_is_corrupt(tmp_path: Path) -> None:
 def test_delete_removes_stored_and_pending_blocks(tmp_path: Path) -> None:
     with DiskTier(str(tmp_path), CAP) as t:
         t.put(make_key(0), make_block(0))
-        t.flush()
+        t.drain()
         assert t.delete(make_key(0)) and not t.delete(make_key(0))
         t.put(make_key(1), make_block(1))
         assert t.delete(make_key(1))                     # pending or just committed: gone either way
-        t.flush()
+        t.drain()
         assert not t.contains(make_key(0)) and not t.contains(make_key(1))
         assert (t.stats().blocks, t.stats().used_bytes) == (0, 0)
         assert t.check() == []
@@ -262,14 +262,14 @@ def test_clear_empties_the_store(tmp_path: Path) -> None:
     with DiskTier(str(tmp_path), CAP) as t:
         for i in range(4):
             t.put(make_key(i), make_block(i))
-        t.flush()
+        t.drain()
         t.put(make_key(4), make_block(4))
         assert t.clear() in (4, 5)                            # 5 if the writer committed block 4 first
-        t.flush()
+        t.drain()
         assert not any(t.contains(make_key(i)) for i in range(5))
         assert (t.stats().blocks, t.stats().used_bytes, t.stats().raw_bytes) == (0, 0, 0)
         t.put(make_key(0), make_block(0))
-        t.flush()
+        t.drain()
         assert same_bits(t.get(make_key(0)), make_block(0)) and t.check() == []
 
 
@@ -291,8 +291,8 @@ def test_two_processes_share_a_directory(tmp_path: Path) -> None:
             for i in range(40):                   # written while the child writes its own blocks
                 t.put(make_key(i), make_block(i))
                 if i % 8 == 7:
-                    t.flush()
-            t.flush()
+                    t.drain()
+            t.drain()
             assert p.stdout.readline().strip() == "written"
             for i in range(1000, 1040):
                 assert same_bits(t.get(make_key(i)), make_block(i)), i
@@ -338,18 +338,18 @@ def test_full_map_evicts_and_keeps_writing(tmp_path: Path) -> None:
     with DiskTier(str(tmp_path), CAP, map_size=1 << 20, batch_blocks=8) as t:
         for i in range(60):
             t.put(make_key(i), noise_block(i, shape))
-        assert t.flush(timeout=60)
+        assert t.drain(timeout=60)
         s = t.stats()
         assert s.write_errors == 0 and s.evictions > 0 and s.blocks < 16
         for i in range(57, 60):
             assert same_bits(t.get(make_key(i)), noise_block(i, shape)), i
         t.put(make_key(100), noise_block(100, (512, 1024)))   # 2 MiB: larger than the whole map
         t.put(make_key(101), noise_block(101, shape))
-        assert t.flush(timeout=60) is False               # the truth: block 100 is not on disk
+        assert t.drain(timeout=60) is False               # the truth: block 100 is not on disk
         assert t.stats().write_errors == 1 and not t.contains(make_key(100))
         assert same_bits(t.get(make_key(101)), noise_block(101, shape))
         t.put(make_key(102), noise_block(102, shape))
-        assert t.flush(timeout=60) is True                # no loss since the last flush
+        assert t.drain(timeout=60) is True                # no loss since the last drain
         assert t.check() == []
 
 
@@ -391,9 +391,9 @@ def test_readonly_open_of_a_missing_directory_fails(tmp_path: Path) -> None:
         DiskTier(str(tmp_path), 0)
 
 
-def test_flush_since_a_mark_reports_a_block_dropped_before_the_flush_began(tmp_path: Path) -> None:
-    """A put the writer drops before flush() starts waiting (here: one that cannot be encoded)
-    makes flush(since=mark) False; a plain flush() started after the drop would say True."""
+def test_drain_since_a_mark_reports_a_block_dropped_before_the_drain_began(tmp_path: Path) -> None:
+    """A put the writer drops before drain() starts waiting (here: one that cannot be encoded)
+    makes drain(since=mark) False; a plain drain() started after the drop would say True."""
     with DiskTier(str(tmp_path), CAP, encode_process=None) as t:
         mark = t.write_failures()
         t._writer._encoding._codec = None         # the next encode fails: the writer drops the block
@@ -403,8 +403,8 @@ def test_flush_since_a_mark_reports_a_block_dropped_before_the_flush_began(tmp_p
             time.sleep(0.01)
         assert t.write_failures() == mark + 1
         t._writer._encoding._codec = t.codec
-        assert t.flush(timeout=60) is True        # nothing lost while it waited
-        assert t.flush(timeout=60, since=mark) is False
+        assert t.drain(timeout=60) is True        # nothing lost while it waited
+        assert t.drain(timeout=60, since=mark) is False
         mark = t.write_failures()
         t.put(make_key(2), make_block(2))
-        assert t.flush(timeout=60, since=mark) is True
+        assert t.drain(timeout=60, since=mark) is True

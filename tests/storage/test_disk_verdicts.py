@@ -43,7 +43,7 @@ block = len(make_block(0).numpy().tobytes())
 t = DiskTier(str(path), 24 * block, batch_blocks=4)
 for i in range(20):
     t.put(make_key(i), make_block(i))
-assert t.flush(timeout=60)
+assert t.drain(timeout=60)
 # The lru database's lowest key gets the highest sequence: physically first, logically last. LMDB's
 # search for it now goes the wrong way (a delete by key finds nothing), a cursor still lands on it.
 leaf = next(pg for pg, flags in lmdb_pages.pages(path, "lru") if flags & lmdb_pages.P_LEAF)
@@ -52,7 +52,7 @@ off = lmdb_pages.nodes(p)[0]
 lmdb_pages.patch(path, leaf * lmdb_pages.page_size(path) + off + 8, b"\\xff")
 for i in range(20, 60):            # past the capacity: every commit evicts from the front of the lru
     t.put(make_key(i), make_block(i))
-print("flushed", t.flush(timeout=120))
+print("flushed", t.drain(timeout=120))
 print("served", sum(same_bits(t.get(make_key(i)), make_block(i)) for i in range(50, 60)))
 s = t.stats()
 print("bound", s.used_bytes <= 24 * block)
@@ -64,7 +64,7 @@ with DiskTier(str(path), 24 * block) as t:
 
 def test_an_lru_entry_out_of_order_neither_hangs_the_writer_nor_breaks_the_bound(tmp_path: Path) -> None:
     """The hang of issue 17: the writer evicted by key, the damaged entry was never deleted, and
-    the same entry came back forever inside one write transaction (flush never returned)."""
+    the same entry came back forever inside one write transaction (drain never returned)."""
     out = run_child(LRU_OUT_OF_ORDER, tmp_path / "kv").stdout.split("\n")
     assert "flushed True" in out and "served 10" in out and "bound True" in out, out
     assert "reopened [] 0" in out, out          # the open rebuilt the LRU index from the blocks
@@ -82,13 +82,13 @@ def _damaged_while_running(tmp_path: Path, first: str) -> None:
     with DiskTier(str(kv), CAP) as t:
         for i in range(30):
             t.put(make_key(i), make_block(i))
-        assert t.flush(timeout=60)
+        assert t.drain(timeout=60)
         _break_tree(kv, "meta")
         if first == "read":
             assert t.get(make_key(3)) is None                       # a miss, not an exception
         for i in range(100, 110):
             t.put(make_key(i), make_block(i))
-        assert t.flush(timeout=60) is True                           # the batch went to the fresh store
+        assert t.drain(timeout=60) is True                           # the batch went to the fresh store
         s = t.stats()
         assert s.moved_aside == 1 and "moved aside to" in s.recovered and s.unavailable is None
         assert all(same_bits(t.get(make_key(i)), make_block(i)) for i in range(100, 110))
@@ -112,7 +112,7 @@ def _store_with_free_pages(kv: Path) -> None:
     with DiskTier(str(kv), CAP) as t:
         for i in range(200):
             t.put(make_key(i), make_block(i, shape=(2, 2, 16, 2, 16)))
-        assert t.flush(timeout=60)
+        assert t.drain(timeout=60)
         for i in range(0, 200, 2):
             t.delete(make_key(i))
 
@@ -193,7 +193,7 @@ def test_counters_that_disagree_with_the_blocks_are_corrected_at_open_and_by_ver
     with DiskTier(str(kv), CAP) as t:
         for i in range(20):
             t.put(make_key(i), make_block(i))
-        assert t.flush(timeout=60)
+        assert t.drain(timeout=60)
         right = t.stats()
         run_child(WRONG_COUNTERS, kv)                  # another process writes wrong counters
         report = t.verify()
@@ -258,13 +258,13 @@ def test_a_process_sharing_the_directory_follows_a_store_another_one_moved_aside
     with DiskTier(str(kv), CAP) as t:
         for i in range(10):
             t.put(make_key(i), make_block(i))
-        assert t.flush(timeout=60)
+        assert t.drain(timeout=60)
         move_aside(str(kv), "moved by another process (test)")
         run_child(WRITE_FRESH, kv)
         t._writer.clear_stale_readers(force=True)        # the writer's periodic tick
         assert t.get(make_key(3)) is None and same_bits(t.get(make_key(202)), make_block(202))
         t.put(make_key(300), make_block(300))
-        assert t.flush(timeout=60)
+        assert t.drain(timeout=60)
     with DiskTier(str(kv), CAP) as t:
         assert t.stats().blocks == 6 and same_bits(t.get(make_key(300)), make_block(300))
 
@@ -277,7 +277,7 @@ def test_a_disk_that_keeps_damaging_its_stores_is_turned_off_not_replaced_foreve
     with DiskTier(str(kv), CAP) as t:
         for round_ in range(MAX_REPLACEMENTS + 1):
             t.put(make_key(round_), make_block(round_))
-            assert t.flush(timeout=60)
+            assert t.drain(timeout=60)
             _break_tree(kv, "meta")
             assert t.get(make_key(round_)) is None                   # found damaged: a miss
         s = t.stats()
@@ -285,4 +285,4 @@ def test_a_disk_that_keeps_damaging_its_stores_is_turned_off_not_replaced_foreve
         assert t.get(make_key(0)) is None and t.stats().read_errors >= 1
         mark = t.write_failures()
         t.put(make_key(99), make_block(99))                            # no exception: the write is dropped
-        assert t.flush(timeout=60, since=mark) is False
+        assert t.drain(timeout=60, since=mark) is False

@@ -97,7 +97,7 @@ def test_a_disk_tier_writes_through_the_child_and_reads_back_bit_identical(tmp_p
     with DiskTier(str(tmp_path), CAP, batch_blocks=5, encode_process="nice") as t:
         for k in ks:
             assert t.put(k, block_data(k, MID))
-        assert t.flush(timeout=DEADLINE_S)
+        assert t.drain(timeout=DEADLINE_S)
         s = t.stats()
         assert s.write_errors == 0 and s.blocks == 24
         assert s.encode_process is not None and (s.encode_process.starts, s.encode_process.fallbacks) == (1, 0)
@@ -113,7 +113,7 @@ def test_with_nothing_decoding_the_pool_encodes_and_no_child_starts(tmp_path: Pa
     with DiskTier(str(tmp_path), CAP, batch_blocks=4, encode_process="idle") as t:
         for k in ks:
             assert t.put(k, block_data(k, MID))
-        assert t.flush(timeout=DEADLINE_S)
+        assert t.drain(timeout=DEADLINE_S)
         s = t.stats()
         assert (s.write_errors, s.blocks) == (0, 12)
         assert s.encode_process is None                   # never built: no child started
@@ -128,7 +128,7 @@ def test_off_by_env_or_argument_encodes_in_this_process(tmp_path: Path, monkeypa
     with DiskTier(str(tmp_path), CAP, batch_blocks=4) as t:
         for k in ks:
             assert t.put(k, block_data(k, MID))
-        assert t.flush(timeout=DEADLINE_S)
+        assert t.drain(timeout=DEADLINE_S)
         assert t.stats().encode_process is None and t.stats().blocks == 6
 
 
@@ -145,14 +145,14 @@ def test_a_child_killed_mid_batch_loses_nothing_and_is_restarted(tmp_path: Path,
         wait_until(marker.exists, "the child to take its batch")
         pid = int(marker.read_text())
         os.kill(pid, signal.SIGKILL)
-        assert t.flush(timeout=DEADLINE_S)                  # encoded here instead
+        assert t.drain(timeout=DEADLINE_S)                  # encoded here instead
         s = t.stats()
         assert (s.write_errors, s.blocks) == (0, 8)
         assert (s.encode_process.deaths, s.encode_process.fallbacks) == (1, 8)
         assert gone(pid)
         for k in ks[8:]:                                    # a new child (the marker is there: it behaves)
             assert t.put(k, block_data(k, MID))
-        assert t.flush(timeout=DEADLINE_S)
+        assert t.drain(timeout=DEADLINE_S)
         s = t.stats()
         assert (s.encode_process.starts, s.encode_process.fallbacks, s.blocks) == (2, 8, 16)
         assert all(same_bits(t.get(k), block_data(k, MID)) for k in ks)
@@ -165,7 +165,7 @@ def test_a_child_that_cannot_start_means_encoding_here_logged_once(tmp_path: Pat
     with DiskTier(str(tmp_path / "store"), CAP, batch_blocks=4, encode_process="nice") as t:
         for k in ks:
             assert t.put(k, block_data(k, MID))
-        assert t.flush(timeout=DEADLINE_S)
+        assert t.drain(timeout=DEADLINE_S)
         s = t.stats()
         assert (s.write_errors, s.blocks) == (0, 20)
         assert s.encode_process.starts == 0 and s.encode_process.fallbacks == 20
@@ -197,7 +197,7 @@ def test_a_payload_that_fails_its_check_is_never_stored(tmp_path: Path, monkeypa
     with DiskTier(str(tmp_path), CAP, batch_blocks=3, encode_process="nice") as t:
         for k in ks:
             assert t.put(k, block_data(k, MID))
-        assert t.flush(timeout=DEADLINE_S)
+        assert t.drain(timeout=DEADLINE_S)
         s = t.stats()
         assert (s.write_errors, s.blocks) == (0, 6)
         assert s.encode_process.refused == 6 and s.encode_process.fallbacks == 6
@@ -209,7 +209,7 @@ def test_closing_the_writer_ends_the_child_by_eof_and_reaps_it(tmp_path: Path, d
     k = keys(1, layout=MID)[0]
     t = DiskTier(str(tmp_path), CAP, encode_process="nice")
     t.put(k, block_data(k, MID))
-    assert t.flush(timeout=DEADLINE_S)
+    assert t.drain(timeout=DEADLINE_S)
     proc = t._writer._encoding._process._proc
     t.close()
     assert proc.returncode == 0             # it exited on EOF (a kill would read -9), and was reaped

@@ -63,7 +63,7 @@ def test_engine_calls_complete_while_a_flush_waits_on_a_stalled_writer(tmp_path:
         assert not stalled, "the engine waited for the flush"
         assert disk.stats().queue_full_drops > 0                  # past twice the bound: dropped, counted
         assert result["r"].written > 0
-        disk.flush()
+        disk.drain()
         for info in disk.iter_blocks():                           # what reached disk is exact
             k = next(k for k in ks if k.hash == info.hash)
             assert same_bits(disk.get(k), block_data(k, TINY))

@@ -130,7 +130,7 @@ def test_the_disk_writer_encodes_one_block_at_a_time_while_sequences_run(tmp_pat
             for k in ks:
                 assert t.put(k, block_data(k))
         check_width_follows_the_signal(FOREGROUND, foreground_owner, t._writer.encode_width, gate, 9)
-        assert t.flush(timeout=HANG_GUARD_S)
+        assert t.drain(timeout=HANG_GUARD_S)
         FOREGROUND.hold(foreground_owner, False)
         assert t.stats().blocks == 9 and t.stats().write_errors == 0
         assert all(same_bits(t.get(k), block_data(k)) for k in ks)
@@ -156,7 +156,7 @@ def test_the_remote_writer_encodes_one_block_at_a_time_while_sequences_run(foreg
             for k in ks:
                 assert w.submit(WriteItem(k, block=torch.zeros(4)))
         check_width_follows_the_signal(FOREGROUND, foreground_owner, w.encode_width, gate, 9)
-        assert w.flush(HANG_GUARD_S)
+        assert w.drain(HANG_GUARD_S)
     finally:
         w.stop()
     assert sorted(sent) == sorted(b"v" + k.hash for k in ks)
@@ -177,7 +177,7 @@ def test_the_encode_pool_threads_run_at_the_background_niceness(tmp_path: Path) 
     with DiskTier(str(tmp_path), 64 << 20, batch_blocks=4, encode_threads=3, encode_process=None) as t:
         for k in ks:
             assert t.put(k, block_data(k))
-        assert t.flush(timeout=HANG_GUARD_S)
+        assert t.drain(timeout=HANG_GUARD_S)
         pool = [th for th in threading.enumerate() if th.name.startswith("tieredkv-disk-encode")]
         assert pool, "the writer encoded on no pool"
         assert {thread_nice(th.native_id) for th in pool} == {BACKGROUND_NICE}

@@ -159,7 +159,7 @@ def start(made, *a, topic: str = "", **kw) -> tuple[TieredKVCache, Subscriber]:
 def settle(cache: TieredKVCache, sub: Subscriber) -> list[KVEventBatch]:
     """Wait until the publisher sent everything queued and the subscriber has it; every batch."""
     for below in cache.tiers.lower:               # the writers' commits are events too
-        assert below.flush(DEADLINE_S)
+        assert below.drain(DEADLINE_S)
     sink = cache.tiers.events
     wait_for(lambda: sink.queue.empty(), "the sink to drain")
     seq = [-2]
@@ -210,7 +210,7 @@ def truth(cache: TieredKVCache) -> dict[str, set[bytes]]:
         out = {"GPU": {cache.pool.key_of(p).hash for p in cache.pool.cached_pages()},
                "CPU": set(cache.host.hashes())}
     if cache.disk is not None:
-        assert cache.disk.flush(timeout=DEADLINE_S)
+        assert cache.disk.drain(timeout=DEADLINE_S)
         out["DISK"] = {b.hash for b in cache.disk.iter_blocks()}
     return {m: s for m, s in out.items() if s}
 

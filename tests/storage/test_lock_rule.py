@@ -91,7 +91,7 @@ def test_a_flush_waiting_for_a_device_copy_never_blocks_a_step(tmp_path, move) -
             op.join(60)
             step.join(60)
         assert not op.is_alive()
-        assert cache.disk.flush(timeout=30)
+        assert cache.disk.drain(timeout=30)
         got = cache.disk.get(ks[0])                  # the flush stored the copy's bytes, not the stale slot
         assert got is not None and same_bits(got.view(TINY.shape), block_data(ks[0]))
         if move == "flush":

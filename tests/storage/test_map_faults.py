@@ -85,7 +85,7 @@ data = os.path.join(path, "data.mdb")
 t = DiskTier(path, 64 << 20, batch_blocks=4)
 for i in range(40):
     t.put(make_key(i), make_block(i, shape=SHAPE))
-assert t.flush(timeout=120)
+assert t.drain(timeout=120)
 armed = [True]
 
 def cut():
@@ -130,7 +130,7 @@ elif where == "commit":         # the writer's transaction: LMDB's own tree walk
 if where == "commit":
     for i in range(40, 44):
         t.put(make_key(i), make_block(i, shape=SHAPE))
-    print("flushed-during", t.flush(timeout=120), flush=True)
+    print("flushed-during", t.drain(timeout=120), flush=True)
 else:
     print("served", sum(t.get(make_key(i)) is not None for i in range(40)), flush=True)
 print("cut", not armed[0], "absorbed", absorbed() > 0, flush=True)
@@ -139,7 +139,7 @@ print("moved_aside", s.moved_aside, "unavailable", s.unavailable, "read_errors",
 print("recovered", (t.recovered or "").split(": ", 1)[-1], flush=True)
 for i in range(100, 110):
     t.put(make_key(i), make_block(i, shape=SHAPE))
-print("flushed", t.flush(timeout=120), flush=True)
+print("flushed", t.drain(timeout=120), flush=True)
 print("new", sum(same_bits(t.get(make_key(i)), make_block(i, shape=SHAPE)) for i in range(100, 110)))
 print("old", sum(t.get(make_key(i)) is not None for i in range(40)))
 t.close()

@@ -44,7 +44,7 @@ def test_reads_reuse_buffers_and_never_touch_a_payload_handed_to_the_caller(valk
     try:
         for k in ks:
             assert rt.put(k, block_data(k))
-        assert rt.flush(10)
+        assert rt.drain(10)
         held: list = [None] * 8
         got = rt.get_many(ks[:8], payloads=held)               # the caller keeps 8 payloads
         assert all(g is not None for g in got) and all(p is not None for p in held)

@@ -70,7 +70,7 @@ def test_a_block_computed_by_one_cache_is_a_remote_hit_for_another(tmp_path, cac
     assert (st.hits, st.promotions, st.extra["corrupt"], st.extra["errors"]) == (6, 6, 0, 0)
     # Kept locally: the disk has them once its writer committed them, stored as the very payloads
     # the store gave (no second compression); the host gets them when they leave the device.
-    assert b.disk.flush(10) and all(b.disk.contains(k) for k in ks)
+    assert b.disk.drain(10) and all(b.disk.contains(k) for k in ks)
     raw = raw_client(url)
     with b.disk._env.begin() as txn:
         assert all(txn.get(k.hash, db=b.disk._payload) == bytes(unpack_value(raw.get(remote_key(k)))[1]) for k in ks)
@@ -101,7 +101,7 @@ def test_staged_remote_fills_double_buffer_across_mgets_and_keep_exact_payloads(
     for page, k in zip(got.pages, ks):
         assert same_bits(b.pool.kv[page], block_data(k))
     b.release(got.pages)
-    assert b.disk.flush(10) and all(b.disk.contains(k) for k in ks)    # kept from the staging halves
+    assert b.disk.drain(10) and all(b.disk.contains(k) for k in ks)    # kept from the staging halves
     raw = raw_client(valkey.url)
     with b.disk._env.begin() as txn:
         assert all(txn.get(k.hash, db=b.disk._payload) == bytes(unpack_value(raw.get(remote_key(k)))[1]) for k in ks)
@@ -113,7 +113,7 @@ def test_without_a_disk_tier_blocks_falling_out_of_host_and_a_flush_reach_the_re
     a = caches(None, valkey.url, pages=4, host_slots=4)
     for k in ks:                                  # 12 blocks through 4 pages and 4 slots: a cascade
         a.release(fill(a, [k]))
-    assert a.remote.flush(10)
+    assert a.remote.drain(10)
     assert a.stats()["remote"].demotions == 4     # the 4 that fell out of the host tier
     r = a.flush(10)
     assert r.remote is True and a.stats()["remote"].demotions == 12
@@ -129,7 +129,7 @@ def test_write_through_sends_each_block_when_it_is_computed(tmp_path, caches, va
     a = caches(tmp_path / "a", valkey.url, remote_write="write_through")
     a.release(fill(a, ks))                        # no eviction, no flush
     assert a.cascade.writeback.wait_idle(30)      # written down behind the engine (host_writeback.py)
-    assert a.disk.flush(10) and a.remote.flush(10)
+    assert a.disk.drain(10) and a.remote.drain(10)
     assert a.stats()["remote"].demotions == 5
     b = caches(tmp_path / "b", valkey.url)
     got = restore(b, ks)

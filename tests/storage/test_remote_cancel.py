@@ -49,7 +49,7 @@ def stored(server: ValkeyServer, n: int):
     try:
         for k in ks:
             assert w.put(k, block_data(k, BIG), wait=True, timeout=60)
-        assert w.flush(timeout=120)
+        assert w.drain(timeout=120)
     finally:
         w.close()
     return ks

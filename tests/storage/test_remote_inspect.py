@@ -23,7 +23,7 @@ def write(url: str, ks) -> None:
     try:
         for k in ks:
             assert rt.put(k, block_data(k))
-        assert rt.flush(10)
+        assert rt.drain(10)
     finally:
         rt.close()
 

@@ -48,7 +48,7 @@ def test_round_trip_is_bit_identical_and_a_batched_get_serves_what_is_there(serv
     try:
         for k in ks[:30]:
             assert rt.put(k, block_data(k))
-        assert rt.flush(10)
+        assert rt.drain(10)
         assert rt.probe(ks) == frozenset(k.hash for k in ks[:30])      # the chain's stored prefix
         assert rt.exists_many(ks) == [True] * 30 + [False] * 10
         outs = [torch.empty(TINY.shape, dtype=TINY.dtype) for _ in ks]
@@ -72,7 +72,7 @@ def test_a_damaged_value_is_a_miss_deleted_and_counted(server, kind: str) -> Non
     try:
         for k in ks:
             rt.put(k, block_data(k))
-        assert rt.flush(10)
+        assert rt.drain(10)
         value = bytearray(raw.get(remote_key(ks[0])))
         value[-20] ^= 0x40                                   # a bit flip in the zstd frame
         raw.set(remote_key(ks[0]), bytes(value))
@@ -98,7 +98,7 @@ def test_a_get_over_parallel_connections_is_bit_identical_and_a_damaged_value_is
     try:
         for k in ks[:130]:                 # batches of 32, each sent as 4 pipelines at once
             assert rt.put(k, block_data(k))
-        assert rt.flush(30) and rt.stats().writes == 130 and rt.stats().write_errors == 0
+        assert rt.drain(30) and rt.stats().writes == 130 and rt.stats().write_errors == 0
         value = bytearray(raw.get(remote_key(ks[5])))
         value[-20] ^= 0x40                                   # a bit flip: damaged
         raw.set(remote_key(ks[5]), bytes(value))
@@ -127,7 +127,7 @@ def test_a_store_written_with_one_codec_is_served_by_a_tier_with_the_other(valke
     try:
         for k in ks:
             assert w.put(k, block_data(k))
-        assert w.flush(10)
+        assert w.drain(10)
     finally:
         w.close()
     r = tier(valkey.url, codec=Codec(kind=reader))
@@ -148,7 +148,7 @@ def test_tenants_are_isolated_even_when_bytes_land_under_another_tenants_key(val
     try:
         for k in tokens_a:
             rt.put(k, block_data(k))
-        assert rt.flush(10)
+        assert rt.drain(10)
         assert remote_key(tokens_a[0]) != remote_key(tokens_b[0])
         assert rt.get_many(tokens_b) == [None, None]        # B's keys hold nothing
         # A's bytes copied under B's key (a misplaced value): the binding refuses them.
@@ -168,7 +168,7 @@ def test_a_ttl_is_set_on_every_write(server) -> None:
     try:
         for k in ks:
             rt.put(k, block_data(k))
-        assert rt.flush(10)
+        assert rt.drain(10)
         ttls = [raw.pttl(remote_key(k)) for k in ks]
         assert all(25_000 < t <= 30_000 for t in ttls), ttls
     finally:
@@ -186,7 +186,7 @@ def test_a_password_protected_server_and_a_wrong_password(tmp_path) -> None:
         try:
             assert "s3cret" not in good.stats().url and "***" in good.stats().url
             good.put(k, block_data(k))
-            assert good.flush(10)
+            assert good.drain(10)
             assert same_bits(good.get(k), block_data(k))
             assert bad.get(k) is None                     # refused: a miss, never an exception
             assert bad.stats().errors == 1 and "s3cret" not in (bad.stats().last_error or "")
@@ -206,7 +206,7 @@ def test_a_full_store_refuses_writes_without_failing_or_opening_the_breaker() ->
             ks = keys(2000, ns=os.urandom(32))       # ~2.3 MiB of values, past the 2 MiB bound
             for k in ks:
                 rt.put(k, block_data(k), wait=True, timeout=10)
-            assert rt.flush(30) is False              # some writes were refused
+            assert rt.drain(30) is False              # some writes were refused
             s = rt.stats()
             assert s.write_errors > 0 and s.writes > 0 and s.breaker == "closed" and s.errors == 0
             assert "OutOfMemory" in (s.last_error or "") or "OOM" in (s.last_error or "")
@@ -231,7 +231,7 @@ def test_a_server_down_opens_the_breaker_without_an_exception_and_a_restart_clos
         try:
             for k in ks:
                 rt.put(k, block_data(k))
-            assert rt.flush(60) and rt.get(ks[0]) is not None
+            assert rt.drain(60) and rt.get(ks[0]) is not None
             server.stop()
             for _ in range(3):                        # three failures in a row: open
                 assert rt.get_many(ks) == [None] * 3
@@ -241,10 +241,10 @@ def test_a_server_down_opens_the_breaker_without_an_exception_and_a_restart_clos
             # for a timeout) -- counted, not timed: a loaded machine makes any time bound flaky.
             assert rt.stats().skipped == 2 and rt.stats().errors == 3
             extra = keys(4, ns=os.urandom(32))[3]
-            # The mark before the put: the writer may drop the batch before flush() starts waiting.
+            # The mark before the put: the writer may drop the batch before drain() starts waiting.
             mark = rt.write_failures()
             assert rt.put(extra, block_data(extra))   # queued, then dropped by the open breaker
-            assert rt.flush(60, since=mark) is False and rt.stats().write_drops == 1
+            assert rt.drain(60, since=mark) is False and rt.stats().write_drops == 1
             assert rt.breaker.state == "open" and rt.stats().errors == 3
             server.start()                            # back, on the same port, empty
             now[0] += 0.3                             # the cooldown: the next call is a probe
@@ -252,7 +252,7 @@ def test_a_server_down_opens_the_breaker_without_an_exception_and_a_restart_clos
             assert rt.get(ks[0]) is None              # a miss (the store restarted empty)...
             assert rt.breaker.state == "closed"       # ...but it answered: closed again
             rt.put(ks[0], block_data(ks[0]))          # written again (the "known" set was forgotten)
-            assert rt.flush(60) and same_bits(rt.get(ks[0]), block_data(ks[0]))
+            assert rt.drain(60) and same_bits(rt.get(ks[0]), block_data(ks[0]))
         finally:
             rt.close()
     finally:

@@ -75,7 +75,7 @@ def on_host(cache: TieredKVCache, ks: list[BlockKey]) -> list[str]:
 
 def on_disk(cache: TieredKVCache, ks: list[BlockKey]) -> list[str]:
     """Committed disk blocks, least recently used first."""
-    assert cache.disk.flush(timeout=30)
+    assert cache.disk.drain(timeout=30)
     n = names(ks)
     return [n[b.hash] for b in sorted(cache.disk.iter_blocks(), key=lambda b: b.last_access)]
 
@@ -92,7 +92,7 @@ def counts(cache: TieredKVCache, tier: str) -> tuple[int, int, int, int, int]:
 
 def check(cache: TieredKVCache) -> None:
     cache.audit()
-    assert cache.disk.flush(timeout=30) and cache.disk.check() == []
+    assert cache.disk.drain(timeout=30) and cache.disk.check() == []
 
 
 def damage_payload(path: Path, h: bytes) -> None:

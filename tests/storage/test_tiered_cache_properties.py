@@ -78,7 +78,7 @@ class TieredCacheMachine(RuleBasedStateMachine):
         """A prompt: acquire the matched prefix, then (maybe) compute and register the rest."""
         ks = CHAINS[chain][:n]
         if settle:   # else pending disk writes may commit (and evict on disk) under the acquire
-            self.cache.disk.flush(timeout=30)
+            self.cache.disk.drain(timeout=30)
         m = self.cache.match(ks)
         assert [k.hash for k, _ in m.blocks] == [k.hash for k in ks[:len(m)]]
         below = sum(t != "device" for _, t in m.blocks)

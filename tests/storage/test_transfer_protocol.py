@@ -39,7 +39,7 @@ def compute(cache: TieredKVCache, ks) -> None:
 
 
 def assert_every_tier_exact(cache: TieredKVCache, ks) -> None:
-    assert cache.disk.flush(timeout=30)
+    assert cache.disk.drain(timeout=30)
     cache.transfer.sync_host()
     for slot, k in cache.host.blocks():
         assert same_bits(cache.host.slab[slot], block_data(k)), f"host slot {slot} holds wrong bytes"

@@ -53,7 +53,7 @@ def test_blocks_put_from_several_threads_read_back_bit_identical(tmp_path: Path)
     # Small batches and queue: many look-ahead turns, and puts waiting for room meanwhile.
     with DiskTier(str(tmp_path), CAP, layout=MID, batch_blocks=4, queue_blocks=8, encode_threads=3) as t:
         put_from_threads(t.put, [(k, block_data(k, MID)) for k in ks])
-        assert t.flush(timeout=120)
+        assert t.drain(timeout=120)
         s = t.stats()
         assert (s.blocks, s.write_errors, s.pending_writes) == (len(ks), 0, 0)
         outs = [torch.empty(MID.shape, dtype=MID.dtype) for _ in ks]
@@ -68,7 +68,7 @@ def test_one_encode_thread_still_writes_everything(tmp_path: Path) -> None:
     ks = keys(24)
     with DiskTier(str(tmp_path), CAP, batch_blocks=3, encode_threads=1) as t:
         put_from_threads(t.put, [(k, block_data(k)) for k in ks], threads=2)
-        assert t.flush(timeout=60)
+        assert t.drain(timeout=60)
         assert all(same_bits(t.get(k), block_data(k)) for k in ks)
 
 
@@ -78,12 +78,12 @@ def test_with_no_encode_pool_to_be_had_the_writer_encodes_on_its_own_thread(tmp_
     ks = keys(9)
     with DiskTier(str(tmp_path), CAP, batch_blocks=4, encode_process=None) as t:   # (the pool's fallback)
         t.put(ks[0], block_data(ks[0]))
-        assert t.flush(timeout=60)
+        assert t.drain(timeout=60)
         t._writer._encoding.pool.shutdown()                  # built by the first batch
         mark = t.write_failures()
         for k in ks[1:]:
             t.put(k, bad_block() if k is ks[5] else block_data(k))
-        assert t.flush(timeout=60, since=mark) is False       # the bad block, lost and counted
+        assert t.drain(timeout=60, since=mark) is False       # the bad block, lost and counted
         assert (t.stats().blocks, t.write_failures()) == (8, mark + 1)
         assert all(same_bits(t.get(k), block_data(k)) for k in ks if k is not ks[5])
         assert t.get(ks[5]) is None and t.check() == []
@@ -96,7 +96,7 @@ def test_a_block_that_fails_to_encode_is_counted_and_drops_nothing_else(tmp_path
         mark = t.write_failures()
         items = [(k, bad_block() if k is bad else block_data(k)) for k in ks]
         put_from_threads(t.put, items, threads=3)
-        assert t.flush(timeout=60, since=mark) is False      # one block was lost
+        assert t.drain(timeout=60, since=mark) is False      # one block was lost
         s = t.stats()
         assert (s.write_errors, s.blocks, s.pending_writes) == (1, 20, 0)
         assert t.write_failures() == mark + 1
@@ -105,7 +105,7 @@ def test_a_block_that_fails_to_encode_is_counted_and_drops_nothing_else(tmp_path
         assert t.check() == []
         mark = t.write_failures()
         t.put(keys(1, start_token=500)[0], block_data(keys(1, start_token=500)[0]))
-        assert t.flush(timeout=60, since=mark) is True     # the writer goes on
+        assert t.drain(timeout=60, since=mark) is True     # the writer goes on
 
 
 def test_a_delete_in_the_writers_hands_is_not_undone_by_the_batch_before(tmp_path: Path) -> None:
@@ -144,7 +144,7 @@ def test_a_delete_in_the_writers_hands_is_not_undone_by_the_batch_before(tmp_pat
             w._ready(ahead)
             assert w._write(ahead)
             w._after(ahead, True)
-        assert t.flush(timeout=60)
+        assert t.drain(timeout=60)
         assert not t.contains(x) and t.get(x) is None
         assert same_bits(t.get(y), block_data(y))
         assert t.stats().blocks == 1 and t.check() == []
@@ -170,7 +170,7 @@ def test_remote_blocks_put_from_several_threads_read_back_and_a_bad_one_is_count
     try:
         items = [(k, bad_block() if k is bad else block_data(k)) for k in ks]
         put_from_threads(lambda k, b: rt.put(k, b, wait=True, timeout=60), items)
-        assert rt.flush(60)                    # as before: a block that cannot be encoded is an error, not a lost batch
+        assert rt.drain(60)                    # as before: a block that cannot be encoded is an error, not a lost batch
         s = rt.stats()
         assert (s.writes, s.write_errors, s.write_drops, s.pending_writes) == (60, 1, 0, 0)
         good = [k for k in ks if k is not bad]
