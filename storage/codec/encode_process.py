@@ -266,6 +266,8 @@ class EncodeProcess:
 
     def _reply(self):
         """The child's answer to the batch in hand, or None (it died or hung: killed, counted)."""
+        if self._proc is None:            # already found dead (and counted) since the submit
+            return None
         fd = self._proc.stdout.fileno()
         deadline = time.monotonic() + self._timeout
         poller = select.poll()

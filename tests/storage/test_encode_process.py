@@ -179,7 +179,10 @@ def test_a_child_that_dies_before_answering_counts_as_a_failed_start() -> None:
     p = EncodeProcess()
     encode_process.PYTHON, real = "/bin/false", encode_process.PYTHON
     try:
-        got = p.collect(p.submit([job(b, i) for i, b in enumerate(bs)]))
+        # /bin/false may be gone before the batch is written (the pipe refuses it: submit says
+        # None) or after (collect finds no answer): a failed start either way.
+        ticket = p.submit([job(b, i) for i, b in enumerate(bs)])
+        got = [None] * 3 if ticket is None else p.collect(ticket)
     finally:
         encode_process.PYTHON = real
     s = p.stats()
