@@ -36,6 +36,15 @@ if TYPE_CHECKING:      # the disk tier opened for inspection (`tieredkv inspect`
     import torch
 
 
+def owned_or_copied(block: torch.Tensor, owned: bool) -> torch.Tensor:
+    """put()'s block: the caller's own when it handed it over (`owned`) and it is contiguous on the
+    CPU, else private_copy(block)."""
+    if (owned and block.device.type == "cpu" and block.is_contiguous() and not block.is_conj() and not block.is_neg()
+            and not block.is_pinned()):      # pinned (a CUDA batch copied out): not kept past the put
+        return block.detach()
+    return private_copy(block)
+
+
 def private_copy(block: torch.Tensor) -> torch.Tensor:
     """put()'s copy of a block: contiguous, on the CPU, made by the calling thread alone.
 
@@ -99,11 +108,14 @@ class LowerTier(Protocol):
         tier may ignore it (its read is bounded by the drive and takes no link)."""
 
     def put(self, key: BlockKey, block: torch.Tensor | None = None, *, wait: bool,
-            timeout: float | None = None, payload: bytes | None = None, raw_size: int = 0) -> bool:
+            timeout: float | None = None, payload: bytes | None = None, raw_size: int = 0,
+            owned: bool = False) -> bool:
         """Queue a block for writing: its bytes (`block`), or its payload already encoded and
         bound to hash || namespace (`payload`, `raw_size` its decoded bytes). wait=True waits
         for room in the queue (up to `timeout`). False: not queued. (Each tier has its own
-        default for `wait`; the cache always says.)"""
+        default for `wait`; the cache always says.) `block` is copied before put returns
+        (private_copy) unless `owned`: the caller hands over a contiguous CPU tensor that nothing
+        else writes (a private_copy of its own, e.g. the cascade's copies out), kept as it is."""
 
     def delete(self, key: BlockKey) -> bool:
         """Remove the block. True when there was one."""

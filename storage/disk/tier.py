@@ -55,7 +55,7 @@ from storage.disk.records import recount as recount_info
 from storage.disk.writer import DiskWriter
 from storage.layout import BlockLayout, dtype_name
 from storage.malloc_tuning import keep_freed_memory
-from storage.lower_tier import LowerTier, private_copy
+from storage.lower_tier import LowerTier, owned_or_copied
 from storage.hashing import BlockKey
 
 if TYPE_CHECKING:      # blocks are tensors, but nothing here makes one: `tieredkv inspect`/`verify` load no torch
@@ -174,11 +174,11 @@ class DiskTier(DiskReads, LowerTier):
     local = True    # contains() answers from the index: a LowerTier needing no probe
 
     def put(self, key: BlockKey, block: torch.Tensor | None = None, *, wait: bool = True, timeout: float | None = None,
-            payload: bytes | None = None, raw_size: int = 0) -> bool:
+            payload: bytes | None = None, raw_size: int = 0, owned: bool = False) -> bool:
         """Queue `block` for the background writer and return without compressing.
 
         The block's bytes are copied to CPU before returning, so the caller may reuse its
-        memory at once. Skipped when the hash is already stored or pending. The queue is
+        memory at once -- unless `owned` (LowerTier.put: the caller's private copy, kept). Skipped when the hash is already stored or pending. The queue is
         bounded (queue_blocks): when it is full, put waits until the writer catches up
         (backpressure, up to `timeout`); with wait=False it never waits, may fill the queue to twice its bound,
         and past that returns False (counted in stats().queue_full_drops): the engine's
@@ -206,7 +206,7 @@ class DiskTier(DiskReads, LowerTier):
             copy = None
             raw_size = block.numel() * block.element_size() if block is not None else raw_size
         else:
-            copy, raw_size = private_copy(block), 0
+            copy, raw_size = owned_or_copied(block, owned), 0
         if self._writer.submit(key, copy, wait, payload, raw_size, timeout):   # waits while the queue is full, if wait
             return True
         self._count(queue_full_drops=1)

@@ -63,7 +63,7 @@ from storage.hashing import BlockKey
 from storage.kv_events.sink import NO_EVENTS, REMOTE_MEDIUM, NoEvents
 from storage.layout import BlockLayout
 from storage.malloc_tuning import keep_freed_memory
-from storage.lower_tier import LowerTier, private_copy
+from storage.lower_tier import LowerTier, owned_or_copied
 from storage.pool_drain import drain_on
 from storage.remote.known_keys import KnownKeys
 from storage.remote.remote_stats import RemoteStats
@@ -271,8 +271,9 @@ class RemoteTier(LowerTier):
 
     # ---- writes (queued; the remote writer's thread sends them) ----------------------------
     def put(self, key: BlockKey, block: torch.Tensor | None = None, *, wait: bool = False,
-            timeout: float | None = None, payload: bytes | None = None, raw_size: int = 0) -> bool:
-        """Queue a block: its bytes (copied now, encoded on the writer's pool; with the raw codec
+            timeout: float | None = None, payload: bytes | None = None, raw_size: int = 0,
+            owned: bool = False) -> bool:
+        """Queue a block: its bytes (copied now unless `owned`: LowerTier.put, encoded on the writer's pool; with the raw codec
         encoded now instead), or `payload`, already encoded with binding hash || namespace (the
         disk writer's: compressed once for both tiers; `raw_size` its decoded bytes). False when
         it was not queued (queue full; counted in write_drops)."""
@@ -299,7 +300,7 @@ class RemoteTier(LowerTier):
             if block is not None:
                 raw_size = block.numel() * block.element_size()
             return self._writer.submit(WriteItem(key, payload=payload, raw_size=raw_size), wait, timeout)
-        return self._writer.submit(WriteItem(key, block=private_copy(block)), wait, timeout)
+        return self._writer.submit(WriteItem(key, block=owned_or_copied(block, owned)), wait, timeout)
 
     def contains(self, key: BlockKey) -> bool:
         """Whether this process wrote or read the block and still trusts the store to hold it

@@ -317,6 +317,36 @@ def test_corrupt_disk_block_releases_device_pages_acquired_after_it(tmp_path: Pa
         cache.close()
 
 
+def test_a_flush_hands_its_copies_to_the_disk_without_copying_them_again(tmp_path: Path, monkeypatch) -> None:
+    """Issue 28: the flush's thread copies each block out of its page or slot once (private_copy)
+    and hands that copy to the disk (put(owned=True)); it was copied a second time inside put (a
+    third of a flush thread's time in tools/bench_flush_interference.py). The bytes stored are the
+    page's and the slot's."""
+    from storage import cascade, lower_tier
+    from storage.disk import tier as disk_tier
+    made = []
+    real = lower_tier.private_copy
+
+    def counting(block):
+        made.append(1)
+        return real(block)
+    for module in (lower_tier, cascade, disk_tier):
+        monkeypatch.setattr(module, "private_copy", counting, raising=False)
+    ks = keys(6)
+    cache = make_cache(tmp_path / "disk", pages=4, host_slots=2)
+    try:
+        cache.release(fill(cache, ks[:4]))
+        held = fill(cache, ks[4:6])                    # k0, k1 in the host, k2..k5 on the device
+        assert cache.flush().written == 6
+        assert len(made) == 6                          # one copy out per block, none in put
+        cache.release(held)
+        for k in ks:
+            assert same_bits(cache.disk.get(k), block_data(k))
+        check(cache)
+    finally:
+        cache.close()
+
+
 def test_flush_pushes_every_block_to_disk_and_a_new_cache_finds_them(tmp_path: Path) -> None:
     ks = keys(6)
     path = tmp_path / "disk"
