@@ -48,7 +48,7 @@ import numpy as np
 import xxhash
 
 from storage.codec.codec_error import CodecError
-from storage.codec.encode_worker import LEN, READY, write_message
+from storage.codec.encode_worker import LEN, READY, read_exact, write_message
 from storage.codec.header import FORMAT_VERSION, KINDS
 from storage.codec.payload import Codec
 
@@ -289,19 +289,13 @@ class EncodeProcess:
 
 
 def _read_by(fd: int, n: int, poller: select.poll, deadline: float) -> bytes | None:
-    chunks, got = [], 0
-    while got < n:
-        left = deadline - time.monotonic()
-        if left <= 0 or not poller.poll(max(1, int(left * 1000))):
-            if time.monotonic() >= deadline:
-                return None
-            continue
-        b = os.read(fd, n - got)
-        if not b:
-            return None
-        chunks.append(b)
-        got += len(b)
-    return b"".join(chunks)
+    """n bytes from the child before `deadline`, or None (EOF, or the deadline passed)."""
+    def ready() -> bool:
+        while (left := deadline - time.monotonic()) > 0:
+            if poller.poll(max(1, int(left * 1000))):
+                return True
+        return False
+    return read_exact(fd, n, ready)
 
 
 def _check(payload: memoryview, job: EncodeJob, digest: int, seen: int) -> str | None:

@@ -45,10 +45,13 @@ _PR_SET_PDEATHSIG = 1
 BACKGROUND_NICE = 10                  # as storage/priority.py's threads
 
 
-def read_exact(fd: int, n: int) -> bytes | None:
-    """n bytes from fd, or None at EOF (the other side is gone)."""
+def read_exact(fd: int, n: int, ready=None) -> bytes | None:
+    """n bytes from fd, or None at EOF (the other side is gone) or when `ready`, asked before each
+    read whether fd has bytes, says False (the parent's deadline: encode_process._read_by)."""
     chunks, got = [], 0
     while got < n:
+        if ready is not None and not ready():
+            return None
         b = os.read(fd, n - got)
         if not b:
             return None
