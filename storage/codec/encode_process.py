@@ -48,9 +48,11 @@ import numpy as np
 import xxhash
 
 from storage.codec.codec_error import CodecError
-from storage.codec.encode_worker import LEN, READY, read_exact, write_message
+from storage.codec import byte_planes
+from storage.codec.encode_worker import LEN, READY, SKEWED, codec_fingerprint, read_exact, write_message
 from storage.codec.header import FORMAT_VERSION, KINDS
-from storage.codec.payload import Codec
+from storage.codec.payload import CODED_PLANES, Codec
+from storage.layout import DTYPE_ITEMSIZES
 
 log = logging.getLogger(__name__)
 
@@ -58,10 +60,14 @@ ENV = "TIEREDKV_ENCODE_PROCESS"
 # What runs the child, read at each start (a test points them at a failing or lying child).
 PYTHON = sys.executable
 WORKER_MODULE = "storage.codec.encode_worker"
+_MAX_REPLY = 1 << 24                 # an answer is a few ints a job: anything near this is garbage
 MAX_FAILURES = 3                     # starts or batches failed in a row before the process is given up on
 _ALIGN = 64
 _HEADERS = Codec()                   # check_header reads either kind
 _STORAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# The codec as this process loaded it (at start-up, with the rest of storage/): a child must run
+# the same files (encode_worker.codec_fingerprint), or it refuses to start.
+FINGERPRINT = codec_fingerprint()
 
 
 def encode_process_policy(value: str | None = None) -> str | None:
@@ -172,7 +178,11 @@ class EncodeProcess:
         for job, digest, answer in zip(ticket.jobs, ticket.digests, reply):
             try:
                 at, length, seen = answer
+                if not all(type(x) is int for x in (at, length, seen)):
+                    raise TypeError(answer)
             except (TypeError, ValueError):
+                log.error("encode process: a malformed answer for a block (%.80r); encoding it here", answer)
+                self._refused += 1
                 at, length, seen = -1, 0, 0
             if at < 0:
                 self._fallbacks += 1
@@ -216,7 +226,7 @@ class EncodeProcess:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_STORAGE_ROOT, env.get("PYTHONPATH")) if p)
         try:
             self._proc = subprocess.Popen(
-                [PYTHON, "-m", WORKER_MODULE, str(os.getpid()), self._policy,
+                [PYTHON, "-m", WORKER_MODULE, str(os.getpid()), self._policy, FINGERPRINT,
                  *map(str, self._fds)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=self._fds,
                 env=env, cwd=_STORAGE_ROOT)
         except OSError as e:
@@ -274,15 +284,21 @@ class EncodeProcess:
         poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
         try:
             if not self._answered:
-                self._answered = _read_by(fd, len(READY), poller, deadline) == READY
+                first = _read_by(fd, len(READY), poller, deadline)
+                self._answered = first == READY
+                if first == SKEWED:
+                    raise EOFError("its codec's files are not the ones this process loaded (changed on disk since)")
                 if not self._answered:
                     raise EOFError("no READY from it")
             head = _read_by(fd, LEN.size, poller, deadline)
-            body = None if head is None else _read_by(fd, LEN.unpack(head)[0], poller, deadline)
+            size = None if head is None else LEN.unpack(head)[0]
+            if size is not None and size > _MAX_REPLY:
+                raise EOFError(f"an answer of {size} bytes")
+            body = None if size is None else _read_by(fd, size, poller, deadline)
             if body is not None:
                 return pickle.loads(body)
             why = "no answer before its deadline" if time.monotonic() >= deadline else "its pipe closed"
-        except (OSError, pickle.UnpicklingError, EOFError) as e:
+        except Exception as e:          # noqa: BLE001 -- whatever it sent: killed, the batch encoded here
             why = f"its answer failed ({e})"
         self._died(why)
         return None
@@ -314,6 +330,12 @@ def _check(payload: memoryview, job: EncodeJob, digest: int, seen: int) -> str |
         return f"{len(payload)} bytes, its header says {h.header_size + sum(p.length for p in h.planes)}"
     if h.whole and h.data_xxh3 != digest:
         return "its data hash is not the block's"
+    if not h.whole:
+        # How the frames decode, which the frames' own checksums (the child's) do not vouch for.
+        coded = {b for b, plane in enumerate(h.planes) if plane.coded}
+        if (h.dim1_major != byte_planes.can_swap(job.shape)
+                or coded != set(CODED_PLANES[DTYPE_ITEMSIZES[job.dtype]])):
+            return "its planes are not laid out as this process encodes them"
     return None
 
 

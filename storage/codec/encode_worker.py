@@ -10,7 +10,8 @@ memory): only numpy, zstandard, xxhash and the codec.
 Doesn't know: what a block or a binding is for, retries, or what becomes of a payload; the parent
 (storage/codec/encode_process.py) checks every answer before anything is stored.
 
-The child's first byte is READY, once it is up (imports done, priority set). Request: (slot, slot_size, width, kind, level, out_at, out_end, jobs), a job = (in_at, nbytes,
+The child's first byte is READY, once it is up (imports done, priority set, its codec's files
+the ones its parent loaded: else SKEWED, and it exits). Request: (slot, slot_size, width, kind, level, out_at, out_end, jobs), a job = (in_at, nbytes,
 dtype, shape, binding). Reply: one (out_offset, length, input_xxh3) per job, offset -1 where it
 failed (an exception, or no room left in the output region). A block's input xxh3_64 lets the
 parent prove the payload was made from the bytes it copied in.
@@ -37,10 +38,27 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import xxhash
 
-from storage.codec.payload import encode_bytes
+from storage.codec.payload import decoded_digest, encode_bytes
 
 LEN = struct.Struct("<I")
 READY = b"R"                          # the child's first byte, once it is up
+SKEWED = b"S"                         # ... or this, and it exits: its codec is not its parent's
+
+
+def codec_fingerprint() -> str:
+    """xxh3 of the codec's files as they are on disk now (payload, header, zstd frames, byte planes
+    and its compiled kernel). The parent takes it when it imports storage/codec/encode_process.py
+    (start-up) and hands it to each child: a child started after the tree changed under a running
+    server (a pull, an editable install) would encode with code its parent does not decode with, so
+    it refuses to start (a failed start: the parent encodes)."""
+    from storage.codec import byte_planes, header, payload, zstd_frames
+    h = xxhash.xxh3_64()
+    for m in (payload, header, zstd_frames, byte_planes, byte_planes._compiled):
+        path = getattr(m, "__file__", None) if m is not None else None
+        if path:
+            with open(path, "rb") as f:
+                h.update(f.read())
+    return h.hexdigest()
 _PR_SET_PDEATHSIG = 1
 BACKGROUND_NICE = 10                  # as storage/priority.py's threads
 
@@ -119,13 +137,21 @@ class _Batch:
             for p, n in zip(parts, lengths):
                 self.arena[pos:pos + n] = np.frombuffer(p, dtype=np.uint8) if not isinstance(p, np.ndarray) else p.reshape(-1).view(np.uint8)
                 pos += n
+            # Decoded here, as the parent would, before it is answered: the parent checks the
+            # header and that this child read its bytes, not the frames' contents.
+            if decoded_digest(memoryview(self.arena[at:at + total]), binding) != digest:
+                print(f"tieredkv encode worker: job {j}'s payload does not decode to its block", file=sys.stderr)
+                return
             self.results[j] = (at, total, digest)
         except Exception as e:        # noqa: BLE001 -- reported as a failed job
             print(f"tieredkv encode worker: job {j} failed: {e!r}", file=sys.stderr)
 
 
-def serve(inp: int, out: int, slot_fds: list[int], policy: str) -> None:
+def serve(inp: int, out: int, slot_fds: list[int], policy: str, fingerprint: str = "") -> None:
     _lower_priority(policy)
+    if fingerprint != codec_fingerprint():
+        os.write(out, SKEWED)
+        return
     os.write(out, READY)              # started: a death from now on is a death, not a failed start
     maps: dict[int, tuple[mmap.mmap, np.ndarray]] = {}
     pool: ThreadPoolExecutor | None = None
@@ -154,13 +180,13 @@ def serve(inp: int, out: int, slot_fds: list[int], policy: str) -> None:
 
 
 def main(argv: list[str]) -> None:
-    parent, policy, fds = int(argv[0]), argv[1], [int(x) for x in argv[2:]]
+    parent, policy, fingerprint, fds = int(argv[0]), argv[1], argv[2], [int(x) for x in argv[3:]]
     _die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # a Ctrl-C for the server is the parent's to handle
     reply = os.dup(sys.stdout.fileno())          # the replies' pipe, private: a stray print goes to stderr
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     try:
-        serve(sys.stdin.fileno(), reply, fds, policy)
+        serve(sys.stdin.fileno(), reply, fds, policy, fingerprint)
     except BrokenPipeError:
         pass                          # the parent went away while we answered
 

@@ -116,6 +116,15 @@ def _check_buffer(header: CodecHeader) -> np.ndarray:
     return buf[:header.raw_size].view(_UINTS[itemsize]).reshape(header.shape)
 
 
+def decoded_digest(payload: bytes | memoryview, binding: bytes) -> int:
+    """xxh3_64 of what `payload` decodes to (every check of decode() made; no torch): the encode
+    process's child compares it with its input's before it answers (storage/codec/encode_worker.py)."""
+    mv, header = Codec()._checked(payload, binding, None)
+    out = _check_buffer(header)
+    _decode_into(mv, header, out)
+    return xxhash.xxh3_64_intdigest(out.reshape(-1).view(np.uint8))
+
+
 def encode_bytes(data: np.ndarray, dtype: str, shape: tuple[int, ...], binding: bytes, kind: str = "zstd",
                  level: int = 3) -> tuple[bytes | memoryview | np.ndarray, ...]:
     """Codec.encode_parts without torch: `data` is the block's bytes (a flat contiguous uint8

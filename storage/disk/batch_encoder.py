@@ -74,7 +74,12 @@ class BatchEncoder:
         if enc.ticket is not None:
             ticket, enc.ticket = enc.ticket, None
             missing = []
-            for j, payload in zip(enc.given, self._process.collect(ticket)):
+            try:
+                got = self._process.collect(ticket)
+            except Exception:                 # noqa: BLE001 -- never lose a batch to the process
+                log.exception("encode process: collecting a batch failed; encoding it here")
+                got = [None] * len(enc.given)
+            for j, payload in zip(enc.given, got):
                 enc.results[j] = payload
                 if payload is None:
                     missing.append(j)

@@ -6,6 +6,7 @@ storage/codec/encode_worker.py with one thing wrong, chosen by $LYING_ENCODE_WOR
     digest   the input's xxh3 reported wrong
     length   every payload's length reported one byte short
     outside  every payload reported at offset 0 (the batch's input region)
+    malformed  every answer's offset reported as None (not an int)
     stall    on its first batch: $LYING_MARKER written (its pid), then asleep until killed;
              a child that finds the marker there already behaves (a restart after the kill)
 
@@ -40,6 +41,8 @@ def _encode(self, j: int) -> None:
         length -= 1
     elif MODE == "outside":
         at = 0
+    elif MODE == "malformed":
+        at = None
     self.results[j] = (at, length, digest)
 
 

@@ -14,8 +14,10 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+import xxhash
 
 from storage.codec import encode_process
 from storage.codec.encode_process import EncodeJob, EncodeProcess, encode_process_policy
@@ -192,7 +194,65 @@ def test_a_child_that_dies_before_answering_counts_as_a_failed_start() -> None:
     p.close()
 
 
-@pytest.mark.parametrize("mode", ["header", "binding", "digest", "length", "outside"])
+def test_a_child_whose_codec_files_changed_since_start_up_refuses_to_start(tmp_path: Path, monkeypatch, decoding) -> None:
+    """A child runs the codec's files as they are on disk when it starts; the parent decodes with
+    what it loaded at start-up. Told another fingerprint (the files changed under a running
+    server), the child says so and exits: a failed start, every block encoded here, none wrong."""
+    monkeypatch.setattr(encode_process, "FINGERPRINT", "0" * 16)
+    ks = keys(6, layout=MID)
+    with DiskTier(str(tmp_path), CAP, batch_blocks=3, encode_process="nice") as t:
+        for k in ks:
+            assert t.put(k, block_data(k, MID))
+        assert t.drain(timeout=DEADLINE_S)
+        s = t.stats()
+        assert (s.write_errors, s.blocks) == (0, 6)
+        assert s.encode_process.start_failures >= 1 and s.encode_process.deaths == 0
+        assert s.encode_process.fallbacks == 6
+        assert all(same_bits(t.get(k), block_data(k, MID)) for k in ks)
+
+
+def test_the_child_answers_only_payloads_that_decode_to_their_block(monkeypatch) -> None:
+    """The parent checks a payload's header and that the child read its bytes, not what its
+    frames decode to: the child decodes each payload before it answers. An encode that goes wrong
+    in the child (here: one bit of the coded plane's input flipped) is not answered."""
+    from storage.codec import encode_worker
+    block = blocks()[6]                       # bf16, a KV block's 5 dims
+    data = tensor_bytes(block)
+    arena = np.zeros(4 * data.size, dtype=np.uint8)
+    arena[:data.size] = data
+    real = encode_worker.encode_bytes
+
+    def skewed(d, *args, **kw):
+        d = d.copy()
+        d[1] ^= 0x01                          # the top byte of element 0: the coded plane
+        return real(d, *args, **kw)
+    job = (0, data.size, dtype_name(block.dtype), tuple(block.shape), b"x" * 64)
+    honest = encode_worker._Batch(arena, data.size, arena.size, "zstd", 3, [job])
+    honest.encode(0)
+    assert honest.results[0][0] >= 0
+    monkeypatch.setattr(encode_worker, "encode_bytes", skewed)
+    lying = encode_worker._Batch(arena, data.size, arena.size, "zstd", 3, [job])
+    lying.encode(0)
+    assert lying.results[0] == (-1, 0, 0)
+
+
+def test_a_payload_whose_planes_are_laid_out_otherwise_is_refused(monkeypatch) -> None:
+    """dim-1-major order is the header's word, which the child's own checksums cannot contradict:
+    a payload in the other order, for the same bytes and binding, is refused by the parent."""
+    from storage.codec import byte_planes
+    block = blocks()[6]
+    j = job(block, 3)
+    digest = xxhash.xxh3_64_intdigest(j.data)
+    good = b"".join(bytes(p) for p in Codec().encode_parts(block, j.binding))
+    assert encode_process._check(memoryview(good), j, digest, digest) is None
+    monkeypatch.setattr(byte_planes, "can_swap", lambda shape: False)
+    other = b"".join(bytes(p) for p in Codec().encode_parts(block, j.binding))
+    monkeypatch.undo()
+    assert other != good
+    assert "laid out" in encode_process._check(memoryview(other), j, digest, digest)
+
+
+@pytest.mark.parametrize("mode", ["header", "binding", "digest", "length", "outside", "malformed"])
 def test_a_payload_that_fails_its_check_is_never_stored(tmp_path: Path, monkeypatch, mode: str, decoding) -> None:
     monkeypatch.setattr(encode_process, "WORKER_MODULE", LIAR)
     monkeypatch.setenv("LYING_ENCODE_WORKER", mode)
