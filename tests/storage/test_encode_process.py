@@ -22,6 +22,7 @@ import xxhash
 from storage.codec import encode_process
 from storage.codec.encode_process import EncodeJob, EncodeProcess, encode_process_policy
 from storage.codec.payload import Codec, tensor_bytes
+from storage.disk.stats import DiskStats
 from storage.disk.tier import DiskTier
 from storage.foreground import FOREGROUND
 from storage.layout import BlockLayout, dtype_name
@@ -48,6 +49,19 @@ def blocks() -> list[torch.Tensor]:
 
 def job(block: torch.Tensor, i: int) -> EncodeJob:
     return EncodeJob(tensor_bytes(block), dtype_name(block.dtype), tuple(block.shape), bytes([i]) * 64)
+
+
+def written(t: DiskTier, ks) -> DiskStats:
+    """Each block of `ks` put into the tier and the writes drained; the tier's stats after."""
+    for k in ks:
+        assert t.put(k, block_data(k, MID))
+    assert t.drain(timeout=DEADLINE_S)
+    return t.stats()
+
+
+def read_back(t: DiskTier, ks) -> bool:
+    """Every block of `ks` reads back bit-identical to what was put."""
+    return all(same_bits(t.get(k), block_data(k, MID)) for k in ks)
 
 
 def wait_until(cond, what: str) -> None:
@@ -97,13 +111,10 @@ def test_the_childs_payloads_are_codec_encodes_byte_for_byte(kind: str) -> None:
 def test_a_disk_tier_writes_through_the_child_and_reads_back_bit_identical(tmp_path: Path, decoding) -> None:
     ks = keys(24, layout=MID)
     with DiskTier(str(tmp_path), CAP, batch_blocks=5, encode_process="nice") as t:
-        for k in ks:
-            assert t.put(k, block_data(k, MID))
-        assert t.drain(timeout=DEADLINE_S)
-        s = t.stats()
+        s = written(t, ks)
         assert s.write_errors == 0 and s.blocks == 24
         assert s.encode_process is not None and (s.encode_process.starts, s.encode_process.fallbacks) == (1, 0)
-        assert all(same_bits(t.get(k), block_data(k, MID)) for k in ks)
+        assert read_back(t, ks)
         assert t.check() == []
 
 
@@ -113,13 +124,10 @@ def test_with_nothing_decoding_the_pool_encodes_and_no_child_starts(tmp_path: Pa
     assert not FOREGROUND.active()
     ks = keys(12, layout=MID)
     with DiskTier(str(tmp_path), CAP, batch_blocks=4, encode_process="idle") as t:
-        for k in ks:
-            assert t.put(k, block_data(k, MID))
-        assert t.drain(timeout=DEADLINE_S)
-        s = t.stats()
+        s = written(t, ks)
         assert (s.write_errors, s.blocks) == (0, 12)
         assert s.encode_process is None                   # never built: no child started
-        assert all(same_bits(t.get(k), block_data(k, MID)) for k in ks)
+        assert read_back(t, ks)
 
 
 def test_off_by_env_or_argument_encodes_in_this_process(tmp_path: Path, monkeypatch) -> None:
@@ -128,9 +136,7 @@ def test_off_by_env_or_argument_encodes_in_this_process(tmp_path: Path, monkeypa
     assert encode_process_policy("") == encode_process_policy("1") == "idle"      # the default
     ks = keys(6, layout=MID)
     with DiskTier(str(tmp_path), CAP, batch_blocks=4) as t:
-        for k in ks:
-            assert t.put(k, block_data(k, MID))
-        assert t.drain(timeout=DEADLINE_S)
+        written(t, ks)
         assert t.stats().encode_process is None and t.stats().blocks == 6
 
 
@@ -152,12 +158,9 @@ def test_a_child_killed_mid_batch_loses_nothing_and_is_restarted(tmp_path: Path,
         assert (s.write_errors, s.blocks) == (0, 8)
         assert (s.encode_process.deaths, s.encode_process.fallbacks) == (1, 8)
         assert gone(pid)
-        for k in ks[8:]:                                    # a new child (the marker is there: it behaves)
-            assert t.put(k, block_data(k, MID))
-        assert t.drain(timeout=DEADLINE_S)
-        s = t.stats()
+        s = written(t, ks[8:])                              # a new child (the marker is there: it behaves)
         assert (s.encode_process.starts, s.encode_process.fallbacks, s.blocks) == (2, 8, 16)
-        assert all(same_bits(t.get(k), block_data(k, MID)) for k in ks)
+        assert read_back(t, ks)
         assert t.check() == []
 
 
@@ -165,14 +168,11 @@ def test_a_child_that_cannot_start_means_encoding_here_logged_once(tmp_path: Pat
     monkeypatch.setattr(encode_process, "PYTHON", str(tmp_path / "no-such-python"))
     ks = keys(20, layout=MID)
     with DiskTier(str(tmp_path / "store"), CAP, batch_blocks=4, encode_process="nice") as t:
-        for k in ks:
-            assert t.put(k, block_data(k, MID))
-        assert t.drain(timeout=DEADLINE_S)
-        s = t.stats()
+        s = written(t, ks)
         assert (s.write_errors, s.blocks) == (0, 20)
         assert s.encode_process.starts == 0 and s.encode_process.fallbacks == 20
         assert s.encode_process.given_up and s.encode_process.start_failures == encode_process.MAX_FAILURES
-        assert all(same_bits(t.get(k), block_data(k, MID)) for k in ks)
+        assert read_back(t, ks)
     assert sum("cannot start" in r.getMessage() for r in caplog.records) == 1
 
 
@@ -201,14 +201,11 @@ def test_a_child_whose_codec_files_changed_since_start_up_refuses_to_start(tmp_p
     monkeypatch.setattr(encode_process, "FINGERPRINT", "0" * 16)
     ks = keys(6, layout=MID)
     with DiskTier(str(tmp_path), CAP, batch_blocks=3, encode_process="nice") as t:
-        for k in ks:
-            assert t.put(k, block_data(k, MID))
-        assert t.drain(timeout=DEADLINE_S)
-        s = t.stats()
+        s = written(t, ks)
         assert (s.write_errors, s.blocks) == (0, 6)
         assert s.encode_process.start_failures >= 1 and s.encode_process.deaths == 0
         assert s.encode_process.fallbacks == 6
-        assert all(same_bits(t.get(k), block_data(k, MID)) for k in ks)
+        assert read_back(t, ks)
 
 
 def test_the_child_answers_only_payloads_that_decode_to_their_block(monkeypatch) -> None:
@@ -258,13 +255,10 @@ def test_a_payload_that_fails_its_check_is_never_stored(tmp_path: Path, monkeypa
     monkeypatch.setenv("LYING_ENCODE_WORKER", mode)
     ks = keys(6, layout=MID)
     with DiskTier(str(tmp_path), CAP, batch_blocks=3, encode_process="nice") as t:
-        for k in ks:
-            assert t.put(k, block_data(k, MID))
-        assert t.drain(timeout=DEADLINE_S)
-        s = t.stats()
+        s = written(t, ks)
         assert (s.write_errors, s.blocks) == (0, 6)
         assert s.encode_process.refused == 6 and s.encode_process.fallbacks == 6
-        assert all(same_bits(t.get(k), block_data(k, MID)) for k in ks)
+        assert read_back(t, ks)
         assert t.verify().damaged == ()
 
 
