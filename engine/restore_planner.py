@@ -126,12 +126,13 @@ class RestorePlanner:
             finish = load_all
         else:
             plan = Split(d, best, n, compute, load, "predicted")
-        # The whole prompt computed (prefix and suffix in the scheduler's chunks) against this
-        # plan and then the suffix's own step after the join: the plan must win by MIN_GAIN.
-        whole = self._tokens_seconds(d * self.block_size, n * self.block_size + suffix_tokens)
-        after = self._tokens_seconds(n * self.block_size, n * self.block_size + suffix_tokens)
-        if whole is not None and after is not None and finish + after > whole * (1 - MIN_GAIN):
-            return self._decided(Split(d, n, n, self.compute_seconds(d, n), None, "predicted"))
+        if plan.loaded:
+            # The whole prompt computed (prefix and suffix in the scheduler's chunks) against this
+            # plan and then the suffix's own step after the join: the plan must win by MIN_GAIN.
+            whole = self._tokens_seconds(d * self.block_size, n * self.block_size + suffix_tokens)
+            after = self._tokens_seconds(n * self.block_size, n * self.block_size + suffix_tokens)
+            if whole is not None and after is not None and finish + after > whole * (1 - MIN_GAIN):
+                return self._decided(Split(d, n, n, self.compute_seconds(d, n), None, "predicted"))
         return self._decided(plan)
 
     def compute_seconds(self, start: int, end: int) -> float | None:
