@@ -39,10 +39,14 @@ if TYPE_CHECKING:      # the disk tier opened for inspection (`tieredkv inspect`
 def owned_or_copied(block: torch.Tensor, owned: bool) -> torch.Tensor:
     """put()'s block: the caller's own when it handed it over (`owned`) and it is contiguous on the
     CPU, else private_copy(block)."""
-    if (owned and block.device.type == "cpu" and block.is_contiguous() and not block.is_conj() and not block.is_neg()
-            and not block.is_pinned()):      # pinned (a CUDA batch copied out): not kept past the put
+    if owned and plain_cpu(block) and not block.is_pinned():   # pinned (a CUDA batch copied out): not kept
         return block.detach()
     return private_copy(block)
+
+
+def plain_cpu(block: torch.Tensor) -> bool:
+    """Its bytes are its values, in element order, in CPU memory: one memcpy copies it."""
+    return block.device.type == "cpu" and block.is_contiguous() and not block.is_conj() and not block.is_neg()
 
 
 def private_copy(block: torch.Tensor) -> torch.Tensor:
@@ -56,7 +60,7 @@ def private_copy(block: torch.Tensor) -> torch.Tensor:
     import torch        # a tensor was given: torch is loaded already
     src = block.detach()
     out = torch.empty(src.shape, dtype=src.dtype)
-    if src.device.type == "cpu" and src.is_contiguous() and not src.is_conj() and not src.is_neg():
+    if plain_cpu(src):
         out.reshape(-1).view(torch.uint8).numpy()[:] = src.reshape(-1).view(torch.uint8).numpy()
     else:
         out.copy_(src)

@@ -63,7 +63,7 @@ from storage.hashing import BlockKey
 from storage.kv_events.sink import NO_EVENTS, REMOTE_MEDIUM, NoEvents
 from storage.layout import BlockLayout
 from storage.malloc_tuning import keep_freed_memory
-from storage.lower_tier import LowerTier, owned_or_copied
+from storage.lower_tier import LowerTier, owned_or_copied, plain_cpu
 from storage.pool_drain import drain_on
 from storage.remote.known_keys import KnownKeys
 from storage.remote.remote_stats import RemoteStats
@@ -281,8 +281,7 @@ class RemoteTier(LowerTier):
             raise ValueError("put: give the block, or its encoded payload")
         if remote_key(key) in self._known:
             return True
-        if payload is None and self.codec.kind == "raw" and block.device.type == "cpu" and block.is_contiguous() \
-                and not block.is_conj() and not block.is_neg():
+        if payload is None and self.codec.kind == "raw" and plain_cpu(block):
             # The raw codec's encode is one copy of the bytes (and an xxh3, ~10x faster than the
             # copy): the stored value, framed here from the codec's parts, IS put's private copy --
             # the block's one copy, where copying now, encoding that copy on the pool and framing
