@@ -119,10 +119,7 @@ def _check_buffer(header: CodecHeader) -> np.ndarray:
 def decoded_digest(payload: bytes | memoryview, binding: bytes) -> int:
     """xxh3_64 of what `payload` decodes to (every check of decode() made; no torch): the encode
     process's child compares it with its input's before it answers (storage/codec/encode_worker.py)."""
-    mv, header = Codec()._checked(payload, binding, None)
-    out = _check_buffer(header)
-    _decode_into(mv, header, out)
-    return xxhash.xxh3_64_intdigest(out.reshape(-1).view(np.uint8))
+    return xxhash.xxh3_64_intdigest(Codec().check(payload, binding).reshape(-1).view(np.uint8))
 
 
 def encode_bytes(data: np.ndarray, dtype: str, shape: tuple[int, ...], binding: bytes, kind: str = "zstd",
@@ -239,12 +236,15 @@ class Codec:
         _decode_into(mv, header, out.view(ints).numpy().view(_UINTS[dtype.itemsize]))
         return out
 
-    def check(self, payload: bytes | memoryview, binding: bytes, *, header: CodecHeader | None = None) -> None:
+    def check(self, payload: bytes | memoryview, binding: bytes, *, header: CodecHeader | None = None) -> np.ndarray:
         """decode()'s every check and its full decode, into a scratch array of this thread
         rather than a tensor (no torch: `tieredkv verify` checks a store without importing it).
-        Raises CodecError for any damage or a binding mismatch, as decode() does."""
+        Raises CodecError for any damage or a binding mismatch, as decode() does. Returns the
+        scratch array (the block's bits), valid until this thread checks again."""
         mv, header = self._checked(payload, binding, header)
-        _decode_into(mv, header, _check_buffer(header))
+        out = _check_buffer(header)
+        _decode_into(mv, header, out)
+        return out
 
     def _checked(self, payload: bytes | memoryview, binding: bytes,
                  header: CodecHeader | None) -> tuple[memoryview, CodecHeader]:
