@@ -6,9 +6,9 @@ PendingBlock.copy_for), the accesses reads record for it, deletes that race a co
 the capacity bound enforced in the same transaction, and what to do when LMDB runs out of map or
 disk (MapFull/ENOSPC: make room, retry smaller, drop what still does not fit).
 
-Compression runs in the encode process (a child, so its per-block Python holds the child's GIL,
-not the engine's: storage/codec/encode_process.py) or, when that is off or hands a block back, on
-a pool (`tieredkv-disk-encode`, os.cpu_count() threads by default); storage/disk/batch_encoder.py
+Compression runs, while sequences decode, in the encode process (a child, so its per-block Python
+holds the child's GIL, not the engine's: storage/codec/encode_process.py) or, with nothing
+decoding, when that is off or when it hands a block back, on a pool (`tieredkv-disk-encode`, os.cpu_count() threads by default); storage/disk/batch_encoder.py
 decides. It is pipelined with the commits (the look-ahead of storage/background_writer.py): while
 batch k commits -- LMDB's copy into the map and its fsync, one thread --, batch k+1 encodes; no
 more than that one batch is ever encoded ahead, and batches commit one at a time in the order they
