@@ -24,13 +24,53 @@ os.environ.setdefault("TIEREDKV_PROBE_WAIT_SLACK_S", "60")     # a remote probe'
 os.environ.setdefault("TIEREDKV_ENCODE_PROCESS", "nice")
 
 
+# The suite writes only into pytest's temporary directories (tests/sandbox.py): HOME,
+# TIEREDKV_HOME and TMPDIR point into the session's basetemp from configure on (xdist's workers
+# and every child process inherit them), and the session fails if the user's real cache root
+# (less models/, whose existing conversions the sandbox reads) or the real /tmp gained files of ours.
+@pytest.hookimpl(trylast=True)      # after pytest's tmpdir plugin has set up the basetemp
+def pytest_configure(config: pytest.Config) -> None:
+    from tests import sandbox
+    if hasattr(config, "workerinput"):
+        return                           # an xdist worker: the controller set the sandbox
+    base = config._tmp_path_factory.getbasetemp() / "sandbox"
+    config.stash[_SNAPSHOT] = sandbox.enter(base)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    snapshot = session.config.stash.get(_SNAPSHOT, None)
+    if snapshot is None:
+        return
+    from tests import sandbox
+    leaked = sandbox.leaks(snapshot)
+    session.config.stash[_LEAKED] = leaked
+    if leaked and session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
+    leaked = config.stash.get(_LEAKED, [])
+    if leaked:
+        terminalreporter.section("written outside the suite's temporary directories", red=True)
+        for path in leaked:
+            terminalreporter.write_line(path)
+        terminalreporter.write_line("(the suite must write only under pytest's basetemp: tests/sandbox.py; a "
+                                    "tieredkv you ran yourself meanwhile would show here too)")
+
+
+_SNAPSHOT = pytest.StashKey["object"]()
+_LEAKED = pytest.StashKey[list]()
+
+
 @pytest.fixture(scope="session")
 def default_model():
     """The real default model (SmolLM2-135M-Instruct), loaded once per session on the 'auto' device.
 
-    Uses the real user cache (storage.config.default_cache_root()), so the one-time GGUF
-    conversion (~25 s on 2 cores) is shared with later sessions, the demo and the server;
-    later sessions load the cached safetensors in ~4 s.
+    Loaded through the sandbox's cache root (tests/sandbox.py), where the user's real cache's
+    conversion is linked when there is one: the one-time GGUF conversion (~25 s on 2 cores) made
+    by the demo or the server is read, never made again, and later loads take ~4 s. Without
+    one, the session converts once into the sandbox (its xdist workers share it).
     """
     from engine.model import load_model
     return load_model()

@@ -13,6 +13,7 @@ import collections
 import json
 import os
 import sys
+import tempfile
 import traceback
 import warnings
 
@@ -45,7 +46,10 @@ def main() -> None:
 
     warnings.showwarning = record
     warnings.simplefilter("always")
-    eng = Engine.from_pretrained(args.model, CacheConfig(device_memory=args.device_memory, host_memory=args.device_memory),
+    # The disk tier (and the ledger beside it) in a temporary directory: never the user's cache.
+    tmp = tempfile.TemporaryDirectory(prefix="tieredkv-sync-")
+    eng = Engine.from_pretrained(args.model, CacheConfig(device_memory=args.device_memory, host_memory=args.device_memory,
+                                                         disk_dir=os.path.join(tmp.name, "kv")),
                                  max_batch_tokens=512, sync_debug="warn", attention=args.attention)
     base = list(range(1000, 1000 + 700))
     prompts = [base[:n] + [7, n] for n in (50, 300, 700)]
@@ -54,6 +58,7 @@ def main() -> None:
     eng.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.8, top_p=0.9,
                                          top_k=40, seed=1, logprobs=3))
     eng.close()
+    tmp.cleanup()
     report = {"syncs": sum(sites.values()), "sites": dict(sites.most_common()),
               "attention": eng.runner.backend.name}
     if args.json:

@@ -25,7 +25,7 @@ def seq(n: int, seed: int) -> Sequence:
 
 def test_steps_stay_within_the_budget_while_decoding_and_decodes_always_run() -> None:
     layout = kv_layout(model_from_config(tiny_llama_config(), seed=0), BS)
-    cache = TieredKVCache(layout, CacheConfig(block_size=BS, host_memory=0), num_pages=128)
+    cache = TieredKVCache(layout, CacheConfig(block_size=BS, host_memory=0, disk_dir=None), num_pages=128)
     sched = Scheduler(cache, max_batch_tokens=256, decode_step_tokens=8)
     decoder = seq(5, 1)
     sched.add(decoder)

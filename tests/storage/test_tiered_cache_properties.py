@@ -9,6 +9,7 @@ and after a flush every block on disk is read back and compared.
 """
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 
@@ -44,7 +45,9 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 class TieredCacheMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.dir = tempfile.mkdtemp(prefix="tieredkv-prop-")
+        # The disk tier's directory inside a folder of its own: its `<dir>.open-lock` beside it goes too.
+        self.root = tempfile.mkdtemp(prefix="tieredkv-prop-")
+        self.dir = os.path.join(self.root, "kv")
         self.cache: TieredKVCache | None = None
         # What this "engine" holds: one list per group of pages, each (page, key written, registered?).
         self.held: list[list[tuple[int, BlockKey, bool]]] = []
@@ -61,7 +64,7 @@ class TieredCacheMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         if self.cache is not None:
             self.cache.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
+        shutil.rmtree(self.root, ignore_errors=True)
 
     # ---- operations ------------------------------------------------------------------------
     @rule(chain=st.integers(0, len(CHAINS) - 1), start=st.integers(0, 3), n=st.integers(1, 3), keep=st.booleans())
