@@ -31,7 +31,10 @@ app = typer.Typer(help="tieredkv: a tiered KV-cache store for LLM inference (dev
                   "Exit status: 0 ok, 1 failure (server unreachable, HTTP error, damage found), "
                   "2 bad input (bad size, missing cache dir).",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
-                  rich_markup_mode="markdown", context_settings={"help_option_names": ["-h", "--help"]})
+                  # Help is click's plain text, as vLLM's argparse prints it: an option's names on a
+                  # line of their own when they are long, never cut at any width or when piped (typer's
+                  # rich panels squeezed a flag to `--served-model-n…` at 80 columns).
+                  rich_markup_mode=None, context_settings={"help_option_names": ["-h", "--help"]})
 URL_HELP = "Server URL (default $TIEREDKV_URL or http://127.0.0.1:8000)."
 KEY_HELP = "API key, if the server has keys (default $TIEREDKV_API_KEY)."
 JSON_HELP = "Print one JSON object instead of tables."
