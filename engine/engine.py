@@ -40,7 +40,7 @@ from engine.paged_attention import ATTN_NAME, register
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.step_loop import StepLoop
-from engine.request_intake import Prompt, RequestIntake
+from engine.request_intake import Prompt, RequestIntake, request_seeds
 from engine.step_timer import StepTimer
 from engine.sequence import Sequence
 from storage.config import CacheConfig
@@ -89,7 +89,8 @@ class Engine(StepLoop, RequestIntake):
                  attention: str | None = None, billing_failure: str = "serve",
                  max_model_len: int | None = None, enforce_eager: bool = False,
                  decode_step: str = "auto", exact_hits: bool = True, max_n: int = 16,
-                 newcomer_first: bool = True, tenant_weights: dict[str, float] | None = None) -> None:
+                 newcomer_first: bool = True, tenant_weights: dict[str, float] | None = None,
+                 seed: int | None = None) -> None:
         cache = cache or CacheConfig()
         max_batch_tokens = max_batch_tokens or default_batch_tokens(loaded.device)
         if billing_failure not in ON_FAILURE:      # before any thread starts
@@ -102,6 +103,10 @@ class Engine(StepLoop, RequestIntake):
         self.block_size = cache.block_size
         self.max_queue = max_queue
         self.max_seqs = max_seqs      # sequences in one batch (the service's per-tenant bound derives from it)
+        # vLLM's engine seed: a sampled request without a seed of its own takes the next of a
+        # stream seeded once here, so requests differ and a run of the same requests in the same
+        # order samples the same; None: each such request draws from the OS (request_intake.py).
+        self.seeds = request_seeds(seed)
         if sync_debug not in (None, "warn", "error"):
             raise ValueError(f"sync_debug: expected None, 'warn' or 'error', got {sync_debug!r}")
         # CUDA only: the device part of every step (metadata upload, forward, sampling) runs
@@ -221,14 +226,22 @@ class Engine(StepLoop, RequestIntake):
                              f"{self.max_context} tokens")
         return ids
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            add_special_tokens: bool = False) -> list[int]:
+        """The messages' prompt ids through the model's chat template (the assistant's turn opened
+        unless `add_generation_prompt` is False; the tokenizer's special tokens added to the
+        rendered text only when `add_special_tokens`, as vLLM's /tokenize does)."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("messages: this model's tokenizer has no chat template")
         if not isinstance(messages, list) or not messages or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                 for m in messages):
             raise ValueError("messages: expected a non-empty list of {'role': str, 'content': str}")
-        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+        if add_special_tokens:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                      tokenize=False)
+            return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
+        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
                                                  return_dict=False)
         return list(out["input_ids"] if isinstance(out, dict) else out)
 

@@ -1,7 +1,7 @@
 """Model loading: which model, on which device, in which dtype, and its KV identity.
 
-Knows: which model a name means (none: the default one, SmolLM2-135M-Instruct's GGUF, which
-engine/default_model.py finds), how to load a .gguf (through its cached conversion), a local HF
+Knows: which model a name means (none, or the default's own names: the default one,
+SmolLM2-135M-Instruct's GGUF, which engine/default_model.py finds and names), how to load a .gguf (through its cached conversion), a local HF
 directory or a hub id already in the local HF cache, which architectures the paged attention
 supports, and what a model's KV identity and block layout are. Never downloads anything.
 Doesn't know: how a GGUF is converted and cached (engine/gguf_cache.py), paged attention,
@@ -25,7 +25,7 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from engine.conversion_path import is_conversion, record_identity
-from engine.default_model import DEFAULT_MODEL_NAME, INSTALL_HINT, default_gguf_path
+from engine.default_model import DEFAULT_MODEL_NAME, INSTALL_HINT, default_gguf_path, names_default
 from engine.gguf_cache import gguf_checkpoint
 from storage.layout import DTYPE_ITEMSIZES, BlockLayout, dtype_name
 from storage.hashing import ModelIdentity, config_digest
@@ -178,7 +178,7 @@ def _looks_like_path(model: str) -> bool:
 def _resolve_source(model: str | None, cache_dir: str | os.PathLike | None,
                     dtype: torch.dtype = torch.float32) -> tuple[str, str, bool]:
     """(checkpoint to hand to from_pretrained, identity name, whether it is a hub id)."""
-    if model is None:
+    if names_default(model):            # None, or the default model's name or hub id
         gguf = Path(default_gguf_path())
         return str(gguf_checkpoint(gguf, cache_dir, check_supported, dtype)), DEFAULT_MODEL_NAME, False
     path = Path(model).expanduser()

@@ -9,7 +9,9 @@ chunks from one queue that every prompt's sequence writes to, each chunk indexed
 rule for batched prompts (index = prompt_index * n + choice).
 An abort's `delivered_tokens` (engine/abort.py): None (every token generated counts), an int
 (n = 1: the request's count; n > 1: each choice's), or one count per choice of the call, in
-that same index order: each choice is billed for what reached its caller.
+that same index order: each choice is billed for what reached its caller. A sampled request
+without a seed takes the next of the engine's seed stream when it has one (`Engine(seed=N)`, vLLM's
+`--seed`: requests differ, and the same requests in the same order sample the same).
 Doesn't know: scheduling, sampling or billing (the engine thread: engine/step_loop.py).
 
 Threads: every method here runs on the caller's thread (many at once); they share the engine's
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import queue
+import random
 import uuid
 from typing import Iterator, Sequence as Seq
 
@@ -27,7 +30,7 @@ from engine.billing import validate_tenant
 from engine.errors import EngineClosedError, QueueFullError
 from engine.outputs import CompletionOutput, StreamChunk
 from engine.request_group import RequestGroup
-from engine.sampler import make_generator
+from engine.sampler import is_greedy, make_generator
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 
@@ -59,6 +62,16 @@ def share_of(delivered: Delivered, prompt_index: int, n: int) -> Delivered:
     return (part[0] if part else 0) if n == 1 else part
 
 
+def request_seeds(seed: int | None) -> random.Random | None:
+    """The engine's seed stream (Engine(seed=...), vLLM's --seed): each unseeded sampled request
+    takes its next value; None: no stream, each such request draws its own from the OS."""
+    if seed is None:
+        return None
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed: expected an int >= 0 or None, got {seed!r}")
+    return random.Random(seed)
+
+
 class RequestIntake:
     """The caller-facing half of an Engine (a base class of it: the state is the Engine's)."""
 
@@ -75,6 +88,8 @@ class RequestIntake:
         if params.n > self.max_n:
             raise ValueError(f"n: at most {self.max_n} choices per request (max_n), got {params.n}")
         ids = self.encode(prompt)
+        if params.seed is None and self.seeds is not None and not is_greedy(params):
+            params = dataclasses.replace(params, seed=self.seeds.getrandbits(63))     # the engine's seed stream
         seq = Sequence(request_id=f"{id_prefix}-{uuid.uuid4().hex[:24]}", prompt_ids=ids, params=params, tenant=tenant,
                        namespace=self.namespace(tenant), block_size=self.block_size,
                        max_len=min(self.max_context, len(ids) + params.max_tokens),

@@ -86,8 +86,11 @@ class ApiKeys:
             return None
         keys = cls.from_file(path, admin_tenants) if path is not None else cls({})
         if inline:
-            given = cls.from_dict({k: {"tenant": DEFAULT_TENANT, "role": "admin"} for k in inline},
-                                  admin_tenants, source="--api-key")
+            # Any non-empty key, as vLLM's --api-key takes it (the keys file asks more of its keys);
+            # a header's surrounding spaces never arrive, so they are not part of the key.
+            if not all(isinstance(k, str) and k.strip() and k.isprintable() for k in inline):
+                raise ValueError("--api-key: expected a non-empty key without control characters")
+            given = cls({k.strip(): Caller(DEFAULT_TENANT, True) for k in inline})
             both = set(keys._by_digest) & set(given._by_digest)
             if both:
                 raise ValueError("--api-key: a key given there is also in the keys file; give it once")

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import replace
 from typing import Any, AsyncIterator, Callable, Iterator
 
 from fastapi import APIRouter, Request
@@ -47,7 +46,7 @@ async def completions(request: Request) -> Any:
     req = await parse_body(request, CompletionRequest)
     caller = c.caller(request, req.user)
     c.check_model(req.model)
-    params = _params(req, COMPLETIONS_DEFAULT_MAX_TOKENS, c.settings.default_seed)
+    params = _params(req, COMPLETIONS_DEFAULT_MAX_TOKENS)
     engine, tenant, prompt = c.engine, caller.tenant, req.prompt
     # A batch (service/prompt_field.py): each prompt its own engine request, billed on its own; one
     # response with every prompt's choices, index = prompt_index * n + choice (service/batch_prompts.py).
@@ -71,7 +70,7 @@ async def chat_completions(request: Request) -> Any:
     req = await parse_body(request, ChatRequest)
     caller = c.caller(request, req.user)
     c.check_model(req.model)
-    params = _params(req, c.settings.default_chat_max_tokens, c.settings.default_seed)
+    params = _params(req, c.settings.default_chat_max_tokens)
     c.check_prompt_size(messages=req.messages)
     engine, tenant = c.engine, caller.tenant
     messages = [m.to_dict() for m in req.messages]
@@ -175,13 +174,12 @@ def _with_logprobs(out: Any, logprobs: Logprobs | None) -> tuple[Any, Any]:
     return out, logprobs.of(out)
 
 
-def _params(req: Any, default_max_tokens: int, default_seed: int | None = None) -> Any:
-    """The request's SamplingParams; one without a seed takes the server's default seed (--seed), if any."""
+def _params(req: Any, default_max_tokens: int) -> Any:
+    """The request's SamplingParams (one without a seed is seeded by the engine: Engine(seed=...))."""
     try:
-        params = req.sampling_params(default_max_tokens)
+        return req.sampling_params(default_max_tokens)
     except ValueError as e:
         raise from_engine_error(e) from None
-    return params if default_seed is None or params.seed is not None else replace(params, seed=default_seed)
 
 
 async def _stream(c: AppContext, request: Request, make_iter: Any, tenant: str, abort: AbortHandle, chat: bool,

@@ -347,15 +347,23 @@ def _one_of_prompt_or_messages(prompt: Any, messages: list | None) -> None:
 
 
 class TokenizeRequest(BaseModel):
-    """vLLM's /tokenize: a text prompt, or a chat's messages (with the chat template applied)."""
+    """vLLM's /tokenize: a text prompt, or a chat's messages (with the chat template applied), with
+    vLLM's fields and defaults: `add_special_tokens` (a prompt: true, as the engine tokenizes one;
+    messages: false, the template writes them), `add_generation_prompt` (messages only, default
+    true, as a chat request's prompt is), `return_token_strs` (the tokens' strings too)."""
     model_config = _STRICT
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True        # prompt only, as the engine tokenizes a prompt
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool | None = None
+    return_token_strs: bool = False
 
     def model_post_init(self, _: Any) -> None:
         _one_of_prompt_or_messages(self.prompt, self.messages)
+        if self.messages is None and self.add_generation_prompt is not None:
+            raise bad_request("add_generation_prompt: applies to messages only, not to a prompt",
+                              param="add_generation_prompt")
 
 
 class DetokenizeRequest(BaseModel):

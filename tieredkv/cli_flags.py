@@ -46,7 +46,9 @@ REFUSED = {
 
 # README's table: (their flag, from, what serve does with it).
 FLAG_TABLE = (
-    ("MODEL, --model, -m", "vLLM, llama-server", "the same: a .gguf, a transformers directory, a hub id in the local cache"),
+    ("MODEL, --model, -m", "vLLM, llama-server", "the same: a .gguf, a transformers directory, a hub id in the local "
+     "cache; the default model also by its names, `SmolLM2-135M-Instruct` and `HuggingFaceTB/SmolLM2-135M-Instruct` "
+     "(served under the name given)"),
     ("--host, --port", "vLLM, llama-server", "the same"),
     ("--served-model-name", "vLLM", "the same"),
     ("--max-model-len, -c, --ctx-size", "vLLM, llama-server", "the context length (`--max-model-len`)"),
@@ -62,10 +64,13 @@ FLAG_TABLE = (
     ("--dtype", "vLLM", "the same: auto, float32, bfloat16, float16"),
     ("--device", "vLLM", "the same: auto, cpu, cuda, cuda:N"),
     ("--chat-template", "vLLM", "the same: a file, or the template itself"),
-    ("--seed", "vLLM", "the seed of a request that gives none"),
-    ("--api-key KEY", "vLLM, llama-server", "the same; repeat for several (each an admin of tenant `default`); "
-     "`--api-keys FILE` gives tenants and roles"),
+    ("--seed", "vLLM", "the same: seeds the engine once; a sampled request without a seed takes the next of its "
+     "stream (requests differ; the same requests in the same order sample the same)"),
+    ("--api-key KEY", "vLLM, llama-server", "the same: any non-empty key; repeat for several (each an admin of "
+     "tenant `default`); `--api-keys FILE` gives tenants and roles"),
     ("--disable-log-requests", "vLLM", "no line per request (a 5xx still logs)"),
+    ("--disable-log-stats", "vLLM", "accepted: there are no periodic stats lines to turn off (`/metrics`, "
+     "`/v1/cache/status`)"),
     ("--threads, -t", "llama-server", "CPU threads for the model (`torch.set_num_threads`)"),
     ("--kv-events-config", "vLLM", "refused: `--kv-events [ENDPOINT]` (the same wire format)"),
     ("--tensor-parallel-size, --pipeline-parallel-size", "vLLM", "refused: one server per GPU behind `tieredkv route`"),

@@ -149,13 +149,19 @@ def serve(
                                                "remote tiers are off (every prompt token computed)."),
     chat_template: Optional[str] = typer.Option(None, "--chat-template", help="vLLM's: a Jinja chat template, a "
                                                 "file or the template itself, in place of the model's."),
-    seed: Optional[int] = typer.Option(None, "--seed", min=0, help="vLLM's: the seed of every request that gives "
-                                       "none (default: each draws its own)."),
+    seed: Optional[int] = typer.Option(None, "--seed", min=0, help="vLLM's: seeds the engine once; each sampled "
+                                       "request without a seed takes the next seed of that stream (requests "
+                                       "differ; the same requests in the same order sample the same). Default: "
+                                       "each draws its own."),
     disable_log_requests: bool = typer.Option(False, "--disable-log-requests", help="vLLM's: no line per request "
                                               "(a 5xx is still logged)."),
+    disable_log_stats: bool = typer.Option(False, "--disable-log-stats", help="vLLM's: accepted; there is nothing "
+                                           "to turn off (no periodic stats lines: the figures are at /metrics and "
+                                           "/v1/cache/status)."),
     api_key: Optional[list[str]] = typer.Option(None, "--api-key", help="vLLM's: a key clients must send "
-                                                "(Authorization: Bearer KEY); repeat for several. Each is an admin "
-                                                "of tenant 'default'; --api-keys FILE gives tenants and roles."),
+                                                "(Authorization: Bearer KEY), any non-empty string; repeat for "
+                                                "several. Each is an admin of tenant 'default'; --api-keys FILE "
+                                                "gives tenants and roles."),
     threads: Optional[int] = typer.Option(None, "--threads", "-t", min=1, help="llama-server's: CPU threads for "
                                           "the model's compute (torch.set_num_threads)."),
 ) -> None:
@@ -171,6 +177,9 @@ def serve(
     if model_arg is not None and model is not None and model_arg != model:
         raise CLIError(f"give the model once: MODEL is {model_arg!r} and --model is {model!r}", code=2)
     model = model or model_arg
+    from engine.default_model import DEFAULT_MODEL_NAME, names_default
+    if served_model_name is None and model not in (None, DEFAULT_MODEL_NAME) and names_default(model):
+        served_model_name = model       # the default model by its hub id: served under it, as vLLM serves a hub id
     if max_model_len is not None and max_model_len < 2:
         raise CLIError(f"--max-model-len: expected an int >= 2, got {max_model_len}", code=2)
     if max_n < 1:
@@ -214,7 +223,7 @@ def serve(
     settings = ServiceSettings(api_keys_file=api_keys, host=host, port=port, max_body_bytes=parse_size(max_body, "--max-body"),
                                protect_metrics=protect_metrics, unknown_fields="ignore" if lenient_fields else "reject",
                                served_model_name=served_model_name, max_inflight_per_tenant=max_inflight_per_tenant,
-                               api_keys=tuple(api_key or ()), log_probes=log_probes, default_seed=seed)
+                               api_keys=tuple(api_key or ()), log_probes=log_probes)
     check_bind(host, settings)
     ApiKeys.of(api_keys, settings.api_keys)      # bad keys fail now, not after the model loads
     template = read_chat_template(chat_template)
@@ -231,7 +240,7 @@ def serve(
                                                 ledger_dir=str(root / "billing"), prices=price_table,
                                                 billing_failure=on_billing_failure, max_model_len=max_model_len,
                                                 max_seqs=max_num_seqs, max_batch_tokens=max_num_batched_tokens,
-                                                enforce_eager=enforce_eager, max_n=max_n)
+                                                enforce_eager=enforce_eager, max_n=max_n, seed=seed)
             except ValueError as e:
                 if not str(e).startswith("max_model_len:"):
                     raise

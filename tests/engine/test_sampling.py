@@ -172,3 +172,23 @@ def test_bad_new_sampling_params(kwargs, field):
 def test_default_params_are_unpenalized():
     p = SamplingParams()
     assert not p.penalized and p.min_tokens == 0 and p.min_p == 0 and not p.include_stop_str_in_output
+
+
+def test_the_engine_seed_seeds_a_stream_of_requests_as_vllms_does() -> None:
+    """Issue 40: Engine(seed=N) (`serve --seed N`) seeds the engine once, as vLLM's --seed: repeated
+    unseeded sampled requests differ, the same requests in the same order sample the same on an
+    engine seeded alike, and a request's own seed still decides its own draw."""
+    params = SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True)
+
+    def run(seed: int | None) -> list[list[int]]:
+        with make_engine(seed=seed) as e:
+            return [e.generate(PROMPT, params).token_ids for _ in range(3)] + \
+                [e.generate(PROMPT, SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True, seed=5)).token_ids]
+
+    first, again, other = run(7), run(7), run(8)
+    assert len({tuple(t) for t in first[:3]}) == 3, first     # each unseeded request draws anew
+    assert again == first                                     # the same stream from the same seed
+    assert other[:3] != first[:3]
+    assert first[3] == other[3]                               # seed=5 is the request's, whatever the engine's
+    with pytest.raises(ValueError, match="seed"):
+        make_engine(seed=-1)
