@@ -23,6 +23,9 @@ from storage.config import default_cache_root
 
 MARK = "TIEREDKV_TESTS_SANDBOX"           # set once; xdist workers and child processes inherit it
 REAL_ROOT = "TIEREDKV_TESTS_REAL_CACHE"   # the user's cache root, whose models/ the sandbox reads
+# "warn": report files written outside without failing the session (another checkout's suite or a
+# tieredkv run at the same time on this machine writes where this session's check looks).
+LEAKS = "TIEREDKV_TESTS_LEAKS"
 # Names this project's code and tests give what they put in a temp directory (tempfile prefixes,
 # a disk tier's `<dir>.open-lock` beside its directory): one of these new in the real temp
 # directory was written by the suite.
