@@ -80,11 +80,35 @@ def _link_conversions(real: Path, sandbox: Path) -> None:
 
 def leaks(snapshot: Snapshot) -> list[str]:
     """What the session wrote outside the sandbox: new paths under the real cache root (its
-    models/ aside) and new entries of ours in the real temp directory, each as a full path."""
+    models/ aside) and new entries of ours in the real temp directory, each as a full path. An
+    entry in /tmp that a live process outside this session works in (another checkout's suite
+    or benchmark on the same machine: its cwd, an open file, its command line) is not counted."""
     new_cache = sorted(set(_paths(snapshot.cache_root)) - snapshot.cache_paths)
     new_tmp = sorted(n for n in set(_names(snapshot.tmp_dir)) - snapshot.tmp_names
                      if any(fnmatch.fnmatch(n, p) for p in OUR_TMP_NAMES))
+    if new_tmp:
+        elsewhere = _used_by_others()
+        new_tmp = [n for n in new_tmp if not any(str(snapshot.tmp_dir / n) in u for u in elsewhere)]
     return [str(snapshot.cache_root / p) for p in new_cache] + [str(snapshot.tmp_dir / n) for n in new_tmp]
+
+
+def _used_by_others() -> list[str]:
+    """Paths live processes outside this session use (cwd, open files) and their command lines
+    (Linux /proc; a process of this session carries MARK in its environment)."""
+    mine = f"{MARK}={os.environ.get(MARK, '')}".encode()
+    found: list[str] = []
+    for pid in (p for p in os.listdir("/proc") if p.isdigit()) if os.path.isdir("/proc") else ():
+        if pid == str(os.getpid()):      # pytest itself, which set MARK after it started
+            continue
+        try:
+            if mine in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                continue
+            found.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+            found.append(os.readlink(f"/proc/{pid}/cwd"))
+            found.extend(os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd"))
+        except OSError:
+            continue
+    return found
 
 
 def _paths(root: Path) -> set[str]:

@@ -67,6 +67,15 @@ def test_the_leak_check_reports_what_a_session_wrote_outside_and_only_that(tmp_p
     (tmp / "ssh-XXXX").mkdir()                            # another program's: not the suite's doing
     assert sandbox.leaks(snap) == [str(root / "billing"), str(root / "kv" / "data.mdb"),
                                    str(tmp / "tieredkv-prop-abc.open-lock")]
+    # Another program on the machine working in a directory of that name (another checkout's
+    # valkey-server, say: not of this session, so without its sandbox mark) is its own doing.
+    (tmp / "tkv-valkey-1-abc").mkdir()
+    other = {k: v for k, v in os.environ.items() if k != sandbox.MARK}
+    with subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], cwd=tmp / "tkv-valkey-1-abc",
+                          env=other, stdin=subprocess.PIPE) as elsewhere:
+        assert str(tmp / "tkv-valkey-1-abc") not in sandbox.leaks(snap)
+        elsewhere.stdin.close()
+    assert str(tmp / "tkv-valkey-1-abc") in sandbox.leaks(snap)         # once it is gone, nobody else's
 
 
 def test_passed_tests_leave_no_temporary_data_behind() -> None:
