@@ -443,9 +443,9 @@ def test_serve_like_vllm_serve_summary_request_lines_and_the_flush_at_exit(tmp_p
         url = lines.wait(r"serving \S+ on (http://127\.0\.0\.1:\d+)", proc, 180)[1]
         lines.wait(r"Uvicorn running|Application startup complete", proc, 60)
         summary = "".join(lines.lines)
-        # The start-up heap is frozen before the first request (tieredkv/startup_heap.py): torch,
-        # transformers and the model alone are tens of thousands of tracked objects.
-        assert int(re.search(r"tieredkv: ([\d,]+) start-up objects frozen", summary)[1].replace(",", "")) > 10_000
+        # The start-up heap is frozen before the first request (tieredkv/startup_heap.py), said only
+        # at DEBUG (tests/test_cli_flags.py's server runs at debug and finds the count).
+        assert "start-up objects frozen" not in summary
         for row in (r"model\s+tiny-4k\w*, served as 'tiny'", r"device\s+cpu, float32, attention gather_sdpa",
                     r"context\s+512 tokens \(max model len\), set by max_model_len; the model allows 4,096",
                     r"device pool\s+8\.0MiB: 1,024 pages of 16 tokens \(8\.0KiB each\)", r"host tier\s+8\.0MiB",

@@ -51,7 +51,7 @@ def test_serve_with_vllm_and_llama_server_flags(tmp_path: Path, tiny_model_dir: 
                              "--port", "0", "--cache-dir", str(root), "--dtype", "float32", "--device-memory", "8MiB",
                              "--api-key", keys[0], "--api-key", keys[1], "--seed", "7", "-np", "4",
                              "--max-num-batched-tokens", "128", "-t", "1", "--no-enable-prefix-caching",
-                             "--disable-log-requests", "--chat-template", str(template)],
+                             "--disable-log-requests", "--chat-template", str(template), "--log-level", "debug"],
                             cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         lines = Lines(proc.stderr)
@@ -61,6 +61,10 @@ def test_serve_with_vllm_and_llama_server_flags(tmp_path: Path, tiny_model_dir: 
         url = lines.wait(r"serving \S+ on (http://127\.0\.0\.1:\d+)", proc, 180)[1]
         lines.wait(r"Uvicorn running|Application startup complete", proc, 60)
         text = "".join(lines.lines)
+        # The start-up heap is frozen before the first request (tieredkv/startup_heap.py): torch,
+        # transformers and the model alone are tens of thousands of tracked objects (a DEBUG line).
+        frozen = lines.wait(r"tieredkv.service: ([\d,]+) start-up objects frozen", proc, 30)[1]
+        assert int(frozen.replace(",", "")) > 10_000
         assert re.search(r"host tier\s+off", text) and re.search(r"disk tier\s+off", text), text
         assert "--no-enable-prefix-caching: no request reuses another's blocks" in text
         assert httpx.get(f"{url}/v1/models").status_code == 401

@@ -140,6 +140,8 @@ def test_the_issues_help_command_finds_the_flag() -> None:
     r = subprocess.run(["bash", "-c", "COLUMNS=80 tieredkv serve --help | grep -- --served-model-name"],
                        cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "--served-model-name" in r.stdout, (r.stdout, r.stderr)
+    top = subprocess.run(["tieredkv", "--help"], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
+    assert re.search(r"^  --version\s+Print the version", top.stdout, re.M) and "<bool>" not in top.stdout, top.stdout
 
 
 @pytest.mark.parametrize("columns", ["40", "80", "200"])

@@ -274,11 +274,12 @@ def serve(
     from service.server import serve as run_server
     from tieredkv.startup_heap import freeze_startup_heap
     frozen = freeze_startup_heap()      # no full GC pass walks the start-up heap mid-request
-    err.print(f"tieredkv: {frozen:,} start-up objects frozen out of the garbage collector's full passes",
-              soft_wrap=True)
     log_to_stderr(log_level)
+    import logging
+    # Nothing a user acts on: a DEBUG line (issue 40), for whoever looks into a latency spike.
+    logging.getLogger("tieredkv.service").debug("%s start-up objects frozen out of the garbage collector's full "
+                                                "passes", f"{frozen:,}")
     if disable_log_requests:
-        import logging
         logging.getLogger("tieredkv.requests").setLevel(logging.WARNING)
     run_server(engine, settings, sock=sock, log_level=log_level, access_log=access_log)
 
