@@ -207,11 +207,11 @@ class Codec:
 
     def frames(self, payload: bytes | memoryview) -> list[tuple[memoryview, int]]:
         """The payload's zstd frames, each with the size it decompresses to (the header checked,
-        the frames not): what a benchmark's bare-zstd limit decompresses. None for a whole
-        (raw codec) payload, which has no frame."""
+        the frames not): what a benchmark's bare-zstd limit decompresses. None for a whole (raw
+        codec) or nibble payload, which has no zstd frame."""
         mv = memoryview(payload).cast("B")
         header = self.check_header(mv)
-        if header.whole:
+        if header.whole or header.nibble:
             return []
         if header.version == 3:
             return [(mv[header.header_size:], header.raw_size)]
