@@ -326,9 +326,13 @@ def print_table(res: dict) -> None:
     print(f"chunking: ours {ch['ours']}; LMCache {ch['peer']}, {peer.get('chunks')} chunks; GB/s of raw KV bytes")
     pg = peer["gbps"]
     if peer["available"]:
-        print(f"LMCache {peer['version']} ({peer.get('connector')}): disk put {pg['disk_put']} GB/s without fsync, "
-              f"{pg['disk_put_fsync']} with an fsync per file; disk get {pg['disk_get']}; "
-              f"remote put {pg.get('remote_put')}, get {pg.get('remote_get')}")
+        said = []
+        if pg["disk_put"] is not None:
+            said.append(f"disk put {pg['disk_put']} GB/s without fsync, {pg['disk_put_fsync']} with an fsync per file; "
+                        f"disk get {pg['disk_get']}")
+        if pg.get("remote_put") is not None:
+            said.append(f"remote ({peer.get('connector')}) put {pg['remote_put']}, get {pg['remote_get']}")
+        print(f"LMCache {peer['version']}: {'; '.join(said)}")
     else:
         print(f"LMCache: not measured ({peer['reason']})")
     print(f"{'edge':<11} {'codec':<5} {'GB/s':>7} {'limit':>7} {'x limit':>8} {'LMCache':>8} {'x LMCache':>9}  "

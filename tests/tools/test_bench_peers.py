@@ -66,7 +66,7 @@ def test_quick_mode_reports_every_field(tmp_path):
 
 
 
-def test_llama8b_shape_and_peer_chunking_are_reported(tmp_path):
+def test_llama8b_shape_and_peer_chunking_are_reported(tmp_path, capsys):
     res = quick(tmp_path, "--shape", "llama8b", "--blocks", "4", "--edges", "disk", "--codec", "raw",
                 "--peer-chunk-tokens", "32")
     cfg = res["config"]
@@ -75,6 +75,10 @@ def test_llama8b_shape_and_peer_chunking_are_reported(tmp_path):
     assert cfg["chunking"]["ours_tokens"] == 16 and cfg["chunking"]["peer_tokens"] == 32
     assert res["peer"]["chunk_tokens"] == 32 and res["peer"]["chunks"] == 2
     assert set(res["edges"]["raw"]) == {"disk_put", "disk_get"}
+    bench_peers.print_table(res)
+    table = capsys.readouterr().out
+    assert "chunking: ours 16-token blocks" in table and "LMCache 32-token chunks (2 blocks" in table
+    assert "LMCache: not measured (--no-peer)" in table
 
 
 @pytest.mark.parametrize("argv", [
