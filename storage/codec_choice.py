@@ -12,13 +12,15 @@ Doesn't know: tiers, or what a codec does inside (storage/codec/payload.py). The
 synthetic, with KV's shape of values (normal, magnitudes log-normal: a few exponents carry most
 elements), so its ratio is close to, not equal to, real KV's (docs/BENCHMARKS.md, issue 38).
 
-Runs once, on the thread that builds the cache, in ~10-100 ms (the scratch file is 16 MiB).
+Runs on the thread that builds the cache, in ~30-200 ms the first time (the scratch file is 16
+MiB); a layout's and a directory's figures are kept for the process's life.
 """
 from __future__ import annotations
 
 import logging
 import os
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 
@@ -121,7 +123,24 @@ def choose(figures: tuple[CodecFigures, ...], medium_bytes_per_s: float | None, 
     return CodecChoice(best.kind, medium_bytes_per_s, max(1, threads), figures)
 
 
+# Per process: a layout's codec figures and a directory's read rate, measured once (a process that
+# builds many caches -- a test suite, a benchmark -- writes one scratch file per directory).
+_measured: dict[object, object] = {}
+_measured_lock = threading.Lock()
+
+
+def _once(key: object, measure):
+    with _measured_lock:
+        if key in _measured:
+            return _measured[key]
+    value = measure()          # NOTE: measured outside the lock (I/O); a race measures twice, harmlessly
+    with _measured_lock:
+        return _measured.setdefault(key, value)
+
+
 def choose_for_disk(layout: BlockLayout, directory: str, threads: int) -> CodecChoice:
-    choice = choose(measure_codecs(layout), drive_read_rate(directory), threads)
+    figures = _once(("codecs", layout), lambda: measure_codecs(layout))
+    rate = _once(("drive", os.path.realpath(directory)), lambda: drive_read_rate(directory))
+    choice = choose(figures, rate, threads)
     log.info("disk tier codec auto: %s", choice.describe())
     return choice
