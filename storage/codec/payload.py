@@ -237,11 +237,12 @@ class Codec:
         dtype = dtype_from_name(header.dtype)
         if out is None:
             out = torch.empty(header.shape, dtype=dtype)
-        elif (out.device.type != "cpu" or not out.is_contiguous() or out.dtype != dtype
-              or out.numel() != header.numel):
+        elif not out.is_cpu or out.dtype != dtype or out.numel() != header.numel or not out.is_contiguous():
             raise ValueError(f"out: expected a contiguous CPU {header.dtype} tensor of {header.numel} elements, "
                              f"got {out.dtype} numel={out.numel()} device={out.device} contiguous={out.is_contiguous()}")
-        out = out.view(header.shape)
+        # Per-block costs count here (a restore decodes thousands): a view only where the shape differs.
+        if out.shape != header.shape:
+            out = out.view(header.shape)
         ints = torch.int16 if dtype.itemsize == 2 else torch.int32
         _decode_into(mv, header, out.view(ints).numpy().view(_UINTS[dtype.itemsize]))
         return out
