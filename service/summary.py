@@ -51,7 +51,7 @@ def startup_summary(engine: Any, url: str, served_model_name: str | None = None)
     rows.append(("remote tier", "off" if config.remote is None else
                  f"{config.remote.redacted} ({config.remote_write})"))
     rows.append(("restores", f"compute or load: {config.restore_policy} (engine/restore_planner.py); "
-                             f"blocks below the host stored {config.codec}"
+                             f"blocks below the host stored {_codec(engine, config)}"
                              + (" (zstd level %d)" % config.zstd_level if config.codec == "zstd" else "")))
     events = getattr(engine.cache, "events_publisher", None)
     rows.append(("kv events", "off" if events is None else
@@ -78,3 +78,11 @@ def _billing(engine: Any, billing: dict) -> str:
 def format_summary(rows: list[tuple[str, str]]) -> str:
     width = max(len(label) for label, _ in rows)
     return "\n".join(f"  {label:<{width}}  {text}" for label, text in rows)
+
+
+def _codec(engine, config) -> str:
+    """The configured codec; under auto, what was chosen and from which figures."""
+    disk = getattr(engine.cache, "disk", None)
+    if config.codec != "auto":
+        return config.codec
+    return f"auto: {disk.codec.kind}" if disk is not None else "auto: zstd (no disk tier)"

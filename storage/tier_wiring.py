@@ -2,7 +2,8 @@
 about them that the cache passes on without naming them.
 
 Knows: which tiers there are and their order (the disk, then the remote store), how each is built
-from CacheConfig (path, sizes, codec, reserve; URL, timeouts, TTL, breaker), what a configured
+from CacheConfig (path, sizes, codec -- "auto" chosen here, storage/codec_choice.py --, reserve;
+URL, timeouts, TTL, breaker), what a configured
 tier that could not start reports (a disk on a full filesystem: `unavailable`), the store's write
 policy (`remote_write`: write-through sends every block down as it is registered), and the
 handles by name (`cache.disk`, `cache.remote`) that callers outside placement use: the engine's
@@ -14,9 +15,11 @@ test_tier_boundary.py): this module is the one place in placement that does.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 
 from storage.codec.payload import Codec
+from storage.codec_choice import choose_for_disk
 from storage.config import CacheConfig
 from storage.disk.tier import DiskTier, DiskUnavailable
 from storage.layout import BlockLayout
@@ -42,20 +45,30 @@ def wire(config: CacheConfig, layout: BlockLayout, disk: DiskTier | None = None,
          remote: RemoteTier | None = None) -> LowerTiers:
     """The tiers CacheConfig asks for, each built unless given ready-made (tests, tools)."""
     unavailable: str | None = None          # why the configured disk tier is not running
+    kind, chosen = config.codec, None
+    if kind == "auto":
+        kind = "zstd"                       # fewest bytes: the store's, without a disk to follow
+        if disk is None and config.disk_path is not None:
+            chosen = choose_for_disk(layout, os.path.dirname(os.path.abspath(config.disk_path)),
+                                     os.cpu_count() or 1)
+            kind = chosen.kind
     if disk is None and config.disk_path is not None:
         try:
-            disk = DiskTier(config.disk_path, config.disk_bytes, Codec(config.zstd_level, config.codec),
+            disk = DiskTier(config.disk_path, config.disk_bytes, Codec(config.zstd_level, kind),
                             layout=layout, reserve_bytes=config.disk_reserve_bytes)
         except DiskUnavailable as e:
             # NOTE: a full filesystem (or a store that cannot be created) is a cache without its
             # disk tier, never a server that cannot start; status says why.
             log.error("disk tier unavailable, running without it: %s", e)
             unavailable = str(e)
+    if config.codec == "auto" and disk is not None:
+        kind = disk.codec.kind              # the store keeps the disk's payloads (storage/disk/writer.py)
     if remote is None and config.remote is not None:
-        remote = RemoteTier(config.remote, layout, Codec(config.zstd_level, config.codec),
+        remote = RemoteTier(config.remote, layout, Codec(config.zstd_level, kind),
                             timeout_s=config.remote_timeout_s, ttl_s=config.remote_ttl_s,
                             breaker=BreakerConfig(cooldown_s=config.remote_retry_s))
-    status = {"disk": {} if disk is not None else {"enabled": False, "unavailable": unavailable},
+    status = {"disk": ({"codec_choice": chosen.describe()} if chosen is not None else {}) if disk is not None
+              else {"enabled": False, "unavailable": unavailable},
               "remote": {"write_policy": config.remote_write} if remote is not None else {"enabled": False}}
     return LowerTiers(tiers=tuple(t for t in (disk, remote) if t is not None),
                       write_through=config.write_policy == "write_through"

@@ -70,7 +70,7 @@ fi
 # truncated store is a crash): build them in place with the machine's cc when they are missing.
 if [ $DRY -eq 0 ]; then
     read -r inc suffix < <($PY -c "import sysconfig as s; print(s.get_paths()['include'], s.get_config_var('EXT_SUFFIX'))")
-    for mod in storage/codec/_byte_planes storage/disk/_map_faults; do
+    for mod in storage/codec/_byte_planes storage/codec/_nibble storage/disk/_map_faults; do
         [ -f "$mod$suffix" ] || ${CC:-cc} -O3 -shared -fPIC -I"$inc" "$mod.c" -o "$mod$suffix" \
             || echo "gpu_check: building $mod.c failed" >&2
     done
@@ -192,6 +192,7 @@ for step in $STEPS; do
               done; done ;;
         policies) for s in $SHAPES_HERE; do
                   part policies "$s" $PY tools/bench_ttft.py --model tools/model_shapes/$s --restore-policy auto,load,recompute \
+                      --codec ${POLICY_CODEC:-auto} \
                       --prefix-lengths $LENGTHS --sources host,disk,remote --remote-mbit '' --no-first \
                       --device-memory $POOL --host-memory $POOL --json
               done ;;

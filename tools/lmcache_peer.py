@@ -7,8 +7,13 @@ as a child), never in tieredkv's: it imports nothing of tieredkv. Knows: how to 
 through each. Doesn't know: tieredkv, limits, targets or tables (bench_peers.py has them).
 
 The blocks come in a file of raw bytes, `[N, layers, 2, tokens, kv_heads, head_dim]` in the given
-dtype (tieredkv's block layout); each is stored as LMCache stores a chunk, `KV_2LTD`
-(`[2, layers, tokens, kv_heads * head_dim]`), the same bytes in its own order.
+dtype (tieredkv's block layout). Each run of --chunk-blocks k consecutive blocks is stored as one
+chunk of k * tokens tokens (one key, one file), laid out as LMCache stores a chunk, `KV_2LTD`
+(`[2, layers, k * tokens, kv_heads * head_dim]`): the same bytes in its own order (`to_chunk`; its
+inverse `from_chunk` is checked once at start). k = 16 of 16-token blocks is LMCache's default
+chunk of 256 tokens; k = 1 stores each block as its own chunk. k must divide N: every chunk is a
+full one (LMCache's valkey connector reads any key into a buffer of the configured chunk's shape,
+so a shorter tail chunk would not read back as it was written).
 
 Protocol: one JSON command per line on stdin, one `RESULT <json>` line per command on stdout
 (anything else on stdout is LMCache's own logging, ignored by the parent):
@@ -22,9 +27,10 @@ Protocol: one JSON command per line on stdin, one `RESULT <json>` line per comma
                                                   empties the store between calls)
     {"op": "quit"}
 
-Each result: {"put_s", "get_s", "bytes", "verified"}: seconds of the put (submit to the last
-completion callback) and of the get (`batched_get_blocking`), raw bytes moved, and whether every
-block read back bit-identical (checked after the timed get, every call).
+Each result: {"put_s", "get_s", "bytes", "chunks", "verified"}: seconds of the put (submit to the
+last completion callback) and of the get (`batched_get_blocking` of every chunk), raw bytes moved,
+the chunks (keys) they were in, and whether every chunk read back bit-identical (checked after the
+timed get, every call).
 """
 from __future__ import annotations
 
@@ -46,9 +52,23 @@ def _fsync_write_file(self, buffer, path):
         os.fsync(f.fileno())
 
 
+def to_chunk(blocks):
+    """[k, layers, 2, tokens, kv_heads, head_dim] -> KV_2LTD [2, layers, k * tokens, kv_heads * head_dim]
+    (a new contiguous tensor; token t of block j is chunk token j * tokens + t)."""
+    k, layers, two, tokens, heads, head_dim = blocks.shape
+    return blocks.permute(2, 1, 0, 3, 4, 5).reshape(two, layers, k * tokens, heads * head_dim).contiguous()
+
+
+def from_chunk(chunk, tokens: int, heads: int):
+    """The inverse of to_chunk: KV_2LTD [2, layers, k * tokens, kv_heads * head_dim] -> the k blocks."""
+    two, layers, n_tokens, hidden = chunk.shape
+    k = n_tokens // tokens
+    return chunk.reshape(two, layers, k, tokens, heads, hidden // heads).permute(2, 1, 0, 3, 4, 5)
+
+
 class Peer:
     def __init__(self, blocks_file: str, shape: tuple[int, ...], dtype_name: str, workdir: str,
-                 url: str | None) -> None:
+                 url: str | None, chunk_blocks: int = 1) -> None:
         import torch
         from lmcache.v1.config import LMCacheEngineConfig
         from lmcache.v1.metadata import LMCacheMetadata
@@ -62,24 +82,33 @@ class Peer:
         src = torch.frombuffer(raw, dtype=self.dtype).view(-1, *shape)
         self.n = src.shape[0]
         self.block_bytes = src[0].numel() * src[0].element_size()
+        self.chunk_tokens = chunk_blocks * tokens
+        if chunk_blocks < 1 or self.n % chunk_blocks:
+            raise ValueError(f"{self.n} blocks do not make whole chunks of {chunk_blocks} blocks")
         self.workdir = workdir
         self.meta = LMCacheMetadata(model_name="tieredkv-bench", world_size=1, local_world_size=1, worker_id=0,
-                                    local_worker_id=0, kv_dtype=self.dtype, kv_shape=tuple(shape), use_mla=False,
-                                    chunk_size=tokens)
+                                    local_worker_id=0, kv_dtype=self.dtype,
+                                    kv_shape=(layers, two, self.chunk_tokens, heads, head_dim), use_mla=False,
+                                    chunk_size=self.chunk_tokens)
         # Room for the source chunks, one get's results and slack for the allocator.
-        cpu_gib = (3 * self.n * self.block_bytes + (64 << 20)) / 2**30
+        cpu_gib = (3 * self.n * self.block_bytes + (64 << 20) + 2 * chunk_blocks * self.block_bytes) / 2**30
         self.config = LMCacheEngineConfig.from_defaults(
-            chunk_size=tokens, local_cpu=False, max_local_cpu_size=cpu_gib, remote_url=url, remote_serde="naive",
-            local_disk=os.path.join(workdir, "unused"), max_local_disk_size=4 * self.n * self.block_bytes / 2**30 + 1)
+            chunk_size=self.chunk_tokens, local_cpu=False, max_local_cpu_size=cpu_gib, remote_url=url,
+            remote_serde="naive", local_disk=os.path.join(workdir, "unused"),
+            max_local_disk_size=4 * self.n * self.block_bytes / 2**30 + 1)
         self.cpu = LocalCPUBackend(self.config, self.meta)
-        self.chunk_shape = torch.Size([2, layers, tokens, heads * head_dim])
         self.objs = []
-        for b in src:
-            m = self.cpu.allocate(self.chunk_shape, self.dtype, MemoryFormat.KV_2LTD)
+        for start in range(0, self.n, chunk_blocks):
+            group = src[start:start + chunk_blocks]
+            chunk = to_chunk(group)
+            if not torch.equal(from_chunk(chunk, tokens, heads), group):     # untimed: the same bytes, reordered
+                raise RuntimeError("a chunk does not hold its blocks' bytes")
+            m = self.cpu.allocate(chunk.shape, self.dtype, MemoryFormat.KV_2LTD)
             if m is None:
                 raise RuntimeError("LMCache's CPU allocator refused a chunk")
-            m.tensor.copy_(b.permute(1, 0, 2, 3, 4).reshape(self.chunk_shape))
+            m.tensor.copy_(chunk)
             self.objs.append(m)
+        del src, raw
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, daemon=True, name="lmcache-loop").start()
         self.remote = None
@@ -91,7 +120,7 @@ class Peer:
 
     def keys(self, base: int) -> list:
         from lmcache.utils import CacheEngineKey
-        return [CacheEngineKey("tieredkv-bench", 1, 0, base + i, self.dtype) for i in range(self.n)]
+        return [CacheEngineKey("tieredkv-bench", 1, 0, base + i, self.dtype) for i in range(len(self.objs))]
 
     def _put(self, backend, keys) -> float:
         done = threading.Semaphore(0)
@@ -128,7 +157,8 @@ class Peer:
         finally:
             backend.close()
             shutil.rmtree(path, ignore_errors=True)
-        return {"put_s": put_s, "get_s": get_s, "bytes": self.n * self.block_bytes, "verified": ok}
+        return {"put_s": put_s, "get_s": get_s, "bytes": self.n * self.block_bytes, "chunks": len(keys),
+                "verified": ok}
 
     def remote_round(self, rnd: int) -> dict:
         if self.remote is None:
@@ -136,7 +166,8 @@ class Peer:
         keys = self.keys((rnd * 4 + 1) << 20)
         put_s = self._put(self.remote, keys)
         get_s, ok = self._get(self.remote, keys)
-        return {"put_s": put_s, "get_s": get_s, "bytes": self.n * self.block_bytes, "verified": ok}
+        return {"put_s": put_s, "get_s": get_s, "bytes": self.n * self.block_bytes, "chunks": len(keys),
+                "verified": ok}
 
 
 def _connector_name(remote) -> str | None:
@@ -152,6 +183,7 @@ def main() -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--workdir", required=True)
     ap.add_argument("--url", default=None, help="valkey://host:port of the store (none: disk only)")
+    ap.add_argument("--chunk-blocks", type=int, default=1, help="consecutive blocks stored as one chunk")
     args = ap.parse_args()
     out = sys.stdout
 
@@ -161,12 +193,14 @@ def main() -> int:
 
     try:
         import lmcache
-        peer = Peer(args.blocks_file, tuple(int(x) for x in args.shape.split(",")), args.dtype, args.workdir, args.url)
+        peer = Peer(args.blocks_file, tuple(int(x) for x in args.shape.split(",")), args.dtype, args.workdir, args.url,
+                    args.chunk_blocks)
     except Exception as e:   # noqa: BLE001 -- reported to the parent, which skips the peer
         reply({"error": f"{type(e).__name__}: {e}"})
         return 1
     from importlib.metadata import version
     reply({"ready": True, "lmcache": version("lmcache"), "blocks": peer.n, "block_bytes": peer.block_bytes,
+           "chunks": len(peer.objs), "chunk_tokens": peer.chunk_tokens,
            "connector": _connector_name(peer.remote), "module": lmcache.__file__})
     for line in sys.stdin:
         cmd = json.loads(line)

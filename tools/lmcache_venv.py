@@ -1,8 +1,8 @@
 """The peer of tools/bench_peers.py: LMCache's storage layer in its own virtual environment (built
 or reused: lmcache pinned, installed --no-deps beside the few packages its CPU storage layer
 imports, reusing this interpreter's torch), and tools/lmcache_peer.py driven in a child process in
-that venv (one JSON command per line in, one RESULT line out). Knows nothing of our tiers, the
-rounds or the targets.
+that venv (one JSON command per line in, one RESULT line out), told how many consecutive blocks
+make one of LMCache's chunks. Knows nothing of our tiers, the rounds or the targets.
 """
 from __future__ import annotations
 
@@ -62,14 +62,17 @@ def ensure_lmcache(venv: str) -> tuple[str | None, str]:
 class PeerProcess:
     """tools/lmcache_peer.py in LMCache's venv: one JSON command per line in, one RESULT line out."""
 
-    def __init__(self, python: str, blocks: torch.Tensor, workdir: str, url: str | None) -> None:
+    def __init__(self, python: str, blocks: torch.Tensor, workdir: str, url: str | None,
+                 chunk_blocks: int = 1) -> None:
+        """chunk_blocks: consecutive blocks LMCache stores as one chunk (one key, one file)."""
         self.workdir = workdir
         path = os.path.join(workdir, "blocks.bin")
         blocks.contiguous().view(torch.uint8).numpy().tofile(path)
         self.log_path = os.path.join(workdir, "lmcache_peer.log")
         driver = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lmcache_peer.py")
         cmd = [python, driver, "--blocks-file", path, "--shape", ",".join(map(str, blocks.shape[1:])),
-               "--dtype", dtype_name(blocks.dtype), "--workdir", workdir] + (["--url", url] if url else [])
+               "--dtype", dtype_name(blocks.dtype), "--workdir", workdir, "--chunk-blocks", str(chunk_blocks)]
+        cmd += ["--url", url] if url else []
         env = dict(os.environ, LMCACHE_LOG_LEVEL="WARNING", PYTHONPATH="")
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,

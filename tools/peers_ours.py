@@ -16,8 +16,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_tiers import _decompress_into, same_bits, timed  # noqa: E402  (sibling scripts)
-from storage.codec import byte_planes  # noqa: E402
-from storage.codec.payload import CODED_PLANES, Codec  # noqa: E402
+from storage.codec import byte_planes, nibble  # noqa: E402
+from storage.codec.payload import CODED_PLANES, Codec, tensor_bytes  # noqa: E402
 from storage.codec.zstd_frames import _coded_compressor  # noqa: E402
 from storage.disk.tier import DiskTier, default_map_size  # noqa: E402
 from storage.codec.stored_block import payload_binding  # noqa: E402
@@ -78,6 +78,8 @@ class Ours:
                 at += plane.length
             self.coded_spans.append(spans)
         self.stored_bytes = sum(len(p) for p in self.payloads)
+        self.headers = [self.codec.check_header(p) for p in self.payloads]
+        self.flat_outs = [o.reshape(-1).view(torch.uint8).numpy() for o in self.limit_outs]
 
     def keys(self, tag: str) -> list[BlockKey]:
         ns = f"bench-peers-{self.kind}-{tag}".encode()[:32].ljust(32, b"\0")
@@ -140,14 +142,22 @@ class Ours:
         return timed(lambda: list(self.pool.map(copy, range(self.n))))
 
     def compress_s(self) -> float:
-        """zstd of every coded plane with the codec's compressor, in one thread (the writer's)."""
+        """zstd of every coded plane with the codec's compressor, in one thread (the writer's); for
+        the nibble codec, its coding of every block (storage/codec/nibble.py's kernel)."""
+        if self.kind == "nibble":
+            itemsize = self.layout.dtype.itemsize
+            return timed(lambda: [nibble.encode(tensor_bytes(b), itemsize) for b in self.blocks])
         if not self.coded_planes:
             return 0.0      # the raw codec codes no plane
         c = _coded_compressor(self.level)
         return timed(lambda: [c.compress(p) for p in self.coded_planes])
 
     def decompress_s(self) -> float:
-        """zstd decompression of every coded frame into a warm per-thread buffer, on the decode threads."""
+        """zstd decompression of every coded frame into a warm per-thread buffer, on the decode
+        threads; for the nibble codec, its kernel's decode of every payload's planes into a warm
+        tensor (the decode's write is the copy: no memcpy beside it)."""
+        if self.kind == "nibble":
+            return self._nibble_s()
         if not any(self.coded_spans):
             return 0.0      # the raw codec codes no plane
 
@@ -158,6 +168,17 @@ class Ours:
             payload = self.payloads[i]
             for at, length, size in self.coded_spans[i]:
                 _decompress_into(payload[at:at + length], buf[:size])
+        return timed(lambda: list(self.pool.map(work, range(self.n))))
+
+    def _nibble_s(self) -> float:
+        itemsize = self.layout.dtype.itemsize
+
+        def work(i: int) -> None:
+            p, h = memoryview(self.payloads[i]), self.headers[i]
+            n, at, coded = h.numel, h.header_size, h.planes[-1].coded
+            low = [p[at + b * n:at + (b + 1) * n] for b in range(itemsize - 1)]
+            top = p[at + (itemsize - 1) * n:]
+            nibble.decode(top if coded else None, low, None if coded else top, self.flat_outs[i], itemsize)
         return timed(lambda: list(self.pool.map(work, range(self.n))))
 
     def lmdb_put_s(self) -> float:
@@ -210,12 +231,14 @@ class Ours:
     def limits_round(self, edges: tuple[str, ...] = ("disk", "remote")) -> dict[str, dict[str, float]]:
         """Every limit's parts, each timed alone (seconds), for the edges asked."""
         memcpy, comp, decomp = self.memcpy_s(), self.compress_s(), self.decompress_s()
+        # nibble: its kernel decodes into the tensor (the copy is in it); zstd: frames, then a join
+        step, copy = ("nibble", {}) if self.kind == "nibble" else ("zstd", {"memcpy": memcpy})
         out = {}
         if "disk" in edges:
-            out["disk_put"] = {"memcpy": memcpy, "zstd": comp, "lmdb_put": self.lmdb_put_s()}
-            out["disk_get"] = {"lmdb_get": self.lmdb_get_s(), "zstd": decomp, "memcpy": memcpy}
+            out["disk_put"] = {"memcpy": memcpy, step: comp, "lmdb_put": self.lmdb_put_s()}
+            out["disk_get"] = {"lmdb_get": self.lmdb_get_s(), step: decomp, **copy}
         if self.remote is not None and "remote" in edges:
-            out["remote_put"] = {"memcpy": memcpy, "zstd": comp, "set": self.set_s()}
-            out["remote_get"] = {"mget": self.mget_s(), "zstd": decomp, "memcpy": memcpy}
+            out["remote_put"] = {"memcpy": memcpy, step: comp, "set": self.set_s()}
+            out["remote_get"] = {"mget": self.mget_s(), step: decomp, **copy}
         return out
 

@@ -3,8 +3,20 @@ run on the CPU over real prose (written for this benchmark, tiled) in 512-token 
 past_key_values restacked into the block layout `[num_layers, 2, block_size, num_kv_heads,
 head_dim]`, fp32. Knows nothing of tiers or timing; tools/bench_tiers.py (which re-exports
 real_kv_blocks for its siblings), tools/bench_peers.py and tools/bench_write_pool.py use it.
+
+A larger model's shape (tools/bench_peers.py --shape llama8b: 32 layers, 8 KV heads, 128 dims) is
+filled with the default model's real values by `widen_kv`: each source block is cut into its
+per-(layer, head) slices `[2, tokens, head_dim]` (K and V of one head over the block's tokens), and
+each wider block takes the next slices in order (source block, layer, head), a wider head being
+consecutive source heads side by side along its dims. So every value is a real K or V value, the
+slices of one wider block are all different (no repeat inside a block for a compressor to find),
+and a wider block needs about need/give source blocks (llama8b: 512 slices / 90 = 5.7). What it
+does not have: a real 8B model's statistics across heads and layers (its outliers, its rotary
+over 128 dims); compression ratios on it are the default model's, not an 8B model's.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -77,3 +89,30 @@ def real_kv_blocks(n_blocks: int, block_size: int = 16,
             blocks[b].copy_(kv[:, :, s:s + block_size])
             b += 1
     return layout, blocks, stream
+
+
+def source_blocks_for(n_blocks: int, src: BlockLayout, num_layers: int, num_kv_heads: int, head_dim: int) -> int:
+    """How many blocks of layout `src` `widen_kv` needs to fill n_blocks of the wider shape."""
+    if head_dim % src.head_dim:
+        raise ValueError(f"head_dim {head_dim} is not a multiple of the source's {src.head_dim}")
+    need = num_layers * num_kv_heads * (head_dim // src.head_dim)
+    return math.ceil(n_blocks * need / (src.num_layers * src.num_kv_heads))
+
+
+def widen_kv(src_blocks: torch.Tensor, n_blocks: int, num_layers: int, num_kv_heads: int,
+             head_dim: int) -> torch.Tensor:
+    """[n_blocks, num_layers, 2, tokens, num_kv_heads, head_dim] filled with the real values of
+    `src_blocks` ([m, layers, 2, tokens, kv_heads, d], m >= source_blocks_for(...)), slice by
+    slice as the module docstring says; the values are copied, never computed."""
+    m, layers, two, tokens, heads, d = src_blocks.shape
+    per_head = head_dim // d
+    need = num_layers * num_kv_heads * per_head
+    total = n_blocks * need
+    # [m, layers, 2, tokens, heads, d] -> slices [m * layers * heads, 2, tokens, d], in (block, layer, head) order
+    slices = src_blocks.permute(0, 1, 4, 2, 3, 5).reshape(m * layers * heads, two, tokens, d)
+    if slices.shape[0] < total:
+        raise ValueError(f"{m} source blocks give {slices.shape[0]} slices; {n_blocks} blocks need {total}")
+    # [n, layers', heads', per_head, 2, tokens, d] -> [n, layers', 2, tokens, heads', per_head * d]
+    out = slices[:total].reshape(n_blocks, num_layers, num_kv_heads, per_head, two, tokens, d)
+    out = out.permute(0, 1, 4, 5, 2, 3, 6)
+    return out.reshape(n_blocks, num_layers, two, tokens, num_kv_heads, head_dim).contiguous()

@@ -77,7 +77,7 @@ def add_arguments(ap) -> None:
     ap.add_argument("--quick", action="store_true",
                     help=f"with --restore-policy: a smoke run -- prefix {QUICK_LENGTHS}, 1 round, sources "
                          f"{QUICK_SOURCES}, link {QUICK_MBIT} Mbit/s (unless given)")
-    ap.add_argument("--codec", default="zstd", help="with --restore-policy: the tiers' codec (zstd or raw)")
+    ap.add_argument("--codec", default="zstd", help="with --restore-policy: the tiers' codec (zstd, raw, nibble or auto)")
     ap.add_argument("--device-memory", default="1GiB", help="each engine's device pool")
     ap.add_argument("--host-memory", default="1GiB", help="each engine's host tier")
 

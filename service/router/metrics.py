@@ -64,6 +64,8 @@ class _BackendCollector(Collector):
             ("batches", "KV event batches applied"), ("gaps", "Sequence gaps seen in the live stream"),
             ("replays", "Replay requests sent"), ("lost", "Event batches neither the stream nor a replay delivered"),
             ("bad", "Event payloads that were not a KVEventBatch"))}
+        feed = GaugeMetricFamily("tieredkv_router_event_feed_running", "1 while the backend's KV-event feed is "
+                                 "read, 0 once it stopped for good (its index entries go stale)", labels=["backend"])
         for b in self.backends.backends:
             up.add_metric([b.url], 1.0 if b.healthy else 0.0)
             ejected.add_metric([b.url], 1.0 if b.ejected else 0.0)
@@ -78,4 +80,5 @@ class _BackendCollector(Collector):
             if b.subscriber is not None:
                 for k, fam in ev.items():
                     fam.add_metric([b.url], getattr(b.subscriber.stats, k))
-        yield from (up, ejected, ejections, probes, readmitted, spared, flight, blocks, *ev.values())
+                feed.add_metric([b.url], b.subscriber.stats.running)
+        yield from (up, ejected, ejections, probes, readmitted, spared, flight, blocks, *ev.values(), feed)

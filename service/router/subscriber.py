@@ -36,8 +36,9 @@ class SubscriberStats:
     replays: int = 0        # replay requests sent
     gaps: int = 0           # live gaps seen
     lost: int = 0           # batches neither the stream nor the replay delivered
-    bad: int = 0            # payloads that were not KVEventBatch
+    bad: int = 0            # payloads that were not KVEventBatch (or that the index could not apply)
     replay_failures: int = 0
+    running: int = 1        # 0 once the feed stopped for good (an error outside any one batch): /health, /metrics
 
 
 class EventSubscriber:
@@ -100,6 +101,7 @@ class EventSubscriber:
         except asyncio.CancelledError:
             raise
         except Exception:
+            self.stats.running = 0
             log.exception("kv events of %s: the subscriber stopped", self.backend)
         finally:
             self.synced.set()
@@ -109,6 +111,8 @@ class EventSubscriber:
                 self._dealer = None
 
     def _apply(self, seq: int, payload: bytes) -> None:
+        """Apply one batch. NOTE invariant: no batch stops the feed -- anything wrong with one is
+        counted (`bad`), logged and skipped, and the next batch is read."""
         self.last_seq = seq
         try:
             batch = decode_batch(payload)
@@ -116,7 +120,12 @@ class EventSubscriber:
             self.stats.bad += 1
             log.warning("kv events of %s: batch %d is not a KVEventBatch: %s", self.backend, seq, e)
             return
-        self.index.apply_batch(self.backend, batch)
+        try:
+            self.index.apply_batch(self.backend, batch)
+        except Exception:          # noqa: BLE001 -- one batch, not the feed
+            self.stats.bad += 1
+            log.exception("kv events of %s: batch %d could not be applied; skipped", self.backend, seq)
+            return
         self.stats.batches += 1
         self.stats.events += len(batch.events)
 

@@ -189,7 +189,7 @@ class EncodeProcess:
                 out.append(None)
                 continue
             payload = memoryview(m)[at:at + length] if ticket.out_at <= at and at + length <= ticket.out_end else None
-            why = "outside its batch's region" if payload is None else _check(payload, job, digest, seen)
+            why = "outside its batch's region" if payload is None else _check(payload, job, digest, seen, self._kind)
             if why:
                 log.error("encode process: a payload refused (%s); encoding the block here", why)
                 self._refused += 1
@@ -314,7 +314,7 @@ def _read_by(fd: int, n: int, poller: select.poll, deadline: float) -> bytes | N
     return read_exact(fd, n, ready)
 
 
-def _check(payload: memoryview, job: EncodeJob, digest: int, seen: int) -> str | None:
+def _check(payload: memoryview, job: EncodeJob, digest: int, seen: int, kind: str) -> str | None:
     """Why a payload from the child must not be stored, or None: it was made from the bytes copied
     in, and its checked header is this job's with frames that add up to its length."""
     if seen != digest:
@@ -330,7 +330,9 @@ def _check(payload: memoryview, job: EncodeJob, digest: int, seen: int) -> str |
         return f"{len(payload)} bytes, its header says {h.header_size + sum(p.length for p in h.planes)}"
     if h.whole and h.data_xxh3 != digest:
         return "its data hash is not the block's"
-    if not h.whole:
+    if (h.nibble, h.whole) != (kind == "nibble", kind == "raw"):
+        return f"its payload is not of this process's kind ({kind})"
+    if not h.whole and not h.nibble:
         # How the frames decode, which the frames' own checksums (the child's) do not vouch for.
         coded = {b for b, plane in enumerate(h.planes) if plane.coded}
         if (h.dim1_major != byte_planes.can_swap(job.shape)

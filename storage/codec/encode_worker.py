@@ -46,14 +46,14 @@ SKEWED = b"S"                         # ... or this, and it exits: its codec is 
 
 
 def codec_fingerprint() -> str:
-    """xxh3 of the codec's files as they are on disk now (payload, header, zstd frames, byte planes
-    and its compiled kernel). The parent takes it when it imports storage/codec/encode_process.py
+    """xxh3 of the codec's files as they are on disk now (payload, header, zstd frames, byte planes,
+    the nibble coding and their compiled kernels). The parent takes it when it imports storage/codec/encode_process.py
     (start-up) and hands it to each child: a child started after the tree changed under a running
     server (a pull, an editable install) would encode with code its parent does not decode with, so
     it refuses to start (a failed start: the parent encodes)."""
-    from storage.codec import byte_planes, header, payload, zstd_frames
+    from storage.codec import byte_planes, header, nibble, payload, zstd_frames
     h = xxhash.xxh3_64()
-    for m in (payload, header, zstd_frames, byte_planes, byte_planes._compiled):
+    for m in (payload, header, zstd_frames, byte_planes, byte_planes._compiled, nibble, nibble._compiled):
         path = getattr(m, "__file__", None) if m is not None else None
         if path:
             with open(path, "rb") as f:

@@ -13,8 +13,9 @@ Payload format, version 4 (written; all integers little-endian):
     magic  b"TKVB"      4 bytes
     version             u8   (4)
     flags               u8   (bit 1: planes in dim-1-major order; bit 2: whole, the raw codec's
-                              layout: the tensor's bytes in element order, no zstd; at most one
-                              of them; other bits must be 0)
+                              layout: the tensor's bytes in element order, no zstd; bit 3: nibble,
+                              the nibble codec's planes, no zstd; at most one of them; other bits
+                              must be 0)
     dtype code          u8   (_DTYPE_CODES; never renumber)
     level               i8   (zstd level of the coded planes, 0 with none; informational)
     ndim                u8
@@ -26,11 +27,16 @@ Payload format, version 4 (written; all integers little-endian):
                         whole: ONE entry (mode 0 stored, length = raw size)
     coded crc32         u32  over the coded planes' frames, as stored, in plane order (0: none);
       whole, instead:   data xxh3   u64  xxh3_64 (seed 0) of the tensor's bytes
+      nibble, instead:  data xxh3   u64  xxh3_64 (seed 0) of every byte after the header
     header crc32        u32  over everything above
     plane frames        one zstd frame per plane, plane 0 (least significant byte) first, back
                         to back, of exactly the lengths in the table and nothing after them;
                         each has its content size (numel) and zstd's content checksum;
       whole, instead:   data        the tensor's bytes in element order, exactly raw size of them
+      nibble, instead:  planes      plane 0 first, in element order, back to back: a stored one is
+                                    its numel bytes; a coded one (the top plane only) is a table,
+                                    codes and escapes (storage/codec/_nibble.c) of a length within
+                                    nibble.coded_bounds(numel)
 
 The header crc32 vouches for the header, so a damaged shape, size, plane table or data checksum
 never drives an allocation, a reshape or a frame boundary.
@@ -51,6 +57,7 @@ from dataclasses import dataclass
 
 from storage.codec import byte_planes
 from storage.codec.codec_error import CodecError
+from storage.codec.nibble import coded_bounds
 from storage.layout import DTYPE_ITEMSIZES
 
 try:
@@ -67,9 +74,10 @@ READABLE_VERSIONS = (3, 4)         # what decode() reads
 _FLAG_SHUFFLE = 0x01               # v3: the one frame holds byte planes
 _FLAG_DIM1_MAJOR = 0x02            # v4: planes list elements with dims 0 and 1 swapped
 _FLAG_WHOLE = 0x04                 # v4: the tensor's bytes as they are, under an xxh3_64 (raw codec)
-_FLAGS_BY_VERSION = {3: _FLAG_SHUFFLE, 4: _FLAG_DIM1_MAJOR | _FLAG_WHOLE}
+_FLAG_NIBBLE = 0x08                # v4: nibble-coded planes, under an xxh3_64 (nibble codec)
+_FLAGS_BY_VERSION = {3: _FLAG_SHUFFLE, 4: _FLAG_DIM1_MAJOR | _FLAG_WHOLE | _FLAG_NIBBLE}
 # What Codec.kind may be (storage/config.py's CODECS says the same to users).
-KINDS = ("zstd", "raw")
+KINDS = ("zstd", "raw", "nibble")
 # Stable codes for the dtype byte; they are on disk, so never renumber.
 _DTYPE_CODES: dict[str, int] = {"float32": 1, "float16": 2, "bfloat16": 3}
 _DTYPE_BY_CODE: dict[int, str] = {v: k for k, v in _DTYPE_CODES.items()}
@@ -105,7 +113,8 @@ class CodecHeader:
     dim1_major: bool = False           # v4: planes in dim-1-major order
     planes: tuple[PlaneFrame, ...] = ()   # v4: one per plane, or one (whole: the data, stored); v3: empty
     coded_crc: int | None = None       # v4 planes: crc32 of the coded planes' frames
-    data_xxh3: int | None = None       # v4 whole: xxh3_64 of the tensor's bytes
+    data_xxh3: int | None = None       # v4 whole: xxh3_64 of the tensor's bytes; nibble: of the data
+    nibble: bool = False               # v4: the nibble codec's planes (storage/codec/nibble.py)
     # True only when check_header parsed it: its crc32 matched, so every field above is the one
     # encode() wrote. decode(header=...) refuses a header without it (peek_header's).
     crc_checked: bool = False
@@ -113,7 +122,7 @@ class CodecHeader:
     @property
     def whole(self) -> bool:
         """The raw codec's layout: the tensor's bytes as they are, no zstd frame."""
-        return self.data_xxh3 is not None
+        return self.data_xxh3 is not None and not self.nibble
 
     @property
     def numel(self) -> int:
@@ -137,12 +146,12 @@ def check_encodable(dtype: str, shape: tuple[int, ...], binding: bytes) -> None:
 
 def pack_header(dtype: str, shape: tuple[int, ...], raw_size: int, binding: bytes, planes: Iterable[PlaneFrame], *,
                 level: int = 0, dim1_major: bool = False, coded_crc: int = 0,
-                data_xxh3: int | None = None) -> tuple[bytes, bytes]:
+                data_xxh3: int | None = None, nibble: bool = False) -> tuple[bytes, bytes]:
     """A version-4 header (check_encodable's fields) as two payload parts: the header and its
-    crc32. `data_xxh3` given: the whole layout (the raw codec; `planes` its one stored entry),
-    else planes under `coded_crc`."""
+    crc32. `data_xxh3` given: the whole layout (the raw codec; `planes` its one stored entry) or,
+    with `nibble`, the nibble codec's planes; else zstd planes under `coded_crc`."""
     ndim = len(shape)
-    flags = _FLAG_WHOLE if data_xxh3 is not None else _FLAG_DIM1_MAJOR if dim1_major else 0
+    flags = (_FLAG_NIBBLE if nibble else _FLAG_WHOLE) if data_xxh3 is not None else _FLAG_DIM1_MAJOR if dim1_major else 0
     header = b"".join((
         _FIXED.pack(MAGIC, FORMAT_VERSION, flags, _DTYPE_CODES[dtype], level, ndim),
         struct.pack(f"<{ndim}I", *shape), _RAW_SIZE.pack(raw_size),
@@ -166,8 +175,9 @@ def parse_header(mv: memoryview, check_crc: bool = False) -> CodecHeader:
     if flags & ~_FLAGS_BY_VERSION[version]:
         raise CodecError(f"unknown flags {flags:#x} for version {version}")
     whole = version == 4 and bool(flags & _FLAG_WHOLE)
-    if whole and flags & _FLAG_DIM1_MAJOR:
-        raise CodecError(f"flags {flags:#x}: a whole-tensor frame has no planes to order dim-1-major")
+    nibble = version == 4 and bool(flags & _FLAG_NIBBLE)
+    if (whole or nibble) and flags & _FLAG_DIM1_MAJOR or whole and nibble:
+        raise CodecError(f"flags {flags:#x}: at most one of whole, nibble and dim-1-major")
     if code not in _DTYPE_BY_CODE:
         raise CodecError(f"unknown dtype code {code}")
     if ndim > _MAX_NDIM:
@@ -180,7 +190,8 @@ def parse_header(mv: memoryview, check_crc: bool = False) -> CodecHeader:
     itemsize = DTYPE_ITEMSIZES[dtype]
     n_planes = (1 if whole else itemsize) if version == 4 else 0
     table_end = binding_end + _PLANE.size * n_planes
-    size = table_end + ((_XXH.size if whole else _CRC.size) if version == 4 else 0) + _CRC.size
+    hashed = whole or nibble                 # a data xxh3 where zstd's planes have a coded crc32
+    size = table_end + ((_XXH.size if hashed else _CRC.size) if version == 4 else 0) + _CRC.size
     if len(mv) < size:
         raise CodecError(f"truncated payload: {len(mv)} bytes")
     if check_crc and crc32(mv[:size - _CRC.size]) != _CRC.unpack_from(mv, size - _CRC.size)[0]:
@@ -198,8 +209,10 @@ def parse_header(mv: memoryview, check_crc: bool = False) -> CodecHeader:
         planes.append(PlaneFrame(coded=mode == PLANE_CODED, length=length))
     if whole and planes[0].length != raw_size:
         raise CodecError(f"plane table: a whole tensor's entry of {planes[0].length} bytes, raw size {raw_size}")
-    coded_crc = _CRC.unpack_from(mv, table_end)[0] if version == 4 and not whole else None
-    data_xxh3 = _XXH.unpack_from(mv, table_end)[0] if whole else None
+    if nibble:
+        _check_nibble_planes(planes, raw_size // itemsize)
+    coded_crc = _CRC.unpack_from(mv, table_end)[0] if version == 4 and not hashed else None
+    data_xxh3 = _XXH.unpack_from(mv, table_end)[0] if hashed else None
     dim1_major = bool(flags & _FLAG_DIM1_MAJOR)
     if dim1_major and not byte_planes.can_swap(shape):
         raise CodecError(f"dim-1-major planes flagged for shape {shape}, which has no dims 0 and 1 to swap")
@@ -207,4 +220,15 @@ def parse_header(mv: memoryview, check_crc: bool = False) -> CodecHeader:
                        shuffled=(version == 4 and not whole) or (version == 3 and bool(flags & _FLAG_SHUFFLE)),
                        level=level, binding=binding,
                        header_size=size, dim1_major=dim1_major, planes=tuple(planes), coded_crc=coded_crc,
-                       data_xxh3=data_xxh3, crc_checked=check_crc)
+                       data_xxh3=data_xxh3, nibble=nibble, crc_checked=check_crc)
+
+
+def _check_nibble_planes(planes: list[PlaneFrame], numel: int) -> None:
+    """A nibble payload's plane table: every plane stored (numel bytes) but the top one, which
+    may be coded (a length nibble.coded_bounds allows). Raises CodecError."""
+    least, most = coded_bounds(numel)
+    for b, p in enumerate(planes):
+        ok = (least <= p.length <= most and b == len(planes) - 1) if p.coded else p.length == numel
+        if not ok:
+            raise CodecError(f"plane table: a nibble plane {b} ({'coded' if p.coded else 'stored'}) of "
+                             f"{p.length} bytes for {numel} elements")

@@ -69,7 +69,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import xxhash
 
-from storage.codec import byte_planes
+from storage.codec import byte_planes, nibble
 from storage.codec.codec_error import CodecError
 from storage.codec.header import (
     KINDS, CodecHeader, PlaneFrame, check_encodable, crc32, pack_header, parse_header)
@@ -136,6 +136,16 @@ def encode_bytes(data: np.ndarray, dtype: str, shape: tuple[int, ...], binding: 
     if kind == "raw":
         return (*pack_header(dtype, shape, data.size, binding, (PlaneFrame(coded=False, length=data.size),),
                              data_xxh3=xxhash.xxh3_64_intdigest(data)), data)
+    if kind == "nibble":
+        low, coded = nibble.encode(data, itemsize)
+        top = coded if coded is not None else nibble.top_plane(data, itemsize)
+        n = data.size // itemsize
+        table = [PlaneFrame(coded=False, length=n)] * (itemsize - 1) + [PlaneFrame(coded=coded is not None,
+                                                                                    length=top.size)]
+        h = xxhash.xxh3_64()
+        h.update(low)
+        h.update(top)
+        return (*pack_header(dtype, shape, data.size, binding, table, data_xxh3=h.intdigest(), nibble=True), low, top)
     dim1_major = byte_planes.can_swap(shape)
     # Into this thread's warm buffer: the planes live only until their frames are made.
     planes = byte_planes.split(data.view(_UINTS[itemsize]).reshape(shape), dim1_major, out=_planes_buffer(data.size))
@@ -197,11 +207,11 @@ class Codec:
 
     def frames(self, payload: bytes | memoryview) -> list[tuple[memoryview, int]]:
         """The payload's zstd frames, each with the size it decompresses to (the header checked,
-        the frames not): what a benchmark's bare-zstd limit decompresses. None for a whole
-        (raw codec) payload, which has no frame."""
+        the frames not): what a benchmark's bare-zstd limit decompresses. None for a whole (raw
+        codec) or nibble payload, which has no zstd frame."""
         mv = memoryview(payload).cast("B")
         header = self.check_header(mv)
-        if header.whole:
+        if header.whole or header.nibble:
             return []
         if header.version == 3:
             return [(mv[header.header_size:], header.raw_size)]
@@ -227,11 +237,12 @@ class Codec:
         dtype = dtype_from_name(header.dtype)
         if out is None:
             out = torch.empty(header.shape, dtype=dtype)
-        elif (out.device.type != "cpu" or not out.is_contiguous() or out.dtype != dtype
-              or out.numel() != header.numel):
+        elif not out.is_cpu or out.dtype != dtype or out.numel() != header.numel or not out.is_contiguous():
             raise ValueError(f"out: expected a contiguous CPU {header.dtype} tensor of {header.numel} elements, "
                              f"got {out.dtype} numel={out.numel()} device={out.device} contiguous={out.is_contiguous()}")
-        out = out.view(header.shape)
+        # Per-block costs count here (a restore decodes thousands): a view only where the shape differs.
+        if out.shape != header.shape:
+            out = out.view(header.shape)
         ints = torch.int16 if dtype.itemsize == 2 else torch.int32
         _decode_into(mv, header, out.view(ints).numpy().view(_UINTS[dtype.itemsize]))
         return out
@@ -275,6 +286,9 @@ def _decode_into(mv: memoryview, header: CodecHeader, out: np.ndarray) -> None:
             np.copyto(out_bytes, np.frombuffer(data, dtype=np.uint8))
         return
     at = header.header_size
+    if header.nibble:                       # the nibble codec: planes in element order, one hash
+        _decode_nibble(mv, header, out_bytes)
+        return
     if header.whole:                        # the raw codec: the tensor's bytes, in element order
         if len(mv) - at != header.raw_size:
             raise CodecError(f"payload is {len(mv)} bytes, its plane table says {at + header.raw_size}")
@@ -305,3 +319,22 @@ def _decode_into(mv: memoryview, header: CodecHeader, out: np.ndarray) -> None:
         planes.append(segments if segments is not None else decompress_frame(f, header.numel))
     byte_planes.join(planes, out, header.dim1_major)
 
+
+
+def _decode_nibble(mv: memoryview, header: CodecHeader, out_bytes: np.ndarray) -> None:
+    """A nibble payload's planes (header checked: their lengths are the table's) hashed where they
+    lie, then decoded into `out_bytes` (storage/codec/nibble.py). Raises CodecError with `out`
+    untouched when the hash fails."""
+    at, n, size = header.header_size, header.numel, DTYPE_ITEMSIZES[header.dtype]
+    if len(mv) - at != sum(p.length for p in header.planes):
+        raise CodecError(f"payload is {len(mv)} bytes, its plane table says "
+                         f"{at + sum(p.length for p in header.planes)}")
+    if xxhash.xxh3_64_intdigest(mv[at:]) != header.data_xxh3:
+        raise CodecError("data xxh3 mismatch: payload damaged")
+    low = [mv[at + b * n:at + (b + 1) * n] for b in range(size - 1)]
+    top = mv[at + (size - 1) * n:]
+    try:
+        nibble.decode(top if header.planes[-1].coded else None, low, None if header.planes[-1].coded else top,
+                      out_bytes, size)
+    except ValueError as e:       # intact bytes (the hash held) that no encoder of ours writes
+        raise CodecError(str(e)) from None

@@ -1,8 +1,8 @@
 """The disk tier's reads: verified blocks served from the store or from a put still pending,
 read-ahead into the OS page cache, the stored blocks' metadata listed, and the decode pool.
 
-Knows: one read transaction per get_many, each payload copied out of the map and verified and
-decoded from the copy (on the decode pool, `tieredkv-disk-decode`, for zstd), damaged blocks
+Knows: one read transaction per get_many, each payload verified and decoded where it lies in the
+map (on the decode pool, `tieredkv-disk-decode`, for zstd), damaged blocks
 counted and deleted, accesses handed to the writer (reads never take LMDB's write lock).
 A part of DiskTier (a base class of it, as SharedPages is of the cache): the gate, the index, the
 writer, the counters and `_delete_now`/`_read_failed` are DiskTier's (storage/disk/tier.py).
@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 import lmdb
 
 from storage.codec.stored_block import BlockMeta, verify_and_decode
+from storage.disk import map_faults
 from storage.disk.preflight import DamagedEnvironment
 from storage.disk.stats import DiskBlockInfo
 from storage.hashing import BlockKey
@@ -72,14 +73,17 @@ class DiskReads:
         # get_many keeps alive per block is one more for Python's collector to promote and walk,
         # and on a process holding a model a full collection costs tens of ms):
         idx: list[int] = []                       # each one's index in `keys`
-        stored: list[bytes | None] = []           # its payload, copied out of the map
+        stored: list[memoryview | bytes | None] = []   # its payload: read in place, or copied out
         metas: list[bytes | None] = []            # its metadata record (copied: ~100 bytes)
-        # NOTE: each payload is copied out of the map as it is found (~8-10% of a get_many,
-        # tools/bench_tiers.py), and verified and decoded from the copy. Decoding in place from
-        # the map was cheaper, but a data.mdb truncated under the server while a restore decoded
-        # from it faulted a page past the file's new end: SIGBUS, the process gone (3 of 18
-        # trials, tools/live_drill.py). A truncate that lands inside the transaction now reads
-        # zeros instead (storage/disk/map_faults.py) and the gate throws the whole read away.
+        # NOTE invariant: each payload is verified and decoded where it lies in the map, inside
+        # the read transaction: the decode's copy into `out` is the one copy. A data.mdb
+        # truncated under the server while a restore decodes reads as zeros there
+        # (storage/disk/map_faults.py, PROTECTED), and the gate's watch check at the end of the
+        # transaction raises, so every result of this read is thrown away (a miss each). Without
+        # the compiled handler such a truncate is a SIGBUS (tools/live_drill.py: 3 of 18
+        # trials), so each payload is copied out as it is found, narrowing that window to the
+        # copy: the price, 0.49 -> 0.8x of the raw read's limit (docs/BENCHMARKS.md, issue 38).
+        in_place = map_faults.PROTECTED
         with self._begin(buffers=True) as txn:
             payload_db, meta_db = self._payload, self._meta
             for i, (key, p) in enumerate(zip(keys, pending)):
@@ -97,7 +101,7 @@ class DiskReads:
                     gone.append(key.hash)     # evicted by another process, or never stored
                 else:
                     idx.append(i)
-                    stored.append(None if payload is None else bytes(payload))
+                    stored.append(payload if payload is None or in_place else bytes(payload))
                     metas.append(None if meta is None else bytes(meta))
             tensors: list[torch.Tensor | None] = [None] * len(idx)
             reasons: list[str | None] = [None] * len(idx)
@@ -119,10 +123,10 @@ class DiskReads:
                 for j in range(len(idx)):
                     check(j)
             sizes = [0 if payload is None else len(payload) for payload in stored]
-            if payloads is not None:     # the copies themselves: no second copy
+            if payloads is not None:     # copied out of the map (a copy already made is kept)
                 for j, tensor in enumerate(tensors):
                     if tensor is not None:
-                        payloads[idx[j]] = stored[j]
+                        payloads[idx[j]] = stored[j] if isinstance(stored[j], bytes) else bytes(stored[j])
             stored.clear()
         self._index.discard(gone)
         damaged, touched, bytes_read = [], [], 0

@@ -28,8 +28,8 @@ _INT = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: 
 SHAPES = [(2, 2, 16, 3, 8), (1,), (7, 5), (3, 5, 7), (3, 2, 4, 1, 16), (1, 2, 3), (2, 1, 3), (), (0,), (2, 3, 0, 4)]
 B = bytes(range(64))          # a binding, as the disk tier's (block hash || namespace)
 SMALL = (2, 2, 4, 2, 8)       # a KV block's layout, 256 elements
-KINDS = ["zstd", "raw"]
-OTHER = {"zstd": "raw", "raw": "zstd"}
+KINDS = ["zstd", "raw", "nibble"]
+OTHER = {"zstd": "raw", "raw": "nibble", "nibble": "zstd"}
 
 
 def every_bit_pattern(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
@@ -86,6 +86,11 @@ def is_whole(payload: bytes) -> bool:
     return bool(payload[5] & 0x04)
 
 
+def is_hashed(payload: bytes) -> bool:
+    """Flags bit 2 or 3 (raw or nibble codec): the data under an xxh3_64 in place of a coded crc32."""
+    return bool(payload[5] & 0x0C)
+
+
 def table_entries_of(payload: bytes) -> int:
     """One per plane, or one when flags bit 2 says the payload holds the whole tensor (raw codec)."""
     return 1 if is_whole(payload) else itemsize_of(payload)
@@ -93,7 +98,7 @@ def table_entries_of(payload: bytes) -> int:
 
 def header_size_of(payload: bytes) -> int:
     """Fields, plane table (5 bytes an entry), coded crc32 (whole: data xxh3_64, 8 bytes), header crc32."""
-    return plane_table_at(payload) + 5 * table_entries_of(payload) + (8 if is_whole(payload) else 4) + 4
+    return plane_table_at(payload) + 5 * table_entries_of(payload) + (8 if is_hashed(payload) else 4) + 4
 
 
 def split_payload(payload: bytes) -> tuple[bytes, list[tuple[int, int]], list[bytes]]:
@@ -111,7 +116,7 @@ def split_payload(payload: bytes) -> tuple[bytes, list[tuple[int, int]], list[by
 
 def build_payload(fields: bytes, entries: list[tuple[int, int]], frames: list[bytes]) -> bytes:
     """A v4 payload whose checks (coded crc or whole data xxh3, header crc) are valid, whatever it says."""
-    if is_whole(fields):
+    if is_hashed(fields):
         check = struct.pack("<Q", xxhash.xxh3_64_intdigest(b"".join(frames)))
     else:
         coded_crc = 0
@@ -287,6 +292,8 @@ def test_every_single_byte_corruption_raises(kind: str, dtype: torch.dtype) -> N
     header_size = header_size_of(payload)
     if kind == "raw":
         assert entries == [(0, len(payload) - header_size)]
+    elif kind == "nibble":      # the top plane coded where that pays (special values: either)
+        assert all(m == 0 for m, _ in entries[:-1])
     else:
         assert [m for m, _ in entries][-1] == 1 and all(m == 0 for m, _ in entries[:-1])
     assert len(payload) == header_size + sum(len(f) for f in frames)
@@ -385,7 +392,7 @@ def test_header_lies_with_a_valid_crc_raise(payload: bytes) -> None:
                                                   (entries[1][0], entries[1][1] - 1)], frames), B)
     stale = bytearray(payload)                               # the coded crc (raw: xxh3) of other bytes
     stale[header_size_of(payload) - 8] ^= 1
-    with pytest.raises(CodecError, match="xxh3" if is_whole(payload) else "coded planes' crc32"):
+    with pytest.raises(CodecError, match="xxh3" if is_hashed(payload) else "coded planes' crc32"):
         Codec().decode(with_crc(bytes(stale)), B)
 
 
@@ -394,7 +401,7 @@ def test_the_whole_flag_with_planes_or_a_coded_frame_raises() -> None:
     # frame marked coded; and a flag flipped either way, which changes how the table is read.
     raw = Codec(kind="raw").encode(kv_like(SMALL, torch.bfloat16), B)
     fields, entries, frames = split_payload(raw)
-    with pytest.raises(CodecError, match="whole-tensor frame has no planes"):
+    with pytest.raises(CodecError, match="at most one of whole, nibble and dim-1-major"):
         Codec().decode(build_payload(fields[:5] + bytes([0x06]) + fields[6:], entries, frames), B)
     with pytest.raises(CodecError, match="unknown mode 1 for plane 0 of a whole-tensor frame"):
         Codec().decode(build_payload(fields, [(1, entries[0][1])], frames), B)

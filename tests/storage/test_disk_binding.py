@@ -20,8 +20,8 @@ from storage.disk.tier import DiskTier
 from tests.storage.disk_tier_child import make_block, make_key, same_bits
 
 CAP = 64 << 20
-KINDS = ["zstd", "raw"]
-OTHER = {"zstd": Codec(kind="raw"), "raw": Codec(kind="zstd")}
+KINDS = ["zstd", "raw", "nibble"]
+OTHER = {"zstd": Codec(kind="raw"), "raw": Codec(kind="nibble"), "nibble": Codec(kind="zstd")}
 
 
 def edit(path: Path, fn) -> None:

@@ -58,7 +58,7 @@ def flip_middle_byte(v: bytes) -> bytes:
     return bytes(b)
 
 
-@pytest.mark.parametrize("kind", ["zstd", "raw"])
+@pytest.mark.parametrize("kind", ["zstd", "raw", "nibble"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_put_drain_get_is_bit_identical(tmp_path: Path, dtype: torch.dtype, kind: str) -> None:
     with DiskTier(str(tmp_path), CAP, Codec(kind=kind)) as t:
@@ -158,7 +158,7 @@ def test_key_mismatch_is_corrupt_and_deleted(tmp_path: Path, field: str) -> None
         assert t.check() == []
 
 
-@pytest.mark.parametrize("kind", ["zstd", "raw"])
+@pytest.mark.parametrize("kind", ["zstd", "raw", "nibble"])
 @pytest.mark.parametrize("db,damage", [("payload", flip_middle_byte), ("payload", lambda v: v[:-9]),
                                        ("meta", lambda v: v[:-3])])
 def test_damaged_stored_block_is_a_miss_and_deleted(tmp_path: Path, db: str, damage, kind: str) -> None:

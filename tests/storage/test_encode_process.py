@@ -90,7 +90,7 @@ def gone(pid: int) -> bool:
         return True
 
 
-@pytest.mark.parametrize("kind", ["zstd", "raw"])
+@pytest.mark.parametrize("kind", ["zstd", "raw", "nibble"])
 def test_the_childs_payloads_are_codec_encodes_byte_for_byte(kind: str) -> None:
     bs = blocks()
     p = EncodeProcess(kind, 3)
@@ -241,12 +241,12 @@ def test_a_payload_whose_planes_are_laid_out_otherwise_is_refused(monkeypatch) -
     j = job(block, 3)
     digest = xxhash.xxh3_64_intdigest(j.data)
     good = b"".join(bytes(p) for p in Codec().encode_parts(block, j.binding))
-    assert encode_process._check(memoryview(good), j, digest, digest) is None
+    assert encode_process._check(memoryview(good), j, digest, digest, "zstd") is None
     monkeypatch.setattr(byte_planes, "can_swap", lambda shape: False)
     other = b"".join(bytes(p) for p in Codec().encode_parts(block, j.binding))
     monkeypatch.undo()
     assert other != good
-    assert "laid out" in encode_process._check(memoryview(other), j, digest, digest)
+    assert "laid out" in encode_process._check(memoryview(other), j, digest, digest, "zstd")
 
 
 @pytest.mark.parametrize("mode", ["header", "binding", "digest", "length", "outside", "malformed"])

@@ -63,7 +63,7 @@ def test_round_trip_is_bit_identical_and_a_batched_get_serves_what_is_there(serv
         rt.close()
 
 
-@pytest.mark.parametrize("kind", ["zstd", "raw"])
+@pytest.mark.parametrize("kind", ["zstd", "raw", "nibble"])
 def test_a_damaged_value_is_a_miss_deleted_and_counted(server, kind: str) -> None:
     ns = os.urandom(32)
     ks = keys(3, ns=ns)
@@ -88,7 +88,7 @@ def test_a_damaged_value_is_a_miss_deleted_and_counted(server, kind: str) -> Non
         rt.close()
 
 
-@pytest.mark.parametrize("kind", ["zstd", "raw"])
+@pytest.mark.parametrize("kind", ["zstd", "raw", "nibble"])
 def test_a_get_over_parallel_connections_is_bit_identical_and_a_damaged_value_is_a_miss_deleted(
         server, kind: str) -> None:
     ns = os.urandom(32)
@@ -120,7 +120,7 @@ def test_a_get_over_parallel_connections_is_bit_identical_and_a_damaged_value_is
         rt.close()
 
 
-@pytest.mark.parametrize("writer,reader", [("raw", "zstd"), ("zstd", "raw")])
+@pytest.mark.parametrize("writer,reader", [("raw", "zstd"), ("zstd", "raw"), ("nibble", "raw")])
 def test_a_store_written_with_one_codec_is_served_by_a_tier_with_the_other(valkey, writer: str, reader: str) -> None:
     ks = keys(4, ns=os.urandom(32))
     w = tier(valkey.url, codec=Codec(kind=writer))

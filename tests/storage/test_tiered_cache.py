@@ -229,7 +229,7 @@ def test_write_through_without_host_writes_disk(caches) -> None:
     check(cache)
 
 
-@pytest.mark.parametrize("writer,reader", [("raw", "zstd"), ("zstd", "raw")])
+@pytest.mark.parametrize("writer,reader", [("raw", "zstd"), ("zstd", "raw"), ("nibble", "zstd"), ("raw", "nibble")])
 def test_the_configured_codec_writes_the_disk_and_either_reads_it(tmp_path: Path, writer: str, reader: str) -> None:
     ks = keys(3)
     path = tmp_path / "disk"
@@ -244,7 +244,8 @@ def test_the_configured_codec_writes_the_disk_and_either_reads_it(tmp_path: Path
             headers = [Codec().check_header(txn.get(k.hash, db=env.open_db(b"payload", txn=txn))) for k in ks]
     finally:
         env.close()
-    assert [h.shuffled for h in headers] == [writer == "zstd"] * 3     # raw: the bytes as they are, no planes
+    # raw: the bytes as they are, no planes; nibble: planes, no zstd; zstd: planes in zstd frames
+    assert [(h.whole, h.nibble) for h in headers] == [(writer == "raw", writer == "nibble")] * 3
     cache = make_cache(path, pages=4, host_slots=2, codec=reader)
     try:
         got = cache.load_now(cache.match(ks))

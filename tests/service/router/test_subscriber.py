@@ -1,14 +1,18 @@
 """One backend's event stream into the index: sync by replay at start, live batches, gaps filled
-by replay, a fresh subscriber (a restarted router) rebuilding the same picture. Against a fake
-publisher speaking vLLM's ZMQ protocol (vllm_format.FakePublisher) on loopback."""
+by replay, a fresh subscriber (a restarted router) rebuilding the same picture, and no malformed
+batch stopping the feed (issue 44). Against a fake publisher speaking vLLM's ZMQ protocol
+(vllm_format.FakePublisher) on loopback."""
 from __future__ import annotations
 
 import asyncio
 import time
 
+import msgspec
+import pytest
 import zmq
 import zmq.asyncio
 
+from service.router.events import MAX_BATCH_HASHES, MAX_PAYLOAD_BYTES, BadBatch, decode_batch
 from service.router.index import PrefixIndex
 from service.router.subscriber import EventSubscriber
 from tests.service.router import vllm_format as v
@@ -111,3 +115,76 @@ def test_a_silent_replay_socket_loses_its_range_and_the_live_stream_goes_on() ->
         sink.close(linger=0)
         silent.term()
         pub.close()
+
+
+def malformed_batches() -> dict[str, bytes]:
+    """Each kind of batch a broken or hostile publisher sent on 2026-11-28 (issue 44) or could."""
+    enc = msgspec.msgpack.encode
+    h = H[5]
+    return {
+        "no ts, no events": enc([None, [], 0]),
+        "a ts that is not a number": enc(["yesterday", [], 0]),
+        "an infinite ts": enc([float("inf"), [], 0]),
+        "a medium that is not a string": enc([0.0, [["BlockStored", [h], None, [1] * 8, 8, None, 7]]]),
+        "a removal's medium that is a map": enc([0.0, [["BlockRemoved", [h], {"x": 1}]]]),
+        "a block size that is a string": enc([0.0, [["BlockStored", [h], None, [1] * 8, "8", None, "GPU"]]]),
+        "token ids that are not a list": enc([0.0, [["BlockStored", [h], None, 5, 8, None, "GPU"]]]),
+        "hashes that are not a list": enc([0.0, [["BlockStored", 12, None, [1] * 8, 8, None, "GPU"]]]),
+        "a hash that is a float": enc([0.0, [["BlockRemoved", [1.5], "GPU"]]]),
+        "an event that is a number": enc([0.0, [42]]),
+        "a batch that is a string": enc("batch"),
+        "too many hashes": enc([0.0, [["BlockRemoved", [h] * (MAX_BATCH_HASHES + 1), "GPU"]]]),
+        "too many bytes": b"\x00" * (MAX_PAYLOAD_BYTES + 1),
+    }
+
+
+def test_every_malformed_batch_is_counted_and_skipped_and_the_feed_goes_on() -> None:
+    pub = v.FakePublisher()
+    bad = malformed_batches()
+
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        index = PrefixIndex(prediction_ttl_s=0)
+        sub = subscriber(pub, index, ctx)
+        sub.start()
+        await asyncio.wait_for(sub.synced.wait(), 10)
+        seq = -1
+        while sub.last_seq < seq or seq < 0:                # until one arrives live (SUB joining)
+            seq = pub.publish(v.encode([v.stored([H[0]])]))
+            await asyncio.sleep(0.05)
+        for i, payload in enumerate(bad.values()):
+            pub.publish(payload)
+            pub.publish(v.encode([v.stored([H[1 + i % 4]], "CPU")]))   # a sound batch after each
+        last = pub.publish(v.encode([v.stored([H[9]], "DISK")]))
+        await until(lambda: sub.last_seq == last)
+        assert sub.stats.bad == len(bad) and sub.stats.running == 1 and sub.stats.lost == 0
+        assert index.media(H[9]) == {"a": ["DISK"]} and index.media(H[1]) == {"a": ["CPU"]}
+        assert index.media(H[5]) == {}                       # nothing of a refused batch applied
+        await sub.stop()
+        ctx.term()
+    try:
+        asyncio.run(main())
+    finally:
+        pub.close()
+
+
+def test_vllms_tagged_map_batches_are_read_by_field_name() -> None:
+    # msgspec's tagged structs without array_like encode as maps with the tag under "type".
+    enc = msgspec.msgpack.encode
+    payload = enc({"ts": 1.5, "events": [
+        {"type": "BlockStored", "block_hashes": [H[0], 7], "parent_block_hash": None, "token_ids": list(range(16)),
+         "block_size": 8, "lora_id": None, "medium": "CPU"},
+        {"type": "BlockRemoved", "block_hashes": [H[1]], "medium": None},
+        {"type": "AllBlocksCleared"},
+        {"type": "SomethingNewer", "x": 1}]})
+    batch = decode_batch(payload)
+    assert batch.ts == 1.5 and [type(e).__name__ for e in batch.events] == ["BlockStored", "BlockRemoved",
+                                                                         "AllBlocksCleared"]
+    assert batch.events[0].block_hashes[0] == H[0] and batch.events[0].medium == "CPU"
+    assert batch.events[1].medium is None and batch.events[0].block_size == 8
+
+
+def test_each_malformed_batch_is_a_bad_batch_never_another_error() -> None:
+    for name, payload in malformed_batches().items():
+        with pytest.raises(BadBatch):
+            decode_batch(payload)
