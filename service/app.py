@@ -28,7 +28,8 @@ from service import cache_routes, dashboard, openai_routes, tokenize_routes
 from service.auth import ApiKeys, require_admin
 from service.context import AppContext, ctx
 from service.dispatch import Dispatcher
-from service.errors import APIError, CatchAll, install_error_handlers
+from service.disconnect import ClientGone
+from service.errors import APIError, CatchAll, answer, install_error_handlers
 from service.http_middleware import HTTPMiddleware, StatusSend
 from service.metrics import ServiceMetrics
 from service.openapi import install_openapi
@@ -76,6 +77,12 @@ def create_app(engine: Any, settings: ServiceSettings = ServiceSettings()) -> Fa
     app.state.max_body_bytes = settings.max_body_bytes
     app.state.unknown_fields = settings.unknown_fields
     install_error_handlers(app)
+
+    @app.exception_handler(ClientGone)
+    async def _client_gone(request: Request, exc: ClientGone) -> JSONResponse:
+        context.client_gone(request.scope, exc.phase)
+        return answer(request, exc)
+
     app.include_router(openai_routes.router)
     app.include_router(cache_routes.router)
     app.include_router(dashboard.router)
@@ -124,7 +131,8 @@ def create_app(engine: Any, settings: ServiceSettings = ServiceSettings()) -> Fa
     install_openapi(app)
     # Added last, so it runs first (outermost): the error catch-all sits inside the counting.
     app.add_middleware(IgnoredFieldsHeader)
-    app.add_middleware(CatchAll)
+    app.add_middleware(CatchAll, on_disconnect=lambda scope: context.client_gone(
+        scope, "body", "the client disconnected before its body was read"))
     app.add_middleware(CountRequests, metrics=metrics)
     app.add_middleware(RequestLog, log_probes=settings.log_probes)   # outermost: its line has the client's status
     return app

@@ -8,11 +8,13 @@ Doesn't know: routes or the engine beyond its two error classes.
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine.errors import EngineClosedError, QueueFullError
@@ -147,17 +149,27 @@ class CatchAll(HTTPMiddleware):
     keep-alive connection.) Once a response has started nothing well-formed can be sent, so the
     error propagates. `what` names the process in the body ("server", "router") and `logger`
     (with `log_prefix`) is where it is logged; `record_reason`: the request log's record takes the error's message
-    (the server's request log; the router keeps none)."""
+    (the server's request log; the router keeps none).
+    A client that closed its connection while its body was read (Starlette's ClientDisconnect,
+    where no route turned it into service/disconnect.py's ClientGone) is no error: no traceback,
+    a 499 nobody reads, and `on_disconnect(scope)` (which counts it and says it in one line)."""
 
     def __init__(self, app: ASGIApp, what: str = "server", logger: logging.Logger = log, log_prefix: str = "",
-                 record_reason: bool = True) -> None:
+                 record_reason: bool = True, on_disconnect: Callable[[Scope], None] | None = None) -> None:
         super().__init__(app)
         self.what, self.log, self.log_prefix, self.record_reason = what, logger, log_prefix, record_reason
+        self.on_disconnect = on_disconnect
 
     async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
         sent = StatusSend(send)
         try:
             await self.app(scope, receive, sent)
+        except ClientDisconnect:
+            if self.on_disconnect is not None:
+                self.on_disconnect(scope)
+            if not sent.started:
+                await APIError(499, "the client disconnected before its body was read",
+                               code="client_disconnected").response()(scope, receive, sent)
         except Exception:
             self.log.exception("%sunhandled error in %s %s", self.log_prefix, scope.get("method"), scope.get("path"))
             if sent.started:

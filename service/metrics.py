@@ -19,6 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from engine.abort import ABORT_REASONS
 from engine.outputs import TIERS
+from service.disconnect import PHASES as DISCONNECT_PHASES
 from service.vllm_metrics import VllmMetrics, status_metrics
 
 log = logging.getLogger("tieredkv.service")
@@ -226,6 +227,13 @@ class ServiceMetrics:
         self.prompt_tokens = Counter("tieredkv_prompt_tokens", "Prompt tokens by origin (a cache tier, or miss)",
                                      ["origin"], registry=r)
         self.completion_tokens = Counter("tieredkv_completion_tokens", "Generated tokens", registry=r)
+        # NOTE: a client's event, not an error: alert on 5xx, not on this (service/disconnect.py).
+        self.client_disconnects = Counter("tieredkv_client_disconnects", "Clients that closed their connection "
+                                          "before their answer was complete, by phase: body (before the request's "
+                                          "body was read), queued (before the response began), streaming (mid-stream)",
+                                          ["phase"], registry=r)
+        for phase in DISCONNECT_PHASES:
+            self.client_disconnects.labels(phase)
         Gauge("tieredkv_requests_in_flight", "Generation requests admitted and not finished",
               registry=r).set_function(in_flight)
         r.register(CacheCollector(cache_status, self.vllm.labels))
