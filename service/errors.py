@@ -3,7 +3,7 @@
 Knows: which HTTP status and error type each failure gets, and the exception handlers that
 turn anything raised in a route -- ours, FastAPI's, Starlette's, or a bug -- into that body.
 Validation errors are 400 (as OpenAI's are), never FastAPI's default 422.
-Doesn't know: routes or the engine beyond its two error classes.
+Doesn't know: routes or the engine beyond its error classes (engine/errors.py).
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from engine.errors import EngineClosedError, QueueFullError
+from engine.errors import BillingUnavailable, EngineClosedError, QueueFullError
 from service.http_middleware import HTTPMiddleware, StatusSend
 from service.request_log import record, scope_record
 
@@ -31,6 +31,9 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permi
 # A 429's Retry-After: a slot opens when one of the requests in flight ends, which is usually
 # within a second or two of a busy server's decoding; the client backs off that long first.
 RETRY_AFTER_S = 1
+# A 503 for billing (the ledger's filesystem cannot be written, and the bills held are at their
+# bound): the ledger is retried every 2 s, but a filesystem comes back in seconds at best.
+BILLING_RETRY_AFTER_S = 10
 
 
 class APIError(Exception):
@@ -67,6 +70,8 @@ def from_engine_error(exc: BaseException) -> APIError:
         return exc
     if isinstance(exc, QueueFullError):
         return APIError(429, f"the server is busy: {exc}", code="queue_full")
+    if isinstance(exc, BillingUnavailable):
+        return APIError(503, str(exc), code="billing_unavailable", retry_after_s=BILLING_RETRY_AFTER_S)
     if isinstance(exc, EngineClosedError):
         return APIError(503, f"the engine is shutting down: {exc}", code="engine_closed")
     if isinstance(exc, ValueError):
@@ -136,6 +141,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(QueueFullError)
     @app.exception_handler(EngineClosedError)
+    @app.exception_handler(BillingUnavailable)
     async def _engine(request: Request, exc: Exception) -> JSONResponse:
         return answer(request, from_engine_error(exc))
 

@@ -24,6 +24,21 @@ os.environ.setdefault("TIEREDKV_PROBE_WAIT_SLACK_S", "60")     # a remote probe'
 os.environ.setdefault("TIEREDKV_ENCODE_PROCESS", "nice")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def billing_spill_dir(tmp_path_factory):
+    """Bills a closing server could write nowhere beside its ledger go to the fallback directory
+    (engine/billing_spill.py): the session's own, never the user's ~/.local/state (subprocess
+    servers inherit it)."""
+    path = tmp_path_factory.mktemp("billing-spill")
+    old = os.environ.get("TIEREDKV_BILLING_SPILL_DIR")
+    os.environ["TIEREDKV_BILLING_SPILL_DIR"] = str(path)
+    yield path
+    if old is None:
+        os.environ.pop("TIEREDKV_BILLING_SPILL_DIR", None)
+    else:
+        os.environ["TIEREDKV_BILLING_SPILL_DIR"] = old
+
+
 @pytest.fixture(scope="session")
 def default_model():
     """The real default model (SmolLM2-135M-Instruct), loaded once per session on the 'auto' device.
