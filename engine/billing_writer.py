@@ -92,7 +92,7 @@ class BillingWriter(BackgroundWriter[list[tuple[Entry, Done | None]]]):
         self.degraded_since: float | None = None   # under _cond: wall time billing first failed
         self._last_logged_error: str | None = None   # writer thread: one log line per distinct failure
         self.spilled = 0                      # entries written to a spill file at close
-        self.refused = 0                      # "serve" requests failed: their bill had nowhere to go
+        self.refused = 0                      # under _cond: requests failed because their bill had nowhere to go
         self.groups = 0                       # commits made (for tests and stats)
         self.entries = 0
         # NOTE: the reserve first, while the filesystem may still have room, and before the first
@@ -125,10 +125,18 @@ class BillingWriter(BackgroundWriter[list[tuple[Entry, Done | None]]]):
         return prepare(self.prices, tenant, request_id, prompt_tokens, completion_tokens, hit_tokens_by_tier,
                        miss_tokens)
 
-    def refusing(self) -> str | None:
+    def refusing(self, count: bool = False) -> str | None:
         """Why a new request would be refused now (BillingUnavailable at admission), or None:
         "serve" with the memory bound reached and no reserve to take more; "refuse" while the
-        ledger is not open (its open is retried every RETRY_S). Any thread."""
+        ledger is not open (its open is retried every RETRY_S). `count`: the request is refused
+        (counted in `refused`). Any thread."""
+        why = self._refusal()
+        if why is not None and count:
+            with self._cond:
+                self.refused += 1
+        return why
+
+    def _refusal(self) -> str | None:
         with self._cond:
             if self.on_failure == "refuse":
                 return None if self.ledger is not None else f"billing failed: {self.ledger_error}; requests are refused"
@@ -262,7 +270,7 @@ class BillingWriter(BackgroundWriter[list[tuple[Entry, Done | None]]]):
             # NOTE: held before the callbacks run: a request answered is counted until committed.
             self._unwritten = self._retrying + [e for e, _ in held] + self._unwritten
             self._retrying = []
-            self.refused += len(refused) if self.on_failure == "serve" else 0
+            self.refused += len(refused)
         self._answer(held, [None] * len(held), None)
         self._answer(refused, [None] * len(refused), error)
         return False

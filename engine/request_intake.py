@@ -89,7 +89,7 @@ class RequestIntake:
         `shared`: a batch's one queue (each sequence's messages tagged with its place)."""
         if self._closed:
             raise EngineClosedError("engine is closed")
-        refusing = self.billing.refusing() if self.billing is not None else None
+        refusing = self.billing.refusing(count=True) if self.billing is not None else None
         if refusing is not None:     # its bill would have nowhere to go: refused before any work
             raise BillingUnavailable(refusing)
         if not (id_prefix.isascii() and id_prefix.isalnum()):

@@ -167,6 +167,9 @@ def readiness(status: dict, draining: bool, alive: bool) -> dict:
         reasons.append("the engine loop has stopped")
     if billing.get("state") == "degraded":
         held = f"{billing.get('unwritten')} bills held in {billing.get('held_in', 'memory')}"
+        if billing.get("held_in_memory"):
+            held += (f" ({billing['held_in_memory']} in memory, {billing.get('memory_bytes')} of "
+                     f"{billing.get('memory_bound')} bytes: past that, requests get 503)")
         if billing.get("ledger") == "unavailable":
             reasons.append(f"billing: the ledger is unavailable ({billing.get('error')}); " + (
                 f"{held}" if billing.get("on_failure") == "serve" else "requests are refused"))

@@ -121,6 +121,12 @@ class CacheCollector:
             # bills only in memory (engine/billing_writer.py; /ready is 503 meanwhile).
             yield _single(GaugeMetricFamily, "tieredkv_billing_unwritten", "Finished requests whose bill is kept "
                           "in memory because the ledger cannot be written", billing["unwritten"])
+        if _is_number(billing.get("held_in_memory")):
+            yield _single(GaugeMetricFamily, "tieredkv_billing_held_in_memory", "Of those, the bills held in memory "
+                          "only (the reserve could not take them): bounded, spilled at close", billing["held_in_memory"])
+        if _is_number(billing.get("refused")):
+            yield _single(CounterMetricFamily, "tieredkv_billing_refused", "Requests failed with 503 because their "
+                          "bill could be held nowhere (--on-billing-failure serve, past the bound)", billing["refused"])
         cost = status.get("cost_model", {})
         rates = cost.get("restore_bytes_per_s", {})
         if rates:
