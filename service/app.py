@@ -104,8 +104,8 @@ def create_app(engine: Any, settings: ServiceSettings = ServiceSettings()) -> Fa
         """Readiness: whether this server should get traffic now, with each tier's state. 503 when
         shutting down, when the engine loop stopped, or when billing cannot be written (requests
         would be answered with their bills only in memory: engine/billing_writer.py). A disk tier
-        moved aside or unavailable, or an open remote breaker, is a smaller cache: reported, still
-        ready."""
+        moved aside, unavailable or with its writes off, or an open remote breaker, is a smaller
+        cache: reported, still ready."""
         c = ctx(request)
         try:
             status = await run_in_threadpool(c.engine.cache_status)
@@ -152,6 +152,8 @@ def readiness(status: dict, draining: bool, alive: bool) -> dict:
         disk_state = "off"
     elif disk.get("unavailable"):
         disk_state = "unavailable"
+    elif disk.get("writes_off"):
+        disk_state = "writes off"         # its directory takes no writes: it serves what it holds
     elif disk.get("moved_aside"):
         disk_state = "recovered"          # a damaged store was moved aside; a fresh one serves
     else:
@@ -178,7 +180,7 @@ def readiness(status: dict, draining: bool, alive: bool) -> dict:
     return {"ready": not reasons, "reasons": reasons,
             "tiers": {"device": "ok", "host": "ok" if host.get("enabled", True) else "off",
                       "disk": disk_state, "remote": remote_state},
-            "disk": {k: disk.get(k) for k in ("unavailable", "recovered", "moved_aside", "free_bytes",
+            "disk": {k: disk.get(k) for k in ("unavailable", "writes_off", "recovered", "moved_aside", "free_bytes",
                                               "space_bound_bytes") if k in disk},
             "billing": billing}
 

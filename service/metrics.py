@@ -107,6 +107,12 @@ class CacheCollector:
         if _is_number(disk.get("moved_aside")):
             yield _single(CounterMetricFamily, "tieredkv_disk_moved_aside", "Damaged disk stores moved aside and "
                           "replaced with a fresh one by this process (at open or while serving)", disk["moved_aside"])
+        if disk.get("enabled") is not None and "writes_off" in disk:
+            yield _single(GaugeMetricFamily, "tieredkv_disk_writes_off", "1 while the disk tier writes nothing "
+                          "because its directory takes no writes (read-only, EIO, gone); it still serves",
+                          1.0 if disk.get("writes_off") else 0.0)
+            yield _single(CounterMetricFamily, "tieredkv_disk_writes_off_drops", "Blocks not written to the disk "
+                          "tier because its writes were off", disk.get("writes_off_drops") or 0)
         if disk.get("enabled") is not None:
             yield _single(GaugeMetricFamily, "tieredkv_disk_unavailable", "1 while the configured disk tier has "
                           "no store (a full filesystem at open, or no fresh store could be made)",

@@ -196,6 +196,11 @@ def status(
             out.print(f"compute or load ({plan.get('policy')}): {made.get('load', 0)} hits loaded, "
                       f"{made.get('split', 0)} split, {made.get('recompute', 0)} recomputed; "
                       f"{recomputed:,} hit tokens recomputed by choice", soft_wrap=True)
+    if disk.get("writes_off"):
+        out.print(f"[bold yellow]disk: writes off[/]: its directory takes no writes "
+                  f"({escape(str(disk['writes_off']))}); it serves what it holds, "
+                  f"{disk.get('writes_off_drops', 0)} blocks not written; back on once it can be written",
+                  soft_wrap=True)
     billing = body.get("billing", {})
     if billing.get("state") == "degraded":
         out.print(f"[bold red]billing: degraded[/]: {billing.get('unwritten', 0)} bills held in "
