@@ -86,6 +86,7 @@ class BillingWriter(BackgroundWriter[list[tuple[Entry, Done | None]]]):
         self._in_memory: set[bytes] = set()   # under _cond: their request keys (not in the reserve)
         self.reserve_failed: str | None = None   # writer thread: why the last write into the reserve failed
         self._identity: tuple[int, int] | None = None   # writer thread: the ledger dir's (dev, inode) at its open
+        self._full_logged = False             # writer thread: "held nowhere" said since the memory last emptied
         self._retry_at = 0.0                  # under _cond: when the next retry (or open) is due
         self._final_try = False               # under _cond: stopping, the unwritten were tried once more
         self.error: str | None = None         # under _cond: the last failure, while degraded
@@ -166,7 +167,7 @@ class BillingWriter(BackgroundWriter[list[tuple[Entry, Done | None]]]):
                     "error": None if ok else (self.error or self.ledger_error),
                     "degraded_since": None if ok else self.degraded_since,
                     "reserve": self.reserve.size, "reserve_wanted": self.reserve.wanted,
-                    "reserve_used": self.reserve.used, "reserve_error": self.reserve.error or self.reserve_failed}
+                    "reserve_used": self.reserve.used, "reserve_error": "; ".join(filter(None, (self.reserve_failed, self.reserve.error))) or None}
 
     def _held_in(self) -> str:
         if not self._in_memory:
@@ -250,6 +251,7 @@ class BillingWriter(BackgroundWriter[list[tuple[Entry, Done | None]]]):
                 if empty:
                     self._memory_bytes = 0
                     self._in_memory.clear()
+                    self._full_logged = False
                 else:
                     self._retry_at = 0.0      # the ledger takes bills again: the held ones now
             self.reserve_failed = None          # the filesystem takes writes again
@@ -307,9 +309,10 @@ class BillingWriter(BackgroundWriter[list[tuple[Entry, Done | None]]]):
                 self._memory_bytes += size
                 self._in_memory.add(e.request_key)
                 held.append((e, d))
-        if len(held) < len(rest):
-            log.error("billing: %d bills can be held nowhere (the reserve %s, memory at its bound of %d bytes): "
-                      "their requests fail with 503", len(rest) - len(held),
+        if len(held) < len(rest) and not self._full_logged:
+            self._full_logged = True        # once, until the held bills are committed
+            log.error("billing: bills can be held nowhere (the reserve %s, memory at its bound of %d bytes): requests "
+                      "fail with 503 (BillingUnavailable) until the ledger takes the bills held",
                       "cannot be written" if self.reserve_failed else "is full or absent", self.memory_bound)
         return fresh[:fits] + held, rest[len(held):]
 

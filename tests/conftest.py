@@ -122,3 +122,18 @@ def tmpfs(tmp_path):
     yield mount
     for mnt in mounted:
         subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+@pytest.fixture
+def ext4(tmp_path):
+    """A real ext4 in a loop-mounted image (tests/ext4_image.py), at `ext4.path`, that the test can
+    abort under a live process (`abort()`) and bring back (`recover()`). Skipped, saying why,
+    where it cannot be made (not root, no loop devices)."""
+    from tests.ext4_image import Ext4Image
+    where = tmp_path / "ext4"
+    where.mkdir()
+    fs = Ext4Image.make(where)
+    if isinstance(fs, str):
+        pytest.skip(fs)
+    yield fs
+    fs.cleanup()

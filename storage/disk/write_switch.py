@@ -37,6 +37,18 @@ def stops_writes(e: BaseException) -> bool:
     return any(words in str(e) for words in _STOP_WORDS)
 
 
+def unwritable(path: str) -> OSError | None:
+    """Why nothing can be written in the directory now (a probe file made and removed), or None.
+    NOTE: the only true test -- an aborted ext4 still says "rw" to statvfs and access()."""
+    name = os.path.join(path, PROBE_FILE)
+    try:
+        os.close(os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600))
+        os.unlink(name)
+    except OSError as e:
+        return e
+    return None
+
+
 class WriteSwitch:
     def __init__(self, path: str) -> None:
         self.path = path
