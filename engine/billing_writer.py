@@ -140,7 +140,9 @@ class BillingWriter(BackgroundWriter[list[tuple[Entry, Done | None]]]):
     def _refusal(self) -> str | None:
         with self._cond:
             if self.on_failure == "refuse":
-                return None if self.ledger is not None else f"billing failed: {self.ledger_error}; requests are refused"
+                if self.ledger is not None and self.degraded_since is None:
+                    return None
+                return f"billing failed: {self.error or self.ledger_error}; --on-billing-failure refuse; retry later"
             full = self._memory_bytes + _MIN_BILL_BYTES > self.memory_bound
             if full and (self.reserve_failed or self.reserve.room() < _MIN_BILL_BYTES):
                 return (f"billing failed: {len(self._unwritten) + len(self._retrying)} bills wait for the ledger, the most "
@@ -158,7 +160,7 @@ class BillingWriter(BackgroundWriter[list[tuple[Entry, Done | None]]]):
         on disk (0: there is none; `reserve_error` says why)."""
         with self._cond:
             held = len(self._unwritten) + len(self._retrying)
-            ok = held == 0 and self.ledger is not None
+            ok = held == 0 and self.ledger is not None and self.degraded_since is None
             return {"state": "ok" if ok else "degraded", "on_failure": self.on_failure,
                     "ledger": "open" if self.ledger is not None else "unavailable",
                     "unwritten": held, "held_in": self._held_in(),
@@ -180,10 +182,10 @@ class BillingWriter(BackgroundWriter[list[tuple[Entry, Done | None]]]):
         if self._stopping:
             return bool(self._unwritten) and not self._final_try
         due = time.monotonic() >= self._retry_at
-        return due and (bool(self._unwritten) or self.ledger is None)
+        return due and (bool(self._unwritten) or self.ledger is None or self.degraded_since is not None)
 
     def _idle_timeout(self) -> float | None:
-        if self._unwritten or self.ledger is None:
+        if self._unwritten or self.ledger is None or self.degraded_since is not None:
             return max(0.0, self._retry_at - time.monotonic())
         return None
 
@@ -236,7 +238,7 @@ class BillingWriter(BackgroundWriter[list[tuple[Entry, Done | None]]]):
             self._open_ledger()
         entries = [e for e, _ in group]
         if not entries:
-            return self.ledger is not None
+            return self.ledger is not None and self._probe()
         if self.ledger is None:
             outcomes, error = [None] * len(entries), OSError(self.ledger_error)
         else:
@@ -324,6 +326,18 @@ class BillingWriter(BackgroundWriter[list[tuple[Entry, Done | None]]]):
                 done(recorded, error)
             except Exception:
                 log.exception("billing: a completion callback failed")
+
+    def _probe(self) -> bool:
+        """Degraded with nothing held ("refuse": no bill waits to be retried): whether the ledger
+        takes a write now (Ledger.probe)."""
+        if self.degraded_since is None:
+            return True
+        try:
+            self.ledger.probe()
+        except Exception as e:      # still degraded; tried again in RETRY_S
+            log.debug("billing: the ledger still takes no writes: %s", e)
+            return False
+        return True
 
     def _forget_reserve(self) -> None:
         try:

@@ -175,6 +175,8 @@ def readiness(status: dict, draining: bool, alive: bool) -> dict:
         if billing.get("ledger") == "unavailable":
             reasons.append(f"billing: the ledger is unavailable ({billing.get('error')}); " + (
                 f"{held}" if billing.get("on_failure") == "serve" else "requests are refused"))
+        elif billing.get("on_failure") == "refuse":
+            reasons.append(f"billing cannot be written ({billing.get('error')}); requests are refused")
         else:
             reasons.append(f"billing cannot be written ({held}: {billing.get('error')})")
     return {"ready": not reasons, "reasons": reasons,
