@@ -105,3 +105,25 @@ def test_closing_on_an_aborted_filesystem_spills_the_held_bills_and_a_restart_co
     ext4.recover()
     assert billed(ext4.path / "billing") == set(ids)   # the open committed the spill file
     assert not list(spill.rglob("unwritten-*.jsonl"))
+
+
+def test_a_ledger_directory_removed_while_serving_is_made_again_not_written_into_unlinked_files(tmp_path) -> None:
+    """A vanished directory: LMDB would go on "committing" into files nobody can open again (every
+    bill after it lost at the next start). The writer sees the directory is not the one it opened
+    and opens a ledger at its path again; the bills of the removed one went with it."""
+    import shutil
+    path = tmp_path / "billing"
+    writer = BillingWriter(path=path)
+    try:
+        for i in range(3):
+            assert submit_and_wait(writer, entry(writer, i))["recorded"] is True
+        shutil.rmtree(path)
+        after = []
+        for i in range(3, 8):
+            assert submit_and_wait(writer, entry(writer, i))["error"] is None
+            after.append(f"req-{i}")
+        assert wait_until(lambda: writer.status()["state"] == "ok"), writer.status()
+    finally:
+        writer.close()
+        writer.ledger is not None and writer.ledger.close()
+    assert billed(path) == set(after)
