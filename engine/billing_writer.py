@@ -84,7 +84,8 @@ class BillingWriter(BackgroundWriter[list[tuple[Entry, Done | None]]]):
         self._retrying: list[Entry] = []
         self._memory_bytes = 0                # under _cond: the lines of the bills held in memory only
         self._in_memory: set[bytes] = set()   # under _cond: their request keys (not in the reserve)
-        self.reserve_failed: str | None = None   # writer thread: why the last write into the reserve failed
+        self.reserve_failed: str | None = None   # set by the writer thread, read anywhere: why the last write
+        #                                          into the reserve failed (None once the filesystem takes writes)
         self._identity: tuple[int, int] | None = None   # writer thread: the ledger dir's (dev, inode) at its open
         self._full_logged = False             # writer thread: "held nowhere" said since the memory last emptied
         self._retry_at = 0.0                  # under _cond: when the next retry (or open) is due
@@ -169,7 +170,8 @@ class BillingWriter(BackgroundWriter[list[tuple[Entry, Done | None]]]):
                     "error": None if ok else (self.error or self.ledger_error),
                     "degraded_since": None if ok else self.degraded_since,
                     "reserve": self.reserve.size, "reserve_wanted": self.reserve.wanted,
-                    "reserve_used": self.reserve.used, "reserve_error": "; ".join(filter(None, (self.reserve_failed, self.reserve.error))) or None}
+                    "reserve_used": self.reserve.used,
+                    "reserve_error": "; ".join(filter(None, (self.reserve_failed, self.reserve.error))) or None}
 
     def _held_in(self) -> str:
         if not self._in_memory:
