@@ -146,8 +146,9 @@ class BillingWriter(BackgroundWriter[list[tuple[Entry, Done | None]]]):
                 return f"billing failed: {self.error or self.ledger_error}; --on-billing-failure refuse; retry later"
             full = self._memory_bytes + _MIN_BILL_BYTES > self.memory_bound
             if full and (self.reserve_failed or self.reserve.room() < _MIN_BILL_BYTES):
-                return (f"billing failed: {len(self._unwritten) + len(self._retrying)} bills wait for the ledger, the most "
-                        f"this server holds ({self.error or self.ledger_error}); retry later")
+                held = len(self._unwritten) + len(self._retrying)
+                return (f"billing failed: {held} bills wait for the ledger, the most this server holds "
+                        f"({self.error or self.ledger_error}); retry later")
             return None
 
     def close(self) -> None:

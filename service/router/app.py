@@ -103,7 +103,8 @@ def create_router_app(settings: RouterSettings) -> FastAPI:
 
         async def routed() -> Response:
             blocks = await router.proxy.prompt_blocks(chat, doc, headers)
-            return await router.proxy.forward("POST", request.url.path, body, headers, blocks, sse=doc.get("stream") is True)
+            return await router.proxy.forward("POST", request.url.path, body, headers, blocks,
+                                              sse=doc.get("stream") is True)
         # A client that leaves before its answer begins: the forward is cancelled (its connection to
         # the backend closed, so the backend aborts the request), counted, one INFO line.
         work = asyncio.ensure_future(routed())
