@@ -96,30 +96,35 @@ def test_a_client_gone_before_its_body_was_read_is_one_info_line_on_every_route(
     no_server_error_logged(logs)
 
 
-def test_a_client_gone_while_its_answer_is_generated_and_mid_stream(engine, logs) -> None:
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_client_gone_while_its_answer_is_generated_and_mid_stream(engine, logs, path) -> None:
+    chat = path.endswith("chat/completions")
+    prompt = (lambda text: {"messages": [{"role": "user", "content": text}]}) if chat else \
+        (lambda text: {"prompt": text})
     with ServerThread(engine, ServiceSettings(close_engine_on_shutdown=False)) as s, s.client() as c:
         queued, streaming = (metric(c, "tieredkv_client_disconnects_total", phase=p) for p in ("queued", "streaming"))
-        payload = json.dumps({"model": engine.model_name, "prompt": "go", "max_tokens": LONG, "ignore_eos": True,
-                              "user": "t-gone-queued"}).encode()
+        payload = json.dumps({"model": engine.model_name, **prompt("go"), "max_tokens": LONG, "ignore_eos": True,
+                              "user": f"t-gone-queued-{chat}"}).encode()
         sock = socket.create_connection(("127.0.0.1", s.port))
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
-        wait_for(lambda: any(q.tenant == "t-gone-queued" and q.output_ids for q in list(engine.scheduler.running)))
+        sock.sendall(b"POST %s HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (path.encode(), len(payload), payload))
+        wait_for(lambda: any(q.tenant == f"t-gone-queued-{chat}" and q.output_ids
+                             for q in list(engine.scheduler.running)))
         sock.close()
-        wait_for(lambda: lines(logs, "/v1/completions", 499))
-        assert lines(logs, "/v1/completions", 499)[0].levelno == logging.INFO
+        wait_for(lambda: lines(logs, path, 499))
+        assert lines(logs, path, 499)[0].levelno == logging.INFO
         assert metric(c, "tieredkv_client_disconnects_total", phase="queued") == queued + 1
 
-        body = {"model": engine.model_name, "prompt": "go on", "max_tokens": LONG, "ignore_eos": True, "stream": True,
-                "user": "t-gone-streaming"}
-        with httpx.Client(base_url=s.url, timeout=60) as gone, gone.stream("POST", "/v1/completions", json=body) as r:
+        body = {"model": engine.model_name, **prompt("go on"), "max_tokens": LONG, "ignore_eos": True, "stream": True,
+                "user": f"t-gone-streaming-{chat}"}
+        with httpx.Client(base_url=s.url, timeout=60) as gone, gone.stream("POST", path, json=body) as r:
             assert r.status_code == 200
-            assert json.loads(next(r.iter_lines()).removeprefix("data: "))["choices"][0]["text"]
+            assert next(line for line in r.iter_lines() if line.startswith("data: "))
         wait_for(lambda: metric(c, "tieredkv_client_disconnects_total", phase="streaming") == streaming + 1)
         wait_for(lambda: idle(engine))
         assert pages_held(engine) == 0
         (line,) = [r for r in logs.records if r.name == "tieredkv.requests"
-                   and r.request_fields.get("tenant") == "t-gone-streaming"]
+                   and r.request_fields.get("tenant") == f"t-gone-streaming-{chat}"]
         assert line.levelno == logging.INFO and line.request_fields["status"] == 200     # what the client got
         assert "the client disconnected after" in line.request_fields["reason"]
         assert server_errors(c) == 0
