@@ -5,8 +5,8 @@ so after an error, an aborted ext4), EIO, a vanished or unwritable directory: `s
 and what the tier does then: a smaller cache (it still serves what it holds, it writes nothing:
 puts are refused and counted, not queued, encoded and dropped batch by batch), one log line when
 the writes stop and one when they come back, and the probe that brings them back: every PROBE_S
-a small file written, fsynced and removed in the directory (the writer then commits one empty
-transaction before it takes blocks again).
+a small file made and removed in the directory, then one transaction committed (the writer's)
+before it takes blocks again.
 Doesn't know: LMDB or the writer's batches (storage/disk/writer.py turns the switch and probes).
 
 Threads: the writer's thread turns it off and on and probes; `off` (a str or None) is read by any
@@ -39,13 +39,14 @@ def stops_writes(e: BaseException) -> bool:
 
 def unwritable(path: str) -> OSError | None:
     """Why nothing can be written in the directory now (a probe file made and removed), or None.
-    NOTE: the only true test -- an aborted ext4 still says "rw" to statvfs and access()."""
+    NOTE: the only true test -- an aborted ext4 still says "rw" to statvfs and access(). A full
+    filesystem (ENOSPC) is not this: it is written again once the store has made room."""
     name = os.path.join(path, PROBE_FILE)
     try:
         os.close(os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600))
         os.unlink(name)
     except OSError as e:
-        return e
+        return e if stops_writes(e) else None
     return None
 
 
@@ -77,17 +78,13 @@ class WriteSwitch:
         return None if self.off is None else max(0.0, self._probe_at - time.monotonic())
 
     def try_on(self, resume: Callable[[], object]) -> bool:
-        """The probe: once a file can be written, fsynced and removed in the directory, `resume()`
-        (the store's own write); both done, the writes are on. Else the next try in PROBE_S."""
-        name = os.path.join(self.path, PROBE_FILE)
+        """The probe: once a file can be made and removed in the directory (`unwritable`),
+        `resume()` (the store's own write, committed and fsynced); both done, the writes are on.
+        Else the next try in PROBE_S."""
         try:
-            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            try:
-                os.write(fd, b"probe")
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.unlink(name)
+            why = unwritable(self.path)
+            if why is not None:
+                raise why
             resume()
         except Exception as e:          # noqa: BLE001 -- still off
             log.debug("disk tier %s: still no writes: %s", self.path, e)
