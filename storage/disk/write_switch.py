@@ -41,7 +41,7 @@ def unwritable(path: str) -> OSError | None:
     """Why nothing can be written in the directory now (a probe file made and removed), or None.
     NOTE: the only true test -- an aborted ext4 still says "rw" to statvfs and access(). A full
     filesystem (ENOSPC) is not this: it is written again once the store has made room."""
-    name = os.path.join(path, PROBE_FILE)
+    name = os.path.join(path, f"{PROBE_FILE}-{os.getpid()}")    # processes may share the directory
     try:
         os.close(os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600))
         os.unlink(name)
