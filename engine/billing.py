@@ -412,6 +412,14 @@ class Ledger:
         return TenantBill(b.requests, b.prompt_tokens, b.completion_tokens, b.hit_tokens_by_tier,
                           b.miss_tokens, b.cost_pico, tenant=name, days=days)
 
+    def probe(self) -> None:
+        """One real write (a page changed, committed, fsynced) that bills nothing: whether the
+        ledger takes writes now. Raises as a commit of a bill would. (Its own database: every sum
+        and `check()` read only the three tables above.)"""
+        with self._write_lock, self._env.begin(write=True) as txn:
+            db = self._env.open_db(b"probe", txn=txn)
+            txn.put(b"last", datetime.now(timezone.utc).isoformat().encode(), db=db)
+
     # -- lifetime --------------------------------------------------------------------------
 
     def close(self) -> None:

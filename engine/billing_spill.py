@@ -9,8 +9,11 @@ fdatasync) before its request is answered, so a kill -9, a full disk at shutdown
 nothing; the next open of the ledger commits what it finds (idempotent: request ids). The
 reserve's size is what it really is on disk (`Reserve.size`; 0 when it could not be made, and
 `Reserve.error` says why), never the size asked for.
-Also the spill files (unwritten-*.jsonl): written at close, when there is no reserve, for bills
-held in memory only; read back the same way.
+Also the spill files (unwritten-*.jsonl): written at close for bills held in memory only (there
+was no reserve, it was full, or it could not be written); read back the same way. `spill` puts
+them wherever something can be written: the reserve, a file beside the ledger, else a file in
+the fallback directory (`fallback_dir`: $TIEREDKV_BILLING_SPILL_DIR, or ~/.local/state/tieredkv/
+unwritten, under a digest of the ledger's path), which the ledger's open reads too.
 Doesn't know: LMDB, prices or the writer's policy. Rows are (request_id, record) as bytes;
 engine/billing.py makes ledger entries of them.
 
@@ -20,6 +23,7 @@ threads only read its ints (size, used) for status.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -69,20 +73,32 @@ def _journal(data: bytes) -> bytes:
     return data if end < 0 else data[:end]
 
 
+def fallback_dir(path: str) -> str:
+    """Where bills go at close when nothing beside the ledger at `path` can be written: a folder
+    of its own per ledger (a digest of its absolute path), read by that ledger's open."""
+    root = os.environ.get("TIEREDKV_BILLING_SPILL_DIR") or os.path.join(
+        os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state"),
+        "tieredkv", "unwritten")
+    return os.path.join(root, hashlib.sha256(os.path.abspath(path).encode()).hexdigest()[:16])
+
+
 def read_pending(path: str) -> tuple[list[Row], list[str]]:
     """The bills an earlier process wrote beside the ledger and never committed: the reserve's
-    journal and every spill file. Returns the rows and the spill files' paths."""
+    journal and every spill file (beside it and in its fallback directory). Returns the rows and
+    the spill files' paths."""
     rows: list[Row] = []
     reserve = os.path.join(path, RESERVE_FILE)
     with contextlib.suppress(FileNotFoundError):
         with open(reserve, "rb") as f:
             rows += _decode(_journal(f.read()), reserve)
     files = []
-    for name in sorted(os.listdir(path)):
-        if name.startswith(SPILL_PREFIX) and name.endswith(".jsonl"):
-            files.append(os.path.join(path, name))
-            with open(files[-1], "rb") as f:
-                rows += _decode(f.read(), files[-1])
+    for folder in (path, fallback_dir(path)):
+        with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+            for name in sorted(os.listdir(folder)):
+                if name.startswith(SPILL_PREFIX) and name.endswith(".jsonl"):
+                    files.append(os.path.join(folder, name))
+                    with open(files[-1], "rb") as f:
+                        rows += _decode(f.read(), files[-1])
     return rows, files
 
 
@@ -97,6 +113,24 @@ def forget_pending(path: str, files: list[str]) -> None:
             os.close(fd)
     for name in files:
         os.unlink(name)
+
+
+def spill(path: str, rows: list[Row], reserve: "Reserve | None" = None) -> str:
+    """Bills held in memory, written wherever they can be (the reserve, a spill file beside the
+    ledger, a spill file in the fallback directory), durably. Returns where; raises the last
+    OSError when nowhere could take them."""
+    if reserve is not None and reserve.ready:
+        with contextlib.suppress(OSError):
+            reserve.append(rows)
+            return reserve.file
+    try:
+        return write_spill_file(path, rows)
+    except OSError as e:
+        log.warning("billing: a spill file beside the ledger cannot be written (%s); trying %s", e,
+                    fallback_dir(path))
+    folder = fallback_dir(path)
+    os.makedirs(folder, exist_ok=True)
+    return write_spill_file(folder, rows)
 
 
 def write_spill_file(path: str, rows: list[Row]) -> str:

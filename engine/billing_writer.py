@@ -22,13 +22,19 @@ RETRY_S), `on_failure` decides:
     reserve (billing/reserve.bin, made before the first request: its blocks are the bills' room
     on a full disk), fsynced, then kept in memory and retried every RETRY_S until the ledger
     takes it. The next open of the ledger commits what the reserve holds, so neither a full disk
-    at shutdown nor a kill -9 loses a held bill. Without a reserve (none could be made: status
-    says so, with why), bills are held in memory only, up to the reserve's wanted size of them,
-    and spilled to a file at close (or logged whole when even that fails). A bill that cannot be
-    held (the reserve is full) fails its request, as "refuse" would: NOTE no request is answered
+    at shutdown nor a kill -9 loses a held bill. A bill the reserve cannot take -- there is none
+    (status says why), it is full, or it cannot be written (issue 41: a read-only or aborted
+    filesystem, EIO) -- is held in memory only, up to `memory_bound` bytes of them, and at close
+    spilled where anything can be written (the reserve, a file beside the ledger, else the
+    fallback directory: engine/billing_spill.py), logged whole when nothing can be. A bill that
+    cannot be held at all fails its request with BillingUnavailable (a 503 with Retry-After), and
+    while that is so new requests get it at admission (`refusing`): NOTE no request is answered
     with a bill that has nowhere to go. The operator sees it all (status(): degraded, with the
-    count and why; /ready 503; /metrics).
-  "refuse": the request fails ("billing failed"), as a ledger that must never lag demands.
+    count, where and why; /ready 503; /metrics).
+  "refuse": the request fails (BillingUnavailable), as a ledger that must never lag demands.
+A ledger whose directory is no longer the one it opened (the filesystem remounted after an
+error, the directory removed or replaced: LMDB would go on "committing" into files nobody will
+read) is dropped and opened again at its path, the reserve with it.
 status() counts every bill answered and not yet committed -- those being retried included -- so
 "ok" means every answered request is in the ledger.
 """
@@ -41,8 +47,9 @@ import time
 from collections import deque
 from typing import Callable
 
+from engine.errors import BillingUnavailable
 from engine.billing import Entry, Ledger, Prices, entry_of, prepare
-from engine.billing_spill import DEFAULT_RESERVE_BYTES, Reserve, ReserveFull, encode, write_spill_file
+from engine.billing_spill import DEFAULT_RESERVE_BYTES, Reserve, ReserveFull, encode, spill
 from storage.background_writer import BackgroundWriter
 from storage.disk.environment import LOW_SPACE_BYTES, free_bytes
 
@@ -51,6 +58,7 @@ log = logging.getLogger("tieredkv.billing")
 Done = Callable[[bool | None, Exception | None], None]   # (recorded, error)
 ON_FAILURE = ("serve", "refuse")
 RETRY_S = 2.0             # how often entries the ledger could not take (or its open) are tried again
+_MIN_BILL_BYTES = 160     # about the smallest bill's line in the reserve or in memory
 
 
 class BillingWriter(BackgroundWriter[list[tuple[Entry, Done | None]]]):
@@ -74,25 +82,31 @@ class BillingWriter(BackgroundWriter[list[tuple[Entry, Done | None]]]):
         # is none), retried. Under _cond; `_retrying` is the part the writer has in hand now.
         self._unwritten: list[Entry] = []
         self._retrying: list[Entry] = []
-        self._memory_bytes = 0                # under _cond: held bills' lines, when held in memory only
+        self._memory_bytes = 0                # under _cond: the lines of the bills held in memory only
+        self._in_memory: set[bytes] = set()   # under _cond: their request keys (not in the reserve)
+        self.reserve_failed: str | None = None   # set by the writer thread, read anywhere: why the last write
+        #                                          into the reserve failed (None once the filesystem takes writes)
+        self._identity: tuple[int, int] | None = None   # writer thread: the ledger dir's (dev, inode) at its open
+        self._full_logged = False             # writer thread: "held nowhere" said since the memory last emptied
         self._retry_at = 0.0                  # under _cond: when the next retry (or open) is due
         self._final_try = False               # under _cond: stopping, the unwritten were tried once more
         self.error: str | None = None         # under _cond: the last failure, while degraded
         self.degraded_since: float | None = None   # under _cond: wall time billing first failed
         self._last_logged_error: str | None = None   # writer thread: one log line per distinct failure
         self.spilled = 0                      # entries written to a spill file at close
-        self.refused = 0                      # "serve" requests failed: their bill had nowhere to go
+        self.refused = 0                      # under _cond: requests failed because their bill had nowhere to go
         self.groups = 0                       # commits made (for tests and stats)
         self.entries = 0
         # NOTE: the reserve first, while the filesystem may still have room, and before the first
         # request; it reads the bills a killed process left in it (committed by the ledger's open).
         self.reserve = Reserve(self.path, reserve_bytes)
-        # Without a reserve, bills are held in memory up to this many bytes of their lines.
+        # Bills the reserve cannot take are held in memory up to this many bytes of their lines.
         self.memory_bound = reserve_bytes if reserve_bytes > 0 else DEFAULT_RESERVE_BYTES
         if self.reserve.error:
             log.warning("billing: the reserve beside the ledger: %s", self.reserve.error)
-        self.ledger: Ledger | None = ledger   # set once, on the writer thread (or here); read anywhere
+        self.ledger: Ledger | None = ledger   # set on the writer thread (or here); read anywhere
         self.ledger_error: str | None = None
+        self._identity = _identity(self.path) if ledger is not None else None
         if ledger is None:
             self._unwritten = [entry_of(rid, rec) for rid, rec in self.reserve.pending]
             self._open_ledger()
@@ -113,6 +127,30 @@ class BillingWriter(BackgroundWriter[list[tuple[Entry, Done | None]]]):
         return prepare(self.prices, tenant, request_id, prompt_tokens, completion_tokens, hit_tokens_by_tier,
                        miss_tokens)
 
+    def refusing(self, count: bool = False) -> str | None:
+        """Why a new request would be refused now (BillingUnavailable at admission), or None:
+        "serve" with the memory bound reached and no reserve to take more; "refuse" while the
+        ledger is not open (its open is retried every RETRY_S). `count`: the request is refused
+        (counted in `refused`). Any thread."""
+        why = self._refusal()
+        if why is not None and count:
+            with self._cond:
+                self.refused += 1
+        return why
+
+    def _refusal(self) -> str | None:
+        with self._cond:
+            if self.on_failure == "refuse":
+                if self.ledger is not None and self.degraded_since is None:
+                    return None
+                return f"billing failed: {self.error or self.ledger_error}; --on-billing-failure refuse; retry later"
+            full = self._memory_bytes + _MIN_BILL_BYTES > self.memory_bound
+            if full and (self.reserve_failed or self.reserve.room() < _MIN_BILL_BYTES):
+                held = len(self._unwritten) + len(self._retrying)
+                return (f"billing failed: {held} bills wait for the ledger, the most this server holds "
+                        f"({self.error or self.ledger_error}); retry later")
+            return None
+
     def close(self) -> None:
         """Commit everything queued (or leave it held where the next open finds it), then stop."""
         self.stop()
@@ -124,15 +162,22 @@ class BillingWriter(BackgroundWriter[list[tuple[Entry, Done | None]]]):
         on disk (0: there is none; `reserve_error` says why)."""
         with self._cond:
             held = len(self._unwritten) + len(self._retrying)
-            ok = held == 0 and self.ledger is not None
+            ok = held == 0 and self.ledger is not None and self.degraded_since is None
             return {"state": "ok" if ok else "degraded", "on_failure": self.on_failure,
                     "ledger": "open" if self.ledger is not None else "unavailable",
-                    "unwritten": held, "held_in": "reserve" if self.reserve.ready else "memory",
-                    "refused": self.refused,
+                    "unwritten": held, "held_in": self._held_in(),
+                    "held_in_memory": len(self._in_memory), "memory_bytes": self._memory_bytes,
+                    "memory_bound": self.memory_bound, "refused": self.refused,
                     "error": None if ok else (self.error or self.ledger_error),
                     "degraded_since": None if ok else self.degraded_since,
                     "reserve": self.reserve.size, "reserve_wanted": self.reserve.wanted,
-                    "reserve_used": self.reserve.used, "reserve_error": self.reserve.error}
+                    "reserve_used": self.reserve.used,
+                    "reserve_error": "; ".join(filter(None, (self.reserve_failed, self.reserve.error))) or None}
+
+    def _held_in(self) -> str:
+        if not self._in_memory:
+            return "reserve" if self.reserve.ready else "memory"
+        return "memory" if len(self._in_memory) == len(self._unwritten) + len(self._retrying) else "reserve and memory"
 
     def _has_work(self) -> bool:
         if self._queue:
@@ -140,10 +185,10 @@ class BillingWriter(BackgroundWriter[list[tuple[Entry, Done | None]]]):
         if self._stopping:
             return bool(self._unwritten) and not self._final_try
         due = time.monotonic() >= self._retry_at
-        return due and (bool(self._unwritten) or self.ledger is None)
+        return due and (bool(self._unwritten) or self.ledger is None or self.degraded_since is not None)
 
     def _idle_timeout(self) -> float | None:
-        if self._unwritten or self.ledger is None:
+        if self._unwritten or self.ledger is None or self.degraded_since is not None:
             return max(0.0, self._retry_at - time.monotonic())
         return None
 
@@ -162,6 +207,7 @@ class BillingWriter(BackgroundWriter[list[tuple[Entry, Done | None]]]):
         commits what the reserve and spill files hold."""
         try:
             ledger = Ledger(self.path, self.prices)
+            identity = _identity(self.path)
         except Exception as e:
             why = f"the ledger at {self.path} cannot be opened ({type(e).__name__}: {e})"
             if why != self.ledger_error:
@@ -173,7 +219,14 @@ class BillingWriter(BackgroundWriter[list[tuple[Entry, Done | None]]]):
                     self.degraded_since = time.time()
                 self._retry_at = time.monotonic() + RETRY_S
             return
-        self.reserve.clear()     # the open committed the journal (and marked it empty)
+        if self._identity is not None and identity != self._identity:
+            # A new directory (remounted, replaced): the reserve open on the old one goes too.
+            old, self.reserve = self.reserve, Reserve(self.path, self.reserve.wanted)
+            old.close()
+            self.reserve.pending = []      # the ledger's open committed them
+        self._forget_reserve()   # the open committed the journal (and marked it empty)
+        self.reserve_failed = None
+        self._identity = identity
         with self._cond:
             self.ledger, self.ledger_error = ledger, None
             self._retry_at = 0.0     # the held bills are in it now: their retry only finds them there
@@ -181,11 +234,14 @@ class BillingWriter(BackgroundWriter[list[tuple[Entry, Done | None]]]):
             log.warning("billing: the ledger at %s is open again", self.path)
 
     def _write(self, group: list[tuple[Entry, Done | None]]) -> bool:
+        if self.ledger is not None and self._moved():
+            with self._cond:
+                self.ledger = None       # NOTE: not closed here: readers on other threads may hold it
         if self.ledger is None:
             self._open_ledger()
         entries = [e for e, _ in group]
         if not entries:
-            return self.ledger is not None
+            return self.ledger is not None and self._probe()
         if self.ledger is None:
             outcomes, error = [None] * len(entries), OSError(self.ledger_error)
         else:
@@ -199,6 +255,11 @@ class BillingWriter(BackgroundWriter[list[tuple[Entry, Done | None]]]):
                 empty = not self._unwritten
                 if empty:
                     self._memory_bytes = 0
+                    self._in_memory.clear()
+                    self._full_logged = False
+                else:
+                    self._retry_at = 0.0      # the ledger takes bills again: the held ones now
+            self.reserve_failed = None          # the filesystem takes writes again
             if retried and empty:
                 self._forget_reserve()
             if empty and not self.reserve.ready:
@@ -206,42 +267,59 @@ class BillingWriter(BackgroundWriter[list[tuple[Entry, Done | None]]]):
             self._answer(fresh, outcomes[len(group) - len(fresh):], None)
             return True
         held, refused = self._hold(fresh) if self.on_failure == "serve" else ([], fresh)
+        if refused:
+            error = BillingUnavailable(
+                f"billing failed: the ledger cannot take this request's bill ({error})" + (
+                    "; --on-billing-failure refuse" if self.on_failure == "refuse" else
+                    f"; {len(self._unwritten) + len(self._retrying) + len(held)} bills are held already, the most "
+                    "this server holds") + "; retry later")
         with self._cond:
             # NOTE: held before the callbacks run: a request answered is counted until committed.
             self._unwritten = self._retrying + [e for e, _ in held] + self._unwritten
             self._retrying = []
-            self.refused += len(refused) if self.on_failure == "serve" else 0
+            self.refused += len(refused)
         self._answer(held, [None] * len(held), None)
         self._answer(refused, [None] * len(refused), error)
         return False
 
     def _hold(self, fresh: list[tuple[Entry, Done | None]]) -> tuple[list, list]:
-        """Serve: the bills that can be held (written into the reserve, or within the memory bound
-        without one) and those that cannot (their requests fail)."""
+        """Serve: the bills that can be held -- written into the reserve, else in memory within
+        its bound -- and those that cannot (their requests fail)."""
         if not fresh:
             return [], []
-        if self.reserve.ready:
-            fits, room = 0, self.reserve.room()
+        fits = 0
+        if self.reserve.ready and not self.reserve_failed:
+            room = self.reserve.room()
             for e, _ in fresh:
                 room -= len(encode([(e.request_key, e.record)]))
                 if room < 0:
                     break
                 fits += 1
             try:
-                self.reserve.append([(e.request_key, e.record) for e, _ in fresh[:fits]])
+                if fits:
+                    self.reserve.append([(e.request_key, e.record) for e, _ in fresh[:fits]])
             except (ReserveFull, OSError) as e:
-                log.error("billing: writing %d bills into the reserve failed (%s): their requests fail", fits, e)
+                # NOTE (issue 41): a reserve that cannot be written (a read-only or aborted filesystem,
+                # EIO) is no reason to fail a request: its bills are held in memory, bounded.
+                self.reserve_failed = f"writing into {self.reserve.file} failed ({e})"
+                log.error("billing: %s; bills are held in memory (at most %d bytes of them) until the ledger can "
+                          "be written", self.reserve_failed, self.memory_bound)
                 fits = 0
-            return fresh[:fits], fresh[fits:]
-        held = []
+        rest, held = fresh[fits:], []
         with self._cond:
-            for e, d in fresh:
+            for e, d in rest:
                 size = len(encode([(e.request_key, e.record)]))
                 if self._memory_bytes + size > self.memory_bound:
                     break
                 self._memory_bytes += size
+                self._in_memory.add(e.request_key)
                 held.append((e, d))
-        return held, fresh[len(held):]
+        if len(held) < len(rest) and not self._full_logged:
+            self._full_logged = True        # once, until the held bills are committed
+            log.error("billing: bills can be held nowhere (the reserve %s, memory at its bound of %d bytes): requests "
+                      "fail with 503 (BillingUnavailable) until the ledger takes the bills held",
+                      "cannot be written" if self.reserve_failed else "is full or absent", self.memory_bound)
+        return fresh[:fits] + held, rest[len(held):]
 
     def _answer(self, group: list[tuple[Entry, Done | None]], outcomes: list, error: Exception | None) -> None:
         for (_, done), recorded in zip(group, outcomes):
@@ -251,6 +329,18 @@ class BillingWriter(BackgroundWriter[list[tuple[Entry, Done | None]]]):
                 done(recorded, error)
             except Exception:
                 log.exception("billing: a completion callback failed")
+
+    def _probe(self) -> bool:
+        """Degraded with nothing held ("refuse": no bill waits to be retried): whether the ledger
+        takes a write now (Ledger.probe)."""
+        if self.degraded_since is None:
+            return True
+        try:
+            self.ledger.probe()
+        except Exception as e:      # still degraded; tried again in RETRY_S
+            log.debug("billing: the ledger still takes no writes: %s", e)
+            return False
+        return True
 
     def _forget_reserve(self) -> None:
         try:
@@ -287,23 +377,39 @@ class BillingWriter(BackgroundWriter[list[tuple[Entry, Done | None]]]):
         self._retry_at = time.monotonic() + RETRY_S
 
     def _on_exit(self) -> None:
-        """Closing with bills the ledger never took: in the reserve already (the next open commits
-        them), else to a spill file, else the log."""
+        """Closing with bills the ledger never took: those in the reserve are there already (the
+        next open commits them); those held in memory go wherever they can be written
+        (engine/billing_spill.py's `spill`), else to the log."""
         with self._cond:
             left = self._unwritten + self._retrying
+            memory = [e for e in left if e.request_key in self._in_memory or not self.reserve.ready]
         if not left:
             return
-        if self.reserve.ready:
+        if len(memory) < len(left):
             log.error("billing: %d bills could not be committed before closing; they are in %s (committed at the "
-                      "next start)", len(left), self.reserve.file)
+                      "next start)", len(left) - len(memory), self.reserve.file)
+        if not memory:
             return
         try:
-            where = write_spill_file(self.path, [(e.request_key, e.record) for e in left])
-            self.spilled += len(left)
-            log.error("billing: %d bills could not be committed before closing; written to %s (committed at the "
-                      "next start)", len(left), where)
+            where = spill(self.path, [(e.request_key, e.record) for e in memory],
+                          self.reserve if self.reserve.ready else None)
+            self.spilled += len(memory)
+            log.error("billing: %d bills held in memory could not be committed before closing; written to %s "
+                      "(committed at the next start)", len(memory), where)
         except OSError as e:
             log.error("billing: %d bills could not be committed nor spilled (%s); their records follow, to be "
-                      "billed by hand", len(left), e)
-            for entry in left:
+                      "billed by hand", len(memory), e)
+            for entry in memory:
                 log.error("billing: unwritten %s %s", entry.request_key.decode(), entry.record.decode())
+
+    def _moved(self) -> bool:
+        """Whether the ledger's directory is no longer the one it opened (gone, replaced, remounted)."""
+        try:
+            return _identity(self.path) != self._identity
+        except OSError:
+            return True
+
+
+def _identity(path: str) -> tuple[int, int]:
+    st = os.stat(path)
+    return st.st_dev, st.st_ino

@@ -27,7 +27,7 @@ from typing import Iterator, Sequence as Seq
 
 from engine.abort import CALLER_CLOSED, AbortHandle
 from engine.billing import validate_tenant
-from engine.errors import EngineClosedError, QueueFullError
+from engine.errors import BillingUnavailable, EngineClosedError, QueueFullError
 from engine.outputs import CompletionOutput, StreamChunk
 from engine.request_group import RequestGroup
 from engine.sampler import is_greedy, make_generator
@@ -104,6 +104,9 @@ class RequestIntake:
         `shared`: a batch's one queue (each sequence's messages tagged with its place)."""
         if self._closed:
             raise EngineClosedError("engine is closed")
+        refusing = self.billing.refusing(count=True) if self.billing is not None else None
+        if refusing is not None:     # its bill would have nowhere to go: refused before any work
+            raise BillingUnavailable(refusing)
         if not (id_prefix.isascii() and id_prefix.isalnum()):
             raise ValueError(f"id_prefix: expected letters and digits, got {id_prefix!r}")
         if len(prompts) > max(1, self.max_queue):     # a batch that could never be queued whole

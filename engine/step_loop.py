@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from engine.errors import BillingUnavailable
 from engine.output_stream import completion_of, emit, take_token_text
 from engine.sampler import RowResult, SamplingError, make_generator, sample_batch
 from engine.sequence import Sequence, SeqStatus
@@ -256,8 +257,9 @@ class StepLoop:
             # NOTE: runs after the ledger committed this request (billing thread), so a caller
             # never sees a result that is not billed; a bill that cannot be written fails the
             # request instead of serving it unbilled.
-            if error is not None:
-                seq.outbox.put(("error", RuntimeError(f"billing failed: {error}")))
+            if error is not None:      # a 503 with Retry-After to an HTTP client (engine/errors.py)
+                seq.outbox.put(("error", error if isinstance(error, BillingUnavailable)
+                                else BillingUnavailable(f"billing failed: {error}")))
                 return
             for _, last in results:
                 seq.outbox.put(("delta", last))

@@ -28,7 +28,8 @@ from service import cache_routes, dashboard, openai_routes, tokenize_routes
 from service.auth import ApiKeys, require_admin
 from service.context import AppContext, ctx
 from service.dispatch import Dispatcher
-from service.errors import APIError, CatchAll, install_error_handlers
+from service.disconnect import ClientGone
+from service.errors import APIError, CatchAll, answer, install_error_handlers
 from service.http_middleware import HTTPMiddleware, StatusSend
 from service.metrics import ServiceMetrics
 from service.openapi import install_openapi
@@ -76,6 +77,12 @@ def create_app(engine: Any, settings: ServiceSettings = ServiceSettings()) -> Fa
     app.state.max_body_bytes = settings.max_body_bytes
     app.state.unknown_fields = settings.unknown_fields
     install_error_handlers(app)
+
+    @app.exception_handler(ClientGone)
+    async def _client_gone(request: Request, exc: ClientGone) -> JSONResponse:
+        context.client_gone(request.scope, exc.phase)
+        return answer(request, exc)
+
     app.include_router(openai_routes.router)
     app.include_router(cache_routes.router)
     app.include_router(dashboard.router)
@@ -97,8 +104,8 @@ def create_app(engine: Any, settings: ServiceSettings = ServiceSettings()) -> Fa
         """Readiness: whether this server should get traffic now, with each tier's state. 503 when
         shutting down, when the engine loop stopped, or when billing cannot be written (requests
         would be answered with their bills only in memory: engine/billing_writer.py). A disk tier
-        moved aside or unavailable, or an open remote breaker, is a smaller cache: reported, still
-        ready."""
+        moved aside, unavailable or with its writes off, or an open remote breaker, is a smaller
+        cache: reported, still ready."""
         c = ctx(request)
         try:
             status = await run_in_threadpool(c.engine.cache_status)
@@ -124,7 +131,8 @@ def create_app(engine: Any, settings: ServiceSettings = ServiceSettings()) -> Fa
     install_openapi(app)
     # Added last, so it runs first (outermost): the error catch-all sits inside the counting.
     app.add_middleware(IgnoredFieldsHeader)
-    app.add_middleware(CatchAll)
+    app.add_middleware(CatchAll, on_disconnect=lambda scope: context.client_gone(
+        scope, "body", "the client disconnected before its body was read"))
     app.add_middleware(CountRequests, metrics=metrics)
     app.add_middleware(RequestLog, log_probes=settings.log_probes)   # outermost: its line has the client's status
     return app
@@ -144,6 +152,8 @@ def readiness(status: dict, draining: bool, alive: bool) -> dict:
         disk_state = "off"
     elif disk.get("unavailable"):
         disk_state = "unavailable"
+    elif disk.get("writes_off"):
+        disk_state = "writes off"         # its directory takes no writes: it serves what it holds
     elif disk.get("moved_aside"):
         disk_state = "recovered"          # a damaged store was moved aside; a fresh one serves
     else:
@@ -159,15 +169,20 @@ def readiness(status: dict, draining: bool, alive: bool) -> dict:
         reasons.append("the engine loop has stopped")
     if billing.get("state") == "degraded":
         held = f"{billing.get('unwritten')} bills held in {billing.get('held_in', 'memory')}"
+        if billing.get("held_in_memory"):
+            held += (f" ({billing['held_in_memory']} in memory, {billing.get('memory_bytes')} of "
+                     f"{billing.get('memory_bound')} bytes: past that, requests get 503)")
         if billing.get("ledger") == "unavailable":
             reasons.append(f"billing: the ledger is unavailable ({billing.get('error')}); " + (
                 f"{held}" if billing.get("on_failure") == "serve" else "requests are refused"))
+        elif billing.get("on_failure") == "refuse":
+            reasons.append(f"billing cannot be written ({billing.get('error')}); requests are refused")
         else:
             reasons.append(f"billing cannot be written ({held}: {billing.get('error')})")
     return {"ready": not reasons, "reasons": reasons,
             "tiers": {"device": "ok", "host": "ok" if host.get("enabled", True) else "off",
                       "disk": disk_state, "remote": remote_state},
-            "disk": {k: disk.get(k) for k in ("unavailable", "recovered", "moved_aside", "free_bytes",
+            "disk": {k: disk.get(k) for k in ("unavailable", "writes_off", "recovered", "moved_aside", "free_bytes",
                                               "space_bound_bytes") if k in disk},
             "billing": billing}
 

@@ -19,7 +19,9 @@ from urllib.parse import quote
 
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 
+from service.disconnect import ClientGone
 from service.errors import APIError, bad_request, param_of, validation_error
 from service.request_body import read_limited
 
@@ -32,9 +34,13 @@ M = TypeVar("M", bound=BaseModel)
 
 async def read_body(request: Request) -> bytes:
     """The body, refused with 413 once it passes the limit: checked against Content-Length
-    first, then counted as it streams in, so a 200 MB body is never buffered."""
+    first, then counted as it streams in, so a 200 MB body is never buffered. A client that
+closes the connection before it has sent the whole body is ClientGone (a 499)."""
     limit = getattr(request.app.state, "max_body_bytes", DEFAULT_MAX_BODY_BYTES)
-    body = await read_limited(request, limit)
+    try:
+        body = await read_limited(request, limit)
+    except ClientDisconnect:       # a client's event, not a server error (service/disconnect.py)
+        raise ClientGone("body", "the client disconnected before its body was read") from None
     if body is None:
         raise APIError(413, f"request body: larger than the server's limit of {limit} bytes",
                        code="request_too_large")

@@ -20,7 +20,7 @@ from service.dispatch import Dispatcher
 from service.errors import APIError, bad_request
 from service.hit_history import HitHistory
 from service.metrics import ServiceMetrics
-from service.request_log import record
+from service.request_log import record, scope_record
 from service.settings import ServiceSettings
 
 # A token is a few bytes of text (about 4 in English); 32 leaves room for any real prompt that fits.
@@ -62,6 +62,13 @@ class AppContext:
         `request_id`: the id its body and x-request-id carry (`cmpl-...`, `chatcmpl-...`)."""
         self.metrics.observe_request(usage, metrics, finish_reason, intervals)
         record(request).finished(request_id, usage, metrics)
+
+    def client_gone(self, scope: dict, phase: str, why: str | None = None) -> None:
+        """A client that closed its connection (service/disconnect.py): counted by `phase`, and
+        `why` noted for its log line (one INFO line: a client's event, never a server error)."""
+        self.metrics.client_disconnects.labels(phase).inc()
+        if why is not None:
+            scope_record(scope).reason = why
 
     def aborted(self, request: Request, out: Any, why: str, request_id: str | None = None) -> str:
         """A generation request abandoned (its client gone, or past its timeout), as its log line

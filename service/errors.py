@@ -3,19 +3,21 @@
 Knows: which HTTP status and error type each failure gets, and the exception handlers that
 turn anything raised in a route -- ours, FastAPI's, Starlette's, or a bug -- into that body.
 Validation errors are 400 (as OpenAI's are), never FastAPI's default 422.
-Doesn't know: routes or the engine beyond its two error classes.
+Doesn't know: routes or the engine beyond its error classes (engine/errors.py).
 """
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from engine.errors import EngineClosedError, QueueFullError
+from engine.errors import BillingUnavailable, EngineClosedError, QueueFullError
 from service.http_middleware import HTTPMiddleware, StatusSend
 from service.request_log import record, scope_record
 
@@ -29,6 +31,9 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permi
 # A 429's Retry-After: a slot opens when one of the requests in flight ends, which is usually
 # within a second or two of a busy server's decoding; the client backs off that long first.
 RETRY_AFTER_S = 1
+# A 503 for billing (the ledger's filesystem cannot be written, and the bills held are at their
+# bound): the ledger is retried every 2 s, but a filesystem comes back in seconds at best.
+BILLING_RETRY_AFTER_S = 10
 
 
 class APIError(Exception):
@@ -65,6 +70,8 @@ def from_engine_error(exc: BaseException) -> APIError:
         return exc
     if isinstance(exc, QueueFullError):
         return APIError(429, f"the server is busy: {exc}", code="queue_full")
+    if isinstance(exc, BillingUnavailable):
+        return APIError(503, str(exc), code="billing_unavailable", retry_after_s=BILLING_RETRY_AFTER_S)
     if isinstance(exc, EngineClosedError):
         return APIError(503, f"the engine is shutting down: {exc}", code="engine_closed")
     if isinstance(exc, ValueError):
@@ -134,6 +141,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(QueueFullError)
     @app.exception_handler(EngineClosedError)
+    @app.exception_handler(BillingUnavailable)
     async def _engine(request: Request, exc: Exception) -> JSONResponse:
         return answer(request, from_engine_error(exc))
 
@@ -147,17 +155,27 @@ class CatchAll(HTTPMiddleware):
     keep-alive connection.) Once a response has started nothing well-formed can be sent, so the
     error propagates. `what` names the process in the body ("server", "router") and `logger`
     (with `log_prefix`) is where it is logged; `record_reason`: the request log's record takes the error's message
-    (the server's request log; the router keeps none)."""
+    (the server's request log; the router keeps none).
+    A client that closed its connection while its body was read (Starlette's ClientDisconnect,
+    where no route turned it into service/disconnect.py's ClientGone) is no error: no traceback,
+    a 499 nobody reads, and `on_disconnect(scope)` (which counts it and says it in one line)."""
 
     def __init__(self, app: ASGIApp, what: str = "server", logger: logging.Logger = log, log_prefix: str = "",
-                 record_reason: bool = True) -> None:
+                 record_reason: bool = True, on_disconnect: Callable[[Scope], None] | None = None) -> None:
         super().__init__(app)
         self.what, self.log, self.log_prefix, self.record_reason = what, logger, log_prefix, record_reason
+        self.on_disconnect = on_disconnect
 
     async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
         sent = StatusSend(send)
         try:
             await self.app(scope, receive, sent)
+        except ClientDisconnect:
+            if self.on_disconnect is not None:
+                self.on_disconnect(scope)
+            if not sent.started:
+                await APIError(499, "the client disconnected before its body was read",
+                               code="client_disconnected").response()(scope, receive, sent)
         except Exception:
             self.log.exception("%sunhandled error in %s %s", self.log_prefix, scope.get("method"), scope.get("path"))
             if sent.started:

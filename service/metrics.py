@@ -19,6 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from engine.abort import ABORT_REASONS
 from engine.outputs import TIERS
+from service.disconnect import PHASES as DISCONNECT_PHASES
 from service.vllm_metrics import VllmMetrics, status_metrics
 
 log = logging.getLogger("tieredkv.service")
@@ -106,6 +107,12 @@ class CacheCollector:
         if _is_number(disk.get("moved_aside")):
             yield _single(CounterMetricFamily, "tieredkv_disk_moved_aside", "Damaged disk stores moved aside and "
                           "replaced with a fresh one by this process (at open or while serving)", disk["moved_aside"])
+        if disk.get("enabled") is not None and "writes_off" in disk:
+            yield _single(GaugeMetricFamily, "tieredkv_disk_writes_off", "1 while the disk tier writes nothing "
+                          "because its directory takes no writes (read-only, EIO, gone); it still serves",
+                          1.0 if disk.get("writes_off") else 0.0)
+            yield _single(CounterMetricFamily, "tieredkv_disk_writes_off_drops", "Blocks not written to the disk "
+                          "tier because its writes were off", disk.get("writes_off_drops") or 0)
         if disk.get("enabled") is not None:
             yield _single(GaugeMetricFamily, "tieredkv_disk_unavailable", "1 while the configured disk tier has "
                           "no store (a full filesystem at open, or no fresh store could be made)",
@@ -120,6 +127,12 @@ class CacheCollector:
             # bills only in memory (engine/billing_writer.py; /ready is 503 meanwhile).
             yield _single(GaugeMetricFamily, "tieredkv_billing_unwritten", "Finished requests whose bill is kept "
                           "in memory because the ledger cannot be written", billing["unwritten"])
+        if _is_number(billing.get("held_in_memory")):
+            yield _single(GaugeMetricFamily, "tieredkv_billing_held_in_memory", "Of those, the bills held in memory "
+                          "only (the reserve could not take them): bounded, spilled at close", billing["held_in_memory"])
+        if _is_number(billing.get("refused")):
+            yield _single(CounterMetricFamily, "tieredkv_billing_refused", "Requests failed with 503 because their "
+                          "bill could be held nowhere (--on-billing-failure serve, past the bound)", billing["refused"])
         cost = status.get("cost_model", {})
         rates = cost.get("restore_bytes_per_s", {})
         if rates:
@@ -226,6 +239,13 @@ class ServiceMetrics:
         self.prompt_tokens = Counter("tieredkv_prompt_tokens", "Prompt tokens by origin (a cache tier, or miss)",
                                      ["origin"], registry=r)
         self.completion_tokens = Counter("tieredkv_completion_tokens", "Generated tokens", registry=r)
+        # NOTE: a client's event, not an error: alert on 5xx, not on this (service/disconnect.py).
+        self.client_disconnects = Counter("tieredkv_client_disconnects", "Clients that closed their connection "
+                                          "before their answer was complete, by phase: body (before the request's "
+                                          "body was read), queued (before the response began), streaming (mid-stream)",
+                                          ["phase"], registry=r)
+        for phase in DISCONNECT_PHASES:
+            self.client_disconnects.labels(phase)
         Gauge("tieredkv_requests_in_flight", "Generation requests admitted and not finished",
               registry=r).set_function(in_flight)
         r.register(CacheCollector(cache_status, self.vllm.labels))

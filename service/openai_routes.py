@@ -26,7 +26,7 @@ from engine.abort import CLIENT_DISCONNECTED, TIMEOUT, AbortHandle
 from engine.request_intake import is_batch   # the engine's rule: the route and the engine split a batch alike
 from engine.sampling_params import SamplingParams
 from service.context import AppContext, ctx
-from service.disconnect import ClosingStreamingResponse, until_disconnected
+from service.disconnect import ClientGone, ClosingStreamingResponse, until_disconnected
 from service.dispatch import Abandoned
 from service.errors import APIError, from_engine_error
 from service.request_log import record
@@ -111,8 +111,9 @@ async def _generate(c: AppContext, request: Request, req: Any, prompt_ids: Calla
         if gone.reason == TIMEOUT:
             why = f"the request took longer than {c.settings.request_timeout_s:g}s"
             raise APIError(504, c.aborted(request, out, why, rid), code="timeout") from None
-        c.aborted(request, out, "the client disconnected before its response", rid)
-        return APIError(499, "the client closed its connection", code=CLIENT_DISCONNECTED).response()
+        why = c.aborted(request, out, "the client disconnected before its response", rid)
+        c.client_gone(request.scope, "queued")
+        return ClientGone("queued", why).response()
     # NOTE: one id per request: the body's `id`, x-request-id and the log line's id are the same string.
     first = _first(out)         # n > 1 or a batch: a list of the choices, each carrying the response's usage
     rid = completion_id(first.request_id, chat)
@@ -237,8 +238,10 @@ async def _stream(c: AppContext, request: Request, make_iter: Any, tenant: str, 
             yield sse(e.body())
             return
         finally:
-            if not ended and abort.abort(CLIENT_DISCONNECTED, delivered(sent)):
-                record(request).reason = f"the client disconnected after {sum(sent)} completion tokens; aborted"
+            if not ended:                # the client left mid-stream (service/disconnect.py)
+                c.client_gone(request.scope, "streaming")
+                if abort.abort(CLIENT_DISCONNECTED, delivered(sent)):
+                    record(request).reason = f"the client disconnected after {sum(sent)} completion tokens; aborted"
         yield SSE_DONE
 
     return ClosingStreamingResponse(body(), media_type="text/event-stream",
@@ -304,5 +307,4 @@ async def _first_chunk(c: AppContext, request: Request, events: Any, abort: Abor
         return chunk
     first.cancel()
     abort.abort(CLIENT_DISCONNECTED, 0)
-    record(request).reason = "the client disconnected before the first chunk; aborted"
-    raise APIError(499, "the client closed its connection", code=CLIENT_DISCONNECTED)
+    raise ClientGone("queued", "the client disconnected before the first chunk; aborted")

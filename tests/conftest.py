@@ -65,6 +65,21 @@ _SNAPSHOT = pytest.StashKey["object"]()
 _LEAKED = pytest.StashKey[list]()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def billing_spill_dir(tmp_path_factory):
+    """Bills a closing server could write nowhere beside its ledger go to the fallback directory
+    (engine/billing_spill.py): the session's own, never the user's ~/.local/state (subprocess
+    servers inherit it)."""
+    path = tmp_path_factory.mktemp("billing-spill")
+    old = os.environ.get("TIEREDKV_BILLING_SPILL_DIR")
+    os.environ["TIEREDKV_BILLING_SPILL_DIR"] = str(path)
+    yield path
+    if old is None:
+        os.environ.pop("TIEREDKV_BILLING_SPILL_DIR", None)
+    else:
+        os.environ["TIEREDKV_BILLING_SPILL_DIR"] = old
+
+
 @pytest.fixture(scope="session")
 def default_model():
     """The real default model (SmolLM2-135M-Instruct), loaded once per session on the 'auto' device.
@@ -149,3 +164,18 @@ def tmpfs(tmp_path):
     yield mount
     for mnt in mounted:
         subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+@pytest.fixture
+def ext4(tmp_path):
+    """A real ext4 in a loop-mounted image (tests/ext4_image.py), at `ext4.path`, that the test can
+    abort under a live process (`abort()`) and bring back (`recover()`). Skipped, saying why,
+    where it cannot be made (not root, no loop devices)."""
+    from tests.ext4_image import Ext4Image
+    where = tmp_path / "ext4"
+    where.mkdir()
+    fs = Ext4Image.make(where)
+    if isinstance(fs, str):
+        pytest.skip(fs)
+    yield fs
+    fs.cleanup()

@@ -76,6 +76,15 @@ def disk_space_line(disk: dict) -> str | None:
             "room for all of it)")
 
 
+def held_in_memory(billing: dict) -> str:
+    """" (12 in memory: 3 KiB of its 16 MiB bound)" when bills are held in memory, else ""."""
+    n = billing.get("held_in_memory")
+    if not n:
+        return ""
+    return (f" ({n} in memory: {format_size(billing.get('memory_bytes') or 0)} of its "
+            f"{format_size(billing.get('memory_bound') or 0)} bound)")
+
+
 # ---- serve, route: tieredkv/cli_serve.py ---------------------------------------------
 
 app.command()(cli_serve.serve)
@@ -190,11 +199,18 @@ def status(
             out.print(f"compute or load ({plan.get('policy')}): {made.get('load', 0)} hits loaded, "
                       f"{made.get('split', 0)} split, {made.get('recompute', 0)} recomputed; "
                       f"{recomputed:,} hit tokens recomputed by choice", soft_wrap=True)
+    if disk.get("writes_off"):
+        out.print(f"[bold yellow]disk: writes off[/]: its directory takes no writes "
+                  f"({escape(str(disk['writes_off']))}); it serves what it holds, "
+                  f"{disk.get('writes_off_drops', 0)} blocks not written; back on once it can be written",
+                  soft_wrap=True)
     billing = body.get("billing", {})
     if billing.get("state") == "degraded":
         out.print(f"[bold red]billing: degraded[/]: {billing.get('unwritten', 0)} bills held in "
-                  f"{billing.get('held_in', 'memory')}, not yet in the ledger ({escape(str(billing.get('error')))}); "
-                  "written when the ledger can be", soft_wrap=True)
+                  f"{billing.get('held_in', 'memory')}{held_in_memory(billing)}, not yet in the ledger "
+                  f"({escape(str(billing.get('error')))}); written when the ledger can be"
+                  + (f"; {billing['refused']} requests refused (503: nowhere to hold their bills)"
+                     if billing.get("refused") else ""), soft_wrap=True)
     remote = tiers.get("remote", {})
     if remote.get("enabled"):
         breaker = remote.get("breaker", "?")

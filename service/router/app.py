@@ -10,11 +10,15 @@ is parsed as a backend parses it (service.schemas: 415 unless JSON, 400 for malf
 UTF-8, nesting too deep, a huge integer, a non-object, a lone surrogate) and refused here with
 the backend's status and OpenAI's error body; its fields are the backend's to validate (it may
 run with --lenient-fields), and its 400 is relayed. Every answer of the router's own is
-OpenAI's JSON error body, an exception that escapes a route included (a 500).
+OpenAI's JSON error body, an exception that escapes a route included (a 500). A client that
+leaves (before its body was read, before its answer began, mid-stream) is a 499 nobody reads,
+counted and said in one INFO line (proxy.client_gone), never a 500 or a traceback.
 Doesn't know: how a backend is chosen (policy.py) or forwarded to (proxy.py).
 """
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
@@ -23,7 +27,9 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.requests import ClientDisconnect
 
+from service.disconnect import ClientGone, until_disconnected
 from service.errors import APIError, CatchAll, install_error_handlers
 from service.request_body import read_limited
 from service.router.backends import BackendSet
@@ -75,9 +81,12 @@ def create_router_app(settings: RouterSettings) -> FastAPI:
     app = FastAPI(title="tieredkv router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.router = router
     install_error_handlers(app)             # 404/405 and the like in OpenAI's body
-    app.add_middleware(CatchAll, what="router", logger=log, log_prefix="router: ", record_reason=False)
+    app.add_middleware(CatchAll, what="router", logger=log, log_prefix="router: ", record_reason=False,
+                       on_disconnect=lambda scope: router.proxy.client_gone(
+                           "body", f"{scope.get('method')} {scope.get('path')}"))
 
     async def generation(request: Request, chat: bool) -> Response:
+        what = f"POST {request.url.path}"
         try:
             check_json_content_type(request.headers.get("content-type"))
             body = await read_limited(request, settings.max_body_bytes)
@@ -87,10 +96,31 @@ def create_router_app(settings: RouterSettings) -> FastAPI:
             doc = decode_json_object(body)
         except APIError as e:
             return e.response()             # what a backend would answer, without asking one
+        except ClientDisconnect:
+            router.proxy.client_gone("body", what)
+            return ClientGone("body", "the client disconnected before its body was read").response()
         headers = dict(request.headers)
-        blocks = await router.proxy.prompt_blocks(chat, doc, headers)
-        sse = doc.get("stream") is True
-        return await router.proxy.forward("POST", request.url.path, body, headers, blocks, sse=sse)
+
+        async def routed() -> Response:
+            blocks = await router.proxy.prompt_blocks(chat, doc, headers)
+            return await router.proxy.forward("POST", request.url.path, body, headers, blocks,
+                                              sse=doc.get("stream") is True)
+        # A client that leaves before its answer begins: the forward is cancelled (its connection to
+        # the backend closed, so the backend aborts the request), counted, one INFO line.
+        work = asyncio.ensure_future(routed())
+        gone = asyncio.ensure_future(until_disconnected(request))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not work.done():
+                work.cancel()
+        if work.cancelled() or not work.done():
+            with contextlib.suppress(asyncio.CancelledError):
+                await work
+            router.proxy.client_gone("queued", what)
+            return ClientGone("queued", "the client disconnected before its answer began").response()
+        return work.result()
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

@@ -2,7 +2,7 @@
 
 Knows: counters the routes bump (requests routed per backend and status, retries, the prompt
 tokens routed and the prefix hit tokens the index predicted for them, requests the router
-itself had to fail) and, read at scrape time from the backend set, gauges (up, ejected, in
+itself had to fail, clients that left by phase) and, read at scrape time from the backend set, gauges (up, ejected, in
 flight, index blocks) and counters (ejections by reason, probes by outcome, readmissions,
 request failures that spared the last backend up, the event streams' counters).
 Doesn't know: how any of it is decided.
@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from service.disconnect import PHASES as DISCONNECT_PHASES
 from service.router.backends import BackendSet
 
 
@@ -32,6 +33,11 @@ class RouterMetrics:
                                             "predicted the chosen backend holds", ["backend"], registry=r)
         self.failed = Counter("tieredkv_router_failed", "Requests the router answered with an error of its own "
                               "(no backend up, every backend failed)", ["reason"], registry=r)
+        self.client_disconnects = Counter("tieredkv_router_client_disconnects", "Clients that closed their "
+                                          "connection before their answer was complete, by phase (body, queued, "
+                                          "streaming): a client's event, not an error", ["phase"], registry=r)
+        for phase in DISCONNECT_PHASES:
+            self.client_disconnects.labels(phase)
         self.hash_lookups = Counter("tieredkv_router_block_hash_lookups", "Block-hash lookups on a backend, by "
                                     "outcome", ["outcome"], registry=r)
         r.register(_BackendCollector(backends))

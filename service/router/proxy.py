@@ -19,6 +19,8 @@ backend's own JSON error, or the router's 502. (4) From then on a stream is rela
 event as events complete (usage chunks and all), each checked (relay.py).
 A retried request may have been partly run on the backend that failed (its bill included):
 that is the price of never failing a request a live backend could answer.
+A client that leaves (service/disconnect.py's phases) is `client_gone`: counted, one INFO line;
+its request to the backend is cut off (the connection closed: the backend aborts it).
 Doesn't know: the HTTP app (app.py) or how the cheapest backend is computed (policy.py).
 """
 from __future__ import annotations
@@ -189,7 +191,8 @@ class Proxy:
                     self.metrics.retries.labels(b.url, f"http_{upstream.status_code}").inc()
                     continue
                 got = await receive(upstream, kind, sse, {BACKEND_HEADER: b.url}, release.started,
-                                    lambda reason, label, b=b: self._broken(b, reason, label), release)
+                                    lambda reason, label, b=b: self._broken(b, reason, label), release,
+                                    lambda b=b: self.client_gone("streaming", f"{method} {path}", b.url))
             except RETRYABLE as e:
                 if upstream is not None:
                     await upstream.aclose()
@@ -220,6 +223,15 @@ class Proxy:
                 self.metrics.prompt_tokens.labels(b.url).inc(blocks.prompt_tokens)
                 self.metrics.predicted_hit_tokens.labels(b.url).inc(choice.hit_tokens)
             return got
+
+    def client_gone(self, phase: str, what: str, backend: str | None = None) -> None:
+        """A client that closed its connection (service/disconnect.py's phases): one INFO line and
+        a count, never an error (nor the backend's fault: it is not ejected)."""
+        self.metrics.client_disconnects.labels(phase).inc()
+        where = {"body": "before its body was read", "queued": "before its answer began",
+                 "streaming": "mid-stream"}[phase]
+        log.info("router: %s: the client disconnected %s%s (499)", what, where,
+                 f"; its request on {backend} was cut off" if backend else "")
 
     def _others_up(self, tried: set[str]) -> bool:
         return any(b.name not in tried for b in self.backends.healthy())

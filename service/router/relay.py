@@ -8,6 +8,9 @@ proxy ejects the backend and tries another. After that, a stream is relayed even
 events complete, each checked: a bad event, a stream that stops without `data: [DONE]`, or a
 backend lost mid-stream ends the client's stream with an OpenAI error event (what a tieredkv
 server itself sends then) and the backend is ejected (`on_broken`).
+A client that leaves mid-stream ends the relay at once (the stream's iterator is closed, the
+backend's connection with it: the backend aborts the request) and is `on_gone()`: a client's
+event, not the backend's.
 Answers are read decoded (httpx undoes a Content-Encoding), so Content-Encoding and
 Content-Length are not passed on.
 Doesn't know: which backend to try next (proxy.py) or ejection's rules (ejection.py).
@@ -19,8 +22,11 @@ import logging
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
+import anyio
 import httpx
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
+
+from service.disconnect import ClosingStreamingResponse
 
 from service.request_body import read_bounded
 from service.router import answers
@@ -50,10 +56,11 @@ async def _read_whole(upstream: httpx.Response) -> bytes | None:
 
 async def receive(upstream: httpx.Response, kind: str, sse: bool, headers: dict[str, str],
                   on_started: Callable[[], None], on_broken: Callable[[str, str], None],
-                  on_done: Callable[[], None]) -> Response | Refused:
+                  on_done: Callable[[], None], on_gone: Callable[[], None] = lambda: None) -> Response | Refused:
     """The client's response for `upstream`, or Refused. `headers` go on the response;
     `on_started` runs once the answer has begun, `on_broken(reason, label)` if a stream breaks
-    after its first event was sent, `on_done` when the answer is over (sent, refused or dropped).
+    after its first event was sent, `on_done` when the answer is over (sent, refused or dropped),
+    `on_gone` when the client left before a relayed stream's end.
     Raises httpx.HTTPError if the backend fails before the answer is judged (the caller retries)."""
     status = upstream.status_code
     answer = {k: v for k, v in upstream.headers.items() if k.lower() not in DROP_FROM_ANSWER}
@@ -103,14 +110,14 @@ async def receive(upstream: httpx.Response, kind: str, sse: bool, headers: dict[
             await upstream.aclose()
             on_done()
     on_started()
-    return StreamingResponse(_relay(kind, upstream, held, events, chunks, on_broken, on_done), status_code=status,
-                             headers=answer)
+    return ClosingStreamingResponse(_relay(kind, upstream, held, events, chunks, on_broken, on_done, on_gone),
+                                    status_code=status, headers=answer)
 
 
 async def _relay(kind: str, upstream: httpx.Response, held: list[bytes], events: EventStream,
                  chunks: AsyncIterator[bytes], on_broken: Callable[[str, str], None],
-                 on_done: Callable[[], None]) -> AsyncIterator[bytes]:
-    done = False
+                 on_done: Callable[[], None], on_gone: Callable[[], None]) -> AsyncIterator[bytes]:
+    done = ended = False
     try:
         for event in held:
             done = done or answers.check_event(kind, event)[1]
@@ -120,14 +127,17 @@ async def _relay(kind: str, upstream: httpx.Response, held: list[bytes], events:
                 bad, finished = answers.check_event(kind, event)
                 if bad is not None:
                     on_broken(bad, "garbage")
+                    ended = True
                     yield error_event("the backend sent a broken stream event")
                     return
                 done = done or finished
                 yield event
             if events.overflowed:
                 on_broken(f"a stream event longer than {events.limit} bytes", "garbage")
+                ended = True
                 yield error_event("the backend sent a broken stream event")
                 return
+        ended = True
         if not done:
             on_broken("a stream that ended without data: [DONE]", "garbage")
             yield error_event("the backend's stream ended early")
@@ -135,7 +145,13 @@ async def _relay(kind: str, upstream: httpx.Response, held: list[bytes], events:
         log.warning("router: a backend failed mid-stream: %s: %s", type(e).__name__, e)
         on_broken(f"failed mid-stream: {type(e).__name__}: {e}", "timeout" if isinstance(e, httpx.TimeoutException)
                   else "mid_stream")
+        ended = True
         yield error_event(f"the backend failed mid-stream: {type(e).__name__}")
     finally:
         on_done()
-        await upstream.aclose()
+        if not ended:               # closed or cancelled before the end: the client left
+            on_gone()
+        # NOTE: shielded: a client gone cancels the relay's task (anyio: every await in its scope is
+        # cancelled again), and an unclosed connection would leave the backend generating for nobody.
+        with anyio.CancelScope(shield=True):
+            await upstream.aclose()

@@ -30,6 +30,7 @@ from storage.disk.liveness import StoreFiles
 from storage.disk.map_faults import MapWatch
 from storage.disk.records import Databases, StoreDamaged
 from storage.disk.verdicts import is_damage
+from storage.disk.write_switch import unwritable
 
 __all__ = ["EnvGate"]
 
@@ -184,7 +185,16 @@ class EnvGate:
             self._resizing = False
             self._cond.notify_all()
 
+    def _writable(self) -> None:
+        """Raise unless the directory takes writes. NOTE (issue 41): on a read-only or aborted
+        filesystem LMDB's remap fails after it unmapped the store, and the environment is lost --
+        to a fault that passes. Raised before it: the writer turns its writes off instead."""
+        why = unwritable(self._path)
+        if why is not None:
+            raise why
+
     def _adopt_map_size(self) -> None:
+        self._writable()
         self._exclusive()
         try:
             self.files.check()
@@ -197,6 +207,7 @@ class EnvGate:
     def set_map_size(self, size: int) -> int:
         """Map (and so bound the data file at) `size` bytes, with no transaction open; LMDB rounds
         a size below the pages in use up to them. Returns the size now mapped."""
+        self._writable()
         self._exclusive()
         try:
             self.files.check()           # set_mapsize and info read the meta pages through the map

@@ -83,7 +83,8 @@ class StoreReplacement:
             return
         if not self._gate.files.replaced():
             return
-        log.warning("disk tier %s: another process replaced the store; following it", self.path)
+        log.warning("disk tier %s: the store at its path is another file now (another process replaced it, or its "
+                    "filesystem was mounted again); following it", self.path)
         with self._lock:
             try:
                 self._swap(self._gate.generation, None)

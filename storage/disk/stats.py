@@ -31,6 +31,8 @@ class DiskStats:
     recovered: str | None = None   # the last damaged store moved aside (at open or while running): where, and why
     moved_aside: int = 0           # damaged stores this process moved aside and replaced with a fresh one
     unavailable: str | None = None # why the tier has no store now (nothing is read or written), or None
+    writes_off: str | None = None  # why it writes nothing now (its directory takes no writes; it still serves), or None
+    writes_off_drops: int = 0      # blocks not written because the writes were off
     free_bytes: int | None = None  # the filesystem's free space, as the writer last saw it
     space_bound_bytes: int | None = None  # the bound the free space set below the capacity, if lower
     # The writer's encode process (storage/codec/encode_process.py): its starts, deaths (killed or
@@ -47,7 +49,8 @@ class DiskStats:
         into.extra = {"enabled": True, "compression_ratio": self.compression_ratio,
                       "pending_writes": self.pending_writes, "corrupt": self.corrupt, "write_errors": self.write_errors,
                       "read_errors": self.read_errors, "recovered": self.recovered, "moved_aside": self.moved_aside,
-                      "unavailable": self.unavailable, "free_bytes": self.free_bytes,
+                      "unavailable": self.unavailable, "writes_off": self.writes_off,
+                      "writes_off_drops": self.writes_off_drops, "free_bytes": self.free_bytes,
                       "space_bound_bytes": self.space_bound_bytes, "raw_bytes": self.raw_bytes,
                       "stored_bytes_written": self.bytes_written,
                       "encode_process": None if self.encode_process is None else asdict(self.encode_process)}
@@ -78,3 +81,4 @@ class _Counters:
     read_errors: int = 0
     queue_full_drops: int = 0
     moved_aside: int = 0
+    writes_off_drops: int = 0

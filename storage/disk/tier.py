@@ -195,6 +195,9 @@ class DiskTier(DiskReads, LowerTier):
         if self._gate.down is not None:
             self._writer.lost(1)             # the tier is off (stats().unavailable): a lost write, counted
             return False
+        if self._writer.writes_off is not None:
+            self._count(writes_off_drops=1)  # its directory takes no writes (stats().writes_off): not queued
+            return False
         if block is not None:
             dtype_name(block.dtype)
             if self.layout is not None and (tuple(block.shape) != self.layout.shape or block.dtype != self.layout.dtype):
@@ -308,6 +311,7 @@ class DiskTier(DiskReads, LowerTier):
                          bytes_read=c.bytes_read, bytes_written=c.bytes_written, write_errors=c.write_errors,
                          read_errors=c.read_errors, pending_writes=pending, recovered=self.recovered,
                          queue_full_drops=c.queue_full_drops, moved_aside=c.moved_aside,
+                         writes_off=self._writer.writes_off, writes_off_drops=c.writes_off_drops,
                          unavailable=self._gate.down, free_bytes=self._writer.space[0],
                          space_bound_bytes=self._writer.space[1], encode_process=self._writer.encode_process_stats())
 

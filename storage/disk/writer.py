@@ -21,7 +21,9 @@ how room is made in the store (LRU eviction, the map bounded by free space: stor
 or the byte layout of the records beyond storage/disk/records.py's functions.
 
 Write failures never reach the caller of put: they are logged and counted (write_errors), and
-drain() reports them: it is True only when nothing was dropped while it waited.
+drain() reports them: it is True only when nothing was dropped while it waited. A failure that
+says the directory takes no writes (read-only, EIO, gone) turns the writes off instead of
+dropping batch after batch: storage/disk/write_switch.py, which probes until they can resume.
 
 Stale readers: a process killed inside a read transaction leaves its slot in LMDB's reader
 table, and LMDB then keeps every page that snapshot could see -- freed pages are never reused,
@@ -47,6 +49,7 @@ from storage.codec.payload import Codec
 from storage.disk.batch_encoder import BatchEncoder, Encoding
 from storage.disk.gate import EnvGate
 from storage.disk.verdicts import is_damage, is_no_space
+from storage.disk.write_switch import WriteSwitch, stops_writes
 from storage.disk.records import load_capacity, load_info, lru_key, read_meta, store_info
 from storage.disk.room import FreeSpace, evict_in_txn, make_room
 from storage.disk.index import DiskIndex
@@ -118,6 +121,13 @@ class DiskWriter(BackgroundWriter[_Batch]):
         # The filesystem's free space (issue 17, item 2): the store never grows into the last
         # `reserve_bytes` of it. Writer thread only, but for `space` (read by stats()).
         self._room = FreeSpace(gate, capacity_bytes, reserve_bytes, map_size)
+        # Off while the directory takes no writes (storage/disk/write_switch.py); the writer's thread turns it.
+        self._switch = WriteSwitch(gate.files.path)
+
+    @property
+    def writes_off(self) -> str | None:
+        """Why the tier writes nothing now (its directory cannot be written), or None. Any thread."""
+        return self._switch.off
 
     # -- the tier's side -------------------------------------------------------------------
 
@@ -236,9 +246,20 @@ class DiskWriter(BackgroundWriter[_Batch]):
         self._encoding.close()           # the encode process exits and is reaped; the pool ends
 
     def _has_work(self) -> bool:
-        return bool(self._queue or self._touches)
+        return bool(self._queue or self._touches) or self._switch.due()
+
+    def _idle_timeout(self) -> float | None:
+        return self._switch.wait()
 
     def _take(self) -> _Batch:
+        if self._switch.off is not None:
+            # Writes off: what was queued before is dropped unencoded, the accesses forgotten; the
+            # batch is empty and its write a probe (_write).
+            dropped = [self._pending.pop(h) for h in self._queue if h in self._pending]
+            self._queue.clear()
+            self._touches = {}
+            self.lost(len(dropped))
+            return _Batch([], {})
         n = min(self._batch_blocks, len(self._queue))
         items = [self._pending[self._queue.popleft()] for _ in range(n)]
         touches, self._touches = self._touches, {}
@@ -278,6 +299,14 @@ class DiskWriter(BackgroundWriter[_Batch]):
 
     def _write(self, batch: _Batch) -> bool:
         encoded, touches = batch.encoded, batch.touches
+        if self._switch.off is not None:
+            if not batch.items and not touches:
+                # Its store's files checked first (a remounted filesystem is another store: the
+                # tick follows it), then one empty transaction committed.
+                self._switch.try_on(lambda: (self.clear_stale_readers(force=True), self._commit([], {})))
+            else:
+                self.lost(len(encoded))         # taken before the writes went off
+            return not encoded
         for attempt in range(2):
             try:
                 self.clear_stale_readers()
@@ -291,8 +320,11 @@ class DiskWriter(BackgroundWriter[_Batch]):
                     log.warning("disk tier: the store was damaged (%s); writing the batch to the fresh store", e)
                     touches = {}
                     continue
-                log.exception("disk tier: writing a batch of %d blocks failed; dropping it", len(encoded))
                 self.lost(len(encoded))
+                if stops_writes(e):
+                    self._switch.turn_off(e, len(encoded))     # one line, not one per batch
+                else:
+                    log.exception("disk tier: writing a batch of %d blocks failed; dropping it", len(encoded))
                 return False
         return False
 

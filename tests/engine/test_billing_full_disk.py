@@ -132,11 +132,18 @@ def test_refuse_fails_the_request_when_the_ledger_cannot_be_written(small_fs: Pa
     ledger = Ledger(small_fs / "billing")
     writer = BillingWriter(ledger, on_failure="refuse", reserve_bytes=0)
     try:
-        fill(small_fs)
+        filler = fill(small_fs)
         results = [submit_and_wait(writer, entry(ledger, i)) for i in range(200)]
         failed = [r for r in results if r["error"] is not None]
         assert failed and all(r["recorded"] is None for r in failed)
-        assert writer.status()["state"] == "ok"          # nothing kept: the callers were told
+        # Nothing kept (the callers were told), but the ledger cannot be written: degraded (/ready
+        # 503, issue 41), new requests refused at admission, until a probe write succeeds.
+        status = writer.status()
+        assert status["state"] == "degraded" and status["unwritten"] == 0, status
+        assert writer.refusing() is not None
+        filler.unlink()
+        assert wait_until(lambda: writer.status()["state"] == "ok"), writer.status()
+        assert writer.refusing() is None
         ledger.check()
     finally:
         writer.close()

@@ -21,6 +21,7 @@ import pytest
 from engine.billing import Ledger
 from engine.billing_spill import RESERVE_FILE, SPILL_PREFIX
 from engine.billing_writer import BillingWriter
+from engine.errors import BillingUnavailable
 from tests.engine.conftest import make_engine, random_prompt
 from tests.engine.test_billing_full_disk import entry, fill, submit_and_wait, wait_until
 from tieredkv import SamplingParams
@@ -111,18 +112,24 @@ def test_kill_9_while_the_ledger_cannot_be_written_loses_no_answered_bill(tmpfs)
     assert billed(mnt / "billing") == answered
 
 
-def test_serve_fails_the_requests_whose_bills_a_full_reserve_cannot_hold(tmpfs) -> None:
+def test_serve_fails_the_requests_whose_bills_neither_a_full_reserve_nor_memory_can_hold(tmpfs) -> None:
+    """Past the reserve, bills are held in memory up to its size again (issue 41); past that a
+    request fails with BillingUnavailable (a 503), and new ones are refused at admission."""
     mnt = tmpfs("16m")
     ledger = Ledger(mnt / "billing")
-    writer = BillingWriter(ledger, reserve_bytes=64 << 10)     # the smallest: some 250 bills
+    writer = BillingWriter(ledger, reserve_bytes=64 << 10)     # the smallest: some 250 bills, and 250 in memory
     answered, refused = [], []
     try:
         filler = fill(mnt)
-        for i in range(400):
-            (answered if submit_and_wait(writer, entry(ledger, i))["error"] is None else refused).append(f"req-{i}")
+        for i in range(800):
+            got = submit_and_wait(writer, entry(ledger, i))
+            (answered if got["error"] is None else refused).append(f"req-{i}")
+            assert got["error"] is None or isinstance(got["error"], BillingUnavailable)
         status = writer.status()
         assert answered and refused and status["refused"] == len(refused), status
-        assert status["unwritten"] == len(answered)
+        assert status["unwritten"] == len(answered) and 0 < status["held_in_memory"] < len(answered)
+        assert status["held_in"] == "reserve and memory"
+        assert "the most this server holds" in writer.refusing()
     finally:
         writer.close()
         ledger.close()
