@@ -75,6 +75,27 @@ def test_calibration_seeds_host_and_disk() -> None:
     assert all(r.seconds(t, 4, layout.nbytes) > r.seconds(t, 1, layout.nbytes) > 0 for t in snap)
 
 
+def test_a_calibration_where_noise_beat_the_larger_copy_keeps_a_real_bandwidth(monkeypatch) -> None:
+    # Issue 40: status showed the host tier at TiB/s when the one-block copy happened to be slower
+    # than the four-block one (a two-point fit then calls the bytes free). A fake clock: every
+    # one-block copy takes 2 ms, every four-block copy 1 ms (the disk's decode 1 ms too).
+    from storage import restore_rates
+    layout = BlockLayout(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float32)
+    now = [0.0]
+    step = {layout.nbytes: 2e-3, 4 * layout.nbytes: 1e-3}
+    real_copy = torch.Tensor.copy_
+
+    def copy_(dst, src, *a, **kw):
+        now[0] += step.get(dst.numel() * dst.element_size(), 0.0)
+        return real_copy(dst, src, *a, **kw)
+    monkeypatch.setattr(torch.Tensor, "copy_", copy_)
+    monkeypatch.setattr(restore_rates.time, "perf_counter", lambda: now[0])
+    r = RestoreRates()
+    r.calibrate(layout, None, torch.device("cpu"))
+    host = r.snapshot()["host"]
+    assert host["latency_s"] == 0 and host["bytes_per_s"] == pytest.approx(4 * layout.nbytes / 1e-3, rel=1e-6)
+
+
 def test_the_engines_fills_measure_host_and_disk(tmp_path: Path) -> None:
     # restore_policy="load": every hit is read (under "auto" the planner may recompute a tiny
     # model's hit: billed as a disk hit, nothing read). The disk hit's blocks are read either by
