@@ -33,7 +33,7 @@ from typing import Any, Iterator
 
 import lmdb
 
-from engine.billing_spill import forget_pending, read_pending
+from engine.billing_spill import RESERVE_FILE, forget_pending, read_pending
 from storage.disk.environment import reserve_lock_file
 
 log = logging.getLogger("tieredkv.billing")
@@ -253,6 +253,21 @@ def entry_of(request_id: bytes, record: bytes) -> Entry:
     """An entry again from its record, as the reserve's journal and spill files keep it."""
     rec = json.loads(record)
     return Entry.of(request_id, rec["tenant"], rec["day"], record, Bucket._decode(record))
+
+
+def uncommitted(ledger: "Ledger", tenant: str | None = None) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """Bills that wait beside a ledger (the reserve's journal, spill files) and are not in it yet,
+    summed per tenant, and where they wait: what `tieredkv billing --cache-dir` adds for a stopped
+    server (the next open commits them)."""
+    rows, files = read_pending(ledger.path)
+    waiting: dict[str, Bucket] = {}
+    for rid, record in rows:
+        e = entry_of(rid, record)
+        if not ledger.has(rid.decode()) and (tenant is None or e.tenant_key.decode() == tenant):
+            waiting.setdefault(e.tenant_key.decode(), Bucket()).add(e.bucket)
+    reserve = os.path.join(ledger.path, RESERVE_FILE)
+    where = ([reserve] if waiting and os.path.exists(reserve) else []) + (files if waiting else [])
+    return {t: b.to_dict() for t, b in waiting.items()}, where
 
 
 class Ledger:

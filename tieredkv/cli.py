@@ -367,17 +367,20 @@ def billing(
         if tenant is not None and not body.get("requests"):
             raise CLIError(f"no such tenant {tenant!r}: the server has billed no request to it", code=1)
     else:
-        from engine.billing import Ledger
+        from engine.billing import Ledger, uncommitted
         root = cache_root(cache_dir)
         path = root / "billing"
         if not (path / "data.mdb").is_file():
             raise CLIError(f"cache dir: no billing ledger at {path} (pass --cache-dir or --url)", code=2)
         with Ledger(path, readonly=True) as ledger:
             known = ledger.tenants()
-            if tenant is not None and tenant not in known:
+            # A stopped server's bills may wait in reserve.bin or spill files (issue 44): counted apart.
+            waiting, where = uncommitted(ledger, tenant)
+            if tenant is not None and tenant not in known and tenant not in waiting:
                 shown = ", ".join(known[:10]) + (f", ... ({len(known)} in all)" if len(known) > 10 else "")
                 raise CLIError(f"no such tenant {tenant!r} in {path} (tenants: {shown or 'none yet'})", code=1)
             body = ledger.tenant(tenant).to_dict() if tenant else ledger.summary()
+            body["uncommitted"] = {"tenants": waiting, "where": where}
     if json_out:
         return print_json(body)
     bills = [body] if "tenant" in body else list(body.get("tenants", {}).values())
@@ -403,6 +406,11 @@ def billing(
     total = body.get("total", body)
     n = total["requests"]
     out.print(f"total ${total['cost_pico'] / 1e12:.6f} for {n:,} request{'s' if n != 1 else ''}")
+    waiting = body.get("uncommitted", {}).get("tenants", {})
+    if waiting:
+        reqs = sum(b["requests"] for b in waiting.values())
+        out.print(f"plus {reqs:,} bill{'s' if reqs != 1 else ''} of {', '.join(sorted(waiting))} not in the ledger "
+                  f"yet, waiting in {', '.join(body['uncommitted']['where'])}: the next start commits them")
 
 
 def bare_kv_events(argv: list[str]) -> list[str]:
