@@ -81,7 +81,7 @@ def format_summary(rows: list[tuple[str, str]]) -> str:
 
 
 def _codec(engine, config) -> str:
-    """The configured codec; under auto, what was chosen and from which figures."""
+    """The configured codec; under auto, the kind chosen (its figures: the disk's status)."""
     disk = getattr(engine.cache, "disk", None)
     if config.codec != "auto":
         return config.codec

@@ -96,18 +96,21 @@ def decode_torch(coded: torch.Tensor | None, low: torch.Tensor, top: torch.Tenso
     block's dtype. ValueError for a malformed coded plane (checked on the device: one sync)."""
     import torch
     n = low.shape[1]
-    if coded is None:
-        return torch.cat([low, top.view(1, n)]).t().contiguous().view(-1)
+    t = top if coded is None else _top_torch(coded, n)
+    return torch.cat([low, t.view(1, n)]).t().contiguous().view(-1)
+
+
+def _top_torch(coded: torch.Tensor, n: int) -> torch.Tensor:
+    """_top_numpy in torch ops, on the bytes' device."""
+    import torch
     ncodes = (n + 1) // 2
     table, codes, esc = coded[:TABLE], coded[TABLE:TABLE + ncodes], coded[TABLE + ncodes:]
     nibbles = torch.stack([codes & 0x0F, codes >> 4], dim=1).view(-1)
     c = nibbles[:n].long()
-    t = table[c]
     is_esc = c == ESCAPE
     if int(is_esc.sum()) != esc.numel() or int(table[ESCAPE]) != 0 or (n % 2 and int(nibbles[n]) != 0):
         raise ValueError("nibble: the coded plane is malformed")
-    t = t.masked_scatter(is_esc, esc)
-    return torch.cat([low, t.view(1, n)]).t().contiguous().view(-1)
+    return table[c].masked_scatter(is_esc, esc)
 
 
 def _top_numpy(coded: np.ndarray, n: int) -> np.ndarray:

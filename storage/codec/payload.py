@@ -286,9 +286,6 @@ def _decode_into(mv: memoryview, header: CodecHeader, out: np.ndarray) -> None:
             np.copyto(out_bytes, np.frombuffer(data, dtype=np.uint8))
         return
     at = header.header_size
-    if header.nibble:                       # the nibble codec: planes in element order, one hash
-        _decode_nibble(mv, header, out_bytes)
-        return
     if header.whole:                        # the raw codec: the tensor's bytes, in element order
         if len(mv) - at != header.raw_size:
             raise CodecError(f"payload is {len(mv)} bytes, its plane table says {at + header.raw_size}")
@@ -302,6 +299,9 @@ def _decode_into(mv: memoryview, header: CodecHeader, out: np.ndarray) -> None:
     if len(mv) - at != sum(p.length for p in header.planes):
         raise CodecError(f"payload is {len(mv)} bytes, its plane table says "
                          f"{at + sum(p.length for p in header.planes)}")
+    if header.nibble:                       # the nibble codec: planes in element order, one hash
+        _decode_nibble(mv, header, out_bytes)
+        return
     frames, crc = [], 0
     for p in header.planes:
         frames.append(mv[at:at + p.length])
@@ -320,15 +320,11 @@ def _decode_into(mv: memoryview, header: CodecHeader, out: np.ndarray) -> None:
     byte_planes.join(planes, out, header.dim1_major)
 
 
-
 def _decode_nibble(mv: memoryview, header: CodecHeader, out_bytes: np.ndarray) -> None:
-    """A nibble payload's planes (header checked: their lengths are the table's) hashed where they
-    lie, then decoded into `out_bytes` (storage/codec/nibble.py). Raises CodecError with `out`
-    untouched when the hash fails."""
+    """A nibble payload's planes (header checked, the payload's length the plane table's: the
+    caller's check) hashed where they lie, then decoded into `out_bytes` (storage/codec/nibble.py).
+    Raises CodecError with `out` untouched when the hash fails."""
     at, n, size = header.header_size, header.numel, DTYPE_ITEMSIZES[header.dtype]
-    if len(mv) - at != sum(p.length for p in header.planes):
-        raise CodecError(f"payload is {len(mv)} bytes, its plane table says "
-                         f"{at + sum(p.length for p in header.planes)}")
     if xxhash.xxh3_64_intdigest(mv[at:]) != header.data_xxh3:
         raise CodecError("data xxh3 mismatch: payload damaged")
     low = [mv[at + b * n:at + (b + 1) * n] for b in range(size - 1)]

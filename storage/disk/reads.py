@@ -82,7 +82,8 @@ class DiskReads:
         # transaction raises, so every result of this read is thrown away (a miss each). Without
         # the compiled handler such a truncate is a SIGBUS (tools/live_drill.py: 3 of 18
         # trials), so each payload is copied out as it is found, narrowing that window to the
-        # copy: the price, 0.49 -> 0.8x of the raw read's limit (docs/BENCHMARKS.md, issue 38).
+        # copy. (On the quiet 2-core VM the two read alike, ~2.1 GB/s raw: docs/BENCHMARKS.md,
+        # issue 38; in place spares a block-sized allocation and copy each.)
         in_place = map_faults.PROTECTED
         with self._begin(buffers=True) as txn:
             payload_db, meta_db = self._payload, self._meta

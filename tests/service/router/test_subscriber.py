@@ -37,6 +37,16 @@ async def arrives(cond, within: float) -> bool:
     return True
 
 
+async def joined(pub: v.FakePublisher, sub: EventSubscriber) -> None:
+    """Publish H[0] on the device until one arrives live: ZMQ drops what a joining SUB misses."""
+    seq = -1
+    for _ in range(200):
+        seq = pub.publish(v.encode([v.stored([H[0]])]))
+        if await arrives(lambda: sub.last_seq >= seq, 0.05):
+            return
+    await until(lambda: sub.last_seq >= seq)
+
+
 def subscriber(pub: v.FakePublisher, index: PrefixIndex, ctx: zmq.asyncio.Context, replay: str | None = "own",
                **kw) -> EventSubscriber:
     return EventSubscriber("a", pub.endpoint, pub.replay_endpoint if replay == "own" else replay, "", index, ctx, **kw)
@@ -97,10 +107,7 @@ def test_a_silent_replay_socket_loses_its_range_and_the_live_stream_goes_on() ->
         sub.start()
         await asyncio.wait_for(sub.synced.wait(), 10)
         assert sub.stats.replay_failures == 1
-        seq = -1
-        while sub.last_seq < seq or seq < 0:                # until one arrives live (SUB joining)
-            seq = pub.publish(v.encode([v.stored([H[0]])]))
-            await asyncio.sleep(0.05)
+        await joined(pub, sub)
         pub.publish(b"not msgpack \xc1")
         pub.publish(v.encode([v.stored([H[1]])]), send=False)
         last = pub.publish(v.encode([v.stored([H[2]])]))
@@ -148,10 +155,7 @@ def test_every_malformed_batch_is_counted_and_skipped_and_the_feed_goes_on() -> 
         sub = subscriber(pub, index, ctx)
         sub.start()
         await asyncio.wait_for(sub.synced.wait(), 10)
-        seq = -1
-        while sub.last_seq < seq or seq < 0:                # until one arrives live (SUB joining)
-            seq = pub.publish(v.encode([v.stored([H[0]])]))
-            await asyncio.sleep(0.05)
+        await joined(pub, sub)
         for i, payload in enumerate(bad.values()):
             pub.publish(payload)
             pub.publish(v.encode([v.stored([H[1 + i % 4]], "CPU")]))   # a sound batch after each
