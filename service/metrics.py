@@ -47,7 +47,8 @@ _REMOTE_COUNTERS = (
     ("store_hits", "hits", "Blocks read from the remote store and verified"),
     ("misses", "misses", "Blocks asked of the remote store and not served (absent, damaged, or an error)"),
     ("errors", "errors", "Calls to the remote store that failed (connection, timeout): the breaker's failures"),
-    ("corrupt", "corrupt", "Remote values that failed verification (a miss; deleted)"),
+    ("corrupt", "corrupt", "Remote values that failed verification: forged or damaged (a miss; deleted)"),
+    ("foreign", "foreign", "Remote values sealed under another fleet secret (a miss; left alone)"),
     ("skipped", "skipped", "Calls not made because the breaker was open"),
     ("cancelled", "cancelled", "Reads of the remote store cut off because no request waited for them any more"),
     ("cancelled_connections", "cancelled_connections", "Connections to the remote store shut down mid-reply by "

@@ -118,6 +118,10 @@ class CacheConfig:
     # rediss:// (TLS), with a password, a comma list of nodes or ?cluster=1 for a cluster. Not in
     # repr (it may hold a password): `remote` is, redacted.
     remote_url: str | None = field(default=None, repr=False)
+    # The fleet secret every value in the remote store is sealed under (storage/fleet_secret.py): a
+    # block that does not verify is a miss, never served. Every server sharing a store must read the
+    # same file. None: <cache root>/fleet.secret, made (0600) on first start.
+    cache_secret_file: str | None = None
     # Every call to the store is bounded by this (connect and read). Short: a lookup waits for
     # it, and a slow store must cost less than recomputing (a 16-token block takes ~ms).
     remote_timeout_s: float = 0.5

@@ -25,6 +25,7 @@ from storage.disk.tier import DiskTier, DiskUnavailable
 from storage.layout import BlockLayout
 from storage.lower_tier import LowerTier
 from storage.remote.breaker import BreakerConfig
+from storage.fleet_secret import load_fleet_secret
 from storage.remote.tier import RemoteTier
 
 log = logging.getLogger(__name__)
@@ -65,7 +66,7 @@ def wire(config: CacheConfig, layout: BlockLayout, disk: DiskTier | None = None,
         kind = disk.codec.kind              # the store keeps the disk's payloads (storage/disk/writer.py)
     if remote is None and config.remote is not None:
         remote = RemoteTier(config.remote, layout, Codec(config.zstd_level, kind),
-                            timeout_s=config.remote_timeout_s, ttl_s=config.remote_ttl_s,
+                            secret=load_fleet_secret(config.cache_secret_file), timeout_s=config.remote_timeout_s, ttl_s=config.remote_ttl_s,
                             breaker=BreakerConfig(cooldown_s=config.remote_retry_s))
     status = {"disk": ({"codec_choice": chosen.describe()} if chosen is not None else {}) if disk is not None
               else {"enabled": False, "unavailable": unavailable},

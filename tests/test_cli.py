@@ -484,6 +484,13 @@ def test_remote_options_are_checked_before_anything_loads(tmp_path: Path) -> Non
     assert_one_line_error(tkv("serve", "--cache-dir", root, "--remote-url", "valkey://h:1", "--remote-write", "later"),
                           2, "remote_write")
     assert_one_line_error(tkv("inspect", "--remote-url", "valkey://h:1", "--tree"), 2, "--tree")
+    loose = tmp_path / "loose.secret"                   # a fleet secret any local user could read
+    loose.write_text(os.urandom(32).hex())
+    loose.chmod(0o644)
+    assert_one_line_error(tkv("serve", "--cache-dir", root, "--remote-url", "valkey://h:1", "--cache-secret-file",
+                              str(loose)), 2, "--cache-secret-file", "chmod 600")
+    assert_one_line_error(tkv("serve", "--cache-dir", root, "--cache-secret-file", str(loose)), 2,
+                          "--cache-secret-file", "--remote-url")
     assert_one_line_error(tkv("inspect", "--cache-dir", root, "--verify"), 2, "--verify", "--remote-url")
     assert_one_line_error(tkv("inspect", "--remote-url", "valkey://h:1", "--namespace", "abc"), 2, "--namespace")
     with socket.socket() as s:              # a port nobody listens on
@@ -539,6 +546,16 @@ def test_inspect_remote_lists_verifies_and_repairs_the_store(where: str, request
         v = json.loads(r.stdout)["verify"]
         assert (v["checked"], v["damaged"], v["repaired"]) == (stored, 1, 1) and v["values"][0]["key"] == damaged.decode()
         assert raw.exists(damaged) == 0 and raw.exists(remote_key(block_keys(ns, A, BLOCK)[5])) == 1
+        # Under a secret that is not the fleet's, nothing verifies and nothing is deleted (exit 1);
+        # without the secret file, verify cannot start (exit 2).
+        other = tmp_path / "other.secret"
+        other.write_text(os.urandom(32).hex())
+        other.chmod(0o600)
+        r = tkv(*args, "--repair", "--cache-secret-file", str(other))
+        assert r.returncode == 1 and f"{stored - 1} sealed under another fleet secret" in r.stdout, r.stdout
+        assert raw.exists(remote_key(block_keys(ns, A, BLOCK)[5])) == 1
+        assert_one_line_error(tkv(*args, "--verify", "--cache-secret-file", str(tmp_path / "absent")), 2,
+                              "no such file", "--cache-secret-file")
     finally:
         if own is not None:
             own.cleanup()

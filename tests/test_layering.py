@@ -54,8 +54,9 @@ ROOMS = {"codec": set(), "disk": {"codec"}, "remote": {"codec"}}
 # malloc_tuning: glibc told to keep block-sized memory (knows no tier; the tiers call it when built).
 # foreground: whether sequences run, which the writers' encode pools narrow to (knows no tier).
 # cancellation: a read its caller gave up on (the loader cancels, the remote reader drops its socket).
+# fleet_secret: the secret shared tiers seal blocks under, and the seal (knows no tier).
 SHARED = {"hashing", "layout", "priority", "pinned", "background_writer", "lower_tier", "kv_events", "pool_drain",
-          "malloc_tuning", "foreground", "cancellation"}
+          "malloc_tuning", "foreground", "cancellation", "fleet_secret"}
 
 
 def _storage_imports(path: Path) -> set[str]:

@@ -220,6 +220,9 @@ def status(
                   f"corrupt blocks found {remote.get('corrupt', 0)}, writes {remote.get('writes', 0)} "
                   f"(pending {remote.get('pending_writes', 0)}, dropped {remote.get('write_drops', 0)}, "
                   f"refused {remote.get('write_errors', 0)})", soft_wrap=True)
+        if remote.get("foreign"):
+            out.print(f"remote: {remote['foreign']:,} blocks sealed under another fleet secret (misses): do all "
+                      "servers read the same --cache-secret-file?", soft_wrap=True)
         if remote.get("last_error"):
             out.print(f"remote: last error {escape(str(remote['last_error']))}", soft_wrap=True)
     eng = body.get("engine")
@@ -253,20 +256,24 @@ def inspect(
                                        "(as a server's read does, and the hash chain); exit 1 on damage."),
     repair: bool = typer.Option(False, "--repair", help="With --remote-url: --verify, and delete damaged values."),
     namespace: Optional[str] = typer.Option(None, help="With --remote-url: only this namespace (64 hex digits)."),
+    cache_secret_file: Optional[str] = typer.Option(None, help="With --verify: the fleet secret the values are "
+                                                    "sealed under (default <cache dir>/fleet.secret)."),
 ) -> None:
     """What the disk tier holds: blocks, bytes, namespaces. Read-only: safe while a server runs.
 
-    With --remote-url, what the shared remote store holds (SCAN of its tkv:r1:* keys on every
+    With --remote-url, what the shared remote store holds (SCAN of its tkv:r2:* keys on every
     primary): blocks and bytes per namespace and each node's memory; --verify checks every
-    value, --repair deletes the damaged ones. Exit status: 0 clean (or every damaged value
+    value, --repair deletes the damaged ones (never those sealed under another fleet secret). Exit status: 0 clean (or every damaged value
     deleted), 1 damage left or the store unreachable, 2 bad input.
     """
     if remote_url is not None:
         if tree:
             raise CLIError("--tree: draws the disk tier's prefixes; not with --remote-url", code=2)
         from tieredkv.inspect_remote import inspect_remote
-        return inspect_remote(remote_url, cache_dir, verify_values or repair, repair, namespace, json_out)
-    for flag, given in (("--verify", verify_values), ("--repair", repair), ("--namespace", namespace)):
+        return inspect_remote(remote_url, cache_dir, verify_values or repair, repair, namespace, json_out,
+                              cache_secret_file)
+    for flag, given in (("--verify", verify_values), ("--repair", repair), ("--namespace", namespace),
+                        ("--cache-secret-file", cache_secret_file)):
         if given:
             raise CLIError(f"{flag}: needs --remote-url (the disk tier's check is `tieredkv verify`)", code=2)
     from tieredkv.inspect_tree import forest_tree, overview, survey, tree_to_dict

@@ -66,6 +66,9 @@ CACHE_HELP = "Cache root holding kv/ and billing/ (default $TIEREDKV_HOME or ~/.
 REMOTE_HELP = ("A Valkey/Redis store shared by every server, below disk: valkey://host:6379, "
                "rediss://:PASSWORD@host:6380 (TLS), valkey://h1:7000,h2:7001,h3:7002 or ?cluster=1 (a cluster) "
                "(default $TIEREDKV_REMOTE_URL; none: no remote tier).")
+SECRET_HELP = ("The fleet secret sealing every block in the remote store (keyed BLAKE3): a block that does not "
+               "verify is a miss, never served. Every server sharing the store must read the same file (mode "
+               "0600). Default: <cache dir>/fleet.secret, made on first start.")
 
 
 def command_name() -> str:
@@ -193,18 +196,23 @@ def remote_url_of(url: Optional[str]) -> Optional[str]:
 
 
 def remote_options(url: Optional[str], timeout: Optional[float], ttl: Optional[float],
-                   write: Optional[str]) -> dict[str, Any]:
+                   write: Optional[str], secret_file: Optional[str] = None,
+                   root: Optional[Path] = None) -> dict[str, Any]:
     """CacheConfig's remote_* fields from the CLI's --remote-* options (only those given, so
-    CacheConfig's defaults stay the one place defaults live). A --remote-* option without a
-    store is a mistake worth saying, not ignoring."""
+    CacheConfig's defaults stay the one place defaults live), and the fleet secret's file: the
+    one given, else `<root>/fleet.secret`. A --remote-* option without a store is a mistake worth
+    saying, not ignoring."""
     url = remote_url_of(url)
-    given = {"remote_timeout_s": timeout, "remote_ttl_s": ttl, "remote_write": write}
+    given = {"remote_timeout_s": timeout, "remote_ttl_s": ttl, "remote_write": write,
+             "cache_secret_file": secret_file}
     given = {k: v for k, v in given.items() if v is not None}
     if url is None:
         if given:
             flag = "--" + next(iter(given)).removesuffix("_s").replace("_", "-")
             raise CLIError(f"{flag}: needs --remote-url (or $TIEREDKV_REMOTE_URL)", code=2)
         return {}
+    if secret_file is None and root is not None:
+        given["cache_secret_file"] = str(root / "fleet.secret")
     return {"remote_url": url, **given}
 
 

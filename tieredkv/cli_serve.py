@@ -16,8 +16,9 @@ import typer
 from rich.markup import escape
 
 from storage.config import parse_size
-from tieredkv.cli_common import (CACHE_HELP, REMOTE_HELP, CLIError, api_key_of, cache_default, cache_root, err,
-                                 friendly, load_description, remote_options, remote_url_of, spinner)
+from tieredkv.cli_common import (CACHE_HELP, REMOTE_HELP, SECRET_HELP, CLIError, api_key_of, cache_default,
+                                 cache_root, err, friendly, load_description, remote_options, remote_url_of,
+                                 spinner)
 from tieredkv.cli_flags import pool_size, read_chat_template
 
 
@@ -113,6 +114,7 @@ def serve(
     remote_write: Optional[str] = typer.Option(None, help="write_back (default: blocks reach the store when they "
                                                "reach disk) or write_through (as soon as computed: what several "
                                                "servers sharing a store want)."),
+    cache_secret_file: Optional[str] = typer.Option(None, help=SECRET_HELP),
     restore_policy: str = typer.Option(cache_default("restore_policy"), help="auto (default: recompute the front of a hit held below the "
                                        "device while its back loads, split where the measured restore rates "
                                        "and prefill time predict the earliest first token), load (always load "
@@ -209,7 +211,13 @@ def serve(
     cache = CacheConfig(block_size=block_size, device_memory=device_memory, disk_capacity=disk_capacity,
                         disk_reserve=disk_reserve, restore_policy=restore_policy, codec=codec, kv_events=kv_events,
                         kv_events_replay=kv_events_replay, kv_events_tokens=not kv_events_no_tokens, **tiers,
-                        **remote_options(remote_url, remote_timeout, remote_ttl, remote_write))
+                        **remote_options(remote_url, remote_timeout, remote_ttl, remote_write, cache_secret_file, root))
+    if cache.remote is not None:            # the fleet secret read (or made) before the model loads
+        from storage.fleet_secret import SecretFileError, load_fleet_secret
+        try:
+            load_fleet_secret(cache.cache_secret_file)
+        except SecretFileError as e:
+            raise CLIError(f"--cache-secret-file: {e}", code=2) from None
     from engine.billing_writer import ON_FAILURE
     if on_billing_failure not in ON_FAILURE:
         raise CLIError(f"--on-billing-failure: expected one of {', '.join(ON_FAILURE)}, got {on_billing_failure!r}",

@@ -37,7 +37,7 @@ def survey_report(survey: Any, billing_dir: str) -> dict[str, Any]:
 
 def verify_report(report: Any, repair: bool) -> dict[str, Any]:
     return {"checked": report.checked, "damaged": len(report.damaged), "repaired": report.repaired,
-            "vanished": report.vanished, "errors": report.errors, "repair": repair,
+            "vanished": report.vanished, "errors": report.errors, "foreign": report.foreign, "repair": repair,
             "values": [{"key": d.key.decode(errors="replace"), "reason": d.reason} for d in report.damaged]}
 
 
@@ -52,7 +52,7 @@ def remote_overview(report: dict[str, Any]) -> Any:
     n = report["blocks"]
     kind = f"cluster of {len(report['nodes'])} primaries" if report["cluster"] else "standalone"
     head = (f"Remote store {escape(report['url'])} ({kind})\n"
-            f"  {n:,} block{'s' if n != 1 else ''}, {format_size(report['stored_bytes'])} in values under tkv:r1:"
+            f"  {n:,} block{'s' if n != 1 else ''}, {format_size(report['stored_bytes'])} in values under tkv:r2:"
             + (f"; {report['foreign_keys']:,} other keys under the prefix" if report["foreign_keys"] else ""))
     nodes = Table(title="Nodes (capacity is the store's: maxmemory and its eviction policy)", title_justify="left",
                   box=box.SIMPLE_HEAD, pad_edge=False)
@@ -70,8 +70,9 @@ def remote_overview(report: dict[str, Any]) -> Any:
 
 
 def inspect_remote(url: str, cache_dir: Optional[str], check: bool, repair: bool, namespace: Optional[str],
-                   json_out: bool) -> None:
-    """`inspect --remote-url`: the store's listing (and with `check` its verification), printed."""
+                   json_out: bool, secret_file: Optional[str] = None) -> None:
+    """`inspect --remote-url`: the store's listing (and with `check` its verification under the
+    fleet secret -- the file given, else <cache dir>/fleet.secret -- never made here), printed."""
     from storage.remote.inspect import RemoteInspector
     from storage.remote.url import parse_remote_url
     parsed = parse_remote_url(url, "--remote-url")        # a bad URL: exit 2, the password never shown
@@ -83,6 +84,16 @@ def inspect_remote(url: str, cache_dir: Optional[str], check: bool, repair: bool
             ns = b""
         if len(ns) != 32:
             raise CLIError(f"--namespace: expected 64 hex digits, got {namespace!r}", code=2)
+    secret = None
+    if check:
+        from storage.fleet_secret import SecretFileError, load_fleet_secret
+        try:
+            secret = load_fleet_secret(secret_file or str(cache_root(cache_dir) / "fleet.secret"), create=False)
+        except SecretFileError as e:
+            raise CLIError(f"{e} (--verify checks each value's seal: give the fleet's --cache-secret-file)",
+                           code=2) from None
+    elif secret_file is not None:
+        raise CLIError("--cache-secret-file: needs --verify or --repair (the listing reads no seal)", code=2)
     try:
         with RemoteInspector(parsed, namespace=ns) as ri:
             with spinner(f"Listing {parsed.redacted}"):
@@ -90,7 +101,7 @@ def inspect_remote(url: str, cache_dir: Optional[str], check: bool, repair: bool
             checked = None
             if check:
                 with spinner(f"Verifying every value in {parsed.redacted}"):
-                    checked = ri.verify(repair=repair)
+                    checked = ri.verify(secret, repair=repair)
     except Exception as e:
         from redis.exceptions import RedisError
         if isinstance(e, (RedisError, OSError)):
@@ -108,12 +119,14 @@ def inspect_remote(url: str, cache_dir: Optional[str], check: bool, repair: bool
             out.print(f"checked {v['checked']:,} values in {escape(parsed.redacted)}: {v['damaged']} damaged"
                       + (f", {v['repaired']} deleted" if repair else "")
                       + (f" ({v['vanished']} evicted or expired meanwhile)" if v["vanished"] else "")
-                      + (f" ({v['errors']} not readable now)" if v["errors"] else ""), soft_wrap=True)
+                      + (f" ({v['errors']} not readable now)" if v["errors"] else "")
+                      + (f"; {v['foreign']} sealed under another fleet secret (left alone: another fleet's, "
+                         f"or not the secret file its servers use)" if v["foreign"] else ""), soft_wrap=True)
             for d in v["values"][:50]:
                 out.print(f"  {escape(d['key'])}  {escape(d['reason'])}", soft_wrap=True)
             if len(v["values"]) > 50:
                 out.print(f"  … and {len(v['values']) - 50} more")
             if v["damaged"] > v["repaired"] and not repair:
                 out.print("run again with --repair to delete them")
-    if checked is not None and len(checked.damaged) > checked.repaired:
-        raise typer.Exit(1)
+    if checked is not None and (len(checked.damaged) > checked.repaired or checked.foreign):
+        raise typer.Exit(1)             # damage left, or values this secret cannot vouch for

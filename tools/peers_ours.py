@@ -25,6 +25,7 @@ from storage.hashing import BlockKey, block_keys  # noqa: E402
 from storage.layout import BlockLayout  # noqa: E402
 from storage.remote.client import MGET_CHUNK, make_client, mget_one, pipeline, run_parallel, split  # noqa: E402
 from storage.remote.recv_buffers import RecvBuffers  # noqa: E402
+from storage.fleet_secret import FleetSecret  # noqa: E402
 from storage.remote.tier import RemoteTier  # noqa: E402
 from storage.remote.url import parse_remote_url  # noqa: E402
 from storage.remote.value import pack_value  # noqa: E402
@@ -51,7 +52,8 @@ class Ours:
         self._tls = threading.local()     # a warm decompression buffer per decode thread
         self.url = parse_remote_url(url) if url else None
         extra = {} if connections is None else {"connections": connections}
-        self.remote = RemoteTier(self.url, layout, self.codec, timeout_s=5.0, **extra) if url else None
+        self.remote = RemoteTier(self.url, layout, self.codec, secret=FleetSecret.random(), timeout_s=5.0,
+                                 **extra) if url else None
         self.client = make_client(self.url, 5.0) if url else None
         # The limit's sends run as the tier's do: as many at once, each on a thread of its own.
         self.connections = self.remote.connections if url else 1

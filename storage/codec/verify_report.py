@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, slots=True)
 class DamagedBlock:
-    key: bytes          # where the tier keeps it: the disk's block hash, the store's tkv:r1:<ns>:<hash> key
+    key: bytes          # where the tier keeps it: the disk's block hash, the store's tkv:r2:<ns>:<hash> key
     reason: str
 
 
@@ -30,3 +30,4 @@ class VerifyReport:
     store_repaired: tuple[str, ...] = ()
     vanished: int = 0                 # the remote: keys gone between SCAN and GET (evicted, expired)
     errors: int = 0                   # the remote: values the store did not give (an error reply)
+    foreign: int = 0                  # the remote: values sealed under another fleet secret (left alone)

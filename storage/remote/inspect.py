@@ -1,12 +1,14 @@
 """What a remote store holds for tieredkv, read from the store itself: `tieredkv inspect --remote-url`.
 
-Knows: how to walk every key under the remote tier's prefix (`tkv:r1:*`) -- SCAN on the one
+Knows: how to walk every key under the remote tier's prefix (`tkv:r2:*`) -- SCAN on the one
 server, or on every primary node of a cluster, since a SCAN only ever sees the node it is sent to
 --, how to sum the values per namespace (blocks, value bytes, tokens from each value's metadata
 header), what each node says of its memory (used, maxmemory, eviction policy, evicted keys), and
-how to verify every value exactly as a read would (storage/remote/tier.py's frame, then
-storage/codec/stored_block.verify_and_decode) plus the hash chain (hash == hash_block(parent, tokens)),
-deleting the values that fail when asked to.
+how to verify every value exactly as a read would (its seal under the fleet secret, storage/
+remote/value.py, then storage/codec/stored_block.verify_and_decode) plus the hash chain (hash ==
+hash_block(parent, tokens)), deleting the values that fail when asked to -- never a value sealed
+under another secret (counted `foreign`: another fleet's, or this inspector was given the wrong
+secret file; deleting those would empty a store shared with a fleet we cannot check).
 Doesn't know: models, tenant names, or how a report is drawn (tieredkv/ does both).
 
 Reads never change the store; `verify(repair=True)` UNLINKs damaged values, as a server's read of
@@ -24,16 +26,17 @@ from storage.codec.stored_block import META_FIXED_SIZE, BlockMeta, verify_and_de
 from storage.codec.verify_report import DamagedBlock, VerifyReport
 from storage.hashing import BlockKey, hash_block
 from storage.remote.client import make_client
-from storage.remote.value import KEY_PREFIX, VALUE_MAGIC, unpack_value
+from storage.fleet_secret import FleetSecret
+from storage.remote.value import FOREIGN, HEAD_SIZE, KEY_PREFIX, VALUE_MAGIC, open_value
 from storage.remote.url import RemoteURL
 
 SCAN_COUNT = 512          # keys per SCAN step (a hint to the server)
 _BATCH = 32               # values fetched per pipeline (a block's value is ~0.1-1 MB)
-_HEAD = len(VALUE_MAGIC) + 4 + META_FIXED_SIZE     # magic, meta length, the meta's fixed part
+_HEAD = HEAD_SIZE + META_FIXED_SIZE      # magic, key id, seal, meta length, the meta's fixed part
 
 
 def parse_key(rkey: bytes) -> tuple[bytes, bytes] | None:
-    """(namespace, block hash) of a `tkv:r1:<ns hex>:<hash hex>` key; None for any other name."""
+    """(namespace, block hash) of a `tkv:r2:<ns hex>:<hash hex>` key; None for any other name."""
     if not rkey.startswith(KEY_PREFIX):
         return None
     ns_hex, sep, h_hex = rkey[len(KEY_PREFIX):].partition(b":")
@@ -72,7 +75,7 @@ class RemoteSurvey:
     namespaces: tuple[NamespaceUsage, ...]     # most blocks first
     blocks: int
     value_bytes: int
-    foreign_keys: int                 # under the prefix but not named tkv:r1:<ns>:<hash>
+    foreign_keys: int                 # under the prefix but not named tkv:r2:<ns>:<hash>
 
 
 class RemoteInspector:
@@ -155,10 +158,10 @@ class RemoteInspector:
                             sum(u.blocks for u in namespaces), sum(u.value_bytes for u in namespaces), foreign)
 
     # ---- verification --------------------------------------------------------------------------
-    def verify(self, repair: bool = False, codec: Codec = Codec()) -> VerifyReport:
+    def verify(self, secret: FleetSecret, repair: bool = False, codec: Codec = Codec()) -> VerifyReport:
         """Read and check every value (the same checks a server's read makes, and the hash chain);
-        `repair`: UNLINK the damaged ones."""
-        checked = repaired = vanished = errors = 0
+        `repair`: UNLINK the damaged ones (never another secret's)."""
+        checked = repaired = vanished = errors = foreign = 0
         damaged: list[DamagedBlock] = []
         for _, conn in self.nodes():
             for batch in self.scan(conn):
@@ -175,8 +178,10 @@ class RemoteInspector:
                         vanished += 1
                         continue
                     checked += 1
-                    reason = check_value(codec, k, v)
-                    if reason is not None:
+                    reason = check_value(codec, k, v, secret)
+                    if reason == FOREIGN:
+                        foreign += 1
+                    elif reason is not None:
                         bad.append(k)
                         damaged.append(DamagedBlock(k, reason))
                 if repair and bad:
@@ -184,19 +189,20 @@ class RemoteInspector:
                     for k in bad:
                         pipe.unlink(k)
                     repaired += sum(1 for r in pipe.execute(raise_on_error=False) if r == 1)
-        return VerifyReport(checked, tuple(damaged), repaired, vanished=vanished, errors=errors)
+        return VerifyReport(checked, tuple(damaged), repaired, vanished=vanished, errors=errors, foreign=foreign)
 
 
-def check_value(codec: Codec, rkey: bytes, value: bytes) -> str | None:
+def check_value(codec: Codec, rkey: bytes, value: bytes, secret: FleetSecret) -> str | None:
     """None when `value` is a sound block for the key `rkey`, else the reason (what a server's
-    read would refuse, plus a broken hash chain)."""
+    read would refuse, plus a broken hash chain; FOREIGN: sealed under another secret)."""
     parsed = parse_key(rkey)
     if parsed is None:
-        return "key is not tkv:r1:<namespace hex>:<block hash hex>"
+        return "key is not tkv:r2:<namespace hex>:<block hash hex>"
     ns, h = parsed
-    meta_raw, payload = unpack_value(value)
-    if meta_raw is None:
-        return "value framing damaged"
+    opened = open_value(rkey, value, secret)
+    if opened.problem is not None:
+        return opened.problem
+    meta_raw, payload = opened.meta, opened.payload
     try:
         m = BlockMeta.unpack(meta_raw)
     except ValueError as e:
@@ -213,7 +219,7 @@ def _tokens_in_head(head: object) -> int | None:
     """Token count from a value's first bytes (magic, meta length, the meta's fixed part)."""
     if not isinstance(head, bytes) or len(head) < _HEAD or not head.startswith(VALUE_MAGIC):
         return None
-    return BlockMeta.token_count(head[len(VALUE_MAGIC) + 4:])
+    return BlockMeta.token_count(head[HEAD_SIZE:])
 
 
 def _node_info(address: str, conn, tkv_keys: int) -> NodeInfo:

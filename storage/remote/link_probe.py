@@ -68,7 +68,8 @@ def probe_link(tier) -> LinkFigures | None:
     h = os.urandom(32)
     key = BlockKey(hash=h, parent=b"\0" * 32, token_ids=(0,) * layout.block_size, namespace=PROBE_NAMESPACE)
     rk = remote_key(key)
-    value = pack_value(key, tier.codec.encode_parts(block, payload_binding(key.hash, key.namespace)), layout.nbytes)
+    value = pack_value(key, tier.codec.encode_parts(block, payload_binding(key.hash, key.namespace)), layout.nbytes,
+                       tier.secret)
     status, _ = tier._call("set", lambda c: c.set(rk, value, px=TTL_MS))
     if status != "ok":
         return None

@@ -18,7 +18,8 @@ class RemoteStats:
     store_hits: int            # blocks read and verified (the store's answers: TierStats.hits are blocks served)
     misses: int                # blocks asked for and not served (absent, damaged, or an error)
     errors: int                # calls that failed (connection, timeout): breaker failures
-    corrupt: int               # values that failed verification (deleted)
+    corrupt: int               # values that failed verification: forged, damaged (deleted)
+    foreign: int               # values sealed under another fleet secret (misses, left alone)
     skipped: int               # calls not made because the breaker was open
     cancelled: int             # reads their caller gave up on mid-flight (no request waited any more)
     cancelled_connections: int  # connections shut down mid-reply by such a cancel: dropped, never pooled

@@ -10,9 +10,12 @@ Doesn't know: the other tiers, the engine, or when a block should be written (st
 cascade.py decides; storage/remote/writer.py is the thread that writes). Keys and the value frame
 are storage/remote/value.py's; building the client is storage/remote/client.py's.
 
-A value is served only after storage/codec/stored_block.verify_and_decode accepts it for the key
-asking: anything else (damaged, truncated, another block's bytes under this key) is a miss,
-deleted and counted in `corrupt`.
+A value is served only after its seal holds under the fleet secret for the key asking
+(storage/remote/value.py's open_value: a writer without the secret cannot make one) and
+storage/codec/stored_block.verify_and_decode accepts its payload: anything else (forged, damaged,
+truncated, another block's bytes under this key) is a miss, deleted and counted in `corrupt`. A
+value sealed under another secret is a miss counted in `foreign` and left alone: it is another
+fleet's, or a member's started without this fleet's secret file (the log says so once).
 
 Capacity is the store's own: its maxmemory and eviction policy (allkeys-lru is what a cache
 wants), and an optional TTL set on every write. A block the store evicted is just a miss.
@@ -72,7 +75,8 @@ from storage.remote.client import mget_groups, mget_one, pipeline, run_parallel,
 from storage.remote.guarded_calls import GuardedCalls
 from storage.remote.recv_buffers import RecvBuffers
 from storage.remote.url import RemoteURL
-from storage.remote.value import pack_value, remote_key, unpack_value
+from storage.fleet_secret import FleetSecret
+from storage.remote.value import FOREIGN, open_value, pack_value, remote_key
 from storage.remote.writer import RemoteWriter, WriteItem
 
 log = logging.getLogger(__name__)
@@ -94,7 +98,7 @@ class RemoteTier(LowerTier):
     local = False    # what the store holds is asked with probe(), off the engine thread
 
     def __init__(self, url: RemoteURL, layout: BlockLayout | None, codec: Codec = Codec(), *,
-                 timeout_s: float = 0.5, ttl_s: float | None = None,
+                 secret: FleetSecret, timeout_s: float = 0.5, ttl_s: float | None = None,
                  breaker: BreakerConfig = BreakerConfig(), queue_blocks: int = 256, batch_blocks: int = 32,
                  decode_threads: int | None = None, encode_threads: int | None = None,
                  connections: int = DEFAULT_CONNECTIONS) -> None:
@@ -104,13 +108,15 @@ class RemoteTier(LowerTier):
         self.url = url
         self.layout = layout
         self.codec = codec
+        self.secret = secret          # seals every value written, checks every value read
+        self._told_foreign = False    # the one WARNING about values under another secret (under _lock)
         self.timeout_s = timeout_s
         self.ttl_ms = None if ttl_s is None else max(1, int(ttl_s * 1000))
         self._lock = threading.Lock()
         self.events: NoEvents = NO_EVENTS        # the KV-event hook, set by the cache
         # Keys this process wrote or read, so a block is not sent again (storage/remote/known_keys.py).
         self._known = KnownKeys(float("inf") if ttl_s is None else ttl_s / 2, _KNOWN_MAX)
-        self._c = dict.fromkeys(("store_hits", "misses", "errors", "corrupt", "skipped", "cancelled",
+        self._c = dict.fromkeys(("store_hits", "misses", "errors", "corrupt", "foreign", "skipped", "cancelled",
                                  "cancelled_connections", "writes", "write_errors", "write_drops", "bytes_read",
                                  "bytes_written"), 0)
         # A store back after being down may have restarted empty: forget what we knew it held.
@@ -208,7 +214,7 @@ class RemoteTier(LowerTier):
         for group_tasks in tasks:
             for task in group_tasks:
                 task.result()
-        damaged, nbytes, hits = [], 0, 0
+        damaged, nbytes, hits, foreign = [], 0, 0, 0
         gone: list[bytes] = []
         for i, answer in enumerate(checked):
             if answer is None:
@@ -219,6 +225,9 @@ class RemoteTier(LowerTier):
                 if reason is None:
                     self._known.forget(rkeys[i])          # absent: evicted, expired, or never written
                     continue
+                if reason == FOREIGN:
+                    foreign += 1                          # another secret's: a miss, left alone
+                    continue
                 log.warning("remote tier: block %s is damaged (%s): a miss, deleted", keys[i].hash.hex()[:16], reason)
                 damaged.append(rkeys[i])
                 continue
@@ -228,7 +237,9 @@ class RemoteTier(LowerTier):
             hits += 1
             nbytes += size
             self._known.remember(rkeys[i])
-        self._count(store_hits=hits, misses=len(keys) - hits, corrupt=len(damaged), bytes_read=nbytes)
+        self._count(store_hits=hits, misses=len(keys) - hits, corrupt=len(damaged), foreign=foreign, bytes_read=nbytes)
+        if foreign:
+            self._tell_foreign()
         self.events.removed(gone, REMOTE_MEDIUM)
         if damaged:
             self._call("delete", lambda c: pipeline(c, [("UNLINK", k) for k in damaged]))
@@ -237,25 +248,34 @@ class RemoteTier(LowerTier):
     def _check(self, key: BlockKey, out: torch.Tensor | None, value: object, keep: bool = False
                ) -> tuple[torch.Tensor | None, str | None, memoryview | None, int]:
         """(block, None, payload, value size) for a sound value; (None, reason, None, 0) for a
-        damaged one; (None, None, None, 0) for an absent one. Runs on the decode pool. The value's
+        forged or damaged one (reason FOREIGN: sealed under another secret); (None, None, None, 0)
+        for an absent one. Runs on the decode pool. The value's
         buffer goes back to the receive buffers here -- unless `keep` and it is a hit: then the
         payload returned is a view of it, and its buffer is the caller's from now on."""
         if value is None or isinstance(value, Exception):
             return None, None, None, 0
         handed_over = False
         try:
-            meta, payload = unpack_value(value)
-            if meta is None:
-                return None, "value framing damaged", None, 0
-            tensor, reason = verify_and_decode(self.codec, self.layout, key, out, payload, meta)
+            opened = open_value(remote_key(key), value, self.secret)
+            if opened.problem is not None:
+                return None, opened.problem, None, 0
+            tensor, reason = verify_and_decode(self.codec, self.layout, key, out, opened.payload, opened.meta)
             if tensor is None:
                 return None, reason, None, 0
             # NOTE invariant: a buffer whose payload a caller holds is never handed out again.
             handed_over = keep
-            return tensor, None, payload if keep else None, len(value)
+            return tensor, None, opened.payload if keep else None, len(value)
         finally:
             if not handed_over:         # decode copied the bytes out: never a view of the value
                 self._recv.give(value)
+
+    def _tell_foreign(self) -> None:
+        with self._lock:
+            told, self._told_foreign = self._told_foreign, True
+        if not told:
+            log.warning("remote tier: the store holds blocks sealed under another fleet secret: misses here, left "
+                        "alone. Servers meant to share blocks must share one --cache-secret-file (this one: %s)",
+                        self.secret.path or "given in code")
 
     def get(self, key: BlockKey, out: torch.Tensor | None = None) -> torch.Tensor | None:
         return self.get_many([key], None if out is None else [out])[0]
@@ -290,7 +310,7 @@ class RemoteTier(LowerTier):
             raw_size, value = block.numel() * block.element_size(), None
             try:
                 value = pack_value(key, self.codec.encode_parts(block.detach(), payload_binding(key.hash, key.namespace)),
-                                   raw_size)
+                                   raw_size, self.secret)
             except Exception:   # noqa: BLE001 -- counted by the writer's encode, as for any block
                 pass
             if value is not None:
@@ -353,10 +373,10 @@ class RemoteTier(LowerTier):
             it.raw_size = block.numel() * block.element_size()
             # The payload's parts framed in one join (not joined into a payload, then copied again).
             it.value = pack_value(it.key, self.codec.encode_parts(block, payload_binding(it.key.hash, it.key.namespace)),
-                                  it.raw_size)
+                                  it.raw_size, self.secret)
             it.block = None          # the private copy is no longer needed
         else:
-            it.value = pack_value(it.key, it.payload, it.raw_size)
+            it.value = pack_value(it.key, it.payload, it.raw_size, self.secret)
 
     def _write_batch(self, items: list[WriteItem]) -> bool:
         """The writer thread's batch (raw blocks encoded by _encode on the pool): SET every block,

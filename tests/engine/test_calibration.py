@@ -79,7 +79,7 @@ def test_the_remote_tiers_first_figure_is_the_links(tmp_path, valkey) -> None:
         rates = eng.cache_status()["cost_model"]["restore_bytes_per_s"]
         remote = eng.cache.remote
         stats = remote.stats()
-        leftovers = remote._client().keys(b"tkv:r1:" + PROBE_NAMESPACE.hex().encode() + b":*")
+        leftovers = remote._client().keys(b"tkv:r2:" + PROBE_NAMESPACE.hex().encode() + b":*")
     figures = eng.link_calibration.figures
     assert figures is not None and figures.rtt_s > 0 and figures.read_s > 0   # (no order: a busy machine can make a read faster than a round trip)
     assert figures.value_bytes > 0 and figures.block_bytes == eng.layout.nbytes

@@ -1,7 +1,20 @@
+import functools
+
 import torch
 
+from storage.fleet_secret import FleetSecret, load_fleet_secret
 from storage.layout import BlockLayout
 from storage.hashing import block_keys
+
+
+@functools.cache
+def fleet() -> FleetSecret:
+    """The fleet secret the suite's remote tiers seal under: the sandbox's default file (made on
+    first use, under the cache root tests/sandbox.py sets -- so never at import, which comes before
+    the sandbox), the one every CacheConfig without a cache_secret_file reads too: a tier built in
+    a test and a cache built from a config share blocks."""
+    return load_fleet_secret()
+
 
 # A tiny layout: 2 layers, block of 4 tokens, 2 kv heads, head_dim 8 -> 256 elements per block.
 TINY = BlockLayout(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float32)

@@ -587,7 +587,8 @@ def test_encode_parts_are_the_payload_and_frame_into_the_same_stored_value(kind)
     """The remote tier frames a value from encode_parts in one join: its payload is byte for byte
     encode()'s, its metadata counts the same payload size, and it decodes bit-identically."""
     from storage.hashing import BlockKey
-    from storage.remote.value import pack_value, unpack_value
+    from storage.fleet_secret import FleetSecret
+    from storage.remote.value import open_value, pack_value, remote_key
     from storage.codec.stored_block import BlockMeta
     codec = Codec(kind=kind)
     block = kv_like(SMALL, torch.bfloat16)
@@ -595,8 +596,10 @@ def test_encode_parts_are_the_payload_and_frame_into_the_same_stored_value(kind)
     parts = codec.encode_parts(block, B)
     assert len(parts) >= 3 and b"".join(parts) == whole
     key = BlockKey(hash=bytes(32), parent=bytes(32), token_ids=tuple(range(4)), namespace=bytes(range(32)))
-    meta_a, payload_a = unpack_value(pack_value(key, parts, block.numel() * 2))
-    meta_b, payload_b = unpack_value(pack_value(key, whole, block.numel() * 2))
+    secret = FleetSecret.random()
+    a = open_value(remote_key(key), pack_value(key, parts, block.numel() * 2, secret), secret)
+    b = open_value(remote_key(key), pack_value(key, whole, block.numel() * 2, secret), secret)
+    (meta_a, payload_a), (meta_b, payload_b) = (a.meta, a.payload), (b.meta, b.payload)
     assert bytes(payload_a) == bytes(payload_b) == whole
     assert BlockMeta.unpack(bytes(meta_a)).stored_size == BlockMeta.unpack(bytes(meta_b)).stored_size == len(whole)
     out = torch.empty_like(block)

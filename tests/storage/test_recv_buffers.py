@@ -9,7 +9,7 @@ import torch
 from storage.remote.recv_buffers import RecvBuffers
 from storage.remote.tier import RemoteTier
 from storage.remote.url import parse_remote_url
-from tests.storage.conftest import TINY, block_data, keys
+from tests.storage.conftest import fleet, TINY, block_data, keys
 from tests.storage.test_tiered_cache import same_bits
 
 
@@ -40,7 +40,7 @@ def test_what_it_keeps_is_bounded_and_foreign_objects_are_ignored() -> None:
 def test_reads_reuse_buffers_and_never_touch_a_payload_handed_to_the_caller(valkey) -> None:
     ns = os.urandom(32)
     ks = keys(24, ns=ns)
-    rt = RemoteTier(parse_remote_url(valkey.url), TINY, timeout_s=5.0)
+    rt = RemoteTier(parse_remote_url(valkey.url), TINY, secret=fleet(), timeout_s=5.0)
     try:
         for k in ks:
             assert rt.put(k, block_data(k))

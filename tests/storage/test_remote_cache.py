@@ -12,7 +12,7 @@ import pytest
 
 from storage.config import CacheConfig
 from storage.layout import BlockLayout
-from storage.remote.value import remote_key, unpack_value
+from storage.remote.value import open_value, remote_key
 from storage.tiered_cache import TieredKVCache
 from tests.storage.conftest import TINY, block_data, keys
 from tests.storage.test_remote_tier import raw_client
@@ -73,7 +73,8 @@ def test_a_block_computed_by_one_cache_is_a_remote_hit_for_another(tmp_path, cac
     assert b.disk.drain(10) and all(b.disk.contains(k) for k in ks)
     raw = raw_client(url)
     with b.disk._env.begin() as txn:
-        assert all(txn.get(k.hash, db=b.disk._payload) == bytes(unpack_value(raw.get(remote_key(k)))[1]) for k in ks)
+        assert all(txn.get(k.hash, db=b.disk._payload) == bytes(open_value(remote_key(k), raw.get(remote_key(k)), b.remote.secret).payload)
+                   for k in ks)
     assert b.flush(10).complete
     b.drop("device")
     b.drop("host")
@@ -104,7 +105,8 @@ def test_staged_remote_fills_double_buffer_across_mgets_and_keep_exact_payloads(
     assert b.disk.drain(10) and all(b.disk.contains(k) for k in ks)    # kept from the staging halves
     raw = raw_client(valkey.url)
     with b.disk._env.begin() as txn:
-        assert all(txn.get(k.hash, db=b.disk._payload) == bytes(unpack_value(raw.get(remote_key(k)))[1]) for k in ks)
+        assert all(txn.get(k.hash, db=b.disk._payload) == bytes(open_value(remote_key(k), raw.get(remote_key(k)), b.remote.secret).payload)
+                   for k in ks)
     b.audit()
 
 

@@ -24,7 +24,7 @@ from storage.layout import BlockLayout
 from storage.remote.breaker import HALF_OPEN, BreakerConfig, CircuitBreaker
 from storage.remote.tier import RemoteTier
 from storage.remote.url import parse_remote_url
-from tests.storage.conftest import block_data, keys
+from tests.storage.conftest import fleet, block_data, keys
 from tests.storage.test_remote_cache import remote_cache
 from tests.storage.test_tiered_cache import same_bits
 from tools.throttle_proxy import ThrottleProxy
@@ -45,7 +45,7 @@ def until(cond, what: str, deadline_s: float = 120.0) -> None:
 def stored(server: ValkeyServer, n: int):
     """n blocks of 1 MiB written straight into the store (no link), and their keys."""
     ks = keys(n, layout=BIG, ns=os.urandom(32))
-    w = RemoteTier(parse_remote_url(server.url), BIG, Codec(kind="raw"), timeout_s=10)
+    w = RemoteTier(parse_remote_url(server.url), BIG, Codec(kind="raw"), secret=fleet(), timeout_s=10)
     try:
         for k in ks:
             assert w.put(k, block_data(k, BIG), wait=True, timeout=60)
@@ -64,7 +64,8 @@ def test_a_cancelled_get_stops_the_store_sending_drops_its_connection_and_the_po
     try:
         ks = stored(server, 96)                          # 3 MGETs of 32 MiB
         with ThrottleProxy("127.0.0.1", server.port, mbit=100) as proxy:
-            rt = RemoteTier(parse_remote_url(proxy.url), BIG, Codec(kind="raw"), timeout_s=10, connections=1)
+            rt = RemoteTier(parse_remote_url(proxy.url), BIG, Codec(kind="raw"), secret=fleet(), timeout_s=10,
+                            connections=1)
             try:
                 cancel = Cancellation()
                 before = sent_by(server)
@@ -95,7 +96,7 @@ def test_a_cancelled_get_stops_the_store_sending_drops_its_connection_and_the_po
 
 
 def test_a_read_cancelled_before_it_is_sent_sends_nothing_and_keeps_its_connection(valkey) -> None:
-    rt = RemoteTier(parse_remote_url(valkey.url), BIG, Codec(kind="raw"), timeout_s=10, connections=1)
+    rt = RemoteTier(parse_remote_url(valkey.url), BIG, Codec(kind="raw"), secret=fleet(), timeout_s=10, connections=1)
     try:
         cancel = Cancellation()
         cancel.cancel()

@@ -18,7 +18,7 @@ from storage.remote.breaker import BreakerConfig
 from storage.remote.tier import RemoteTier
 from storage.remote.value import remote_key
 from storage.remote.url import parse_remote_url
-from tests.storage.conftest import TINY, block_data, keys
+from tests.storage.conftest import fleet, TINY, block_data, keys
 from tests.storage.test_tiered_cache import same_bits
 from tools.valkey_servers import ValkeyServer
 
@@ -38,6 +38,7 @@ def raw_client(url: str):
 
 def tier(url: str, **kw) -> RemoteTier:
     kw.setdefault("timeout_s", 0.5)
+    kw.setdefault("secret", fleet())
     return RemoteTier(parse_remote_url(url), TINY, **kw)
 
 
