@@ -52,7 +52,8 @@ class Ours:
         self._tls = threading.local()     # a warm decompression buffer per decode thread
         self.url = parse_remote_url(url) if url else None
         extra = {} if connections is None else {"connections": connections}
-        self.remote = RemoteTier(self.url, layout, self.codec, secret=FleetSecret.random(), timeout_s=5.0,
+        self.secret = FleetSecret.random()        # the tier's seal; the limit frames with it too
+        self.remote = RemoteTier(self.url, layout, self.codec, secret=self.secret, timeout_s=5.0,
                                  **extra) if url else None
         self.client = make_client(self.url, 5.0) if url else None
         # The limit's sends run as the tier's do: as many at once, each on a thread of its own.
@@ -69,7 +70,7 @@ class Ours:
         # payload's coded frames are.
         probe = self.keys("probe")
         self.payloads = [self.codec.encode(b, payload_binding(k.hash, k.namespace)) for b, k in zip(blocks, probe)]
-        self.values = [pack_value(k, p, layout.nbytes) for k, p in zip(probe, self.payloads)]
+        self.values = [pack_value(k, p, layout.nbytes, self.secret) for k, p in zip(probe, self.payloads)]
         self.coded_spans = []
         for p in self.payloads:
             header, spans = self.codec.check_header(p), []
