@@ -27,16 +27,19 @@ class CacheEvents:
         first batch is AllBlocksCleared; then the blocks this process's own tiers below already
         held (the disk's) are announced (BlockStored DISK) by a thread reading them: a router
         learns what a restarted server can serve."""
-        from storage.kv_events.publisher import KVEventPublisher   # zmq, msgspec: only when on
+        from storage.kv_events.access import prepare                # zmq, msgspec: only when on
+        from storage.kv_events.publisher import KVEventPublisher
         c = self.config
-        sink = EventSink()
+        sink, access = EventSink(), prepare(c)
         self.events_publisher = KVEventPublisher(sink, c.kv_events, c.kv_events_replay_endpoint,
-                                                 block_size=self.layout.block_size, topic=c.kv_events_topic,
-                                                 tokens=c.kv_events_tokens)
+                                                 block_size=self.layout.block_size, access=access,
+                                                 topic=c.kv_events_topic, tokens=c.kv_events_tokens,
+                                                 replay_s=c.kv_events_replay_s)
         with self._lock:
             self.tiers.publish_to(sink)
-        log.info("kv events: publishing on %s (replay %s)", self.events_publisher.endpoint,
-                 self.events_publisher.replay_endpoint)
+        p = self.events_publisher
+        log.info("kv events: publishing on %s (replay %s; %s)", p.endpoint, p.replay_endpoint,
+                 f"CURVE, {len(access.allowed)} subscriber key(s) allowed" if access.curve else "a private socket")
         if any(below.local for below in self.tiers.lower):
             self._announcer = threading.Thread(target=self._announce_held, args=(sink,),
                                                name="tieredkv-kv-events-announce", daemon=True)

@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 from dataclasses import dataclass, field
 
-from storage.kv_events.endpoints import check_endpoint, default_replay
+from storage.kv_events.endpoints import check_endpoint, curve_advice, default_replay, needs_curve
 from storage.remote.url import RemoteURL, parse_remote_url
 
 _UNITS = {
@@ -164,8 +164,15 @@ class CacheConfig:
     # The replay socket (a subscriber that sees a gap asks for the batches it missed); None: the
     # events' host at port + 1.
     kv_events_replay: str | None = None
-    kv_events_tokens: bool = True        # False: BlockStored's token_ids are left empty
+    # The events name every tenant's prefixes, so who may subscribe is the operator's list
+    # (storage/kv_events/access.py): a tcp:// endpoint takes CURVE keys -- the subscribers' public
+    # certificates (a NAME.key file, or a directory of them) and the server's secret certificate
+    # (made 0600 where absent) -- and an ipc:// socket binds in a directory other users cannot enter.
+    kv_events_allow_keys: str | None = None
+    kv_events_secret_file: str | None = None
+    kv_events_tokens: bool = False       # True: BlockStored carries the blocks' token ids (tenants' prompt text)
     kv_events_topic: str = ""            # the first frame of every batch (ZMQ subscription filter)
+    kv_events_replay_s: float = 300.0    # the replay buffer keeps no batch older than this (and 10,000 at most)
     # Parsed sizes in bytes; filled in by __post_init__.
     device_bytes: int = field(init=False, repr=False, compare=False)
     host_bytes: int = field(init=False, repr=False, compare=False)
@@ -233,6 +240,21 @@ class CacheConfig:
             check_endpoint(self.kv_events_replay, "kv_events_replay")
             if self.kv_events_replay == self.kv_events and not self.kv_events.endswith((":0", ":*")):
                 raise ValueError(f"kv_events_replay: must differ from kv_events ({self.kv_events})")
+        for name in ("kv_events_allow_keys", "kv_events_secret_file"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, (str, os.PathLike)) or not str(v)):
+                raise ValueError(f"{name}: expected a path or None, got {v!r}")
+        if (self.kv_events_allow_keys is None) != (self.kv_events_secret_file is None):
+            raise ValueError("kv_events_secret_file: CURVE takes both the subscribers' keys (kv_events_allow_keys) "
+                             "and the server's secret certificate (kv_events_secret_file, made where absent)")
+        if self.kv_events_allow_keys is not None and self.kv_events is None:
+            raise ValueError("kv_events_allow_keys: needs kv_events (the events' endpoint)")
+        for endpoint, name in ((self.kv_events, "kv_events"), (self.kv_events_replay_endpoint, "kv_events_replay")):
+            if endpoint is not None and needs_curve(endpoint) and self.kv_events_allow_keys is None:
+                raise ValueError(curve_advice(endpoint, name))
+        v = self.kv_events_replay_s
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 86400:
+            raise ValueError(f"kv_events_replay_s: expected seconds in (0, 86400], got {v!r}")
         if not isinstance(self.kv_events_tokens, bool):
             raise ValueError(f"kv_events_tokens: expected True or False, got {self.kv_events_tokens!r}")
         if not isinstance(self.kv_events_topic, str):

@@ -711,6 +711,50 @@ def test_route_is_listed_and_its_options_are_checked_before_it_binds() -> None:
                           "health_interval")
 
 
+def test_kv_events_keys_and_the_flags_that_take_them_are_checked_before_anything_loads(tmp_path: Path) -> None:
+    """`tieredkv kv-events-keys DIR` writes a router's keypair (the secret 0600); serve refuses a tcp
+    endpoint without subscribers' keys, an ipc socket others could reach, both token flags; route
+    refuses a key file that is not a secret certificate. Token ids are off unless asked for."""
+    import stat
+
+    from tieredkv.cli_serve import kv_events_options
+    keys = tmp_path / "keys"
+    r = tkv("kv-events-keys", str(keys))
+    assert r.returncode == 0 and "router.key_secret" in r.stderr, r.stderr
+    assert stat.S_IMODE((keys / "router.key_secret").stat().st_mode) == 0o600
+    assert stat.S_IMODE(keys.stat().st_mode) == 0o700
+    assert_one_line_error(tkv("kv-events-keys", str(keys)), 2, "router.key", "exists")
+    root = str(tmp_path / "srv")
+    assert_one_line_error(tkv("serve", "--cache-dir", root, "--kv-events", "tcp://127.0.0.1:0"), 2,
+                          "tcp://127.0.0.1:0", "any local user", "--kv-events-allow-keys", "kv-events-keys")
+    assert_one_line_error(tkv("serve", "--cache-dir", root, "--kv-events"), 2, "tcp://127.0.0.1:5557",
+                          "any local user")
+    (tmp_path / "open").mkdir(mode=0o777)
+    os.chmod(tmp_path / "open", 0o777)
+    assert_one_line_error(tkv("serve", "--cache-dir", root, "--kv-events", f"ipc://{tmp_path}/open/e.sock"), 2,
+                          "open to other users")
+    assert_one_line_error(tkv("serve", "--cache-dir", root, "--kv-events-tokens", "--kv-events-no-tokens"), 2,
+                          "--kv-events-tokens", "--kv-events-no-tokens")
+    assert_one_line_error(tkv("serve", "--cache-dir", root, "--kv-events-allow-keys", str(keys)), 2,
+                          "--kv-events-allow-keys", "needs --kv-events")
+    assert_one_line_error(tkv("serve", "--cache-dir", root, "--kv-events", "tcp://127.0.0.1:0",
+                              "--kv-events-allow-keys", str(tmp_path / "none")), 2, "kv_events_allow_keys", "none")
+    assert not os.path.exists(root)
+    assert_one_line_error(tkv("route", "--backend", "http://127.0.0.1:1", "--kv-events-key", str(keys / "router.key")),
+                          2, "--kv-events-key", "public key only")
+    # the flags as CacheConfig fields: tokens off by default, the server's secret under the cache root
+    opts = kv_events_options(tmp_path, "tcp://127.0.0.1:0", None, str(keys), None, False, False, 300.0)
+    assert opts["kv_events_tokens"] is False and opts["kv_events_secret_file"] == str(tmp_path / "kv-events" /
+                                                                                      "server.key_secret")
+    assert CacheConfig(disk_dir=None, **opts).kv_events_tokens is False
+    tokens = kv_events_options(tmp_path, "tcp://127.0.0.1:0", None, str(keys), None, True, False, 300.0)
+    no_tokens = kv_events_options(tmp_path, "tcp://127.0.0.1:0", None, str(keys), None, False, True, 300.0)
+    assert tokens["kv_events_tokens"] is True
+    assert no_tokens["kv_events_tokens"] is False       # --kv-events-no-tokens: the default, said aloud
+    ipc = kv_events_options(tmp_path, "ipc:///x/e.sock", None, None, None, False, False, 300.0)
+    assert ipc["kv_events_secret_file"] is None and ipc["kv_events_allow_keys"] is None
+
+
 def test_route_in_front_of_two_served_models_follows_the_prefix_and_exits_cleanly(tmp_path: Path,
                                                                                   tiny_model_dir: Path) -> None:
     procs: list[subprocess.Popen] = []
@@ -721,15 +765,20 @@ def test_route_in_front_of_two_served_models_follows_the_prefix_and_exits_cleanl
         procs.append(p)
         return p, Lines(p.stderr)
     try:
+        # The events take CURVE keys: the router's keypair made by `tieredkv kv-events-keys`, its
+        # public half allowed by both servers (each makes its own keypair under its cache dir).
+        assert tkv("kv-events-keys", str(tmp_path / "keys")).returncode == 0
         urls = []
         for name in ("a", "b"):
             p, lines = start("serve", "--model", str(tiny_model_dir), "--port", "0", "--cache-dir", str(tmp_path / name),
                              "--device-memory", "8MiB", "--host-memory", "8MiB", "--log-level", "warning",
-                             "--kv-events", "tcp://127.0.0.1:0")
+                             "--kv-events", "tcp://127.0.0.1:0", "--kv-events-allow-keys", str(tmp_path / "keys"))
             urls.append(lines.wait(r"serving \S+ on (http://127\.0\.0\.1:\d+)", p, 180)[1])
+        assert (tmp_path / "a" / "kv-events" / "server.key_secret").exists()
         # The router at its default log level: its health probes of the backends (every 2 s) must
         # not each log a line (httpx's INFO lines only come with --log-level debug).
-        router, lines = start("route", "--port", "0", "--backend", urls[0], "--backend", urls[1])
+        router, lines = start("route", "--port", "0", "--backend", urls[0], "--backend", urls[1],
+                              "--kv-events-key", str(tmp_path / "keys" / "router.key_secret"))
         url = lines.wait(r"routing on (http://127\.0\.0\.1:\d+) over 2 backends", router, 60)[1]
         health = httpx.get(f"{url}/health", timeout=30).json()
         assert health["backends_up"] == 2

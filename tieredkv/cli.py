@@ -89,6 +89,7 @@ def held_in_memory(billing: dict) -> str:
 
 app.command()(cli_serve.serve)
 app.command()(cli_serve.route)
+app.command("kv-events-keys")(cli_serve.kv_events_keys)
 
 
 # ---- demo --------------------------------------------------------------------------------

@@ -40,7 +40,7 @@ REFUSED = {
     "--flash-attn": "the attention backend is chosen at start (flex_paged on CUDA, gather_sdpa on CPU; "
                     "$TIEREDKV_ATTENTION picks one)",
     "--kv-events-config": "--kv-events [ENDPOINT] publishes vLLM's KV events (the config's endpoint); "
-                          "--kv-events-replay, --kv-events-no-tokens",
+                          "--kv-events-replay, --kv-events-tokens, --kv-events-allow-keys",
     "--mlock": "the host tier is pinned memory under CUDA already; weights are not locked",
 }
 

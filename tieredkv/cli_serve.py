@@ -1,4 +1,5 @@
-"""`tieredkv serve` and `tieredkv route`: the commands that run a server, and their options.
+"""`tieredkv serve` and `tieredkv route`: the commands that run a server, and their options; and
+`tieredkv kv-events-keys`, the keypair a router subscribes to a server's KV events with.
 
 Knows: the options of both, the names vLLM and llama-server users reach for (`-m`, `-c`,
 `--max-num-seqs`, `--api-key`, ...; what each becomes is in tieredkv/cli_flags.py), binding the
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import os
 import socket
+from pathlib import Path
 from typing import Optional
 
 import typer
@@ -37,6 +39,27 @@ def bind_socket(host: str, port: int) -> socket.socket:
         sock.close()
         raise CLIError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     return sock
+
+
+def kv_events_options(root: Path, endpoint: str | None, replay: str | None, allow_keys: str | None,
+                      secret_file: str | None, tokens: bool, no_tokens: bool, replay_s: float) -> dict:
+    """serve's --kv-events* flags as CacheConfig fields: token ids only with --kv-events-tokens
+    (--kv-events-no-tokens is the default said aloud), the server's secret certificate under the
+    cache root unless given (only where keys are: ipc takes none)."""
+    if tokens and no_tokens:
+        raise CLIError("give one of --kv-events-tokens and --kv-events-no-tokens", code=2)
+    if endpoint is None:
+        for flag, given in (("--kv-events-replay", replay), ("--kv-events-allow-keys", allow_keys),
+                            ("--kv-events-secret-file", secret_file), ("--kv-events-tokens", tokens)):
+            if given:
+                raise CLIError(f"{flag}: needs --kv-events (the events' endpoint)", code=2)
+        return {}
+    if secret_file is not None and allow_keys is None:
+        raise CLIError("--kv-events-secret-file: needs --kv-events-allow-keys (the subscribers' public keys)", code=2)
+    if allow_keys is not None and secret_file is None:
+        secret_file = str(root / "kv-events" / "server.key_secret")
+    return dict(kv_events=endpoint, kv_events_replay=replay, kv_events_allow_keys=allow_keys,
+                kv_events_secret_file=secret_file, kv_events_tokens=tokens, kv_events_replay_s=replay_s)
 
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -122,13 +145,28 @@ def serve(
                                        "are billed from the tier that held them either way."),
     kv_events: Optional[str] = typer.Option(None, "--kv-events",
                                             help="Publish KV events (vLLM's format: ZMQ PUB, msgpack) on this "
-                                            "endpoint; alone: tcp://127.0.0.1:5557. Loopback unless you write "
-                                            "another host (tcp://*:5557: every interface); port 0: a free one. "
-                                            "GET /v1/cache/status names the bound endpoints."),
+                                            "endpoint; alone: tcp://127.0.0.1:5557. They name every tenant's "
+                                            "prompt prefixes: a tcp endpoint takes --kv-events-allow-keys (CURVE); "
+                                            "ipc:///DIR/events.sock needs none, DIR yours alone (made 0700). "
+                                            "Port 0: a free one. GET /v1/cache/status names the bound endpoints."),
     kv_events_replay: Optional[str] = typer.Option(None, help="The events' replay endpoint (default: the same "
-                                                   "host, port + 1)."),
+                                                   "host, port + 1; ipc: PATH.replay)."),
+    kv_events_allow_keys: Optional[str] = typer.Option(None, "--kv-events-allow-keys", metavar="FILE|DIR",
+                                                       help="The subscribers allowed (CURVE): a public certificate "
+                                                       "NAME.key, or a directory of them, as `tieredkv "
+                                                       "kv-events-keys` writes; read at start."),
+    kv_events_secret_file: Optional[str] = typer.Option(None, "--kv-events-secret-file", metavar="FILE",
+                                                        help="This server's CURVE secret certificate (default "
+                                                        "CACHE_DIR/kv-events/server.key_secret, made 0600 on first "
+                                                        "start; its public half beside it as server.key)."),
+    kv_events_tokens: bool = typer.Option(False, "--kv-events-tokens",
+                                          help="Put token ids (the tenants' prompt text) in BlockStored events, "
+                                          "for routers that hash tokens themselves (llm-d, Dynamo). Default: off."),
     kv_events_no_tokens: bool = typer.Option(False, "--kv-events-no-tokens",
-                                             help="Leave token ids out of BlockStored events."),
+                                             help="Token ids left out: the default; accepted as its explicit form."),
+    kv_events_replay_seconds: float = typer.Option(cache_default("kv_events_replay_s"), "--kv-events-replay-seconds",
+                                                   help="The replay buffer keeps no batch older than this (nor "
+                                                   "more than 10,000)."),
     enforce_eager: bool = typer.Option(False, "--enforce-eager",
                                        help="Run every step eagerly: no CUDA graphs for decode steps (as vLLM's "
                                        "flag; default on CUDA with flex_paged: one graph per batch bucket, "
@@ -209,9 +247,14 @@ def serve(
     tiers = dict(host_memory=host_memory, disk_dir=str(root / "kv")) if enable_prefix_caching else \
         dict(host_memory=0, disk_dir=None, prefix_caching=False)
     cache = CacheConfig(block_size=block_size, device_memory=device_memory, disk_capacity=disk_capacity,
-                        disk_reserve=disk_reserve, restore_policy=restore_policy, codec=codec, kv_events=kv_events,
-                        kv_events_replay=kv_events_replay, kv_events_tokens=not kv_events_no_tokens, **tiers,
+                        disk_reserve=disk_reserve, restore_policy=restore_policy, codec=codec, **tiers,
+                        **kv_events_options(root, kv_events, kv_events_replay, kv_events_allow_keys,
+                                            kv_events_secret_file, kv_events_tokens, kv_events_no_tokens,
+                                            kv_events_replay_seconds),
                         **remote_options(remote_url, remote_timeout, remote_ttl, remote_write, cache_secret_file, root))
+    if cache.kv_events is not None:
+        from storage.kv_events.access import prepare
+        prepare(cache)        # keys read (the server's made), ipc directories made: errors now, not after the load
     if cache.remote is not None:            # the fleet secret read (or made) before the model loads
         from storage.fleet_secret import SecretFileError, load_fleet_secret
         try:
@@ -316,11 +359,20 @@ def route(
     eject_cooldown: float = typer.Option(5.0, help="Seconds a server whose answers failed (garbage, a 5xx, a "
                                          "timeout) stays ejected before a probe completion may readmit it; "
                                          "doubled after each failed probe, up to 60."),
+    kv_events_key: Optional[str] = typer.Option(None, "--kv-events-key", metavar="FILE",
+                                                help="The router's CURVE secret certificate (NAME.key_secret from "
+                                                "`tieredkv kv-events-keys`), to subscribe to servers whose events "
+                                                "take keys (serve --kv-events-allow-keys NAME.key)."),
+    kv_events_server_key: Optional[list[str]] = typer.Option(None, "--kv-events-server-key", metavar="FILE|DIR",
+                                                              help="Subscribe only to servers whose key is among "
+                                                              "these public certificates (their server.key); "
+                                                              "default: each server's, as its status names it."),
     log_level: str = typer.Option("info", help="uvicorn log level."),
 ) -> None:
     """Route OpenAI requests over several servers: each to the one holding its prompt's prefix.
 
-    Subscribes to every backend's KV events (serve --kv-events), keeps an index of which server
+    Subscribes to every backend's KV events (serve --kv-events; a tcp endpoint takes the router's
+    key, --kv-events-key, which the servers allow), keeps an index of which server
     holds which block on which tier, and sends each request where its longest prefix is cached,
     weighed against the requests in flight there. Streams pass through; a dead backend gets no
     traffic; a request whose connection fails, or whose answer is garbage or a 5xx, before any
@@ -333,7 +385,8 @@ def route(
     settings = RouterSettings(backends=tuple(backend), host=host, port=port, api_key=api_key_of(api_key),
                               in_flight_tokens=in_flight_tokens, health_interval_s=health_interval,
                               prediction_ttl_s=prediction_ttl, eject_cooldown_s=eject_cooldown,
-                              eject_cooldown_max_s=max(60.0, eject_cooldown))
+                              eject_cooldown_max_s=max(60.0, eject_cooldown), kv_events_key=kv_events_key,
+                              kv_events_server_keys=tuple(kv_events_server_key or ()))
     sock = bind_socket(host, port)
     sock.listen(2048)
     bound = sock.getsockname()
@@ -344,3 +397,23 @@ def route(
     err.print(f"tieredkv: routing on http://{shown}:{bound[1]} over {len(settings.backends)} backend"
               f"{'s' if len(settings.backends) != 1 else ''}: {', '.join(settings.backends)}", soft_wrap=True)
     serve_router(settings, sock, log_level=log_level)
+
+
+# ---- kv-events-keys ----------------------------------------------------------------------
+
+@friendly
+def kv_events_keys(
+    directory: str = typer.Argument(..., metavar="DIR", help="Where to write them (made 0700 when absent)."),
+    name: str = typer.Option("router", help="The keypair's name: DIR/NAME.key and DIR/NAME.key_secret."),
+) -> None:
+    """Make a CURVE keypair for a KV-event subscriber (a router): NAME.key (public) and
+    NAME.key_secret (0600). The server allows the public one (serve --kv-events-allow-keys
+    DIR/NAME.key, or a directory of such files); the subscriber keeps the secret one (route
+    --kv-events-key DIR/NAME.key_secret). Never overwrites a key."""
+    from storage.kv_events.keys import write_keypair
+    try:
+        public, secret = write_keypair(directory, name)
+    except FileExistsError as e:
+        raise CLIError(str(e), code=2) from None
+    err.print(f"tieredkv: wrote {public} (public: give it to the servers, serve --kv-events-allow-keys) and "
+              f"{secret} (secret, 0600: the router's, route --kv-events-key)", soft_wrap=True)

@@ -1,8 +1,8 @@
 """Scale-out: 1, 2 and 4 `tieredkv serve` processes behind round-robin, behind `tieredkv route`, and
 behind the router with a shared remote tier; then, with 2+ servers, a backend SIGKILLed mid-run.
 
-Knows: how to start real servers (`tieredkv serve --port 0 --kv-events tcp://127.0.0.1:0`, each
-with its own empty cache dir;
+Knows: how to start real servers (`tieredkv serve --port 0 --kv-events ipc://DIR/kv-events/events.sock`,
+each with its own empty cache dir DIR, its events on a socket only this user can reach;
 with the remote tier also `--remote-url U --remote-write write_through`, so a block reaches the
 store as soon as it is computed), a valkey-server (tools/valkey_servers.py) and a router
 (`tieredkv route --port 0 --backend ...`) in front of each group; the workload; what to report.
@@ -108,7 +108,9 @@ class Server(Process):
         args = ["serve", "--port", "0", "--cache-dir", str(cache_dir), "--device-memory", "256MiB",
                 "--host-memory", "256MiB", "--log-level", "warning"]
         if kv_events:
-            args += ["--kv-events", "tcp://127.0.0.1:0"]      # a free port each; the router reads it from status
+            # A private ipc socket each (the router runs as the same user; tcp would take CURVE keys);
+            # the router reads it from the server's status.
+            args += ["--kv-events", f"ipc://{cache_dir}/kv-events/events.sock"]
         if model:
             args += ["--model", model]
         if remote_url:

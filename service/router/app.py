@@ -56,7 +56,9 @@ class Router:
                                    health_timeout_s=settings.health_timeout_s, api_key=settings.api_key,
                                    replay_timeout_s=settings.replay_timeout_s,
                                    eject_cooldown_s=settings.eject_cooldown_s,
-                                   eject_cooldown_max_s=settings.eject_cooldown_max_s)
+                                   eject_cooldown_max_s=settings.eject_cooldown_max_s,
+                                   curve_keypair=settings.curve_keypair,
+                                   pinned_server_keys=settings.pinned_server_keys)
         self.metrics = RouterMetrics(self.backends)
         self.proxy = Proxy(self.backends, self.index, Policy(settings.in_flight_tokens, settings.queue_weight, dict(settings.weights)),
                            self.metrics, self.client, hash_timeout_s=settings.hash_timeout_s)

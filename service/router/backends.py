@@ -10,7 +10,11 @@ does not report one came back after being down -- drops the backend's index entr
 are not the ones the router knew) and starts a fresh subscriber, which replays the new
 publisher's buffer from seq 0. The events endpoint comes from the backend's GET /v1/cache/status
 (`kv_events`; it needs an admin key where the backend has keys: `api_key`); a `*`/0.0.0.0 host
-there means the backend's own host. A backend without events is routed by predictions only.
+there means the backend's own host. Where that status names a `server_key` (the backend's
+sockets take CURVE), the subscriber connects with the router's keypair and that key -- unless the
+router has no keypair, or pins the backends' keys and this one is not among them: then the
+backend is routed by predictions only, said once. A backend without events is routed by
+predictions only.
 Doesn't know: routing (policy.py), proxying (proxy.py) or what an answer must look like (answers.py).
 NOTE: everything here runs on the event loop; counts need no lock.
 """
@@ -29,7 +33,8 @@ import zmq.asyncio
 from service.router import answers
 from service.router.ejection import Ejector
 from service.router.index import PrefixIndex
-from service.router.subscriber import EventSubscriber
+from service.router.subscriber import CurveClient, EventSubscriber
+from storage.kv_events.keys import CurveKeypair, check_key
 
 log = logging.getLogger("tieredkv.router")
 ANY_HOSTS = {"*", "0.0.0.0", "::", "[::]", ""}
@@ -98,7 +103,8 @@ class BackendSet:
     def __init__(self, urls: list[str], index: PrefixIndex, client: httpx.AsyncClient, *,
                  health_interval_s: float = 2.0, health_timeout_s: float = 5.0, api_key: str | None = None,
                  replay_timeout_s: float = 2.0, eject_cooldown_s: float = 5.0, eject_cooldown_max_s: float = 60.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, curve_keypair: CurveKeypair | None = None,
+                 pinned_server_keys: frozenset[bytes] = frozenset()) -> None:
         if not urls:
             raise ValueError("backends: give at least one backend URL")
         self.backends = [Backend(u.rstrip("/")) for u in urls]
@@ -110,6 +116,8 @@ class BackendSet:
         self.health_timeout_s = health_timeout_s
         self.api_key = api_key
         self.replay_timeout_s = replay_timeout_s
+        self.curve_keypair = curve_keypair
+        self.pinned_server_keys = pinned_server_keys
         self.ejector = Ejector(client, cooldown_s=eject_cooldown_s, max_cooldown_s=eject_cooldown_max_s,
                                timeout_s=health_timeout_s, api_key=api_key, clock=clock)
         self._zmq = zmq.asyncio.Context()
@@ -272,11 +280,38 @@ class BackendSet:
             b.warn_once("no-events", "router: backend %s publishes no KV events (serve --kv-events); routing it by "
                         "predictions only", b.url)
             return None
+        curve = self._curve(b)
+        if curve is False:
+            return None
         replay, topic = b.events.get("replay_endpoint"), b.events.get("topic")
         b.subscriber = EventSubscriber(b.name, connect_address(b.events["endpoint"], b.url),
                                        connect_address(replay, b.url) if isinstance(replay, str) and replay else None,
                                        topic if isinstance(topic, str) else "", self.index, self._zmq,
-                                       replay_timeout_s=self.replay_timeout_s)
+                                       replay_timeout_s=self.replay_timeout_s, curve=curve)
         b.subscriber.start()
-        log.info("router: backend %s: subscribed to its KV events at %s", b.url, b.subscriber.endpoint)
+        log.info("router: backend %s: subscribed to its KV events at %s%s", b.url, b.subscriber.endpoint,
+                 " (CURVE)" if curve else "")
         return None
+
+    def _curve(self, b: Backend) -> CurveClient | None | bool:
+        """How to subscribe to `b`: None (its sockets take no key), a CurveClient, or False (we
+        cannot: no keypair of ours, or its key is not one we pin; said once)."""
+        key = b.events.get("server_key") if b.events else None
+        if key is None:
+            return None
+        try:
+            server_key = check_key(key, "server_key")
+        except ValueError:
+            b.warn_once("bad-key", "router: backend %s: its status names a KV-event server_key that is not a "
+                        "CURVE key (%r); routing it by predictions only", b.url, key)
+            return False
+        if self.curve_keypair is None:
+            b.warn_once("no-key", "router: backend %s: its KV events take CURVE keys; give the router its key "
+                        "(--kv-events-key FILE, from `tieredkv kv-events-keys`) and the backend its public half "
+                        "(serve --kv-events-allow-keys); routing it by predictions only", b.url)
+            return False
+        if self.pinned_server_keys and server_key not in self.pinned_server_keys:
+            b.warn_once("unpinned", "router: backend %s: its KV-event key %s is not one --kv-events-server-key "
+                        "names; not subscribing (routing it by predictions only)", b.url, key)
+            return False
+        return CurveClient(self.curve_keypair, server_key)

@@ -1,6 +1,9 @@
 """RouterSettings: the knobs of `tieredkv route`, validated once.
 
-Knows: defaults and their reasons. Doesn't know: what uses them.
+Knows: defaults and their reasons; the KV-event keys read from their files here (a bad file fails
+the start, not a subscription): the router's keypair (`kv_events_key`, its secret certificate)
+and the backends' public keys it pins (`kv_events_server_keys`; none: each backend's own, as its
+/v1/cache/status names it). Doesn't know: what uses them.
 """
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from service.router.policy import DEFAULT_WEIGHTS
+from storage.kv_events.keys import CurveKeypair, read_keypair, read_public_keys
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20       # a backend's default limit: a bigger body would be refused there anyway
 
@@ -30,6 +34,12 @@ class RouterSettings:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     eject_cooldown_s: float = 5.0        # an ejected backend's first probe comes this long after (doubling per failed probe)
     eject_cooldown_max_s: float = 60.0
+    # KV events over tcp take CURVE keys: the router's secret certificate (`tieredkv kv-events-keys`
+    # writes it; the backends allow its public half), and optionally the backends' public keys.
+    kv_events_key: str | None = None
+    kv_events_server_keys: tuple[str, ...] = ()
+    curve_keypair: CurveKeypair | None = field(init=False, repr=False, compare=False)
+    pinned_server_keys: frozenset[bytes] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.backends:
@@ -48,3 +58,10 @@ class RouterSettings:
                 raise ValueError(f"{name}: expected > 0, got {getattr(self, name)}")
         if self.prediction_ttl_s < 0:
             raise ValueError(f"prediction_ttl_s: expected >= 0, got {self.prediction_ttl_s}")
+        object.__setattr__(self, "curve_keypair", None if self.kv_events_key is None
+                           else read_keypair(self.kv_events_key, "--kv-events-key"))
+        object.__setattr__(self, "pinned_server_keys", frozenset().union(
+            *(read_public_keys(f, "--kv-events-server-key") for f in self.kv_events_server_keys)))
+        if self.pinned_server_keys and self.curve_keypair is None:
+            raise ValueError("--kv-events-server-key: pins the backends' keys for a router with its own: give "
+                             "--kv-events-key too")

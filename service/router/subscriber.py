@@ -8,6 +8,9 @@ one past the last applied is a gap: the missed range is asked for on the replay 
 the publisher no longer buffers, or a replay that is not answered within `replay_timeout_s`, is
 counted as lost and skipped (the index is a hint: a block it wrongly thinks a backend holds costs
 one routing decision, never a failed request).
+Where the backend's sockets take CURVE keys (its status names a `server_key`), both of ours are
+CURVE clients with the router's keypair (`CurveClient`): a backend that does not allow it gives
+them no handshake, so nothing arrives (the sync's replay times out, counted as a failure).
 Doesn't know: when a backend restarted (backends.py sees a new instance, clears the backend's
 entries and starts a fresh subscriber) or what the index does with a batch.
 NOTE: runs on the event loop (zmq.asyncio), like everything that touches the index.
@@ -23,6 +26,7 @@ import zmq.asyncio
 
 from service.router.events import REPLAY_END, BadBatch, decode_batch, seq_bytes, seq_of
 from service.router.index import PrefixIndex
+from storage.kv_events.keys import CurveKeypair
 
 log = logging.getLogger("tieredkv.router")
 RCV_HWM = 100_000          # batches the SUB socket queues while a replay is under way
@@ -41,9 +45,23 @@ class SubscriberStats:
     running: int = 1        # 0 once the feed stopped for good (an error outside any one batch): /health, /metrics
 
 
+@dataclass(frozen=True)
+class CurveClient:
+    """The router's keypair and the backend's public key (Z85), for a backend whose sockets take CURVE."""
+    keypair: CurveKeypair
+    server_key: bytes
+
+    def secure(self, sock: zmq.asyncio.Socket) -> None:
+        """Make `sock` a CURVE client of the backend (before it connects)."""
+        sock.curve_secretkey = self.keypair.secret
+        sock.curve_publickey = self.keypair.public
+        sock.curve_serverkey = self.server_key
+
+
 class EventSubscriber:
     def __init__(self, backend: str, endpoint: str, replay_endpoint: str | None, topic: str,
-                 index: PrefixIndex, context: zmq.asyncio.Context, replay_timeout_s: float = 2.0) -> None:
+                 index: PrefixIndex, context: zmq.asyncio.Context, replay_timeout_s: float = 2.0,
+                 curve: CurveClient | None = None) -> None:
         self.backend = backend
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
@@ -51,6 +69,7 @@ class EventSubscriber:
         self.index = index
         self.context = context
         self.replay_timeout_s = replay_timeout_s
+        self.curve = curve
         self.last_seq = -1
         self.stats = SubscriberStats()
         self.synced = asyncio.Event()      # set once the first replay (or its failure) is done
@@ -70,8 +89,7 @@ class EventSubscriber:
             self._task = None
 
     async def _run(self) -> None:
-        sub = self.context.socket(zmq.SUB)
-        sub.setsockopt(zmq.LINGER, 0)
+        sub = self._socket(zmq.SUB)
         sub.setsockopt(zmq.RCVHWM, RCV_HWM)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic)
         sub.connect(self.endpoint)
@@ -110,6 +128,13 @@ class EventSubscriber:
                 self._dealer.close(linger=0)
                 self._dealer = None
 
+    def _socket(self, kind: int) -> zmq.asyncio.Socket:
+        sock = self.context.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        if self.curve is not None:
+            self.curve.secure(sock)
+        return sock
+
     def _apply(self, seq: int, payload: bytes) -> None:
         """Apply one batch. NOTE invariant: no batch stops the feed -- anything wrong with one is
         counted (`bad`), logged and skipped, and the next batch is read."""
@@ -136,8 +161,7 @@ class EventSubscriber:
         if self.replay_endpoint is None:
             return
         if self._dealer is None:
-            self._dealer = self.context.socket(zmq.DEALER)
-            self._dealer.setsockopt(zmq.LINGER, 0)
+            self._dealer = self._socket(zmq.DEALER)
             self._dealer.connect(self.replay_endpoint)
         self.stats.replays += 1
         try:
@@ -159,7 +183,9 @@ class EventSubscriber:
         except (asyncio.TimeoutError, BadBatch, zmq.ZMQError) as e:
             # NOTE: a late answer to this request must not be read as the next one's: a new socket.
             self.stats.replay_failures += 1
-            log.warning("kv events of %s: replay from %d failed (%s); that range is lost", self.backend, start,
-                        type(e).__name__)
+            log.warning("kv events of %s: replay from %d failed (%s); that range is lost%s", self.backend, start,
+                        type(e).__name__, "" if self.curve is None else
+                        f" (a backend that does not allow the router's key {self.curve.keypair.public.decode()} "
+                        "answers nothing: is it among its --kv-events-allow-keys?)")
             self._dealer.close(linger=0)
             self._dealer = None

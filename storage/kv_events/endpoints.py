@@ -4,7 +4,10 @@ Knows: ZMQ endpoint syntax as far as we accept it -- `tcp://HOST:PORT` (PORT a n
 for a free one; HOST a name, an address, `[v6]`, or `*` for every interface), `ipc://PATH`,
 `inproc://NAME` -- and the default: `tcp://127.0.0.1:5557` (loopback: the stream is an
 operator's component, like /metrics; `*` only when the operator writes it), its replay socket on
-the same host at port + 1. Doesn't know: sockets (storage/kv_events/publisher.py binds them).
+the same host at port + 1. And who an endpoint lets in by itself (`needs_curve`): a tcp port, or an
+abstract `ipc://@NAME`, anyone on the host can reach, so they take subscribers' keys (CURVE); an
+ipc PATH's directory and an inproc NAME keep strangers out without. Doesn't know: sockets or keys
+(storage/kv_events/access.py and publisher.py bind them).
 """
 from __future__ import annotations
 
@@ -41,3 +44,17 @@ def default_replay(endpoint: str) -> str:
     if endpoint.startswith("ipc://"):
         return endpoint + ".replay"
     return endpoint + "-replay"
+
+
+def needs_curve(endpoint: str) -> bool:
+    """Whether any local user could connect to `endpoint` without a key: tcp (every port on the
+    host, loopback too) and Linux's abstract ipc names (no file, so no permissions)."""
+    return endpoint.startswith(("tcp://", "ipc://@"))
+
+
+def curve_advice(endpoint: str, field_name: str) -> str:
+    """The error for `endpoint` without keys: why, and the two ways out."""
+    return (f"{field_name}: {endpoint} lets any local user subscribe, and the events name every tenant's "
+            f"prompt prefixes: give the subscribers' public keys (kv_events_allow_keys; serve "
+            f"--kv-events-allow-keys FILE|DIR, made by `tieredkv kv-events-keys DIR`), or publish on a private "
+            f"socket, ipc:///DIR/events.sock with DIR yours alone")

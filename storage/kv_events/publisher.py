@@ -1,13 +1,16 @@
 """The KV-event publisher: one thread that turns the sink's queue into numbered batches on a ZMQ
 PUB socket, and answers replay requests on a ZMQ ROUTER socket, as vLLM's ZmqEventPublisher does.
 
-Knows: the sockets (bound at construction; the endpoints actually bound, a free port resolved,
-are `endpoint` and `replay_endpoint`), batching (the events queued within `batch_s` of the first
-one, until `max_batch_events` blocks, become one KVEventBatch), turning queued items into wire
-events (a run of blocks that chain -- each the child of the one before -- in one medium is one
-BlockStored, as vLLM sends a request's new blocks; the root block's parent is None, not our
-namespace digest), the sequence number (0 for the first batch, +1 per batch), and the ring of the
-last `buffer_batches` payloads replay serves from.
+Knows: the sockets (bound at construction, as storage/kv_events/access.py allows: CURVE and its
+ZAP thread on a ZMQ context of the publisher's own, an ipc file closed to others; the endpoints
+actually bound, a free port resolved, are `endpoint` and `replay_endpoint`), batching (the events
+queued within `batch_s` of the first one, until `max_batch_events` blocks, become one
+KVEventBatch), turning queued items into wire events (a run of blocks that chain -- each the
+child of the one before -- in one medium is one BlockStored, as vLLM sends a request's new
+blocks; the root block's parent is None, not our namespace digest; token ids only where `tokens`),
+the sequence number (0 for the first batch, +1 per batch), and the ring replay serves from: the
+last `buffer_batches` payloads, none older than `replay_s` by `clock` (an old batch drops out as
+the next is sent or a replay is asked for).
 
 On the wire (vLLM's): a batch is the multipart [topic, seq (8 bytes big-endian), payload]. A
 replay request on the ROUTER socket is [client_id, b"", start_seq (8 bytes big-endian)]; the
@@ -26,11 +29,13 @@ import queue
 import threading
 import time
 from collections import deque
+from typing import Callable
 
 import msgspec
 import zmq
 
 from storage.hashing import BlockKey, root_hash
+from storage.kv_events.access import Access, Gate, bind
 from storage.kv_events.sink import EventSink
 from storage.kv_events.wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
@@ -43,16 +48,28 @@ _ROOTS_MAX = 4096       # namespaces whose root hash is remembered
 
 class KVEventPublisher:
     def __init__(self, sink: EventSink, endpoint: str, replay_endpoint: str, *, block_size: int,
-                 topic: str = "", tokens: bool = True, buffer_batches: int = 10_000, batch_s: float = 0.005,
+                 access: Access = Access(), topic: str = "", tokens: bool = False, buffer_batches: int = 10_000,
+                 replay_s: float = 300.0, clock: Callable[[], float] = time.monotonic, batch_s: float = 0.005,
                  max_batch_events: int = 4096, hwm: int = 100_000, context: zmq.Context | None = None) -> None:
+        access.check(endpoint, "kv_events")
+        access.check(replay_endpoint, "kv_events_replay")
+        if not replay_s > 0:
+            raise ValueError(f"replay_s: expected seconds > 0, got {replay_s!r}")
         self.sink = sink
         self.topic = topic
         self.tokens = tokens
         self.block_size = block_size
+        self.server_key = None if access.keypair is None else access.keypair.public.decode()
         self._topic = topic.encode()
         self._batch_s = batch_s
         self._max_events = max_batch_events
-        self._ctx = context or zmq.Context.instance()   # inproc:// endpoints need one context
+        self._replay_s = replay_s
+        self._clock = clock
+        # CURVE's ZAP handler belongs to a context: a publisher with keys has its own (one per
+        # publisher, whatever else this process runs); inproc:// endpoints need the shared one.
+        self._own_ctx = context is None and access.curve
+        self._ctx = context or (zmq.Context() if access.curve else zmq.Context.instance())
+        self._gate = Gate(self._ctx, access) if access.curve else None
         self._pub = self._ctx.socket(zmq.PUB)
         self._replay = self._ctx.socket(zmq.ROUTER)
         self._pub.setsockopt(zmq.LINGER, 1000)    # the last batches still go out after close
@@ -62,13 +79,17 @@ class KVEventPublisher:
         self._replay.setsockopt(zmq.SNDHWM, 2 * buffer_batches + 2)
         self._pub.setsockopt(zmq.SNDHWM, hwm)
         try:
-            self.endpoint = self._bind(self._pub, endpoint, "kv_events")
-            self.replay_endpoint = self._bind(self._replay, replay_endpoint, "kv_events_replay")
+            if self._gate is not None:
+                self._gate.secure(self._pub)
+                self._gate.secure(self._replay)
+            self.endpoint = bind(self._pub, endpoint, "kv_events")
+            self.replay_endpoint = bind(self._replay, replay_endpoint, "kv_events_replay")
         except BaseException:
-            self._pub.close()
-            self._replay.close()
+            self._pub.close(linger=0)
+            self._replay.close(linger=0)
+            self._release_context()
             raise
-        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_batches)
+        self._buffer: deque[tuple[int, float, bytes]] = deque(maxlen=buffer_batches)   # (seq, clock, payload)
         self._encoder = msgspec.msgpack.Encoder()
         self._roots: dict[bytes, bytes] = {}
         self.seq = -1            # the last batch's sequence number (-1: none sent yet)
@@ -79,23 +100,29 @@ class KVEventPublisher:
         self._thread = threading.Thread(target=self._run, name="tieredkv-kv-events", daemon=True)
         self._thread.start()
 
-    @staticmethod
-    def _bind(sock: zmq.Socket, endpoint: str, field_name: str) -> str:
-        try:
-            sock.bind(endpoint)
-        except zmq.ZMQError as e:
-            raise OSError(f"{field_name}: cannot bind {endpoint}: {e}") from None
-        return sock.getsockopt(zmq.LAST_ENDPOINT).decode()
-
     def status(self) -> dict:
+        """`server_key`: the CURVE public key a subscriber needs (Z85; None without keys)."""
         return {"enabled": True, "endpoint": self.endpoint, "replay_endpoint": self.replay_endpoint,
                 "topic": self.topic, "seq": self.seq, "published": self.published, "dropped": self.sink.dropped,
-                "tokens": self.tokens}
+                "tokens": self.tokens, "server_key": self.server_key, "replay_s": self._replay_s}
 
     def close(self, timeout: float = 5.0) -> None:
-        """Send what is queued, then close the sockets. Idempotent."""
+        """Send what is queued, then close the sockets (and the ZAP thread, and the context where
+        they are the publisher's own). Idempotent."""
         self._stop.set()
         self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.warning("kv events: the publisher did not stop within %.0f s; its sockets stay open", timeout)
+            return
+        self._release_context()
+
+    def _release_context(self) -> None:
+        if self._gate is not None:
+            self._gate.stop()
+            self._gate = None
+        if self._own_ctx:
+            self._own_ctx = False
+            self._ctx.term()        # waits for the PUB socket's linger: the last batches go out
 
     # ---- the publisher thread ----------------------------------------------------------------
     def _run(self) -> None:
@@ -142,7 +169,9 @@ class KVEventPublisher:
             self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK)
         except zmq.Again:
             pass       # no subscriber keeps up: it replays from the buffer
-        self._buffer.append((seq, payload))
+        now = self._clock()
+        self._expire(now)
+        self._buffer.append((seq, now, payload))
         self.seq = seq
         self.published += len(events)
 
@@ -154,10 +183,17 @@ class KVEventPublisher:
                 continue
             client, _, start = frames
             start_seq = int.from_bytes(start, "big")
-            for seq, payload in list(self._buffer):
+            self._expire(self._clock())
+            for seq, _, payload in list(self._buffer):
                 if seq >= start_seq:
                     self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
             self._replay.send_multipart((client, b"", END_SEQ, b""))
+
+    def _expire(self, now: float) -> None:
+        """Batches older than replay_s drop out of the ring (it holds history a subscriber may
+        ask for: bounded in time as well as count)."""
+        while self._buffer and self._buffer[0][1] < now - self._replay_s:
+            self._buffer.popleft()
 
     def _to_wire(self, items: list[tuple]) -> list:
         events: list = []

@@ -9,18 +9,20 @@ from engine.model import model_from_config
 from service.metrics import ServiceMetrics
 from storage.hashing import block_keys
 from tests.engine.conftest import random_prompt, tiny_llama_config
+from tests.kv_event_keys import events_options
 from tests.storage.test_kv_events import BlockStored, Subscriber, flat, held, wait_for
 from tieredkv import CacheConfig, Engine, SamplingParams
 
 
 def test_an_engine_publishes_its_prompts_blocks_and_says_where(tmp_path) -> None:
     cache = CacheConfig(block_size=4, device_memory="256KiB", host_memory="256KiB", disk_dir=str(tmp_path / "kv"),
-                        disk_capacity="64MiB", kv_events="tcp://127.0.0.1:0", kv_events_topic="kv@test")
+                        disk_capacity="64MiB", kv_events_topic="kv@test", kv_events_tokens=True, **events_options())
     engine = Engine(model_from_config(tiny_llama_config(), seed=0), cache)
     sub = None
     try:
         st = engine.cache_status()["kv_events"]
-        assert set(st) == {"enabled", "endpoint", "replay_endpoint", "topic", "seq", "published", "dropped", "tokens"}
+        assert set(st) == {"enabled", "endpoint", "replay_endpoint", "topic", "seq", "published", "dropped", "tokens",
+                           "server_key", "replay_s"}
         assert st["enabled"] is True and st["topic"] == "kv@test" and st["tokens"] is True and st["dropped"] == 0
         assert st["endpoint"].startswith("tcp://127.0.0.1:") and st["replay_endpoint"].startswith("tcp://127.0.0.1:")
         sub = Subscriber(st, "kv@test")

@@ -3,7 +3,9 @@ every tier transition, and a subscriber written here from vLLM's documented form
 msgspec structs, no vLLM import, nothing of storage/kv_events/wire.py on the decoding side --
 reads them: every medium as blocks move device -> host -> disk and back, removals on eviction,
 no gap in the sequence, replay of a missed range, tokens left out, the sink's bounded queue, the
-endpoints' defaults and validation. No timing asserts: polling with generous deadlines."""
+endpoints' defaults and validation. Over tcp, with CURVE keys (tests/kv_event_keys.py): a tcp
+endpoint takes them (who may subscribe: tests/storage/test_kv_events_access.py). No timing
+asserts: polling with generous deadlines."""
 from __future__ import annotations
 
 import os
@@ -18,10 +20,13 @@ import zmq
 
 from storage.config import CacheConfig
 from storage.hashing import BlockKey, block_keys
-from storage.kv_events.endpoints import DEFAULT_ENDPOINT, check_endpoint, default_replay
+from storage.kv_events.endpoints import DEFAULT_ENDPOINT, check_endpoint, default_replay, needs_curve
+from storage.kv_events.access import prepare
 from storage.kv_events.sink import EventSink, NO_EVENTS
 from storage.layout import BlockLayout
+from storage.kv_events.keys import CurveKeypair
 from storage.tiered_cache import TieredKVCache
+from tests.kv_event_keys import client_keypair, events_options
 from tests.storage.conftest import NS, TINY, keys
 from tests.storage.test_tiered_cache import fill
 
@@ -62,13 +67,29 @@ DECODER = msgspec.msgpack.Decoder(type=KVEventBatch)
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
-class Subscriber:
-    """A SUB socket on the events endpoint and a DEALER on the replay endpoint."""
+USE_SERVER_KEY = "the server's key, with the test client's keypair"
 
-    def __init__(self, status: dict, topic: str = "") -> None:
+
+def client_socket(kind: int, keypair: CurveKeypair | None, server_key: str | None) -> zmq.Socket:
+    """A socket of `kind`, a CURVE client of `server_key` with `keypair` (None: no key at all)."""
+    sock = zmq.Context.instance().socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    if keypair is not None:
+        sock.curve_secretkey, sock.curve_publickey = keypair.secret, keypair.public
+        sock.curve_serverkey = server_key.encode()
+    return sock
+
+
+class Subscriber:
+    """A SUB socket on the events endpoint and a DEALER on the replay endpoint; CURVE clients where
+    the server has a key (`keypair`: the test client's, another, or None for no key at all)."""
+
+    def __init__(self, status: dict, topic: str = "", keypair: CurveKeypair | None | str = USE_SERVER_KEY) -> None:
         self.ctx = zmq.Context.instance()
-        self.sub = self.ctx.socket(zmq.SUB)
-        self.sub.setsockopt(zmq.LINGER, 0)
+        self.keypair = (client_keypair() if status.get("server_key") else None) if keypair == USE_SERVER_KEY \
+            else keypair
+        self.server_key = status.get("server_key")
+        self.sub = client_socket(zmq.SUB, self.keypair, self.server_key)
         self.sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
         self.sub.connect(status["endpoint"])
         self.replay_endpoint = status["replay_endpoint"]
@@ -84,8 +105,7 @@ class Subscriber:
 
     def replay(self, start: int) -> list[tuple[int, bytes]]:
         """Every buffered batch from `start`, up to the end marker."""
-        dealer = self.ctx.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
+        dealer = client_socket(zmq.DEALER, self.keypair, self.server_key)
         dealer.connect(self.replay_endpoint)
         try:
             dealer.send_multipart([b"", start.to_bytes(8, "big")])
@@ -131,9 +151,12 @@ def wait_for(cond: Callable[[], bool], what: str, sub: Subscriber | None = None)
 
 
 def events_cache(path: Path | None, pages: int, host_slots: int, layout: BlockLayout = TINY, **kw) -> TieredKVCache:
+    """A cache publishing on `kv_events` (a free loopback port), over tcp with the test client's key allowed."""
+    endpoint = kw.pop("kv_events", "tcp://127.0.0.1:0")
+    events = events_options(endpoint) if endpoint is not None and needs_curve(endpoint) else {"kv_events": endpoint}
     config = CacheConfig(block_size=layout.block_size, device_memory=pages * layout.nbytes,
                          host_memory=host_slots * layout.nbytes, disk_dir=None if path is None else str(path),
-                         disk_capacity=64 << 20, kv_events=kw.pop("kv_events", "tcp://127.0.0.1:0"), **kw)
+                         disk_capacity=64 << 20, **events, **kw)
     return TieredKVCache(layout, config, num_pages=pages)
 
 
@@ -218,7 +241,7 @@ def truth(cache: TieredKVCache) -> dict[str, set[bytes]]:
 # ---- the tests ---------------------------------------------------------------------------
 
 def test_every_medium_as_blocks_move_down_the_tiers_and_back(tmp_path: Path, made) -> None:
-    cache, sub = start(made, tmp_path / "disk", 4, 2)
+    cache, sub = start(made, tmp_path / "disk", 4, 2, kv_events_tokens=True)
     ks = keys(8)
     cache.release(fill(cache, ks[:4]))           # GPU: k0..k3
     cache.release(fill(cache, ks[4:]))           # evicts k0..k3: host k2, k3; k0, k1 through it to disk
@@ -272,7 +295,7 @@ def test_every_medium_as_blocks_move_down_the_tiers_and_back(tmp_path: Path, mad
 
 
 def test_a_stored_event_carries_the_parent_and_the_tokens_of_its_chain(tmp_path: Path, made) -> None:
-    cache, sub = start(made, None, 8, 0)
+    cache, sub = start(made, None, 8, 0, kv_events_tokens=True)
     ks = keys(3)
     pages = cache.allocate(3)
     for p, k in zip(pages, ks):
@@ -291,7 +314,7 @@ def test_a_stored_event_carries_the_parent_and_the_tokens_of_its_chain(tmp_path:
 def test_raw_msgpack_layout_is_vllms(tmp_path: Path, made) -> None:
     """Without any struct: [ts, [["BlockStored", hashes, parent, tokens, block_size, lora_id, medium]], 0]:
     vLLM's EventBatch ends with `data_parallel_rank`, which its publisher fills in (0 for one server)."""
-    cache, sub = start(made, None, 4, 0, topic="kv")
+    cache, sub = start(made, None, 4, 0, topic="kv", kv_events_tokens=True)
     k = keys(1)[0]
     page = cache.allocate(1)[0]
     cache.register(page, k)
@@ -331,7 +354,8 @@ def test_replay_returns_exactly_the_missed_batches_then_the_end_marker(made) -> 
 def test_the_replay_ring_keeps_the_last_batches(made) -> None:
     from storage.kv_events.publisher import KVEventPublisher
     sink = EventSink()
-    pub = KVEventPublisher(sink, "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", block_size=4, buffer_batches=3)
+    pub = KVEventPublisher(sink, "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", block_size=4, buffer_batches=3,
+                           access=prepare(CacheConfig(disk_dir=None, **events_options())))
     try:
         wait_for(lambda: pub.seq == 0, "the clear")
         for k in keys(5):
@@ -349,15 +373,20 @@ def test_the_replay_ring_keeps_the_last_batches(made) -> None:
         pub.close()
 
 
-def test_tokens_off_gives_empty_token_ids(made) -> None:
-    cache, sub = start(made, None, 4, 0, kv_events_tokens=False)
+@pytest.mark.parametrize("tokens", [None, True])
+def test_token_ids_are_left_out_unless_asked_for(made, tokens: bool | None) -> None:
+    """A tenant's prompt text is not on the stream by default (kv_events_tokens=True puts it there)."""
+    cache, sub = start(made, None, 4, 0, **({} if tokens is None else {"kv_events_tokens": tokens}))
     pages = cache.allocate(2)
     for p, k in zip(pages, keys(2)):
         cache.register(p, k)
     stored = [e for b in settle(cache, sub) for e in b.events if isinstance(e, BlockStored)]
-    assert stored and all(e.token_ids == [] for e in stored)
     assert sum(len(e.block_hashes) for e in stored) == 2
-    assert cache.events_status()["tokens"] is False
+    if tokens:
+        assert [t for e in stored for t in e.token_ids] == [t for k in keys(2) for t in k.token_ids]
+    else:
+        assert stored and all(e.token_ids == [] for e in stored)
+    assert cache.events_status()["tokens"] is bool(tokens)
 
 
 def test_a_full_queue_drops_and_counts_and_never_blocks() -> None:
@@ -414,7 +443,9 @@ def test_the_endpoint_defaults_to_loopback_and_reports_what_it_bound(made) -> No
     st = cache.events_status()
     assert st["endpoint"].startswith("tcp://127.0.0.1:") and st["replay_endpoint"].startswith("tcp://127.0.0.1:")
     assert not st["endpoint"].endswith(":0") and st["endpoint"] != st["replay_endpoint"]
-    assert set(st) == {"enabled", "endpoint", "replay_endpoint", "topic", "seq", "published", "dropped", "tokens"}
+    assert set(st) == {"enabled", "endpoint", "replay_endpoint", "topic", "seq", "published", "dropped", "tokens",
+                       "server_key", "replay_s"}
+    assert len(st["server_key"]) == 40 and st["replay_s"] == 300.0
 
 
 def test_inproc_endpoints(made) -> None:
@@ -437,8 +468,11 @@ def test_inproc_endpoints(made) -> None:
     ("kv_events_replay", {"kv_events_replay": "tcp://127.0.0.1:5558"}),
     ("kv_events_replay", {"kv_events": "tcp://127.0.0.1:5557", "kv_events_replay": "tcp://:5558"}),
     ("kv_events_replay", {"kv_events": "tcp://127.0.0.1:5557", "kv_events_replay": "tcp://127.0.0.1:5557"}),
-    ("kv_events_tokens", {"kv_events": "tcp://127.0.0.1:5557", "kv_events_tokens": "no"}),
-    ("kv_events_topic", {"kv_events": "tcp://127.0.0.1:5557", "kv_events_topic": b"kv"}),
+    ("kv_events_tokens", {**events_options("tcp://127.0.0.1:5557"), "kv_events_tokens": "no"}),
+    ("kv_events_topic", {**events_options("tcp://127.0.0.1:5557"), "kv_events_topic": b"kv"}),
+    ("kv_events_replay_s", {**events_options("tcp://127.0.0.1:5557"), "kv_events_replay_s": 0}),
+    ("kv_events_secret_file", {**events_options("tcp://127.0.0.1:5557"), "kv_events_secret_file": None}),
+    ("kv_events_allow_keys", {"kv_events_allow_keys": "/k", "kv_events_secret_file": "/s"}),
 ])
 def test_bad_event_config_is_a_value_error_naming_the_field(field: str, kw: dict) -> None:
     with pytest.raises(ValueError, match=rf"^{field}:"):
@@ -449,7 +483,7 @@ def test_good_endpoints_pass() -> None:
     for ep in ("tcp://127.0.0.1:5557", "tcp://*:5557", "tcp://localhost:0", "tcp://[::1]:*", "ipc:///tmp/kv.sock",
                "inproc://kv"):
         assert check_endpoint(ep, "kv_events") == ep
-        CacheConfig(disk_dir=None, kv_events=ep)
+        CacheConfig(disk_dir=None, **events_options(ep))
 
 
 def test_a_taken_port_fails_the_cache_and_leaves_nothing_running(tmp_path: Path, made) -> None:
@@ -465,7 +499,7 @@ def test_a_restarted_cache_clears_then_announces_what_its_disk_holds(tmp_path: P
     first.release(fill(first, ks))
     assert first.flush(DEADLINE_S).complete
     first.close()
-    cache, sub = start(made, tmp_path / "disk", 4, 2)
+    cache, sub = start(made, tmp_path / "disk", 4, 2, kv_events_tokens=True)
     wait_for(lambda: cache._announcer is None or not cache._announcer.is_alive(), "the announcement")
     ev = flat(settle(cache, sub))
     assert ev[0] == ("cleared", None, b"")

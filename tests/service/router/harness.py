@@ -11,13 +11,15 @@ import uvicorn
 from service.router.app import create_router_app
 from service.router.settings import RouterSettings
 from storage.config import CacheConfig
+from tests.kv_event_keys import client_secret_file, events_options
 
 MODEL = "random:llama:seed0"       # what tests/service/tiny_engine.build_engine serves
 
 
 def events_kw() -> dict:
-    """CacheConfig options that turn KV events on (a free loopback port), where this tree has them."""
-    return {"kv_events": "tcp://127.0.0.1:0"} if "kv_events" in CacheConfig.__dataclass_fields__ else {}
+    """CacheConfig options that turn KV events on (a free loopback port, the test router's CURVE
+    key allowed: tests/kv_event_keys.py), where this tree has them."""
+    return events_options() if "kv_events" in CacheConfig.__dataclass_fields__ else {}
 
 
 class RouterThread:
@@ -27,7 +29,9 @@ class RouterThread:
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self._sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
-        self.app = create_router_app(RouterSettings(backends=tuple(backends), **{"health_interval_s": 0.5, **kw}))
+        # The router's CURVE key is the one the backends allow (events_kw), unless a test says otherwise.
+        kw = {"health_interval_s": 0.5, "kv_events_key": client_secret_file(), **kw}
+        self.app = create_router_app(RouterSettings(backends=tuple(backends), **kw))
         self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", lifespan="on"))
         self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]}, daemon=True)
 

@@ -7,6 +7,7 @@ draws requests there, and a restarted router rebuilds its index from replay alon
 """
 from __future__ import annotations
 
+import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -18,6 +19,8 @@ from service.settings import ServiceSettings
 from tests.service.conftest import ServerProcess, ServerThread, check_usage, sse_events, write_keys
 from tests.service.router.harness import MODEL, RouterThread, complete, events_kw, wait_for
 from tests.service.tiny_engine import BLOCK_SIZE, build_engine
+from tests.kv_event_keys import key_dir
+from storage.kv_events.keys import write_keypair
 
 EVENTS = bool(events_kw())
 needs_events = pytest.mark.skipif(not EVENTS, reason="this tree's servers publish no KV events yet (kv-events branch)")
@@ -208,3 +211,38 @@ def test_a_restarted_router_rebuilds_its_index_from_replay(backends) -> None:
                 if other != home:
                     assert complete(c, doc(f"noise-{other[-5:]}")).status_code == 200
             assert complete(c, prompt + " Two?").headers[BACKEND_HEADER] == home
+
+
+@needs_events
+def test_the_backends_events_reach_only_a_router_they_allow(backends, tmp_path) -> None:
+    """The backends' KV events take CURVE keys (issue 44): a router with the allowed key (every
+    router above) and one pinning the backends' own public key learn from them; one without a key,
+    with a stranger's, or pinning another server's key learns nothing and routes by predictions."""
+    a = backends[0]
+    prompt = doc("zeta", 10)
+    with a.client() as direct:
+        assert complete(direct, prompt + " Warm?").status_code == 200          # in a's replay buffer
+    stranger_public, stranger_secret = write_keypair(tmp_path, "stranger")
+    for kw in ({"kv_events_key": None}, {"kv_events_key": str(stranger_secret), "replay_timeout_s": 0.3},
+               {"kv_events_server_keys": (str(stranger_public),)}):
+        with RouterThread(a.url, prediction_ttl_s=0, **kw) as r:
+            if kw.get("kv_events_key", "") is None or "kv_events_server_keys" in kw:
+                assert r.backend_view(a.url)["events"] is None, kw               # not subscribed at all
+            else:                                                               # subscribed, refused
+                wait_for(lambda: r.backend_view(a.url)["events"]["replay_failures"] >= 1, what="the refusal")
+                assert r.backend_view(a.url)["events"]["last_seq"] == -1
+            assert r.backend_view(a.url)["healthy"] and r.backend_view(a.url)["index_blocks"] == 0, kw
+    with RouterThread(a.url, prediction_ttl_s=0, kv_events_server_keys=(str(key_dir() / "server.key"),)) as r:
+        wait_for(lambda: r.backend_view(a.url)["index_blocks"] > 0, what="the pinned backend's replay")
+
+
+@needs_events
+def test_a_backend_on_a_private_ipc_socket_feeds_a_router_of_its_user(tmp_path, tokenizer) -> None:
+    """No keys on either side: the socket file is in a directory only this user can enter."""
+    private = tempfile.mkdtemp(prefix="tkv-ipc-")                       # short: a socket path is <= 107 bytes
+    engine = build_engine(tmp_path / "a", tokenizer, kv_events=f"ipc://{private}/kv/events.sock")
+    with ServerThread(engine) as a, RouterThread(a.url, prediction_ttl_s=0, kv_events_key=None) as r:
+        with a.client() as direct:
+            assert complete(direct, doc("eta", 10)).status_code == 200
+        wait_for(lambda: r.backend_view(a.url)["index_blocks"] > 0, what="the ipc backend's events")
+        assert r.backend_view(a.url)["events"]["endpoint"] == f"ipc://{private}/kv/events.sock"

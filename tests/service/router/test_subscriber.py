@@ -192,3 +192,42 @@ def test_each_malformed_batch_is_a_bad_batch_never_another_error() -> None:
     for name, payload in malformed_batches().items():
         with pytest.raises(BadBatch):
             decode_batch(payload)
+
+
+def test_a_curve_backend_feeds_the_router_it_allows_and_no_other(tmp_path) -> None:
+    """The router's keypair (CurveClient) syncs and follows a backend whose sockets take CURVE;
+    without a key, or with one the backend does not allow, nothing reaches the index."""
+    from service.router.subscriber import CurveClient
+    from storage.kv_events.access import Access
+    from storage.kv_events.keys import read_keypair, server_keypair, write_keypair
+    from tests.kv_event_keys import client_keypair
+    server = server_keypair(tmp_path / "server.key_secret", "test")
+    stranger = read_keypair(write_keypair(tmp_path, "stranger")[1], "test")
+    pub = v.FakePublisher(access=Access(server, frozenset({client_keypair().public})))
+
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        pub.publish(v.encode([v.stored([H[0]], "GPU")]))                # history a replay serves
+        refused = []
+        for curve in (None, CurveClient(stranger, server.public)):
+            index = PrefixIndex(prediction_ttl_s=0)
+            sub = subscriber(pub, index, ctx, replay_timeout_s=0.5, curve=curve)
+            sub.start()
+            await asyncio.wait_for(sub.synced.wait(), 10)
+            refused.append((sub, index))
+        index = PrefixIndex(prediction_ttl_s=0)
+        allowed = subscriber(pub, index, ctx, curve=CurveClient(client_keypair(), server.public))
+        allowed.start()
+        await asyncio.wait_for(allowed.synced.wait(), 10)
+        assert allowed.stats.replayed == 1 and index.media(H[0]) == {"a": ["GPU"]}
+        await joined(pub, allowed)                                      # and live
+        for sub, idx in refused:
+            assert sub.stats.replay_failures == 1 and sub.stats.batches == 0 and sub.last_seq == -1
+            assert idx.blocks("a") == 0
+            await sub.stop()
+        await allowed.stop()
+        ctx.term()
+    try:
+        asyncio.run(main())
+    finally:
+        pub.close()

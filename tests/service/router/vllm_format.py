@@ -62,16 +62,24 @@ def removed(hashes: list[bytes], medium: str | None = "GPU") -> BlockRemoved:
 class FakePublisher:
     """vLLM's ZmqEventPublisher's protocol on loopback: PUB `[topic, seq, payload]` and a ROUTER
     replay socket answering `[b"", start]` with every buffered batch from start, then seq -1.
-    `publish(payload, send=False)` buffers a batch without sending it live (a gap)."""
+    `publish(payload, send=False)` buffers a batch without sending it live (a gap). With `access`
+    (storage/kv_events/access.py) both sockets are CURVE servers admitting its keys alone."""
 
-    def __init__(self, topic: str = "") -> None:
+    def __init__(self, topic: str = "", access=None) -> None:
         self.ctx = zmq.Context()
+        self.gate = None
+        if access is not None:
+            from storage.kv_events.access import Gate
+            self.gate = Gate(self.ctx, access)
         self.pub = self.ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 0)
-        port = self.pub.bind_to_random_port("tcp://127.0.0.1")
-        self.endpoint = f"tcp://127.0.0.1:{port}"
         self.replay = self.ctx.socket(zmq.ROUTER)
         self.replay.setsockopt(zmq.LINGER, 0)
+        if self.gate is not None:
+            self.gate.secure(self.pub)
+            self.gate.secure(self.replay)
+        port = self.pub.bind_to_random_port("tcp://127.0.0.1")
+        self.endpoint = f"tcp://127.0.0.1:{port}"
         rport = self.replay.bind_to_random_port("tcp://127.0.0.1")
         self.replay_endpoint = f"tcp://127.0.0.1:{rport}"
         self.topic = topic.encode()
@@ -112,4 +120,6 @@ class FakePublisher:
         self._thread.join(timeout=5)
         self.pub.close(linger=0)
         self.replay.close(linger=0)
+        if self.gate is not None:
+            self.gate.stop()
         self.ctx.term()
