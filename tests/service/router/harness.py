@@ -9,6 +9,7 @@ import httpx
 import uvicorn
 
 from service.router.app import create_router_app
+from service.router.server import router_config
 from service.router.settings import RouterSettings
 from storage.config import CacheConfig
 
@@ -27,8 +28,9 @@ class RouterThread:
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self._sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
-        self.app = create_router_app(RouterSettings(backends=tuple(backends), **{"health_interval_s": 0.5, **kw}))
-        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", lifespan="on"))
+        settings = RouterSettings(backends=tuple(backends), **{"health_interval_s": 0.5, **kw})
+        self.app = create_router_app(settings)
+        self.server = uvicorn.Server(router_config(self.app, settings, log_level="warning"))
         self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]}, daemon=True)
 
     @property
