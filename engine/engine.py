@@ -83,7 +83,7 @@ def decode_mode(decode_step: str, enforce_eager: bool, device, attention: str) -
 
 class Engine(StepLoop, RequestIntake):
     def __init__(self, loaded: LoadedModel, cache: CacheConfig | None = None, *, max_batch_tokens: int | None = None,
-                 max_seqs: int = 64, max_queue: int = 256, max_loading: int = 8,
+                 max_seqs: int = 64, max_queue: int = 4096, max_loading: int = 8,
                  decode_step_tokens: int | None = None, ledger_dir: str | None = None,
                  num_pages: int | None = None, prices: Prices | None = None, sync_debug: str | None = None,
                  attention: str | None = None, billing_failure: str = "serve",
@@ -101,6 +101,9 @@ class Engine(StepLoop, RequestIntake):
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.identity.name
         self.block_size = cache.block_size
+        # Prompts queued and not running (a batch's prompts each count): past it QueueFullError (the
+        # service's 429). 4096: two whole batches of the most prompts one HTTP request may carry
+        # (2,048, OpenAI's bound), so such a batch is never refused for its size.
         self.max_queue = max_queue
         self.max_seqs = max_seqs      # sequences in one batch (the service's per-tenant bound derives from it)
         # vLLM's engine seed: a sampled request without a seed of its own takes the next of a

@@ -118,7 +118,8 @@ class RequestIntake:
                 seq.outbox = _Tagged(shared, i)
         with self._inflight_lock:
             if self._inflight - len(self.scheduler.running) + len(seqs) > self.max_queue:
-                raise QueueFullError(f"engine queue is full ({self.max_queue} requests waiting); retry later")
+                raise QueueFullError(f"engine queue is full ({self.max_queue} prompts may wait, {len(seqs)} more "
+                                     "would pass it); retry later")
             self._inflight += len(seqs)
         if abort is not None:
             n = seqs[0].params.n

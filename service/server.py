@@ -7,7 +7,8 @@ requests (503) at once, uvicorn stops accepting connections and waits for the op
 running in the engine and closes the engine (cached blocks flushed to disk). A second SIGINT
 skips the waiting; the engine is still closed. serve() then returns normally (exit status 0):
 uvicorn's habit of re-raising the signal after a graceful stop is not wanted here.
-Each request is one line of the `tieredkv.requests` logger (service.request_log), so uvicorn's
+Every connection is read under service/read_limits.py's deadlines (`uvicorn_config`, which the
+tests' servers use too). Each request is one line of the `tieredkv.requests` logger (service.request_log), so uvicorn's
 access log is off unless asked for; the engine's close logs how many blocks it flushed.
 Doesn't know: how the engine is built (the CLI and the tests do that).
 """
@@ -23,6 +24,7 @@ import uvicorn
 
 from service.app import closed_line, create_app
 from service.context import AppContext
+from service.read_limits import ReadLimits, http_protocol
 from service.settings import ServiceSettings, is_loopback
 
 log = logging.getLogger("tieredkv.service")
@@ -49,6 +51,12 @@ def check_bind(host: str, settings: ServiceSettings) -> None:
                          "admin of every tenant. Pass an API keys file (--api-keys) or a key (--api-key), or bind 127.0.0.1")
 
 
+def uvicorn_config(app: Any, settings: ServiceSettings, **kw: Any) -> uvicorn.Config:
+    """uvicorn's config for the app: our h11 protocol with the settings' read limits."""
+    limits = ReadLimits(settings.header_timeout_s, settings.body_timeout_s, settings.max_body_bytes)
+    return uvicorn.Config(app, http=http_protocol(limits), lifespan="on", **kw)
+
+
 def serve(engine: Any, settings: ServiceSettings = ServiceSettings(), host: str | None = None,
           port: int | None = None, *, sock: socket.socket | None = None, log_level: str = "info",
           access_log: bool = False) -> None:
@@ -62,7 +70,7 @@ def serve(engine: Any, settings: ServiceSettings = ServiceSettings(), host: str 
     check_bind(host, settings)
     app = create_app(engine, settings)
     context: AppContext = app.state.tieredkv
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on", access_log=access_log,
+    config = uvicorn_config(app, settings, host=host, port=port, log_level=log_level, access_log=access_log,
                             timeout_graceful_shutdown=settings.shutdown_timeout_s)
     server = _Server(config, context)
     server.run(sockets=[sock] if sock is not None else None)

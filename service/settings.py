@@ -27,7 +27,9 @@ class ServiceSettings:
     # Tenants whose keys are admins whatever their role says.
     admin_tenants: tuple[str, ...] = ()
     # Generation requests admitted at once (running or waiting in the engine); more get 429.
-    # Each admitted request holds one worker thread, so this also sizes the service's pool.
+    # Each admitted request holds one worker thread, so this also sizes the service's pool. A
+    # batch of prompts is one request here; its prompts count one by one against the engine's
+    # queue (Engine(max_queue=4096): two whole batches of MAX_BATCH_PROMPTS), 429 past it.
     max_queue: int = 256
     # Generation requests one tenant may have admitted at once (running or waiting); more get 429
     # with Retry-After. None: three quarters of the engine's batch (max_seqs), at least 1 --
@@ -36,6 +38,11 @@ class ServiceSettings:
     # Seconds a non-streaming request may take, or a stream may wait for its next chunk; the
     # client then gets 504 and the engine's request is aborted (billed for what was sent). None: no limit.
     request_timeout_s: float | None = 600.0
+    # A slow client's bounds (service/read_limits.py): the request line and headers within
+    # header_timeout_s of the request's first byte; the body within body_timeout_s of the headers,
+    # plus a second per 64 KiB received. Past either: 408, the connection closed.
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
     # On SIGTERM/SIGINT: seconds to wait for in-flight requests before closing the engine.
     shutdown_timeout_s: float = 30.0
     # max_tokens when a chat request gives none (completions default to 16, as OpenAI's do).
@@ -80,6 +87,8 @@ class ServiceSettings:
             raise ValueError(f"max_inflight_per_tenant: expected an int >= 1 or None, got {self.max_inflight_per_tenant!r}")
         _positive(self.request_timeout_s, "request_timeout_s", allow_none=True)
         _positive(self.shutdown_timeout_s, "shutdown_timeout_s")
+        _positive(self.header_timeout_s, "header_timeout_s")
+        _positive(self.body_timeout_s, "body_timeout_s")
         if isinstance(self.default_chat_max_tokens, bool) or not isinstance(self.default_chat_max_tokens, int) \
                 or self.default_chat_max_tokens < 1:
             raise ValueError(f"default_chat_max_tokens: expected an int >= 1, got {self.default_chat_max_tokens!r}")

@@ -119,6 +119,11 @@ def serve(
     access_log: bool = typer.Option(False, "--access-log", help="Also uvicorn's access line per request (off: "
                                     "the tieredkv.requests line has the same and tokens, hits and TTFT)."),
     max_body: str = typer.Option("8MiB", help="Largest request body accepted (413 past it)."),
+    header_timeout: float = typer.Option(10.0, min=0.001, help="Seconds a request's line and headers may take "
+                                         "from its first byte; past it 408 and the connection closed."),
+    body_timeout: float = typer.Option(30.0, min=0.001, help="Seconds a request's body may take after its "
+                                       "headers, plus one per 64 KiB received (a trickle is cut, a big body "
+                                       "at 512 kbit/s or faster is not); past it 408 and the connection closed."),
     max_inflight_per_tenant: Optional[int] = typer.Option(None, min=1, help="Requests one tenant may have running "
                                                           "or queued; more get 429 with Retry-After (default: 3/4 "
                                                           "of the batch, 48, so others always find room)."),
@@ -275,7 +280,8 @@ def serve(
     settings = ServiceSettings(api_keys_file=api_keys, host=host, port=port, max_body_bytes=parse_size(max_body, "--max-body"),
                                protect_metrics=protect_metrics, unknown_fields="ignore" if lenient_fields else "reject",
                                served_model_name=served_model_name, max_inflight_per_tenant=max_inflight_per_tenant,
-                               api_keys=tuple(api_key or ()), log_probes=log_probes)
+                               api_keys=tuple(api_key or ()), log_probes=log_probes,
+                               header_timeout_s=header_timeout, body_timeout_s=body_timeout)
     check_bind(host, settings)
     ApiKeys.of(api_keys, settings.api_keys)      # bad keys fail now, not after the model loads
     template = read_chat_template(chat_template)
@@ -367,6 +373,10 @@ def route(
                                                               help="Subscribe only to servers whose key is among "
                                                               "these public certificates (their server.key); "
                                                               "default: each server's, as its status names it."),
+    header_timeout: float = typer.Option(10.0, min=0.001, help="Seconds a request's line and headers may take "
+                                         "from its first byte; past it 408 and the connection closed."),
+    body_timeout: float = typer.Option(30.0, min=0.001, help="Seconds a request's body may take after its "
+                                       "headers, plus one per 64 KiB received; past it 408."),
     log_level: str = typer.Option("info", help="uvicorn log level."),
 ) -> None:
     """Route OpenAI requests over several servers: each to the one holding its prompt's prefix.
@@ -386,7 +396,8 @@ def route(
                               in_flight_tokens=in_flight_tokens, health_interval_s=health_interval,
                               prediction_ttl_s=prediction_ttl, eject_cooldown_s=eject_cooldown,
                               eject_cooldown_max_s=max(60.0, eject_cooldown), kv_events_key=kv_events_key,
-                              kv_events_server_keys=tuple(kv_events_server_key or ()))
+                              kv_events_server_keys=tuple(kv_events_server_key or ()), header_timeout_s=header_timeout,
+                              body_timeout_s=body_timeout)
     sock = bind_socket(host, port)
     sock.listen(2048)
     bound = sock.getsockname()

@@ -15,7 +15,7 @@ One concept per file:
     metrics.py     /metrics of the router
     settings.py    RouterSettings: the knobs, validated
     app.py         the FastAPI app: routes, lifespan
-    server.py      uvicorn with a clean exit on SIGTERM
+    server.py      uvicorn with a clean exit on SIGTERM (its connections under service/read_limits.py)
 
 Knows: HTTP, ZMQ and the events' format; imports nothing of the engine (no torch).
 Doesn't know: how a backend computes block hashes -- it asks one (/v1/cache/block_hashes).

@@ -32,6 +32,8 @@ class RouterSettings:
     hash_timeout_s: float = 30.0
     replay_timeout_s: float = 2.0
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    header_timeout_s: float = 10.0       # a slow client's bounds, as a backend's (service/read_limits.py)
+    body_timeout_s: float = 30.0
     eject_cooldown_s: float = 5.0        # an ejected backend's first probe comes this long after (doubling per failed probe)
     eject_cooldown_max_s: float = 60.0
     # KV events over tcp take CURVE keys: the router's secret certificate (`tieredkv kv-events-keys`
@@ -53,7 +55,8 @@ class RouterSettings:
         if len(set(self.backends)) != len(self.backends):
             raise ValueError(f"--backend: a URL is given twice: {', '.join(self.backends)}")
         for name in ("health_interval_s", "health_timeout_s", "request_timeout_s", "hash_timeout_s",
-                     "replay_timeout_s", "eject_cooldown_s", "eject_cooldown_max_s"):
+                     "replay_timeout_s", "eject_cooldown_s", "eject_cooldown_max_s", "header_timeout_s",
+                     "body_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: expected > 0, got {getattr(self, name)}")
         if self.prediction_ttl_s < 0:

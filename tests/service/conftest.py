@@ -15,6 +15,7 @@ import pytest
 import uvicorn
 
 from service.app import create_app
+from service.server import uvicorn_config
 from service.settings import ServiceSettings
 from tests.service.tiny_engine import build_engine, default_tokenizer_dir, load_tokenizer
 
@@ -51,7 +52,8 @@ class ServerThread:
         self._sock.bind(("127.0.0.1", 0))
         self.port = self._sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", lifespan="on"))
+        # serve()'s config: its h11 protocol with the read limits (service/read_limits.py).
+        self.server = uvicorn.Server(uvicorn_config(self.app, settings, log_level="warning"))
         self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]}, daemon=True)
 
     def __enter__(self) -> "ServerThread":

@@ -133,7 +133,9 @@ def test_loopback_hosts_need_no_keys(host):
 @pytest.mark.parametrize("kwargs,field", [({"max_queue": 0}, "max_queue"), ({"request_timeout_s": 0}, "request_timeout_s"),
                                           ({"shutdown_timeout_s": -1}, "shutdown_timeout_s"), ({"port": 70000}, "port"),
                                           ({"admin_tenants": "root"}, "admin_tenants"),
-                                          ({"default_chat_max_tokens": 0}, "default_chat_max_tokens")])
+                                          ({"default_chat_max_tokens": 0}, "default_chat_max_tokens"),
+                                          ({"header_timeout_s": 0}, "header_timeout_s"),
+                                          ({"body_timeout_s": float("inf")}, "body_timeout_s")])
 def test_settings_validation(kwargs, field):
     with pytest.raises(ValueError, match=f"^{field}:"):
         ServiceSettings(**kwargs)

@@ -36,11 +36,12 @@ def tiny_config(vocab_size: int) -> LlamaConfig:
                        num_key_value_heads=2, vocab_size=vocab_size, max_position_embeddings=1024)
 
 
-def build_engine(cache_root: str | os.PathLike, tokenizer, *, seed: int = 0, max_queue: int = 256,
+def build_engine(cache_root: str | os.PathLike, tokenizer, *, seed: int = 0, max_queue: int | None = None,
                  device_memory: str = "1MiB", host_memory: str = "512KiB", **cache_kw) -> Engine:
     """KV cache under <cache_root>/kv and the ledger under <cache_root>/billing (the engine's default).
-    `cache_kw`: more CacheConfig fields (remote_url=..., for servers sharing a store)."""
+    `cache_kw`: more CacheConfig fields (remote_url=..., for servers sharing a store). max_queue
+    None: the engine's default."""
     loaded = model_from_config(tiny_config(len(tokenizer)), tokenizer=tokenizer, seed=seed)
     cache = CacheConfig(block_size=BLOCK_SIZE, device_memory=device_memory, host_memory=host_memory,
                         disk_dir=os.path.join(os.fspath(cache_root), "kv"), disk_capacity="64MiB", **cache_kw)
-    return Engine.from_loaded(loaded, cache, max_queue=max_queue)
+    return Engine.from_loaded(loaded, cache, **({} if max_queue is None else {"max_queue": max_queue}))

@@ -9,6 +9,7 @@ import httpx
 import uvicorn
 
 from service.router.app import create_router_app
+from service.router.server import router_config
 from service.router.settings import RouterSettings
 from storage.config import CacheConfig
 from tests.kv_event_keys import client_secret_file, events_options
@@ -31,8 +32,9 @@ class RouterThread:
         self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
         # The router's CURVE key is the one the backends allow (events_kw), unless a test says otherwise.
         kw = {"health_interval_s": 0.5, "kv_events_key": client_secret_file(), **kw}
-        self.app = create_router_app(RouterSettings(backends=tuple(backends), **kw))
-        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", lifespan="on"))
+        settings = RouterSettings(backends=tuple(backends), **kw)
+        self.app = create_router_app(settings)
+        self.server = uvicorn.Server(router_config(self.app, settings, log_level="warning"))
         self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]}, daemon=True)
 
     @property
