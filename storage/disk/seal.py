@@ -1,0 +1,72 @@
+"""A disk tier whose directory others can write: its payloads sealed under the fleet secret.
+
+Knows: when a cache directory is shared -- group or others may write it, or another user owns it
+(then anyone who can write it can write LMDB records we would serve) --, the sealed record
+(`key id (8) | seal (32) | codec payload`, the seal the fleet secret's keyed BLAKE3 of the block's
+hash || namespace and the payload: storage/fleet_secret.py), and how one is opened: the payload
+(a view, never a copy) when the seal holds, else why not. A store that was written unsealed, or
+sealed under another secret, reads as misses record by record (each deleted as damaged), never
+as KV.
+Doesn't know: LMDB, the writer or the reads (storage/disk/writer.py seals at commit,
+storage/disk/reads.py opens before it decodes), or the codec inside the payload.
+
+Cost: a keyed BLAKE3 pass over every payload written and read (~2.3 GB/s a core here), which is
+why a directory only this user can write is not sealed: there, whoever could forge a record could
+as well rewrite our code.
+"""
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from storage.fleet_secret import KEY_ID_SIZE, TAG_SIZE, FleetSecret
+
+SEAL_SIZE = KEY_ID_SIZE + TAG_SIZE     # bytes before the payload in a sealed record
+
+
+def shared_directory(path: str) -> str | None:
+    """Why the directory at `path` is shared -- others can write records into it -- or None."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None                    # not there yet: made 0700 by the tier
+    if st.st_uid != os.geteuid():
+        return f"owned by uid {st.st_uid}, not this process's {os.geteuid()}"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"mode {stat.S_IMODE(st.st_mode):04o} lets {'others' if st.st_mode & stat.S_IWOTH else 'its group'} write it"
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class DiskSeal:
+    """Seals and opens one store's records. Immutable: any thread."""
+    secret: FleetSecret
+
+    def parts(self, block_hash: bytes, namespace: bytes, payload: bytes | memoryview
+              ) -> tuple[bytes, bytes | memoryview]:
+        """The record's parts, in order: the seal's head, then the payload as given (joined by
+        the put: LMDB copies a value once whatever it is)."""
+        tag = self.secret.seal(block_hash + namespace, (payload,))
+        return self.secret.key_id + tag, payload
+
+    def record(self, block_hash: bytes, namespace: bytes, payload: bytes | memoryview) -> bytes:
+        return b"".join(self.parts(block_hash, namespace, payload))
+
+    def open(self, block_hash: bytes, namespace: bytes, stored: bytes | memoryview
+             ) -> tuple[memoryview | None, str | None]:
+        """(payload view, None) when the record's seal holds for this block, else (None, why)."""
+        mv = memoryview(stored)
+        if len(mv) < SEAL_SIZE:
+            return None, "sealed record too short"
+        if bytes(mv[:KEY_ID_SIZE]) != self.secret.key_id:
+            return None, "record not sealed under this fleet secret (written unsealed, or under another secret)"
+        if not self.secret.check(block_hash + namespace, mv[SEAL_SIZE:], mv[KEY_ID_SIZE:SEAL_SIZE]):
+            return None, "seal does not verify under the fleet secret (forged or damaged)"
+        return mv[SEAL_SIZE:], None
+
+
+def payloads_of(records: Sequence[bytes | memoryview]) -> list[memoryview]:
+    """The payloads inside sealed records, unchecked (for a record already opened)."""
+    return [memoryview(r)[SEAL_SIZE:] for r in records]
