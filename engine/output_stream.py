@@ -43,6 +43,7 @@ def take_token_text(seq: Sequence, token: int, eos_ids, tokenizer) -> str | None
             if found is not None:
                 i, stop = found
                 seq.text, reason = seq.text[:i + (len(stop) if p.include_stop_str_in_output else 0)], "stop"
+                seq.stop_string = stop
     if reason is None and (len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= seq.max_len):
         reason = "length"
     return reason
@@ -62,9 +63,11 @@ def emit(seq: Sequence, final: bool) -> None:
     ids = seq.output_ids[seq.sent_tokens:]
     if not final and not text and not ids:
         return
+    first = seq.sent_tokens == 0
     seq.sent_chars, seq.sent_tokens = max(seq.sent_chars, end), len(seq.output_ids)
     if not final:
-        seq.outbox.put(("delta", StreamChunk(seq.request_id, text, ids, index=seq.index,
+        hits = dict(seq.hit_tokens_by_tier) if first and seq.hit_tokens_by_tier is not None else None
+        seq.outbox.put(("delta", StreamChunk(seq.request_id, text, ids, index=seq.index, hit_tokens_by_tier=hits,
                                              **logprobs_of_last(seq, len(ids)))))
     else:
         seq.pending_final = (text, ids)
@@ -98,9 +101,10 @@ def completion_of(seq: Sequence, reason: str, with_text: bool) -> tuple[Completi
     out = CompletionOutput(seq.request_id, seq.text if with_text else "", list(seq.output_ids),
                            reason, usage, metrics, list(seq.prompt_ids),
                            seq.logprobs if seq.params.logprobs else None,
-                           seq.token_logprobs if seq.params.logprobs else None, index=seq.index)
+                           seq.token_logprobs if seq.params.logprobs else None, index=seq.index,
+                           stop_string=seq.stop_string)
     last = StreamChunk(seq.request_id, text, ids, reason, usage, metrics, index=seq.index,
-                       **logprobs_of_last(seq, len(ids)))
+                       stop_string=seq.stop_string, **logprobs_of_last(seq, len(ids)))
     return out, last
 
 

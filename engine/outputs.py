@@ -69,6 +69,9 @@ class CompletionOutput:
     # n > 1: which choice this is (0..n-1); its usage is the request's (the prompt once, every
     # choice's completion tokens summed), as OpenAI reports and bills it.
     index: int = 0
+    # The stop string (params.stop) that ended it; None when it ended otherwise (an end or stop
+    # token, its length, an abort): vLLM's `stop_reason` for strings.
+    stop_string: str | None = None
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,10 @@ class StreamChunk:
     logprobs: list[list[tuple[int, float]]] | None = None
     token_logprobs: list[float] | None = None
     index: int = 0           # the choice it belongs to (n > 1)
+    stop_string: str | None = None    # the last chunk's: the stop string that ended it (CompletionOutput's)
+    # A choice's first chunk: the prompt's hit tokens per tier as it is billed (decided at its
+    # admission), so a stream can say what its prompt cost before it ends; None on later chunks.
+    hit_tokens_by_tier: dict[str, int] | None = None
 
 
 @dataclass(frozen=True)

@@ -90,7 +90,8 @@ class RequestIntake:
         ids = self.encode(prompt)
         if params.seed is None and self.seeds is not None and not is_greedy(params):
             params = dataclasses.replace(params, seed=self.seeds.getrandbits(63))     # the engine's seed stream
-        seq = Sequence(request_id=f"{id_prefix}-{uuid.uuid4().hex[:24]}", prompt_ids=ids, params=params, tenant=tenant,
+        rid = f"{id_prefix}{'' if id_prefix.endswith('_') else '-'}{uuid.uuid4().hex[:24]}"   # "msg_": msg_<hex>
+        seq = Sequence(request_id=rid, prompt_ids=ids, params=params, tenant=tenant,
                        namespace=self.namespace(tenant), block_size=self.block_size,
                        max_len=min(self.max_context, len(ids) + params.max_tokens),
                        generator=make_generator(params, self.loaded.device),
@@ -107,8 +108,9 @@ class RequestIntake:
         refusing = self.billing.refusing(count=True) if self.billing is not None else None
         if refusing is not None:     # its bill would have nowhere to go: refused before any work
             raise BillingUnavailable(refusing)
-        if not (id_prefix.isascii() and id_prefix.isalnum()):
-            raise ValueError(f"id_prefix: expected letters and digits, got {id_prefix!r}")
+        bare = id_prefix.removesuffix("_")
+        if not (bare.isascii() and bare.isalnum()):
+            raise ValueError(f"id_prefix: expected letters and digits, and an optional trailing '_'; got {id_prefix!r}")
         if len(prompts) > max(1, self.max_queue):     # a batch that could never be queued whole
             raise ValueError(f"prompt: {len(prompts)} prompts in one call, more than the engine's queue holds "
                              f"(max_queue {self.max_queue})")
@@ -152,7 +154,8 @@ class RequestIntake:
         With params.n > 1 a prompt's output is the list of its n choices (index order), each
         carrying the request's usage (the prompt once, the choices' completions summed).
         `id_prefix`: each request's id is `<id_prefix>-<hex>` (the HTTP service's chat route asks
-        for "chatcmpl": the id its body carries is then the one its bill is recorded under)."""
+        for "chatcmpl": the id its body carries is then the one its bill is recorded under), or
+        `<id_prefix><hex>` for a prefix ending in "_" (the Messages route's "msg_")."""
         batch = is_batch(prompt)
         seqs = self._submit(prompt if batch else [prompt], params, tenant, abort, id_prefix=id_prefix)
         outs = [self._wait(seq) for seq in seqs]

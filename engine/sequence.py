@@ -74,6 +74,7 @@ class Sequence:
     sent_chars: int = 0                           # text already streamed
     sent_tokens: int = 0                          # token ids already streamed
     stop_floor: int = 0                           # text a stop string must end past (min_tokens' text)
+    stop_string: str | None = None                # the stop string that ended it (engine thread)
     logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     token_logprobs: list[float] = field(default_factory=list)   # the sampled token's, per output token
     pending_final: tuple[str, list[int]] = ("", [])  # the last chunk's text and ids

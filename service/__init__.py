@@ -1,5 +1,5 @@
-"""The HTTP service: OpenAI-compatible completions and chat, plus cache status, lookup, billing
-and flush routes, over one Engine. `create_app(engine, settings)` builds the FastAPI app;
+"""The HTTP service: OpenAI-compatible completions and chat, Anthropic's Messages API, plus cache
+status, lookup, billing and flush routes, over one Engine. `create_app(engine, settings)` builds the FastAPI app;
 `serve(engine, settings, host, port)` runs it under uvicorn with graceful shutdown.
 `service.router` is the prefix-aware front of several servers (`tieredkv route`).
 Knows HTTP; the engine knows nothing of it. Names are resolved lazily, so the router (which

@@ -24,7 +24,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service import cache_routes, dashboard, openai_routes, tokenize_routes
+from service import cache_routes, dashboard, messages_routes, openai_routes, tokenize_routes
 from service.auth import ApiKeys, require_admin
 from service.context import AppContext, ctx
 from service.dispatch import Dispatcher
@@ -84,6 +84,7 @@ def create_app(engine: Any, settings: ServiceSettings = ServiceSettings()) -> Fa
         return answer(request, exc)
 
     app.include_router(openai_routes.router)
+    app.include_router(messages_routes.router)
     app.include_router(cache_routes.router)
     app.include_router(dashboard.router)
     app.include_router(tokenize_routes.router)

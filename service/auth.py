@@ -1,7 +1,8 @@
 """Who is calling: an API key -> a tenant and a role, or, without keys, the `user` field.
 
 Knows: the keys file (`{"sk-...": {"tenant": "acme", "role": "admin" | "user"}}`) and the
-rules: with keys every request needs `Authorization: Bearer <key>` (401 without or unknown)
+rules: with keys every request needs `Authorization: Bearer <key>` (401 without or unknown;
+the Messages routes take Anthropic's `x-api-key: <key>` too)
 and its tenant comes from the key, never from the body; without keys (a loopback-only
 server) the tenant is the `user` field or "default" and every caller is an admin.
 Doesn't know: cache salts -- the engine derives a tenant's salt from its name, so a client
@@ -114,17 +115,34 @@ def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
 
 
-def resolve_caller(keys: ApiKeys | None, authorization: str | None, user: object = None) -> Caller:
-    """The tenant and role of a request. `user` (the OpenAI body field) names the tenant only
-    when the server has no keys; with keys it is just the client's end-user label."""
+def resolve_caller(keys: ApiKeys | None, authorization: str | None, user: object = None,
+                   user_field: str = "user") -> Caller:
+    """The tenant and role of a request. `user` (the OpenAI body field; Anthropic's
+    metadata.user_id, named by `user_field`) names the tenant only when the server has no keys;
+    with keys it is just the client's end-user label."""
     if keys is not None:
         return keys.caller(authorization)
     if user is None:
         return Caller(DEFAULT_TENANT, admin=True)
     try:
-        return Caller(check_tenant_name(user, "user"), admin=True)
+        return Caller(check_tenant_name(user, user_field), admin=True)
     except ValueError as e:
-        raise bad_request(str(e), param="user") from None
+        raise bad_request(str(e), param=user_field) from None
+
+
+def authorization_of(authorization: str | None, x_api_key: str | None) -> str | None:
+    """A request's credentials as an Authorization header's value: its own, or Anthropic's
+    `x-api-key: <key>` read as `Bearer <key>` (the same keys, the same tenants); 401 when both
+    are sent and name different keys."""
+    if x_api_key is None:
+        return authorization
+    key = x_api_key.strip()
+    if authorization is not None:
+        scheme, _, other = authorization.partition(" ")
+        if scheme.lower() != "bearer" or other.strip() != key:
+            raise APIError(401, "x-api-key and Authorization name different keys; send one of them",
+                           code="invalid_api_key")
+    return f"Bearer {key}" if key else None
 
 
 def require_admin(caller: Caller) -> None:

@@ -2,8 +2,8 @@
 
 Knows: how a route gets at them (`ctx(request)`) and the per-request checks every route
 repeats: who is calling, whether the named model is the one served (its served name or its
-own), and whether a prompt is small enough to be worth tokenizing; what a finished generation
-request reports (metrics, its log line).
+own), whether a prompt is small enough to be worth tokenizing and its max_tokens fits the context;
+what a finished or abandoned generation request reports (metrics, its log line, its answer).
 Doesn't know: any route's logic.
 """
 from __future__ import annotations
@@ -14,9 +14,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
+from fastapi.responses import Response
 
-from service.auth import ApiKeys, Caller, resolve_caller
-from service.dispatch import Dispatcher
+from engine.abort import TIMEOUT
+from service.auth import ApiKeys, Caller, authorization_of, resolve_caller
+from service.disconnect import ClientGone
+from service.dispatch import Abandoned, Dispatcher
 from service.errors import APIError, bad_request
 from service.hit_history import HitHistory
 from service.metrics import ServiceMetrics
@@ -46,13 +49,16 @@ class AppContext:
         """The name clients see: the served name when one is set, else the engine's."""
         return self.settings.served_model_name or self.engine.model_name
 
-    def authenticate(self, request: Request) -> None:
-        """With keys, a request without a valid one stops here (401), before its body is read."""
+    def authenticate(self, request: Request, x_api_key: bool = False) -> None:
+        """With keys, a request without a valid one stops here (401), before its body is read.
+        `x_api_key`: Anthropic's header is taken as well as Authorization (the Messages routes)."""
         if self.keys is not None:
-            self.keys.caller(request.headers.get("authorization"))
+            self.keys.caller(_authorization(request, x_api_key))
 
-    def caller(self, request: Request, user: object = None) -> Caller:
-        caller = resolve_caller(self.keys, request.headers.get("authorization"), user)
+    def caller(self, request: Request, user: object = None, x_api_key: bool = False,
+               user_field: str = "user") -> Caller:
+        header = _authorization(request, x_api_key) if self.keys is not None else None
+        caller = resolve_caller(self.keys, header, user, user_field)
         record(request).tenant = caller.tenant
         return caller
 
@@ -69,6 +75,17 @@ class AppContext:
         self.metrics.client_disconnects.labels(phase).inc()
         if why is not None:
             scope_record(scope).reason = why
+
+    def abandoned(self, request: Request, gone: Abandoned, out: Any, request_id: str | None) -> Response:
+        """A non-streamed request given up (dispatch.Abandoned; `out` its output once aborted, or
+        None): past its timeout a 504 (raised); its client gone, the 499 nobody reads (returned),
+        counted as a disconnect in the "queued" phase. Both logged and billed by aborted()."""
+        if gone.reason == TIMEOUT:
+            why = f"the request took longer than {self.settings.request_timeout_s:g}s"
+            raise APIError(504, self.aborted(request, out, why, request_id), code="timeout") from None
+        why = self.aborted(request, out, "the client disconnected before its response", request_id)
+        self.client_gone(request.scope, "queued")
+        return ClientGone("queued", why).response()
 
     def aborted(self, request: Request, out: Any, why: str, request_id: str | None = None) -> str:
         """A generation request abandoned (its client gone, or past its timeout), as its log line
@@ -114,6 +131,15 @@ class AppContext:
                 raise bad_request(f"{field}: more than {limit} bytes of UTF-8 text, the most this server tokenizes "
                                   f"({how}); shorten it", param=field)
 
+    def with_room(self, ids: list[int], max_tokens: int | None) -> list[int]:
+        """The prompt ids, after checking that an explicit max_tokens fits the context (400, as vLLM
+        does: never silently clamped). A default max_tokens is cut at the context's end instead."""
+        context = self.engine.max_context
+        if max_tokens is not None and len(ids) + max_tokens > context:
+            raise ValueError(f"max_tokens: the context is {context} tokens and the prompt takes {len(ids)}, "
+                             f"so at most {context - len(ids)} can be generated; {max_tokens} were asked for")
+        return ids
+
     def check_model(self, model: str) -> None:
         """404 unless `model` is the served name or the engine's own model name."""
         if model not in (self.model_name, self.engine.model_name):
@@ -123,3 +149,8 @@ class AppContext:
 
 def ctx(request: Request) -> AppContext:
     return request.app.state.tieredkv
+
+
+def _authorization(request: Request, x_api_key: bool) -> str | None:
+    headers = request.headers
+    return authorization_of(headers.get("authorization"), headers.get("x-api-key") if x_api_key else None)

@@ -1,4 +1,5 @@
-"""Errors as OpenAI writes them: `{"error": {"message", "type", "param", "code"}}`, for every failure.
+"""Errors as OpenAI writes them: `{"error": {"message", "type", "param", "code"}}`, for every failure
+(on the Messages routes, Anthropic's shape: service/messages_errors.py).
 
 Knows: which HTTP status and error type each failure gets, and the exception handlers that
 turn anything raised in a route -- ours, FastAPI's, Starlette's, or a bug -- into that body.
@@ -114,10 +115,18 @@ def validation_error(errors: list[dict]) -> APIError:
     return bad_request(f"{param or 'request body'}: {msg}", param=param or None)
 
 
+def shaped(path: str, err: APIError) -> APIError:
+    """The error as the clients of `path` read it: Anthropic's shape on the Messages routes
+    (service/messages_errors.py), OpenAI's everywhere else."""
+    from service.messages_errors import for_path       # lazily: that module builds on this one
+    return for_path(path, err)
+
+
 def answer(request: Request, err: APIError) -> JSONResponse:
-    """The error's response, its message noted for the request's log line."""
+    """The error's response (in the shape its route's clients read), its message noted for the
+    request's log line."""
     record(request).reason = err.message
-    return err.response()
+    return shaped(request.url.path, err).response()
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -174,8 +183,8 @@ class CatchAll(HTTPMiddleware):
             if self.on_disconnect is not None:
                 self.on_disconnect(scope)
             if not sent.started:
-                await APIError(499, "the client disconnected before its body was read",
-                               code="client_disconnected").response()(scope, receive, sent)
+                gone = APIError(499, "the client disconnected before its body was read", code="client_disconnected")
+                await shaped(scope.get("path", ""), gone).response()(scope, receive, sent)
         except Exception:
             self.log.exception("%sunhandled error in %s %s", self.log_prefix, scope.get("method"), scope.get("path"))
             if sent.started:
@@ -183,4 +192,4 @@ class CatchAll(HTTPMiddleware):
             err = APIError(500, f"internal {self.what} error", code="internal_error")
             if self.record_reason:
                 scope_record(scope).reason = err.message
-            await err.response()(scope, receive, send)
+            await shaped(scope.get("path", ""), err).response()(scope, receive, send)

@@ -15,9 +15,8 @@ Doesn't know: the cache routes, auth's keys file, or metric names.
 """
 from __future__ import annotations
 
-import asyncio
 import time
-from typing import Any, AsyncIterator, Callable, Iterator
+from typing import Any, AsyncIterator, Callable
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -26,8 +25,9 @@ from engine.abort import CLIENT_DISCONNECTED, TIMEOUT, AbortHandle
 from engine.request_intake import is_batch   # the engine's rule: the route and the engine split a batch alike
 from engine.sampling_params import SamplingParams
 from service.context import AppContext, ctx
-from service.disconnect import ClientGone, ClosingStreamingResponse, until_disconnected
+from service.disconnect import ClosingStreamingResponse, until_disconnected
 from service.dispatch import Abandoned
+from service.engine_stream import TokenGaps, delivered, first_chunk, timed
 from service.errors import APIError, from_engine_error
 from service.request_log import record
 from service.batch_prompts import UsageByRequest, as_one, flatten
@@ -57,7 +57,7 @@ async def completions(request: Request) -> Any:
     logprobs = _logprobs(engine, req, chat=False)
 
     def prompt_ids() -> Any:   # on a worker thread: tokenizing a long prompt is real work
-        ids = [_with_room(engine, engine.encode(p), req.requested_max_tokens) for p in prompts]
+        ids = [c.with_room(engine.encode(p), req.requested_max_tokens) for p in prompts]
         return ids if batch else ids[0]
     return await _generate(c, request, req, prompt_ids, params, tenant, logprobs, chat=False,
                            prompts=len(prompts) if batch else None)
@@ -77,7 +77,7 @@ async def chat_completions(request: Request) -> Any:
     logprobs = _logprobs(engine, req, chat=True)
 
     def prompt_ids() -> list[int]:
-        return _with_room(engine, engine.apply_chat_template(messages), req.requested_max_tokens)
+        return c.with_room(engine.apply_chat_template(messages), req.requested_max_tokens)
     # Streaming and non-streaming chat both run the template and then generate/stream, so the
     # two see the same prompt ids and give the same greedy text.
     return await _generate(c, request, req, prompt_ids, params, tenant, logprobs, chat=True)
@@ -94,8 +94,8 @@ async def _generate(c: AppContext, request: Request, req: Any, prompt_ids: Calla
     abort = AbortHandle()      # aborts the engine's request when its client goes or it times out
     if req.stream:
         gaps = TokenGaps()
-        return await _stream(c, request, lambda: _timed(c, engine.stream(prompt_ids(), params, tenant=tenant,
-                                                                         abort=abort, id_prefix=prefix), gaps),
+        return await _stream(c, request, lambda: timed(c, engine.stream(prompt_ids(), params, tenant=tenant,
+                                                                        abort=abort, id_prefix=prefix), gaps),
                              tenant, abort, chat=chat, include_usage=req.include_usage, logprobs=logprobs, gaps=gaps,
                              n=choices)
 
@@ -107,13 +107,7 @@ async def _generate(c: AppContext, request: Request, req: Any, prompt_ids: Calla
                                           gone=lambda: until_disconnected(request))
     except Abandoned as gone:
         out = _one(gone.result[0]) if gone.result is not None else None
-        rid = completion_id(out.request_id, chat) if out is not None else None
-        if gone.reason == TIMEOUT:
-            why = f"the request took longer than {c.settings.request_timeout_s:g}s"
-            raise APIError(504, c.aborted(request, out, why, rid), code="timeout") from None
-        why = c.aborted(request, out, "the client disconnected before its response", rid)
-        c.client_gone(request.scope, "queued")
-        return ClientGone("queued", why).response()
+        return c.abandoned(request, gone, out, completion_id(out.request_id, chat) if out is not None else None)
     # NOTE: one id per request: the body's `id`, x-request-id and the log line's id are the same string.
     first = _first(out)         # n > 1 or a batch: a list of the choices, each carrying the response's usage
     rid = completion_id(first.request_id, chat)
@@ -151,15 +145,6 @@ def _model_card(c: AppContext) -> dict[str, Any]:
             "max_model_len": c.engine.max_context}
 
 
-def _with_room(engine: Any, ids: list[int], max_tokens: int | None) -> list[int]:
-    """The prompt ids, after checking that an explicit max_tokens fits the context (400, as vLLM
-    does: never silently clamped). A default max_tokens is cut at the context's end instead."""
-    if max_tokens is not None and len(ids) + max_tokens > engine.max_context:
-        raise ValueError(f"max_tokens: the context is {engine.max_context} tokens and the prompt takes {len(ids)}, "
-                         f"so at most {engine.max_context - len(ids)} can be generated; {max_tokens} were asked for")
-    return ids
-
-
 def _logprobs(engine: Any, req: Any, chat: bool) -> Logprobs | None:
     n = req.top_logprobs_n
     return None if n is None else Logprobs(engine.tokenizer, n, chat=chat)
@@ -184,10 +169,10 @@ def _params(req: Any, default_max_tokens: int) -> Any:
 
 
 async def _stream(c: AppContext, request: Request, make_iter: Any, tenant: str, abort: AbortHandle, chat: bool,
-                  include_usage: bool, logprobs: Logprobs | None, gaps: "TokenGaps",
+                  include_usage: bool, logprobs: Logprobs | None, gaps: TokenGaps,
                   n: int = 1) -> StreamingResponse:
     events = await c.dispatcher.stream(make_iter, tenant=tenant, timeout=c.settings.request_timeout_s)
-    first = await _first_chunk(c, request, events, abort)    # errors before it raise here: real statuses
+    first = await first_chunk(c, request, events, abort)     # errors before it raise here: real statuses
     rid = completion_id(first.request_id, chat)
     record(request).request_id = rid
     writer = ChunkWriter(first.request_id, c.model_name, int(time.time()), chat=chat, include_usage=include_usage)
@@ -247,64 +232,3 @@ async def _stream(c: AppContext, request: Request, make_iter: Any, tenant: str, 
     return ClosingStreamingResponse(body(), media_type="text/event-stream",
                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
                                              "x-request-id": rid})
-
-
-def delivered(sent: list[int]) -> int | tuple[int, ...]:
-    """An abort's delivered tokens: one request's count, or one per choice (engine/abort.py)."""
-    return sent[0] if len(sent) == 1 else tuple(sent)
-
-
-class TokenGaps:
-    """A stream's inter-token intervals, as its chunks came from the engine. Written by the
-    stream's worker thread only, before it hands the chunk on; read by the event loop once it
-    has the last chunk (handed over after the last write)."""
-
-    def __init__(self) -> None:
-        self.intervals: list[float] = []
-        self._last: float | None = None
-
-    def chunk(self, tokens: int) -> None:
-        now = time.perf_counter()
-        if tokens and self._last is not None:
-            self.intervals.extend([(now - self._last) / tokens] * tokens)
-        if tokens:
-            self._last = now
-
-
-def _timed(c: AppContext, chunks: Iterator[Any], gaps: TokenGaps) -> Iterator[Any]:
-    """A stream's chunks, on its worker thread: each one's arrival noted (inter-token latency);
-    an aborted stream's bill (its last chunk, which nobody reads) is counted in the metrics here,
-    as a finished one's is when it is sent: once per engine request (n > 1: its choices' last
-    chunks all carry it; a batch: each prompt's request has its own)."""
-    counted: set[str] = set()
-    for chunk in chunks:
-        if getattr(chunk, "index", 0) == 0:   # n > 1: the first choice's gaps (the others interleave)
-            gaps.chunk(len(chunk.token_ids))
-        if chunk.finish_reason == "abort" and chunk.request_id not in counted:
-            counted.add(chunk.request_id)
-            c.metrics.observe_request(chunk.usage, None, "abort")
-        yield chunk
-
-
-async def _first_chunk(c: AppContext, request: Request, events: Any, abort: AbortHandle) -> Any:
-    """A stream's first chunk (it may wait in the queue); the request is aborted when the client
-    leaves meanwhile (a 499 nobody reads, for the log) or the wait times out (504)."""
-    first = asyncio.ensure_future(anext(events, None))
-    gone = asyncio.ensure_future(until_disconnected(request))
-    try:
-        await asyncio.wait({first, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-    if first.done():
-        try:
-            chunk = first.result()
-        except APIError as e:
-            if e.status == 504:
-                abort.abort(TIMEOUT, 0)
-            raise
-        if chunk is None:
-            raise APIError(500, "the engine's stream ended without output", code="internal_error")
-        return chunk
-    first.cancel()
-    abort.abort(CLIENT_DISCONNECTED, 0)
-    raise ClientGone("queued", "the client disconnected before the first chunk; aborted")

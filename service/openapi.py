@@ -4,7 +4,7 @@
 Knows: which route parses which body model (the routes read their bodies themselves, through
 service.body_parsing.parse_body, for OpenAI-shaped 400s, so FastAPI cannot see them), that a body is
 closed to unknown fields (`additionalProperties: false`) unless the app ignores them, and
-OpenAI's error body. /docs is drawn here, on the server, with no script and nothing fetched
+the error body: OpenAI's, Anthropic's on the Messages routes. /docs is drawn here, on the server, with no script and nothing fetched
 from elsewhere: FastAPI's own docs page loads Swagger UI from a CDN, so it is blank offline.
 Doesn't know: what the routes do.
 """
@@ -18,16 +18,23 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse
 
+from service.messages_errors import is_messages_path
+from service.messages_schemas import CountTokensRequest, MessagesRequest
 from service.schemas import (ChatRequest, CompletionRequest, DetokenizeRequest, FlushRequest, LookupRequest,
                              TokenizeRequest)
 
 BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatRequest,
           "/v1/cache/lookup": LookupRequest, "/v1/cache/block_hashes": LookupRequest,
-          "/v1/cache/flush": FlushRequest, "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
+          "/v1/cache/flush": FlushRequest, "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest,
+          "/v1/messages": MessagesRequest, "/v1/messages/count_tokens": CountTokensRequest}
 _ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
     "type": "object", "required": ["message", "type", "param", "code"],
     "properties": {"message": {"type": "string"}, "type": {"type": "string"},
                    "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
+# Anthropic's, on the Messages routes (service/messages_errors.py).
+_ANTHROPIC_ERROR = {"type": "object", "required": ["type", "error"], "properties": {
+    "type": {"const": "error"}, "error": {"type": "object", "required": ["type", "message"],
+                                          "properties": {"type": {"type": "string"}, "message": {"type": "string"}}}}}
 
 
 def install_openapi(app: FastAPI) -> None:
@@ -36,9 +43,11 @@ def install_openapi(app: FastAPI) -> None:
             return app.openapi_schema
         doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
         schemas = doc.setdefault("components", {}).setdefault("schemas", {})
-        schemas["Error"] = _ERROR
+        schemas["Error"], schemas["AnthropicError"] = _ERROR, _ANTHROPIC_ERROR
         error = {"description": "OpenAI-shaped error",
                  "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+        anthropic = {"description": "Anthropic-shaped error",
+                     "content": {"application/json": {"schema": {"$ref": "#/components/schemas/AnthropicError"}}}}
         lenient = getattr(app.state, "unknown_fields", "reject") == "ignore"
         for path, model in BODIES.items():
             schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
@@ -50,9 +59,10 @@ def install_openapi(app: FastAPI) -> None:
             op = doc["paths"][path]["post"]
             op["requestBody"] = {"required": path != "/v1/cache/flush", "content": {"application/json": {
                 "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
-        for methods in doc["paths"].values():
+        for path, methods in doc["paths"].items():
+            shape = anthropic if is_messages_path(path) else error
             for op in methods.values():
-                op.setdefault("responses", {}).update({"4XX": error, "5XX": error})
+                op.setdefault("responses", {}).update({"4XX": shape, "5XX": shape})
         app.openapi_schema = doc
         return doc
 
@@ -92,7 +102,8 @@ def docs_page(doc: dict[str, Any]) -> str:
 pre{{background:#f4f4f4;padding:.5em;overflow:auto}}h2{{margin-top:1.5em}}</style></head>
 <body><h1>{e(doc.get("info", {}).get("title", "API"))} API</h1>
 <p>The machine-readable document: <a href="/openapi.json">/openapi.json</a>. Errors are OpenAI-shaped:
-<code>{{"error": {{"message", "type", "param", "code"}}}}</code>.</p>
+<code>{{"error": {{"message", "type", "param", "code"}}}}</code> (on /v1/messages, Anthropic's:
+<code>{{"type": "error", "error": {{"type", "message"}}}}</code>).</p>
 <ul>{"".join(toc)}</ul>
 {"".join(sections)}
 </body></html>
