@@ -17,6 +17,7 @@ Doesn't know: generation, or how the engine computes a lookup.
 """
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -157,5 +158,5 @@ async def flush(request: Request) -> Any:
     if req.tier is None:
         result.update((await _tier_call(c.engine.flush, "flush")).to_dict())
     else:
-        await _engine_call(c.engine.drop_tier, req.tier)
+        await _tier_call(functools.partial(c.engine.drop_tier, req.tier), "flush")
     return {**result, "cache": await _tier_call(c.engine.cache_status, "cache status")}

@@ -92,6 +92,9 @@ class CacheConfig:
     # the last bytes the billing ledger and the rest of the machine need (storage/disk/writer.py
     # fit_to_space).
     disk_reserve: int | str = "256MiB"
+    # A storage call of the disk tier waiting on its filesystem longer than this (frozen, hung) makes
+    # the tier a miss, refusing writes, until the call returns (storage/disk/stall.py; issue 44).
+    disk_stall_s: float = 2.0
     # zstd level of each block's coded byte plane (sign + exponent, storage/codec/payload.py); on real
     # KV levels 1-4 code alike, higher ones are slower for ~0.5%, negative ones store it as is.
     zstd_level: int = 3
@@ -202,7 +205,7 @@ class CacheConfig:
         if not isinstance(self.isolate_tenants, bool):
             raise ValueError(f"isolate_tenants: expected True or False, got {self.isolate_tenants!r}")
         object.__setattr__(self, "remote", None if self.remote_url is None else parse_remote_url(self.remote_url))
-        for name in ("remote_timeout_s", "remote_retry_s"):
+        for name in ("remote_timeout_s", "remote_retry_s", "disk_stall_s"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 3600:
                 raise ValueError(f"{name}: expected seconds in (0, 3600], got {v!r}")

@@ -56,7 +56,7 @@ def wire(config: CacheConfig, layout: BlockLayout, disk: DiskTier | None = None,
     if disk is None and config.disk_path is not None:
         try:
             disk = DiskTier(config.disk_path, config.disk_bytes, Codec(config.zstd_level, kind),
-                            layout=layout, reserve_bytes=config.disk_reserve_bytes)
+                            layout=layout, reserve_bytes=config.disk_reserve_bytes, stall_s=config.disk_stall_s)
         except DiskUnavailable as e:
             # NOTE: a full filesystem (or a store that cannot be created) is a cache without its
             # disk tier, never a server that cannot start; status says why.

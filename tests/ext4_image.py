@@ -9,13 +9,19 @@ open files keep the old, aborted filesystem) and the image mounted again at the 
 new loop device (the journal replayed): the path now holds the filesystem, writable, as it was
 at its last commit; a process must open its files again to write (the ledger and the disk tier
 notice the directory changed and do).
+`freeze()` / `thaw()` (issue 44): `fsfreeze -f` -- every write, and every store into a shared map of
+a page the freeze wrote back, waits in the kernel until `fsfreeze -u`. A frozen filesystem left
+frozen hangs whatever touches it, so freeze() first starts a guard process that thaws it after
+`guard_s` whatever becomes of the test's process, and writes `thawed_by_guard` before it does (a
+test can tell a thaw it did not make); thaw() and cleanup() thaw and stop the guard.
 Needs root and loop devices: `Ext4Image.make` returns None with the reason otherwise, and the
-fixture (tests/conftest.py: `ext4`) skips the test with it.
+fixture (tests/conftest.py: `ext4`) skips the test with it (and fsfreeze where it freezes).
 """
 from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 from pathlib import Path
 
@@ -28,6 +34,8 @@ class Ext4Image:
     def __init__(self, image: Path, mnt: Path) -> None:
         self.image, self.path = image, mnt
         self.devices: list[str] = []
+        self.thawed_by_guard = image.parent / "thawed-by-guard"
+        self._guard: subprocess.Popen | None = None
 
     @classmethod
     def make(cls, where: Path, size: str = "64M") -> "Ext4Image | str":
@@ -70,7 +78,29 @@ class Ext4Image:
         why = self._mount()
         assert why is None, why
 
+    def freeze(self, guard_s: float = 120.0) -> None:
+        assert self._guard is None, "frozen already"
+        self._guard = subprocess.Popen(["sh", "-c", f'sleep {guard_s}; touch "{self.thawed_by_guard}"; '
+                                        f'fsfreeze -u "{self.path}"'], stdout=subprocess.DEVNULL,
+                                       stderr=subprocess.DEVNULL, start_new_session=True)
+        r = _run("fsfreeze", "-f", str(self.path))
+        if r.returncode != 0:
+            self.thaw()
+            raise AssertionError(f"fsfreeze -f {self.path} failed: {r.stderr}")
+
+    def thaw(self) -> None:
+        """Thaw (idempotent: a filesystem not frozen is left as it is) and stop the guard."""
+        _run("fsfreeze", "-u", str(self.path))
+        if self._guard is not None:
+            try:
+                os.killpg(self._guard.pid, signal.SIGKILL)     # the shell and its sleep
+            except ProcessLookupError:
+                pass
+            self._guard.wait()
+            self._guard = None
+
     def cleanup(self) -> None:
+        self.thaw()
         _run("umount", "-l", str(self.path))
         for dev in self.devices:
             _run("losetup", "-d", dev)     # detached now, or once the last open file on it closes

@@ -4,8 +4,8 @@ thread) goes through it, and the environment itself may be replaced only while n
 Knows: the gate every transaction goes through -- close(), the adoption of a map another process
 grew (LMDB's MAP_RESIZED) and the replacement of a damaged store wait until no transaction of this
 process is open, since buffers=True reads hold views into the map --, the check of the store's
-files before each transaction (storage/disk/liveness.py), and which errors it reports as damage
-(storage/disk/verdicts.py).
+files before each transaction (storage/disk/liveness.py), which errors it reports as damage
+(storage/disk/verdicts.py), and a filesystem that stops answering (issue 44, item 3: below).
 Doesn't know: how an environment is opened (storage/disk/environment.py), blocks or records.
 
 NOTE invariant (issues 17 and 28): an LMDB error is a verdict on the store, never a loop or a dead
@@ -15,11 +15,22 @@ error that is_damage() raised in one (at begin, inside, or at commit) is reporte
 `on_damage` once the transaction is closed, and the tier replaces the store
 (storage/disk/replacement.py). The caller still sees the error, and turns it into what it always
 does: a miss, or a batch retried on the fresh store.
+
+NOTE invariant (issue 44, item 3): no transaction holds the interpreter while the filesystem is
+frozen or hung. py-lmdb begins and ends read transactions (and runs reader_check) with the GIL held,
+and each stores into lock.mdb's map: each is preceded by a touch of those pages with the GIL
+released (storage/disk/lock_pages.py: on the reading thread, or for status on a thread of its own,
+bounded). A read that cannot end so is left open, and ended (and every ended one freed: py-lmdb's
+dealloc stores too) right after the next touch. Write transactions, whose begin (LMDB's writer mutex) and commit release the GIL, are
+taken one at a time through a Python lock, waited for only while the holder is not stalled
+(storage/disk/stall.py). While a stall lasts every transaction is refused at once (DiskStalled).
 """
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import sys
 import threading
 from typing import Callable, Iterator
 
@@ -27,8 +38,10 @@ import lmdb
 
 from storage.disk.environment import _ABANDONED, DiskUnavailable
 from storage.disk.liveness import StoreFiles
+from storage.disk.lock_pages import LockPages
 from storage.disk.map_faults import MapWatch
 from storage.disk.records import Databases, StoreDamaged
+from storage.disk.stall import DEFAULT_STALL_S, DiskStalled, StallWatch
 from storage.disk.verdicts import is_damage
 from storage.disk.write_switch import unwritable
 
@@ -37,6 +50,7 @@ __all__ = ["EnvGate"]
 log = logging.getLogger(__name__)
 
 _CHUNK = 512                     # keys per read transaction when iterating a whole database
+_KEPT: list = []                 # transactions never freed: their store's lock file never became writable again
 
 
 class EnvGate:
@@ -45,7 +59,7 @@ class EnvGate:
     only while no transaction is open -- so read `dbs` inside a transaction, never before it.
     A transaction must never open another one."""
 
-    def __init__(self, env: lmdb.Environment, dbs: Databases, path: str) -> None:
+    def __init__(self, env: lmdb.Environment, dbs: Databases, path: str, stall_s: float = DEFAULT_STALL_S) -> None:
         self._env = env
         self.dbs = dbs
         self._path = path
@@ -66,13 +80,23 @@ class EnvGate:
         # Called (error, generation) on the thread that saw a DAMAGE_ERRORS error, after its
         # transaction closed; the tier replaces the store. None: nothing is done (readonly).
         self.on_damage: Callable[[BaseException, int], None] | None = None
+        # Issue 44, item 3: the calls that may wait as long as a frozen filesystem does, watched
+        # (storage/disk/stall.py); this process's write transactions, one at a time; read
+        # transactions left open by a stall and ended ones not yet freed (guarded by _txns_lock:
+        # both ended and freed right after a touch of the lock file, its turn held).
+        self.stall = StallWatch(path, stall_s)
+        self._writes = threading.Lock()
+        self._txns_lock = threading.Lock()
+        self._left: list[lmdb.Transaction] = []
+        self._ended: list[lmdb.Transaction] = []
+        self.pages = LockPages(os.path.join(path, "lock.mdb"), self.stall, self._after_touch)
 
     @property
     def env(self) -> lmdb.Environment:
         return self._env
 
     @contextlib.contextmanager
-    def begin(self, **kw: object) -> Iterator[lmdb.Transaction]:
+    def begin(self, bounded: float | None = None, **kw: object) -> Iterator[lmdb.Transaction]:
         """Every transaction of this process (reads, deletes, the writer's commits) goes through
         here. close(), a map resize and a store replacement wait until none is open, since they
         unmap the file that buffers=True reads hold views into. A transaction must never open
@@ -80,7 +104,13 @@ class EnvGate:
 
         Another process may grow the map (it opened with a larger capacity): LMDB then refuses
         our next transaction with MAP_RESIZED until this process adopts the new size, which
-        is only safe while no transaction of ours is open (item 5 of issue 7)."""
+        is only safe while no transaction of ours is open (item 5 of issue 7).
+
+        A read's thread makes the lock file writable itself (storage/disk/lock_pages.py: on a
+        frozen filesystem the first one waits, GIL released, until the thaw; the others get
+        DiskStalled); `bounded`: never wait more than that many seconds (status: another thread
+        touches). A write waits for this process's other write while that one is not stalled."""
+        write = bool(kw.get("write"))
         for attempt in range(3):
             with self._cond:
                 while self._resizing:
@@ -92,21 +122,35 @@ class EnvGate:
                 self._in_txn += 1
                 generation = self.generation
             damage = None
+            locked = left_open = False
             try:
+                self.stall.check(reads=not write)
                 self.files.check()
                 self.maps.check()
+                if write:
+                    locked = self._lock_writes()
+                else:
+                    self._touch(bounded)
                 try:
-                    txn = self._env.begin(**kw)
+                    if write:
+                        with self.stall.op("write", "a write transaction's begin (LMDB's writer lock)"):
+                            txn = self._env.begin(**kw)
+                    else:
+                        txn = self._env.begin(**kw)
                 except lmdb.MapResizedError:
                     if attempt == 2:
                         raise
                     txn = None
                 if txn is not None:
-                    with txn:
+                    try:
                         yield txn
                         # NOTE: before a commit: a write that read zeros is aborted, a read's
                         # results are thrown away (the caller takes its miss).
                         self.maps.check()
+                    except BaseException:
+                        left_open = self._end(txn, write, False, bounded)
+                        raise
+                    left_open = self._end(txn, write, True, bounded)
                     self.maps.check()          # the commit's own reads (its free-page list)
                     return
             except Exception as e:
@@ -115,12 +159,73 @@ class EnvGate:
                 damage = self.maps.damage() or (e if is_damage(e) else None)
                 raise
             finally:
+                if locked:
+                    self._writes.release()
                 with self._cond:
-                    self._in_txn -= 1
+                    if not left_open:          # (one left open is counted until a touch ends it)
+                        self._in_txn -= 1
                     self._cond.notify_all()
                 if damage is not None:
                     self._report(damage, generation)
             self._guarded(self._adopt_map_size, generation)
+
+    def _lock_writes(self) -> bool:
+        """This process's write transactions one at a time, here rather than on LMDB's writer mutex
+        (waited for inside C, for as long as a frozen filesystem holds its owner's commit):
+        waited for while the holder is not stalled, else DiskStalled."""
+        while not self._writes.acquire(timeout=0.05):
+            self.stall.check()
+        return True
+
+    def _touch(self, bounded: float | None) -> None:
+        if bounded is None:
+            self.pages.touch_here(self.stall.stall_s)
+        else:
+            self.pages.touch(bounded)
+
+    def _end(self, txn: lmdb.Transaction, write: bool, commit: bool, bounded: float | None) -> bool:
+        """Commit or abort; True when a read was left open (its end would store into a lock file
+        the filesystem does not let become writable: the first touch after the thaw ends it)."""
+        if write:
+            if commit:
+                with self.stall.op("write", "a commit"):
+                    txn.commit()
+            else:
+                txn.abort()
+            return False
+        if not self.pages.active:
+            txn.abort()
+            return False
+        try:
+            self._touch(bounded)
+        except DiskStalled:
+            with self._txns_lock:
+                self._left.append(txn)
+            return True
+        txn.abort()      # a read's commit and abort are one: mdb_txn_reset (a store into the lock file)
+        with self._txns_lock:
+            self._ended.append(txn)
+        return False
+
+    def _after_touch(self) -> None:
+        """Right after a touch made the lock file writable (its turn held): the reads left open
+        are ended, and every ended read nobody else holds is freed (py-lmdb's dealloc resets or
+        aborts it: one more store into the lock file)."""
+        with self._txns_lock:
+            left, self._left = self._left, []
+            ended, self._ended = self._ended, []
+        _abort_all(left)
+        n = len(left)
+        ended.extend(left)
+        left.clear()
+        kept = _still_held(ended)
+        with self._txns_lock:
+            self._ended.extend(kept)
+        ended.clear()                     # NOTE: the frees, here
+        if n:
+            with self._cond:
+                self._in_txn -= n
+                self._cond.notify_all()
 
     def _guarded(self, fn: Callable[[], object], generation: int) -> object:
         """fn(); an error of it that is damage is reported (once it returned), then raised."""
@@ -158,6 +263,14 @@ class EnvGate:
     def check(self) -> None:
         """The writer's tick: the files checked outside any transaction; damage reported, raised."""
         self._checked(lambda: None)
+
+    def reader_check(self) -> int:
+        """LMDB's reader_check: dead processes' reader slots freed (it stores into the lock file
+        with the GIL held: the file is touched first)."""
+        def run() -> int:
+            self.pages.touch_here(self.stall.stall_s)
+            return self._env.reader_check()
+        return self._checked(run)
 
     def info(self) -> dict:
         """LMDB's env.info() (it reads the meta pages through the map), after the files' check."""
@@ -227,11 +340,8 @@ class EnvGate:
         try:
             if self.generation != generation or self._stopping or self._down is not None:
                 return False
+            self._retire(damaged)
             self.maps.close()
-            if damaged:
-                _ABANDONED.append(self._env)
-            else:
-                self._env.close()
             self.files.close()
             try:
                 self._env, self.dbs = reopen()
@@ -241,6 +351,7 @@ class EnvGate:
             self.generation += 1
             self.files = StoreFiles(self._path)
             self.maps = MapWatch(self._path)
+            self.pages = LockPages(os.path.join(self._path, "lock.mdb"), self.stall, self._after_touch)
             return True
         finally:
             self._release()
@@ -251,7 +362,7 @@ class EnvGate:
         pages against reuse)."""
         last = None
         while True:
-            with self.begin() as txn:
+            with self.begin(bounded=self.stall.stall_s) as txn:     # (an admin's listing: never held by a freeze)
                 cur = txn.cursor(db=getattr(self.dbs, name))
                 ok = cur.first() if last is None else cur.set_range(last + b"\x00")
                 rows = []
@@ -281,7 +392,47 @@ class EnvGate:
             self._cond.notify_all()
             while self._in_txn or self._resizing:
                 self._cond.wait()
-        self.maps.close()
         if self._down is None:          # a tier that went down abandoned its damaged environment
-            self._env.close()
+            self._retire(damaged=False)
+            self.maps.close()
             self.files.close()
+        else:
+            self.maps.close()
+            self.pages.close(0)
+
+    def _retire(self, damaged: bool) -> None:
+        """With no transaction open: the lock file touched a last time (the reads ended before it
+        freed), its touch thread stopped, and the environment closed right after -- or abandoned,
+        never unmapped, when damaged (see release()) or when its lock file cannot be made writable
+        now (closing stores into it, holding the GIL); the reads still held are then never freed.
+        NOTE: before the map's watch closes (a lock file truncated under us: the touch reads zeros,
+        storage/disk/map_faults.py); a damaged store's map is not touched at all."""
+        writable = False
+        if not damaged:
+            try:
+                self.pages.touch(self.stall.stall_s)
+                writable = True
+            except DiskStalled:
+                pass
+        stopped = self.pages.close(self.stall.stall_s if writable else 0.0)
+        if damaged or not writable or not stopped:
+            with self._txns_lock:
+                _KEPT.extend(self._ended)
+                self._ended = []
+            _ABANDONED.append(self._env)
+        else:
+            self._env.close()            # py-lmdb aborts the reads still held (stores, just after the touch)
+            with self._txns_lock:
+                self._ended = []
+
+
+def _still_held(txns: list) -> list:
+    """The transactions someone besides `txns` still refers to (a caller's variable): freed at a
+    later touch, not by whoever drops them last."""
+    # getrefcount sees: the list, the loop's name, its own argument.
+    return [t for t in txns if sys.getrefcount(t) > 3]
+
+
+def _abort_all(txns: list) -> None:
+    for t in txns:
+        t.abort()

@@ -10,7 +10,8 @@ Doesn't know: writes, eviction, opening or replacing a store (writer.py, environ
 replacement.py), or the other tiers.
 
 NOTE invariant: the read paths (get, get_many, read_ahead) never raise a storage error: an LMDB
-or OS error while reading is a miss, counted in `read_errors` and logged (issue 7, item 2).
+or OS error while reading is a miss, counted in `read_errors` and logged (issue 7, item 2); a
+stalled filesystem's (DiskStalled: storage/disk/stall.py) a miss at once, logged once by its watch.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import lmdb
 from storage.codec.stored_block import BlockMeta, verify_and_decode
 from storage.disk import map_faults
 from storage.disk.preflight import DamagedEnvironment
+from storage.disk.stall import DiskStalled
 from storage.disk.stats import DiskBlockInfo
 from storage.hashing import BlockKey
 from storage.pool_drain import drain_on
@@ -57,6 +59,9 @@ class DiskReads:
             raise ValueError(f"outs, payloads: expected {len(keys)} entries")
         try:
             return self._get_many(keys, outs, payloads)
+        except DiskStalled:
+            self._count(misses=len(keys))    # the filesystem is not answering: said once (storage/disk/stall.py)
+            return [None] * len(keys)
         except (lmdb.Error, OSError, DamagedEnvironment) as e:
             # Nothing was served: a decode writes only into `outs`, which the caller does not
             # use for a miss. The whole call is one miss per key.
@@ -166,6 +171,8 @@ class DiskReads:
                     if payload is not None:
                         bytes(payload[::4096])   # a byte of every 4 KiB page: each is read in
                         total += len(payload)
+        except DiskStalled:
+            pass
         except (lmdb.Error, OSError, DamagedEnvironment) as e:
             self._read_failed("read_ahead", e)
         return total

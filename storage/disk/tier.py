@@ -28,6 +28,9 @@ Store hits/misses/corrupt/evictions/bytes counters in `stats()` are this process
 NOTE invariant: the read paths (contains, get, get_many: storage/disk/reads.py) never raise a
 storage error: an LMDB or OS error while reading is a miss, counted in `read_errors` and logged.
 A cache that cannot read must cost a recompute, never a failed or hung request (issue 7, item 2).
+A filesystem that stops answering (frozen, hung: storage/disk/stall.py) is the same, without the
+wait: while a storage call has been in flight past `stall_s`, contains() is False, reads are misses,
+puts are refused (writes_off_drops) and stats() answers from memory (issue 44, item 3).
 """
 from __future__ import annotations
 
@@ -46,6 +49,7 @@ from storage.disk.gate import EnvGate
 from storage.disk.preflight import DamagedEnvironment
 from storage.disk.reads import DiskReads
 from storage.disk.replacement import MAX_REPLACEMENTS, StoreReplacement
+from storage.disk.stall import DEFAULT_STALL_S, DiskStalled
 from storage.codec.encode_process import encode_process_policy
 from storage.disk.stats import DiskBlockInfo, DiskStats, _Counters
 from storage.disk.pagewalk import check_pages
@@ -70,6 +74,7 @@ log = logging.getLogger(__name__)
 # ledger beside it, logs and the rest of the machine need it (issue 17: a full filesystem failed
 # every request, the ledger unable to commit while the KV store kept the disk full).
 DEFAULT_RESERVE_BYTES = 256 << 20
+_STATUS_WAIT_S = 0.5     # stats() waits at most this for the store's counters, then answers the last ones read
 
 
 class DiskTier(DiskReads, LowerTier):
@@ -84,12 +89,15 @@ class DiskTier(DiskReads, LowerTier):
     (default: os.cpu_count() each; zstd releases the GIL). encode_process: where the writer
     encodes -- "auto" ($TIEREDKV_ENCODE_PROCESS: "idle" unless "0" or "nice"), "idle" or "nice" (a child
     process at that priority, storage/codec/encode_process.py), None (the pool in this process).
+    stall_s: how long a storage call may wait on the filesystem before the tier counts as stalled
+    (storage/disk/stall.py).
     """
 
     def __init__(self, path: str, capacity_bytes: int, codec: Codec = Codec(), *, layout: BlockLayout | None = None,
                  map_size: int | None = None, queue_blocks: int = 256, batch_blocks: int = 32,
                  readonly: bool = False, decode_threads: int | None = None, encode_threads: int | None = None,
-                 reserve_bytes: int | None = DEFAULT_RESERVE_BYTES, encode_process: str | None = "auto") -> None:
+                 reserve_bytes: int | None = DEFAULT_RESERVE_BYTES, encode_process: str | None = "auto",
+                 stall_s: float = DEFAULT_STALL_S) -> None:
         for name, v in (("capacity_bytes", capacity_bytes), ("queue_blocks", queue_blocks),
                         ("batch_blocks", batch_blocks), ("map_size", map_size), ("decode_threads", decode_threads),
                         ("encode_threads", encode_threads)):
@@ -117,7 +125,7 @@ class DiskTier(DiskReads, LowerTier):
             # cannot write raises DiskUnavailable before LMDB maps anything (no tier, a server).
             opened = open_writable(self.path, self._map_size, capacity_bytes)
             env, dbs, hashes, recovered = opened.env, opened.dbs, opened.hashes, opened.recovered
-        self._gate = EnvGate(env, dbs, self.path)   # NOTE: every transaction goes through it
+        self._gate = EnvGate(env, dbs, self.path, stall_s)   # NOTE: every transaction goes through it
         self._begin = self._gate.begin
         self._closed = False
         self._stats_lock = threading.Lock()
@@ -139,6 +147,7 @@ class DiskTier(DiskReads, LowerTier):
         if not readonly:
             self._gate.on_damage = self._replacement.damaged
             self._writer.on_tick = self._replacement.tick
+            self._writer.on_info = self._committed
             self._writer.start()
 
     @property
@@ -195,8 +204,8 @@ class DiskTier(DiskReads, LowerTier):
         if self._gate.down is not None:
             self._writer.lost(1)             # the tier is off (stats().unavailable): a lost write, counted
             return False
-        if self._writer.writes_off is not None:
-            self._count(writes_off_drops=1)  # its directory takes no writes (stats().writes_off): not queued
+        if self._writer.writes_off is not None or self._gate.stall.reason() is not None:
+            self._count(writes_off_drops=1)  # its directory takes no writes, or stalls (stats().writes_off): not queued
             return False
         if block is not None:
             dtype_name(block.dtype)
@@ -245,6 +254,8 @@ class DiskTier(DiskReads, LowerTier):
         """Whether the block is pending or (as far as this process knows: storage/disk/index.py)
         stored. Reads no LMDB: answered from memory."""
         self._check_open()
+        if self._gate.stall.reason(reads=True) is not None:
+            return False                     # stalled: a read would be a miss (storage/disk/stall.py)
         return self._writer.is_pending(key.hash) or key.hash in self._index
 
     def delete(self, key: BlockKey) -> bool:
@@ -300,7 +311,7 @@ class DiskTier(DiskReads, LowerTier):
         self.close()
 
     def stats(self) -> DiskStats:
-        info, capacity = self._last_info if self._closed else self._read_info()
+        info, capacity = self._last_info if self._closed else self._read_info(_STATUS_WAIT_S)
         with self._stats_lock:
             c = _Counters(**{f: getattr(self._counters, f) for f in _Counters.__slots__})
         pending = self._writer.pending_count()
@@ -311,7 +322,8 @@ class DiskTier(DiskReads, LowerTier):
                          bytes_read=c.bytes_read, bytes_written=c.bytes_written, write_errors=c.write_errors,
                          read_errors=c.read_errors, pending_writes=pending, recovered=self.recovered,
                          queue_full_drops=c.queue_full_drops, moved_aside=c.moved_aside,
-                         writes_off=self._writer.writes_off, writes_off_drops=c.writes_off_drops,
+                         writes_off=self._writer.writes_off or self._gate.stall.reason(),
+                         writes_off_drops=c.writes_off_drops,
                          unavailable=self._gate.down, free_bytes=self._writer.space[0],
                          space_bound_bytes=self._writer.space[1], encode_process=self._writer.encode_process_stats())
 
@@ -367,18 +379,24 @@ class DiskTier(DiskReads, LowerTier):
     def _store_capacity(self) -> int:
         return self._read_info()[1]
 
-    def _read_info(self) -> tuple[StoreInfo, int]:
+    def _read_info(self, wait: float | None = None) -> tuple[StoreInfo, int]:
         """The store's counters and capacity; empty while the tier has no store, the last ones read
-        when this read fails (stats() never raises: /ready, /metrics and status read it; damage
-        found here is reported by the gate and the store replaced, as for any read)."""
+        when this read fails or the store does not answer within `wait` s (None: no bound but the
+        stall watch's) (stats() never raises nor waits on a stalled filesystem: /ready, /metrics and status read
+        it; damage found here is reported by the gate and the store replaced, as for any read)."""
         try:
-            with self._begin() as txn:
+            with self._begin(bounded=wait) as txn:
                 self._last_info = load_info(txn, self._dbs), load_capacity(txn, self._dbs) or self.capacity_bytes
+        except DiskStalled:
+            pass
         except DiskUnavailable:
             return StoreInfo(), self.capacity_bytes
         except Exception as e:      # noqa: BLE001 -- lmdb.Error, OSError, damage: a state, not a 500
             self._read_failed("reading its counters", e)
         return self._last_info
+
+    def _committed(self, info: StoreInfo, capacity: int) -> None:
+        self._last_info = info, capacity        # (the writer's thread: one assignment)
 
     def _delete_now(self, hashes: Iterable[bytes], recount: bool = False) -> int:
         """Delete blocks in a short write transaction of the calling thread. Returns how many."""

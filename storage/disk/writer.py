@@ -50,8 +50,9 @@ from storage.disk.batch_encoder import BatchEncoder, Encoding
 from storage.disk.gate import EnvGate
 from storage.disk.verdicts import is_damage, is_no_space
 from storage.disk.write_switch import WriteSwitch, stops_writes
-from storage.disk.records import load_capacity, load_info, lru_key, read_meta, store_info
+from storage.disk.records import StoreInfo, load_capacity, load_info, lru_key, read_meta, store_info
 from storage.disk.room import FreeSpace, evict_in_txn, make_room
+from storage.disk.stall import DiskStalled
 from storage.disk.index import DiskIndex
 from storage.disk.pending import PendingBlock
 from storage.codec.stored_block import BlockMeta
@@ -118,6 +119,8 @@ class DiskWriter(BackgroundWriter[_Batch]):
         # Called on the writer thread every few seconds (with the stale-reader check): the store's
         # files checked, a store another process moved aside followed (storage/disk/replacement.py).
         self.on_tick: Callable[[], None] | None = None
+        # After each commit (writer thread): the store's counters and capacity, for stats() (stall.py).
+        self.on_info: Callable[[StoreInfo, int], None] | None = None
         # The filesystem's free space (issue 17, item 2): the store never grows into the last
         # `reserve_bytes` of it. Writer thread only, but for `space` (read by stats()).
         self._room = FreeSpace(gate, capacity_bytes, reserve_bytes, map_size)
@@ -230,9 +233,10 @@ class DiskWriter(BackgroundWriter[_Batch]):
         if self.on_tick is not None:
             self.on_tick()
         try:
-            n = 0 if self._gate.down is not None else self._gate.env.reader_check()   # (an abandoned env: not)
-        except lmdb.Error as e:
-            log.warning("disk tier: reader_check failed: %s", e)
+            n = 0 if self._gate.down is not None else self._gate.reader_check()   # (an abandoned env: not)
+        except (lmdb.Error, OSError) as e:
+            if not isinstance(e, DiskStalled):          # (a stall is said once, by its watch)
+                log.warning("disk tier: reader_check failed: %s", e)
             return 0
         if n:
             log.warning("disk tier: cleared %d stale reader slot(s) of dead processes", n)
@@ -313,6 +317,9 @@ class DiskWriter(BackgroundWriter[_Batch]):
                 self.fit_to_space()
                 self._write_batch(encoded, touches)
                 return True
+            except DiskStalled:
+                self.lost(len(encoded))         # the filesystem is not answering: said once by the stall watch
+                return False
             except Exception as e:   # never let the writer die: the engine keeps running without disk writes
                 if attempt == 0 and is_damage(e):
                     # The gate has had the store replaced (storage/disk/environment.py): the batch's
@@ -375,7 +382,7 @@ class DiskWriter(BackgroundWriter[_Batch]):
         with self._begin(write=True) as txn:
             dbs = self._gate.dbs
             info = load_info(txn, dbs)
-            capacity = self._capacity_in(txn)
+            capacity = store_capacity = self._capacity_in(txn)
             if self._room.growth_left is not None:
                 # Bounded by free space: grow by at most most of what the file may still grow
                 # (page rounding and copy-on-write pages need the rest); MapFull catches the rest.
@@ -424,6 +431,8 @@ class DiskWriter(BackgroundWriter[_Batch]):
         self._index.add_keys(stored)    # BlockStored (DISK) for the new ones
         self._index.discard(evicted)
         self._count(bytes_written=written, evictions=len(evicted))
+        if self.on_info is not None:
+            self.on_info(info, store_capacity)
         if new and self.on_commit is not None:
             try:
                 self.on_commit(new)
