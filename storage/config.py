@@ -125,6 +125,10 @@ class CacheConfig:
     # block that does not verify is a miss, never served. Every server sharing a store must read the
     # same file. None: <cache root>/fleet.secret, made (0600) on first start.
     cache_secret_file: str | None = None
+    # Seal every disk block under the fleet secret too (storage/disk/seal.py): for a cache directory
+    # others can write (shared between users or containers), which is refused unsealed. Costs a
+    # keyed BLAKE3 pass per block written and read (~2.3 GB/s a core here).
+    seal_disk: bool = False
     # Every call to the store is bounded by this (connect and read). Short: a lookup waits for
     # it, and a slow store must cost less than recomputing (a 16-token block takes ~ms).
     remote_timeout_s: float = 0.5
@@ -202,6 +206,8 @@ class CacheConfig:
             raise ValueError(f"codec: expected one of {CODECS}, got {self.codec!r}")
         if self.write_policy not in WRITE_POLICIES:
             raise ValueError(f"write_policy: expected one of {WRITE_POLICIES}, got {self.write_policy!r}")
+        if not isinstance(self.seal_disk, bool):
+            raise ValueError(f"seal_disk: expected True or False, got {self.seal_disk!r}")
         if not isinstance(self.isolate_tenants, bool):
             raise ValueError(f"isolate_tenants: expected True or False, got {self.isolate_tenants!r}")
         object.__setattr__(self, "remote", None if self.remote_url is None else parse_remote_url(self.remote_url))

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from storage.codec.payload import Codec
 from storage.codec_choice import choose_for_disk
 from storage.config import CacheConfig
+from storage.disk.seal import DiskSeal
 from storage.disk.tier import DiskTier, DiskUnavailable
 from storage.layout import BlockLayout
 from storage.lower_tier import LowerTier
@@ -56,7 +57,9 @@ def wire(config: CacheConfig, layout: BlockLayout, disk: DiskTier | None = None,
     if disk is None and config.disk_path is not None:
         try:
             disk = DiskTier(config.disk_path, config.disk_bytes, Codec(config.zstd_level, kind),
-                            layout=layout, reserve_bytes=config.disk_reserve_bytes, stall_s=config.disk_stall_s)
+                            layout=layout, reserve_bytes=config.disk_reserve_bytes,
+                            stall_s=config.disk_stall_s,
+                            seal=DiskSeal(load_fleet_secret(config.cache_secret_file)) if config.seal_disk else None)
         except DiskUnavailable as e:
             # NOTE: a full filesystem (or a store that cannot be created) is a cache without its
             # disk tier, never a server that cannot start; status says why.

@@ -245,6 +245,27 @@ def test_verify_finds_damage_exits_1_and_repair_deletes_it(cache: dict, tmp_path
                                                             "store_repaired": []}
 
 
+def test_verify_of_a_sealed_disk_tier_checks_seals_with_its_secret_only(tmp_path: Path) -> None:
+    """serve --seal-disk's store (storage/disk/seal.py): verify needs the fleet secret and checks
+    each seal; without it, or on an unsealed store with one, a one-line error (exit 2)."""
+    from storage.disk.seal import DiskSeal
+    from storage.disk.tier import DiskTier
+    from storage.fleet_secret import load_fleet_secret
+    from tests.storage.conftest import block_data, keys
+    secret_file = tmp_path / "fleet.secret"
+    seal = DiskSeal(load_fleet_secret(str(secret_file)))
+    ks = keys(5, ns=os.urandom(32))
+    for name, sealed in (("sealed", seal), ("plain", None)):
+        with DiskTier(str(tmp_path / name / "kv"), 1 << 22, seal=sealed) as t:
+            assert all(t.put(k, block_data(k)) for k in ks) and t.drain(10)
+    sealed_root, plain_root = str(tmp_path / "sealed"), str(tmp_path / "plain")
+    assert_one_line_error(tkv("verify", "--cache-dir", sealed_root), 2, "sealed", "--cache-secret-file")
+    r = tkv("verify", "--cache-dir", sealed_root, "--cache-secret-file", str(secret_file))
+    assert r.returncode == 0 and "checked 5 blocks" in r.stdout and "0 damaged" in r.stdout, r.stdout + r.stderr
+    assert_one_line_error(tkv("verify", "--cache-dir", plain_root, "--cache-secret-file", str(secret_file)), 2,
+                          "not sealed")
+
+
 # ---- the real default model: serve + status/billing over HTTP, and the demo ------------------
 
 class Lines:

@@ -20,7 +20,7 @@ from rich.table import Table
 
 from tieredkv.cli_common import (CLIError, api_key_of, cache_root, err, existing_dir, friendly, get_json, micro, out,
                                  print_json, server_url, spinner)
-from tieredkv.cli_common import CACHE_HELP, cache_default
+from tieredkv.cli_common import CACHE_HELP, cache_default, disk_seal_of, open_disk_tier
 from tieredkv import cli_serve
 from tieredkv.cli_flags import translate
 from storage.config import format_size, parse_size
@@ -234,15 +234,6 @@ def status(
 
 # ---- inspect / verify --------------------------------------------------------------------
 
-def open_disk_tier(root: Path, readonly: bool) -> Any:
-    kv = existing_dir(root / "kv", "disk tier (kv/)")
-    if not (kv / "data.mdb").is_file():
-        raise CLIError(f"cache dir: {kv} holds no disk tier (no data.mdb)", code=2)
-    from storage.disk.tier import DiskTier
-    # Capacity is enforced only by writers; inspect/verify never add blocks.
-    return DiskTier(str(kv), parse_size(cache_default("disk_capacity")), readonly=readonly)
-
-
 @app.command()
 @friendly
 def inspect(
@@ -299,6 +290,8 @@ def verify(
     cache_dir: Optional[str] = typer.Option(None, help=CACHE_HELP),
     repair: bool = typer.Option(False, "--repair", help="Delete damaged blocks (a later request recomputes them)."),
     json_out: bool = typer.Option(False, "--json", help=JSON_HELP),
+    cache_secret_file: Optional[str] = typer.Option(None, help="A sealed disk tier's fleet secret "
+                                                    "(serve --seal-disk): each block's seal is checked first."),
 ) -> None:
     """Check the disk tier: its pages (every pointer, overflow header and free-page list), its
     counters and LRU index against a recount, and every block (checksum, full decode, hash chain).
@@ -322,9 +315,12 @@ def verify(
         out.print(f"damaged disk tier moved aside to {escape(aside)} ({escape(str(e))}); "
                   "a fresh tier starts at the next open")
         return
-    tier = open_disk_tier(root, readonly=not repair)
+    seal = disk_seal_of(root, cache_secret_file)
+    tier = open_disk_tier(root, readonly=not repair, seal=seal)
     try:
         report = tier.verify(repair=repair)
+    except ValueError as e:              # sealed, and no secret (or not its) given
+        raise CLIError(str(e), code=2) from None
     finally:
         tier.close()
     left = len(report.damaged) - report.repaired

@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import typer
 
-from storage.config import CacheConfig, default_cache_root
+from storage.config import CacheConfig, default_cache_root, parse_size
 from rich.console import Console
 
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -66,9 +66,9 @@ CACHE_HELP = "Cache root holding kv/ and billing/ (default $TIEREDKV_HOME or ~/.
 REMOTE_HELP = ("A Valkey/Redis store shared by every server, below disk: valkey://host:6379, "
                "rediss://:PASSWORD@host:6380 (TLS), valkey://h1:7000,h2:7001,h3:7002 or ?cluster=1 (a cluster) "
                "(default $TIEREDKV_REMOTE_URL; none: no remote tier).")
-SECRET_HELP = ("The fleet secret sealing every block in the remote store (keyed BLAKE3): a block that does not "
-               "verify is a miss, never served. Every server sharing the store must read the same file (mode "
-               "0600). Default: <cache dir>/fleet.secret, made on first start.")
+SECRET_HELP = ("The fleet secret sealing every block in the remote store, and on disk with --seal-disk (keyed "
+               "BLAKE3): a block that does not verify is a miss, never served. Every server sharing the store must "
+               "read the same file (mode 0600). Default: <cache dir>/fleet.secret, made on first start.")
 
 
 def command_name() -> str:
@@ -197,23 +197,23 @@ def remote_url_of(url: Optional[str]) -> Optional[str]:
 
 def remote_options(url: Optional[str], timeout: Optional[float], ttl: Optional[float],
                    write: Optional[str], secret_file: Optional[str] = None,
-                   root: Optional[Path] = None) -> dict[str, Any]:
+                   root: Optional[Path] = None, seal_disk: bool = False) -> dict[str, Any]:
     """CacheConfig's remote_* fields from the CLI's --remote-* options (only those given, so
-    CacheConfig's defaults stay the one place defaults live), and the fleet secret's file: the
-    one given, else `<root>/fleet.secret`. A --remote-* option without a store is a mistake worth
-    saying, not ignoring."""
+    CacheConfig's defaults stay the one place defaults live), and the fleet secret's file where
+    a store or a sealed disk needs it: the one given, else `<root>/fleet.secret`. A --remote-*
+    option without a store is a mistake worth saying, not ignoring."""
     url = remote_url_of(url)
-    given = {"remote_timeout_s": timeout, "remote_ttl_s": ttl, "remote_write": write,
-             "cache_secret_file": secret_file}
+    given = {"remote_timeout_s": timeout, "remote_ttl_s": ttl, "remote_write": write}
     given = {k: v for k, v in given.items() if v is not None}
+    secret = {"cache_secret_file": secret_file or (str(root / "fleet.secret") if root is not None else None)}
     if url is None:
         if given:
             flag = "--" + next(iter(given)).removesuffix("_s").replace("_", "-")
             raise CLIError(f"{flag}: needs --remote-url (or $TIEREDKV_REMOTE_URL)", code=2)
-        return {}
-    if secret_file is None and root is not None:
-        given["cache_secret_file"] = str(root / "fleet.secret")
-    return {"remote_url": url, **given}
+        if secret_file is not None and not seal_disk:
+            raise CLIError("--cache-secret-file: needs --remote-url (or $TIEREDKV_REMOTE_URL) or --seal-disk", code=2)
+        return {"seal_disk": True, **secret} if seal_disk else {}
+    return {"remote_url": url, **given, **secret, **({"seal_disk": True} if seal_disk else {})}
 
 
 @contextlib.contextmanager
@@ -237,3 +237,33 @@ def spinner(description: str) -> Iterator[None]:
                   transient=True) as progress:
         progress.add_task(shown, total=None)
         yield
+
+
+def disk_seal_of(root: Path, secret_file: Optional[str]) -> Any:
+    """The DiskSeal for `verify --cache-secret-file` (None without one); refused for a store that
+    is not sealed (its records would all read as damaged)."""
+    if secret_file is None:
+        return None
+    from storage.disk.seal import DiskSeal
+    from storage.fleet_secret import SecretFileError, load_fleet_secret
+    try:
+        seal = DiskSeal(load_fleet_secret(secret_file, create=False))
+    except SecretFileError as e:
+        raise CLIError(f"--cache-secret-file: {e}", code=2) from None
+    probe = open_disk_tier(root, readonly=True)
+    try:
+        sealed = probe.sealed_by
+    finally:
+        probe.close()
+    if sealed is None:
+        raise CLIError("--cache-secret-file: this disk tier is not sealed; verify it without one", code=2)
+    return seal
+
+
+def open_disk_tier(root: Path, readonly: bool, seal: Any = None) -> Any:
+    kv = existing_dir(root / "kv", "disk tier (kv/)")
+    if not (kv / "data.mdb").is_file():
+        raise CLIError(f"cache dir: {kv} holds no disk tier (no data.mdb)", code=2)
+    from storage.disk.tier import DiskTier
+    # Capacity is enforced only by writers; inspect/verify never add blocks.
+    return DiskTier(str(kv), parse_size(cache_default("disk_capacity")), readonly=readonly, seal=seal)

@@ -143,6 +143,9 @@ def serve(
                                                "reach disk) or write_through (as soon as computed: what several "
                                                "servers sharing a store want)."),
     cache_secret_file: Optional[str] = typer.Option(None, help=SECRET_HELP),
+    seal_disk: bool = typer.Option(False, "--seal-disk", help="Seal every disk block under the fleet secret "
+                                   "(a cache dir others can write: one shared between users or containers; a "
+                                   "keyed hash per block written and read). Without it a shared kv/ is refused."),
     restore_policy: str = typer.Option(cache_default("restore_policy"), help="auto (default: recompute the front of a hit held below the "
                                        "device while its back loads, split where the measured restore rates "
                                        "and prefill time predict the earliest first token), load (always load "
@@ -256,11 +259,12 @@ def serve(
                         **kv_events_options(root, kv_events, kv_events_replay, kv_events_allow_keys,
                                             kv_events_secret_file, kv_events_tokens, kv_events_no_tokens,
                                             kv_events_replay_seconds),
-                        **remote_options(remote_url, remote_timeout, remote_ttl, remote_write, cache_secret_file, root))
+                        **remote_options(remote_url, remote_timeout, remote_ttl, remote_write, cache_secret_file, root,
+                                         seal_disk and enable_prefix_caching))
     if cache.kv_events is not None:
         from storage.kv_events.access import prepare
         prepare(cache)        # keys read (the server's made), ipc directories made: errors now, not after the load
-    if cache.remote is not None:            # the fleet secret read (or made) before the model loads
+    if cache.remote is not None or cache.seal_disk:     # the fleet secret read (or made) before the model loads
         from storage.fleet_secret import SecretFileError, load_fleet_secret
         try:
             load_fleet_secret(cache.cache_secret_file)

@@ -77,11 +77,13 @@ def payload_binding(h: bytes, namespace: bytes) -> bytes:
 
 
 def verify_and_decode(codec: Codec, layout: BlockLayout | None, key: BlockKey, out: torch.Tensor | None,
-                      payload: bytes | memoryview | None, meta_raw: bytes | memoryview | None
+                      payload: bytes | memoryview | None, meta_raw: bytes | memoryview | None, head: int = 0
                       ) -> tuple[torch.Tensor | None, str | None]:
     """(the decoded block, None) when the stored record is the block `key` names and sound,
-    else (None, the reason). `out`, when given, receives the bytes."""
-    header, reason = _checked(codec, layout, key, out, payload, meta_raw)
+    else (None, the reason). `out`, when given, receives the bytes. `head`: bytes the stored
+    record held before the payload (a sealed disk record's seal: storage/disk/seal.py), which
+    its metadata's stored size counts."""
+    header, reason = _checked(codec, layout, key, out, payload, meta_raw, head)
     if header is None:
         return None, reason
     try:
@@ -91,11 +93,11 @@ def verify_and_decode(codec: Codec, layout: BlockLayout | None, key: BlockKey, o
 
 
 def check_stored(codec: Codec, layout: BlockLayout | None, key: BlockKey, payload: bytes | memoryview | None,
-                 meta_raw: bytes | memoryview | None) -> str | None:
+                 meta_raw: bytes | memoryview | None, head: int = 0) -> str | None:
     """verify_and_decode's every check, its full decode included, without making a tensor
     (Codec.check: no torch, so `tieredkv verify` runs without importing it): None when sound,
     else the reason."""
-    header, reason = _checked(codec, layout, key, None, payload, meta_raw)
+    header, reason = _checked(codec, layout, key, None, payload, meta_raw, head)
     if header is None:
         return reason
     try:
@@ -106,7 +108,7 @@ def check_stored(codec: Codec, layout: BlockLayout | None, key: BlockKey, payloa
 
 
 def _checked(codec: Codec, layout: BlockLayout | None, key: BlockKey, out: torch.Tensor | None,
-             payload: bytes | memoryview | None, meta_raw: bytes | memoryview | None
+             payload: bytes | memoryview | None, meta_raw: bytes | memoryview | None, head: int = 0
              ) -> tuple[CodecHeader | None, str | None]:
     """(the payload's checked header, None) when the record is the block `key` names and agrees
     with its metadata, the layout and `out`; else (None, the reason)."""
@@ -122,8 +124,8 @@ def _checked(codec: Codec, layout: BlockLayout | None, key: BlockKey, out: torch
         return None, "stored namespace differs from the key's"
     if m.parent != key.parent:
         return None, "stored parent differs from the key's"
-    if m.stored_size != len(payload):
-        return None, f"payload is {len(payload)} bytes, metadata says {m.stored_size}"
+    if m.stored_size != head + len(payload):
+        return None, f"record is {head + len(payload)} bytes, metadata says {m.stored_size}"
     try:
         # NOTE invariant: the header's crc32 is verified here, once, before any of its fields is
         # compared or used; decode()/check() then check the binding, the coded crc32 and each

@@ -54,7 +54,7 @@ def reserve_lock_file(path: str, lock_name: str = "lock.mdb") -> None:
     file here turns that into ENOSPC, raised as DiskUnavailable. A larger file is fine: LMDB then
     takes its reader count from the size. Also refuses a new environment on a filesystem without
     room for its first pages."""
-    os.makedirs(path, exist_ok=True)
+    os.makedirs(path, mode=0o700, exist_ok=True)      # a new store's directory: this user's alone
     try:
         if not os.path.exists(os.path.join(path, "data.mdb")) and free_bytes(path) < OPEN_SPACE_BYTES:
             raise DiskUnavailable(f"{path}: the filesystem is full ({free_bytes(path)} bytes free; a new store "

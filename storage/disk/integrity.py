@@ -19,6 +19,7 @@ from storage.codec.payload import Codec
 from storage.codec.stored_block import BlockMeta, check_stored
 from storage.codec.verify_report import DamagedBlock, VerifyReport
 from storage.disk.records import Databases, StoreDamaged, load_info, lru_key
+from storage.disk.seal import SEAL_SIZE, DiskSeal
 
 _CHUNK = 512                     # keys per read transaction
 from storage.layout import BlockLayout
@@ -26,8 +27,9 @@ from storage.hashing import BlockKey, hash_block
 
 
 def check_block(codec: Codec, layout: BlockLayout | None, h: bytes, payload: bytes | None,
-                meta: bytes | None) -> str | None:
-    """verify()'s check of one stored block: None when sound, else the reason."""
+                meta: bytes | None, seal: DiskSeal | None = None) -> str | None:
+    """verify()'s check of one stored block (a sealed store's: its seal first): None when sound,
+    else the reason."""
     if payload is None or meta is None:
         return "payload missing" if payload is None else "metadata missing"
     try:
@@ -37,12 +39,17 @@ def check_block(codec: Codec, layout: BlockLayout | None, h: bytes, payload: byt
     if hash_block(m.parent, m.token_ids) != h:
         return "hash chain broken: hash != hash_block(parent, token_ids)"
     key = BlockKey(h, m.parent, m.token_ids, m.namespace)
+    if seal is not None:
+        opened, reason = seal.open(h, m.namespace, payload)
+        if opened is None:
+            return reason
+        return check_stored(codec, layout, key, opened, meta, head=SEAL_SIZE)
     return check_stored(codec, layout, key, payload, meta)
 
 
 def verify_store(begin: Callable[..., ContextManager[lmdb.Transaction]], iter_db: Callable[..., Iterator[tuple]],
                  databases: Callable[[], Databases], executor: Executor, codec: Codec,
-                 layout: BlockLayout | None) -> VerifyReport:
+                 layout: BlockLayout | None, seal: DiskSeal | None = None) -> VerifyReport:
     """verify()'s walk: every block of the store checked (check_block, plus its LRU entry), a
     chunk of keys per read transaction, the decodes on `executor`. Deletes nothing.
     `databases()` gives the handles, asked inside each transaction (storage/disk/environment.py)."""
@@ -66,7 +73,7 @@ def verify_store(begin: Callable[..., ContextManager[lmdb.Transaction]], iter_db
                     lru_ok[h] = txn.get(lru_key(BlockMeta.unpack(meta).last_access, h), db=dbs.lru) is not None
                 except (ValueError, TypeError):
                     lru_ok[h] = True   # reported by check_block
-        reasons = executor.map(lambda r: check_block(codec, layout, *r), rows)
+        reasons = executor.map(lambda r: check_block(codec, layout, *r, seal), rows)
         for (h, payload, meta), reason in zip(rows, reasons):
             if reason is None and not lru_ok[h]:
                 reason = "LRU entry missing"

@@ -24,6 +24,7 @@ import lmdb
 from storage.codec.stored_block import BlockMeta, verify_and_decode
 from storage.disk import map_faults
 from storage.disk.preflight import DamagedEnvironment
+from storage.disk.seal import SEAL_SIZE
 from storage.disk.stall import DiskStalled
 from storage.disk.stats import DiskBlockInfo
 from storage.hashing import BlockKey
@@ -129,10 +130,12 @@ class DiskReads:
                 for j in range(len(idx)):
                     check(j)
             sizes = [0 if payload is None else len(payload) for payload in stored]
-            if payloads is not None:     # copied out of the map (a copy already made is kept)
+            if payloads is not None:     # copied out of the map (a copy already made is kept); sealed: its payload
+                head = 0 if self._seal is None else SEAL_SIZE
                 for j, tensor in enumerate(tensors):
                     if tensor is not None:
-                        payloads[idx[j]] = stored[j] if isinstance(stored[j], bytes) else bytes(stored[j])
+                        payloads[idx[j]] = stored[j] if isinstance(stored[j], bytes) and not head \
+                            else bytes(memoryview(stored[j])[head:])
             stored.clear()
         self._index.discard(gone)
         damaged, touched, bytes_read = [], [], 0
@@ -204,5 +207,11 @@ class DiskReads:
 
     def _verify_and_decode(self, key: BlockKey, out: torch.Tensor | None, payload: memoryview | None,
                            meta: bytes | None) -> tuple[torch.Tensor | None, str | None]:
-        return verify_and_decode(self.codec, self.layout, key, out, payload, meta)
+        if self._seal is None or payload is None:
+            return verify_and_decode(self.codec, self.layout, key, out, payload, meta)
+        # A sealed store (storage/disk/seal.py): the seal first, over the record where it lies.
+        opened, reason = self._seal.open(key.hash, key.namespace, payload)
+        if opened is None:
+            return None, reason
+        return verify_and_decode(self.codec, self.layout, key, out, opened, meta, head=SEAL_SIZE)
 

@@ -7,7 +7,8 @@ Databases in the environment directory:
     meta     hash -> BlockMeta (parent, namespace, token ids, sizes, created, last access seq, reads)
     lru      8-byte big-endian access sequence || hash -> b""   (key order == LRU order)
     info     b"counters" -> used bytes, blocks, raw bytes, next sequence; b"format" -> version;
-             b"capacity" -> the stored-bytes bound every writing process enforces
+             b"capacity" -> the stored-bytes bound every writing process enforces;
+             b"sealed" -> the key id of the fleet secret a sealed store's records carry
 
 Knows: how each record is packed and unpacked (a damaged one raises ValueError), the format
 version and how to refuse another one, how to open the databases, and the in-transaction edits
@@ -139,6 +140,17 @@ def load_capacity(txn: lmdb.Transaction, dbs: Databases) -> int | None:
 
 def store_capacity(txn: lmdb.Transaction, dbs: Databases, capacity_bytes: int) -> None:
     txn.put(b"capacity", _U64.pack(capacity_bytes), db=dbs.info)
+
+
+def load_sealed(txn: lmdb.Transaction, dbs: Databases) -> bytes | None:
+    """The key id of the fleet secret this store's records are sealed under (storage/disk/
+    seal.py), or None for a store that was never opened sealed."""
+    raw = txn.get(b"sealed", db=dbs.info)
+    return None if raw is None else bytes(raw)
+
+
+def store_sealed(txn: lmdb.Transaction, dbs: Databases, key_id: bytes) -> None:
+    txn.put(b"sealed", key_id, db=dbs.info)
 
 
 # -- edits inside a write transaction: `info` changes with the blocks it counts ---------------

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from storage.fleet_secret import KEY_ID_SIZE, TAG_SIZE, FleetSecret
@@ -67,6 +66,38 @@ class DiskSeal:
         return mv[SEAL_SIZE:], None
 
 
-def payloads_of(records: Sequence[bytes | memoryview]) -> list[memoryview]:
-    """The payloads inside sealed records, unchecked (for a record already opened)."""
-    return [memoryview(r)[SEAL_SIZE:] for r in records]
+def settle(path: str, seal: DiskSeal | None, begin, dbs, readonly: bool) -> None:
+    """At open: a shared directory is refused unless sealed, and a store sealed before is refused
+    without its secret (DiskUnavailable: the server runs without its disk tier, and says why).
+    A writable store opened sealed records the secret's key id (`tieredkv verify` then asks for
+    it). `begin`: the tier's transactions; `dbs()`: its handles."""
+    from storage.disk.environment import DiskUnavailable
+    from storage.disk.records import load_sealed, store_sealed
+    if seal is None and not readonly:
+        why = shared_directory(path)
+        if why is not None:
+            raise DiskUnavailable(f"disk tier {path}: the directory is shared ({why}): whoever can write it could "
+                                  f"write blocks this server would serve. `chmod 700` it, or seal its blocks under the "
+                                  f"fleet secret (seal_disk=True; serve --seal-disk)")
+    with begin() as txn:
+        sealed = load_sealed(txn, dbs())
+    if seal is None:
+        if sealed is not None and not readonly:
+            raise DiskUnavailable(f"disk tier {path}: its blocks are sealed under a fleet secret; open it sealed "
+                                  f"(seal_disk=True; serve --seal-disk, with that secret's --cache-secret-file)")
+        return
+    if sealed != seal.secret.key_id and not readonly:
+        with begin(write=True) as txn:
+            store_sealed(txn, dbs(), seal.secret.key_id)
+
+
+def verifiable(path: str, seal: DiskSeal | None, begin, dbs) -> None:
+    """Before a verify: a sealed store is checked only under its secret -- without it every record
+    would read as damaged and a repair would delete them all (ValueError)."""
+    from storage.disk.records import load_sealed
+    with begin() as txn:
+        sealed = load_sealed(txn, dbs())
+    if sealed is not None and (seal is None or seal.secret.key_id != sealed):
+        raise ValueError(f"disk tier {path}: its blocks are sealed under a fleet secret"
+                         f"{'' if seal is None else ' other than the one given'}: verify with that secret "
+                         f"(tieredkv verify --cache-secret-file FILE)")

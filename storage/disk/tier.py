@@ -51,6 +51,8 @@ from storage.disk.reads import DiskReads
 from storage.disk.replacement import MAX_REPLACEMENTS, StoreReplacement
 from storage.disk.stall import DEFAULT_STALL_S, DiskStalled
 from storage.codec.encode_process import encode_process_policy
+from storage.disk.records import load_sealed
+from storage.disk.seal import DiskSeal, settle, verifiable
 from storage.disk.stats import DiskBlockInfo, DiskStats, _Counters
 from storage.disk.pagewalk import check_pages
 from storage.disk.records import (DISK_FORMAT_VERSION, StoreInfo, delete_in_txn, load_capacity, load_info,
@@ -97,7 +99,7 @@ class DiskTier(DiskReads, LowerTier):
                  map_size: int | None = None, queue_blocks: int = 256, batch_blocks: int = 32,
                  readonly: bool = False, decode_threads: int | None = None, encode_threads: int | None = None,
                  reserve_bytes: int | None = DEFAULT_RESERVE_BYTES, encode_process: str | None = "auto",
-                 stall_s: float = DEFAULT_STALL_S) -> None:
+                 stall_s: float = DEFAULT_STALL_S, seal: DiskSeal | None = None) -> None:
         for name, v in (("capacity_bytes", capacity_bytes), ("queue_blocks", queue_blocks),
                         ("batch_blocks", batch_blocks), ("map_size", map_size), ("decode_threads", decode_threads),
                         ("encode_threads", encode_threads)):
@@ -127,6 +129,12 @@ class DiskTier(DiskReads, LowerTier):
             env, dbs, hashes, recovered = opened.env, opened.dbs, opened.hashes, opened.recovered
         self._gate = EnvGate(env, dbs, self.path, stall_s)   # NOTE: every transaction goes through it
         self._begin = self._gate.begin
+        self._seal = seal        # a shared directory's records sealed under the fleet secret (storage/disk/seal.py)
+        try:
+            settle(self.path, seal, self._begin, lambda: self._gate.dbs, readonly)
+        except BaseException:
+            self._gate.close()
+            raise
         self._closed = False
         self._stats_lock = threading.Lock()
         self._counters = _Counters(moved_aside=int(recovered is not None))
@@ -142,6 +150,7 @@ class DiskTier(DiskReads, LowerTier):
         self._writer = DiskWriter(self._gate, codec, capacity_bytes, queue_blocks, batch_blocks, self._count,
                                   self._index, reserve_bytes, self._map_size, encode_threads,
                                   encode_process_policy() if encode_process == "auto" else encode_process)
+        self._writer.seal = seal
         self._replacement = StoreReplacement(self.path, self._map_size, capacity_bytes, self._gate, self._index,
                                              self._count, lambda: self._counters.moved_aside, recovered)
         if not readonly:
@@ -149,6 +158,12 @@ class DiskTier(DiskReads, LowerTier):
             self._writer.on_tick = self._replacement.tick
             self._writer.on_info = self._committed
             self._writer.start()
+
+    @property
+    def sealed_by(self) -> bytes | None:
+        """The key id of the fleet secret this store's records are sealed under, or None."""
+        with self._begin() as txn:
+            return load_sealed(txn, self._dbs)
 
     @property
     def recovered(self) -> str | None:
@@ -337,6 +352,7 @@ class DiskTier(DiskReads, LowerTier):
         place: nothing in it can be trusted), recounts wrong counters and rebuilds the LRU
         index, and deletes damaged blocks."""
         self._check_open(write=repair)
+        verifiable(self.path, self._seal, self._begin, lambda: self._dbs)
         generation = self._gate.generation
         try:
             check_pages(self._env, self.path, self._begin)
@@ -354,7 +370,8 @@ class DiskTier(DiskReads, LowerTier):
                 hashes, fixed = repair_counters(txn, self._dbs)
             self._index.replace(hashes)
             store_done = tuple(fixed) or ("counters rewritten",)
-        report = verify_store(self._begin, self._iter_db, lambda: self._dbs, self._executor(), self.codec, self.layout)
+        report = verify_store(self._begin, self._iter_db, lambda: self._dbs, self._executor(), self.codec, self.layout,
+                              self._seal)
         repaired = 0
         if repair and report.damaged:
             repaired = self._delete_now([d.key for d in report.damaged], recount=True)

@@ -116,6 +116,7 @@ class DiskWriter(BackgroundWriter[_Batch]):
         # Called on the writer thread after each commit with (key, payload, raw size) of every block
         # it stored: the remote tier's write-behind (a block is compressed once for both).
         self.on_commit: Callable[[list], None] | None = None
+        self.seal = None      # set by the tier before start: a shared directory's records sealed (disk/seal.py)
         # Called on the writer thread every few seconds (with the stale-reader check): the store's
         # files checked, a store another process moved aside followed (storage/disk/replacement.py).
         self.on_tick: Callable[[], None] | None = None
@@ -408,15 +409,16 @@ class DiskWriter(BackgroundWriter[_Batch]):
                 if txn.get(h, db=dbs.meta) is not None:
                     stored.append(key)   # another process stored it first
                     continue
-                m = BlockMeta(key.parent, key.namespace, key.token_ids, raw_size, len(payload), now, info.next_seq, 0)
+                record = payload if self.seal is None else self.seal.record(h, key.namespace, payload)
+                m = BlockMeta(key.parent, key.namespace, key.token_ids, raw_size, len(record), now, info.next_seq, 0)
                 info.next_seq += 1
-                txn.put(h, payload, db=dbs.payload)
+                txn.put(h, record, db=dbs.payload)
                 txn.put(h, m.pack(), db=dbs.meta)
                 txn.put(lru_key(m.last_access, h), b"", db=dbs.lru)
-                info.used_bytes += len(payload)
+                info.used_bytes += len(record)
                 info.raw_bytes += raw_size
                 info.blocks += 1
-                written += len(payload)
+                written += len(record)
                 stored.append(key)
                 if self.on_commit is not None:   # kept past this batch: a view of the encode process's memory copied
                     new.append((key, payload if isinstance(payload, bytes) else bytes(payload), raw_size))
