@@ -132,7 +132,7 @@ def test_serve_takes_its_cache_defaults_from_cache_configs_fields() -> None:
     opts = {n: p.default for n, p in inspect.signature(cli_serve.serve).parameters.items()}
     taken = {n: o.default for n, o in opts.items() if n in fields and o.default is not None}
     assert set(taken) == {"host_memory", "disk_capacity", "disk_reserve", "codec", "block_size", "restore_policy",
-                          "kv_events_tokens"}
+                          "kv_events_tokens", "seal_disk"}
     assert taken == {n: fields[n] for n in taken}
     for opt, field in (("device_memory", "device_memory"), ("remote_timeout", "remote_timeout_s")):
         assert f"(default {fields[field]})" in opts[opt].help

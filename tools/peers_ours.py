@@ -25,6 +25,7 @@ from storage.hashing import BlockKey, block_keys  # noqa: E402
 from storage.layout import BlockLayout  # noqa: E402
 from storage.remote.client import MGET_CHUNK, make_client, mget_one, pipeline, run_parallel, split  # noqa: E402
 from storage.remote.recv_buffers import RecvBuffers  # noqa: E402
+from storage.disk.seal import DiskSeal  # noqa: E402
 from storage.fleet_secret import FleetSecret  # noqa: E402
 from storage.remote.tier import RemoteTier  # noqa: E402
 from storage.remote.url import parse_remote_url  # noqa: E402
@@ -36,14 +37,16 @@ class Ours:
     """Our disk tier (and remote tier, given a URL) with one codec kind, and the limits' pieces."""
 
     def __init__(self, kind: str, level: int, layout: BlockLayout, blocks: torch.Tensor, tokens: list[int],
-                 tmp: str, url: str | None, connections: int | None = None) -> None:
+                 tmp: str, url: str | None, connections: int | None = None, seal_disk: bool = False) -> None:
         self.kind, self.layout, self.blocks, self.tokens = kind, layout, blocks, tokens
         self.n = blocks.shape[0]
         self.nbytes = self.n * layout.nbytes
         self.codec = Codec(level=level, kind=kind)
         self.level = level
         cap = 4 * self.nbytes
-        self.disk = DiskTier(os.path.join(tmp, f"disk-{kind}"), cap, self.codec, layout=layout)
+        self.secret = FleetSecret.random()        # the remote tier's seal (and the disk's with seal_disk)
+        self.disk = DiskTier(os.path.join(tmp, f"disk-{kind}"), cap, self.codec, layout=layout,
+                             seal=DiskSeal(self.secret) if seal_disk else None)
         self.threads = self.disk._decode_threads     # get_many's decode threads (every core)
         self.pool = ThreadPoolExecutor(self.threads)
         self.raw_env = lmdb.open(os.path.join(tmp, f"raw-{kind}"), map_size=default_map_size(cap), readahead=True)
@@ -52,7 +55,6 @@ class Ours:
         self._tls = threading.local()     # a warm decompression buffer per decode thread
         self.url = parse_remote_url(url) if url else None
         extra = {} if connections is None else {"connections": connections}
-        self.secret = FleetSecret.random()        # the tier's seal; the limit frames with it too
         self.remote = RemoteTier(self.url, layout, self.codec, secret=self.secret, timeout_s=5.0,
                                  **extra) if url else None
         self.client = make_client(self.url, 5.0) if url else None
