@@ -377,6 +377,8 @@ def route(
                                          "from its first byte; past it 408 and the connection closed."),
     body_timeout: float = typer.Option(30.0, min=0.001, help="Seconds a request's body may take after its "
                                        "headers, plus one per 64 KiB received; past it 408."),
+    log_probes: bool = typer.Option(False, "--log-probes", help="Write successful /health and /metrics answers "
+                                    "in the request log at INFO too (default: DEBUG)."),
     log_level: str = typer.Option("info", help="uvicorn log level."),
 ) -> None:
     """Route OpenAI requests over several servers: each to the one holding its prompt's prefix.
@@ -397,7 +399,7 @@ def route(
                               prediction_ttl_s=prediction_ttl, eject_cooldown_s=eject_cooldown,
                               eject_cooldown_max_s=max(60.0, eject_cooldown), kv_events_key=kv_events_key,
                               kv_events_server_keys=tuple(kv_events_server_key or ()), header_timeout_s=header_timeout,
-                              body_timeout_s=body_timeout)
+                              body_timeout_s=body_timeout, log_probes=log_probes)
     sock = bind_socket(host, port)
     sock.listen(2048)
     bound = sock.getsockname()
