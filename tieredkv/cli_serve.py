@@ -177,7 +177,7 @@ def serve(
                                        "flag; default on CUDA with flex_paged: one graph per batch bucket, "
                                        "captured at start)."),
     log_probes: bool = typer.Option(False, "--log-probes", help="Write polling in the request log too: /health, "
-                                    "/ready, /metrics, the router's block-hash calls and the dashboard's fetches "
+                                    "/ready, /metrics, the router's block-hash calls, the dashboard's page and fetches "
                                     "(off: DEBUG lines only)."),
     # What vLLM and llama-server users reach for (tieredkv/cli_flags.py says what each becomes).
     max_num_seqs: int = typer.Option(64, "--max-num-seqs", min=1, help="vLLM's: sequences in one batch."),

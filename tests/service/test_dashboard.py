@@ -12,6 +12,7 @@ both. Without them these tests fail and say so; they never skip.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import time
@@ -264,3 +265,18 @@ def test_the_first_paint_is_filled_from_the_servers_history(server, engine, brow
     assert w.page.is_visible('[data-k="status.service.ttft_by_source.device.p50_per_1k_s"]')
     assert w.errors == [] and w.foreign == [], (w.errors, w.foreign)
     w.page.close()
+
+
+def test_loading_the_page_and_its_polling_log_nothing_at_info(server, browser, caplog) -> None:
+    """Issue 40: a dashboard left open must not bury the request log -- its page, files and
+    fetches are DEBUG lines (INFO only under serve --log-probes)."""
+    caplog.set_level(logging.DEBUG, logger="tieredkv.requests")
+    w = Watched(browser, server.url)
+    w.page.goto(server.url + "/dashboard")
+    w.wait_polls(2)
+    w.page.close()
+    lines = [r for r in caplog.records if r.name == "tieredkv.requests"]
+    paths = {r.request_fields["path"] for r in lines}
+    assert {"/dashboard", "/dashboard/dashboard.js", "/v1/cache/status"} <= paths, paths
+    info = [r.getMessage() for r in lines if r.levelno >= logging.INFO]
+    assert info == [], f"a dashboard load logged at INFO: {info}"
