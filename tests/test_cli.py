@@ -134,6 +134,8 @@ def test_version_and_h_work_everywhere() -> None:
     for cmd in ((), ("serve",), ("demo",), ("status",), ("inspect",), ("verify",), ("billing",)):
         r = tkv(*cmd, "-h")
         assert r.returncode == 0 and "Usage:" in r.stdout and "--help" in r.stdout, (cmd, r.stderr)
+    # --version is a flag: no value type after it (issue 40 saw `--version <bool>`).
+    assert re.search(r"^\s+--version\s+Print the version", tkv("--help").stdout, re.M), tkv("--help").stdout
     serve_help = tkv("serve", "-h").stdout
     for flag in ("MODEL", "--model", "--served-model-name", "--max-model-len", "--access-log"):
         assert flag in serve_help, flag
