@@ -392,9 +392,11 @@
     if (needsKey && !sessionStorage.getItem(KEY)) { askForKey(""); return; }
     // A server without keys puts its status (with the recent hit history) in the page itself, so
     // the first paint shows the cache, not "connecting"; the polls take over from there.
+    // Its billing and prefix tree too: the Tenants and Cached prefixes panels are filled at once.
     const initial = $("initial") && $("initial").textContent.trim();
     if (initial) {
-      render(JSON.parse(initial), true, null, null);
+      const first = JSON.parse(initial);
+      render(first.status, true, first.billing, first.tree);
       $("updated").textContent = "as of " + new Date().toLocaleTimeString();
     }
     poll();

@@ -263,6 +263,14 @@ def test_the_first_paint_is_filled_from_the_servers_history(server, engine, brow
     assert len(set(ticks)) == 3, ticks                     # distinct y ticks (it read "1, 1, 0")
     assert "(the last 5 minutes" in w.page.inner_text("#main")
     assert w.page.is_visible('[data-k="status.service.ttft_by_source.device.p50_per_1k_s"]')
+    # Issue 40: the Tenants and Cached prefixes panels are filled at first paint, not empty headers.
+    assert w.page.is_visible('tr[data-tenant="acme"]')
+    assert "tiered KV cache keeps the prefixes" in w.page.inner_text("#tree")
+    with server.client() as c:
+        routes = snapshot(c)
+    keys = {k for k, _, _ in w.shown()}
+    assert {"billing.tenants.acme.requests", "tree.tenants.acme.blocks"} <= keys, keys
+    check_numbers(w, {"billing": routes["billing"], "tree": routes["tree"], "status": routes["status"]})
     assert w.errors == [] and w.foreign == [], (w.errors, w.foreign)
     w.page.close()
 
