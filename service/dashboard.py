@@ -65,6 +65,7 @@ async def _initial(c: Any) -> bytes:
         return b""
     body = {"status": {**status, "service": {"in_flight": c.dispatcher.in_flight,
                                              "ttft_by_source": c.metrics.recent_ttft.summary(),
+                                             "ttft_by_length": c.metrics.recent_ttft.by_length(),
                                              "hit_history": c.history.snapshot()}},
             "billing": await _optional(getattr(getattr(c.engine, "ledger", None), "summary", None)),
             "tree": await _optional(getattr(c.engine, "prefix_tree", None), None, depth=8, width=8)}

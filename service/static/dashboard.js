@@ -192,6 +192,18 @@
         el("td", {}, num(k("p50_per_1k_s"), r.p50_per_1k_s, fmtMs)),
         el("td", {}, num(k("p90_per_1k_s"), r.p90_per_1k_s, fmtMs))));
     }
+    // Like with like: a hit against a miss of the same prompt length (the server's buckets).
+    const lengths = $("ttft-length").tBodies[0];
+    lengths.replaceChildren();
+    const byLength = Object.entries((status.service || {}).ttft_by_length || {});
+    for (const [label, b] of byLength) {
+      const cells = ["miss", "device", "host", "disk", "remote"].map((s) => el("td", { title: `${b.requests[s]} requests` },
+        num(`status.service.ttft_by_length.${label}.p50_s.${s}`, b.p50_s[s], fmtMs)));
+      lengths.append(el("tr", { "data-length": label }, el("td", {}, label), ...cells));
+    }
+    if (!byLength.length) {
+      lengths.append(el("tr", {}, el("td", { colspan: 6, class: "muted" }, "no prompt length has had both a miss and a hit yet")));
+    }
   }
 
   function drawChart() {

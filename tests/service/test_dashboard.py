@@ -161,6 +161,12 @@ def test_the_page_shows_what_status_says_and_follows_new_requests(server, engine
         assert "Tenants never share blocks" in w.page.inner_text("#tree")
         assert w.page.eval_on_selector_all("#chart polyline", "els => els.length") == 4
         assert w.page.get_attribute('[data-k="status.service.ttft_by_source.device.requests"]', "data-value") == "1"
+        # Like with like (issue 40): the device hit beside the miss of the same prompt's length.
+        by_length = routes["status"]["service"]["ttft_by_length"]
+        both = [k for k, b in by_length.items() if None not in (b["p50_s"]["device"], b["p50_s"]["miss"])]
+        assert both, by_length
+        assert w.page.is_visible(f'tr[data-length="{both[0]}"] [data-k="status.service.ttft_by_length.{both[0]}.p50_s.device"]')
+        assert "only lengths where a miss and a hit both ran" in w.page.inner_text("#ttft-section")
         w.page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
         if os.environ.get("TIEREDKV_DASHBOARD_SCREENSHOT"):       # how docs/dashboard.png is made
             w.page.screenshot(path=os.environ["TIEREDKV_DASHBOARD_SCREENSHOT"], full_page=True)
