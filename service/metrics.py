@@ -292,8 +292,8 @@ def ttft_source(usage: Any) -> str:
 class RecentTTFT:
     """The last `window` TTFTs of each source, for /v1/cache/status's quantiles (the histogram's
     buckets are too coarse to read a median from, and Prometheus is not always there). Also per
-    1,000 prompt tokens, and by prompt length (`by_length`): sources compared on prompts of different lengths otherwise read as
-    "hits are slow" when the hits were the long prompts."""
+    1,000 prompt tokens, and by prompt length (`by_length`): sources compared on prompts of
+    different lengths otherwise read as "hits are slow" when the hits were the long prompts."""
 
     def __init__(self, window: int = 256) -> None:
         self._lock = threading.Lock()
