@@ -64,7 +64,8 @@ async def status(request: Request, history: bool = False) -> Any:
         status = await _tier_call(c.engine.cache_status, "cache status")
         # The service's side of the same moment: requests admitted, and TTFT by where prompts came
         # from; with ?history=1 also the hit tokens of the last minutes (the dashboard's first paint).
-        service = {"in_flight": c.dispatcher.in_flight, "ttft_by_source": c.metrics.recent_ttft.summary()}
+        service = {"in_flight": c.dispatcher.in_flight, "ttft_by_source": c.metrics.recent_ttft.summary(),
+                   "ttft_by_length": c.metrics.recent_ttft.by_length()}
         if history:
             service["hit_history"] = c.history.snapshot()
         return {**status, "service": service}

@@ -50,20 +50,37 @@ async def dashboard(request: Request) -> Response:
 
 
 async def _initial(c: Any) -> bytes:
-    """The page's first paint: without keys (every caller is an admin, on loopback), the cache
-    status /v1/cache/status?history=1 would give, as JSON data inside the page (a script of
-    type application/json is data, never run; "</" escaped so it cannot close its element). With
-    keys: nothing (the page asks for a key first), and on a failed status read: nothing (the
-    page polls)."""
+    """The page's first paint: without keys (every caller is an admin, on loopback), what the
+    page's first poll would read -- `status` (/v1/cache/status?history=1), `billing`
+    (/v1/cache/billing) and `tree` (/v1/cache/tree) -- as JSON data inside the page (a script of
+    type application/json is data, never run; "</" escaped so it cannot close its element), so
+    the Tenants and Cached prefixes panels are not empty headers until then. With keys: nothing
+    (the page asks for a key first); on a failed status read: nothing (the page polls); a
+    billing or tree that cannot be read is null (its panel waits for the polls)."""
     if c.keys is not None:
         return b""
     try:
         status = await run_in_threadpool(c.engine.cache_status)
     except Exception:
         return b""
-    body = {**status, "service": {"in_flight": c.dispatcher.in_flight, "ttft_by_source": c.metrics.recent_ttft.summary(),
-                                  "hit_history": c.history.snapshot()}}
+    body = {"status": {**status, "service": {"in_flight": c.dispatcher.in_flight,
+                                             "ttft_by_source": c.metrics.recent_ttft.summary(),
+                                             "ttft_by_length": c.metrics.recent_ttft.by_length(),
+                                             "hit_history": c.history.snapshot()}},
+            "billing": await _optional(getattr(getattr(c.engine, "ledger", None), "summary", None)),
+            "tree": await _optional(getattr(c.engine, "prefix_tree", None), None, depth=8, width=8)}
     return json.dumps(body).replace("</", "<\\/").encode()
+
+
+async def _optional(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """fn(*args, **kwargs) in the thread pool; None without fn or when it fails (a first paint
+    shows what it can)."""
+    if fn is None:
+        return None
+    try:
+        return await run_in_threadpool(fn, *args, **kwargs)
+    except Exception:
+        return None
 
 
 @router.get("/dashboard/{name}", include_in_schema=False)

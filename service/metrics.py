@@ -292,13 +292,14 @@ def ttft_source(usage: Any) -> str:
 class RecentTTFT:
     """The last `window` TTFTs of each source, for /v1/cache/status's quantiles (the histogram's
     buckets are too coarse to read a median from, and Prometheus is not always there). Also per
-    1,000 prompt tokens: sources compared on prompts of different lengths otherwise read as
-    "hits are slow" when the hits were the long prompts."""
+    1,000 prompt tokens, and by prompt length (`by_length`): sources compared on prompts of
+    different lengths otherwise read as "hits are slow" when the hits were the long prompts."""
 
     def __init__(self, window: int = 256) -> None:
         self._lock = threading.Lock()
         self._recent = {s: deque(maxlen=window) for s in TTFT_SOURCES}
         self._per_1k = {s: deque(maxlen=window) for s in TTFT_SOURCES}
+        self._sized: dict[str, deque[tuple[int, float]]] = {s: deque(maxlen=window) for s in TTFT_SOURCES}
         self._count = dict.fromkeys(TTFT_SOURCES, 0)
 
     def add(self, source: str, seconds: float, prompt_tokens: int = 0) -> None:
@@ -306,7 +307,30 @@ class RecentTTFT:
             self._recent[source].append(seconds)
             if prompt_tokens > 0:
                 self._per_1k[source].append(seconds * 1000 / prompt_tokens)
+                self._sized[source].append((prompt_tokens, seconds))
             self._count[source] += 1
+
+    def by_length(self) -> dict[str, dict[str, Any]]:
+        """Like with like: the recent TTFTs bucketed by prompt length (a power of two up to the
+        next: "32-63" tokens), only the buckets where a miss and a hit of some tier both ran, each
+        with every source's p50 (None where it has none) and count. A device hit of a long prompt
+        beside misses of short ones read as "a hit is slower than a miss"; within a bucket it cannot."""
+        with self._lock:
+            snap = {s: list(self._sized[s]) for s in TTFT_SOURCES}
+        buckets: dict[int, dict[str, list[float]]] = {}
+        for source, xs in snap.items():
+            for tokens, seconds in xs:
+                buckets.setdefault(tokens.bit_length() - 1, {}).setdefault(source, []).append(seconds)
+        out: dict[str, dict[str, Any]] = {}
+        for k in sorted(buckets):
+            got = buckets[k]
+            if "miss" not in got or not any(s in got for s in TTFT_SOURCES if s != "miss"):
+                continue
+            lo, hi = 1 << k, (1 << (k + 1)) - 1
+            out[f"{lo}-{hi}"] = {"tokens_min": lo, "tokens_max": hi,
+                                 "p50_s": {s: _quantile(sorted(got.get(s, [])), 0.5) for s in TTFT_SOURCES},
+                                 "requests": {s: len(got.get(s, [])) for s in TTFT_SOURCES}}
+        return out
 
     def summary(self) -> dict[str, dict[str, Any]]:
         """Per source: requests since start, and over the recent window: p50, p90, last (seconds),

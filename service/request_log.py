@@ -9,8 +9,9 @@ chunk). Every line also carries its fields as the log record's `request_fields` 
 structured handlers.
 Levels: INFO, WARNING for a 5xx. Polling is DEBUG when it succeeds, so it does not bury the
 traffic: probes (/health, /ready, /metrics), the router's own calls (/v1/cache/block_hashes, asked
-once per routed request) and the /dashboard page's fetches (they say `X-Tieredkv-Client:
-dashboard`). `RequestLog(log_probes=True)` (`serve --log-probes`) writes them at INFO too.
+once per routed request) and the dashboard: its page and files (/dashboard, /dashboard/*) and
+its fetches (they say `X-Tieredkv-Client: dashboard`), so a dashboard left open logs nothing.
+`RequestLog(log_probes=True)` (`serve --log-probes`) writes them at INFO too.
 Doesn't know: routes, the engine, or how errors are shaped.
 """
 from __future__ import annotations
@@ -33,6 +34,7 @@ _STATE_KEY = "tieredkv_request"
 PROBES = frozenset({"/health", "/ready", "/metrics"})
 # Paths only machines poll: load balancers and Prometheus (PROBES), the router (block hashes).
 QUIET_PATHS = PROBES | {"/v1/cache/block_hashes"}
+DASHBOARD = "/dashboard"                      # the page and its files (/dashboard/dashboard.js, ...)
 CLIENT_HEADER = b"x-tieredkv-client"          # the dashboard's fetches send "dashboard"
 QUIET_CLIENTS = frozenset({b"dashboard"})
 _MAX_SHOWN = 200        # characters of a client-chosen string (path, request id, tenant) in a line
@@ -106,8 +108,10 @@ def format_line(fields: dict[str, Any]) -> str:
 
 
 def is_polling(path: str, headers: dict[bytes, bytes]) -> bool:
-    """A machine's polling: a probe, the router's own call, the dashboard's refresh."""
-    return path in QUIET_PATHS or headers.get(CLIENT_HEADER, b"").lower() in QUIET_CLIENTS
+    """A machine's polling: a probe, the router's own call, the dashboard (its page, its files, its
+    refreshing fetches)."""
+    return (path in QUIET_PATHS or path == DASHBOARD or path.startswith(DASHBOARD + "/")
+            or headers.get(CLIENT_HEADER, b"").lower() in QUIET_CLIENTS)
 
 
 class RequestLog(HTTPMiddleware):

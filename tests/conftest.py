@@ -24,6 +24,17 @@ os.environ.setdefault("TIEREDKV_PROBE_WAIT_SLACK_S", "60")     # a remote probe'
 os.environ.setdefault("TIEREDKV_ENCODE_PROCESS", "nice")
 
 
+def pytest_collection(session: pytest.Session) -> None:
+    """Say what the seconds before pytest's first line are (issue 40): collecting imports torch,
+    transformers and the engine. Not under -qq, nor in an xdist worker (the controller says it)."""
+    if hasattr(session.config, "workerinput") or session.config.get_verbosity() < -1:
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line("tieredkv: collecting the tests (importing torch, transformers and the engine takes "
+                            "a few seconds) ...")
+
+
 # The suite writes only into pytest's temporary directories (tests/sandbox.py): HOME,
 # TIEREDKV_HOME and TMPDIR point into the session's basetemp from configure on (xdist's workers
 # and every child process inherit them), and the session fails if the user's real cache root

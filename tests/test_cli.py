@@ -134,6 +134,8 @@ def test_version_and_h_work_everywhere() -> None:
     for cmd in ((), ("serve",), ("demo",), ("status",), ("inspect",), ("verify",), ("billing",)):
         r = tkv(*cmd, "-h")
         assert r.returncode == 0 and "Usage:" in r.stdout and "--help" in r.stdout, (cmd, r.stderr)
+    # --version is a flag: no value type after it (issue 40 saw `--version <bool>`).
+    assert re.search(r"^\s+--version\s+Print the version", tkv("--help").stdout, re.M), tkv("--help").stdout
     serve_help = tkv("serve", "-h").stdout
     for flag in ("MODEL", "--model", "--served-model-name", "--max-model-len", "--access-log"):
         assert flag in serve_help, flag
@@ -191,8 +193,13 @@ def test_inspect_counts_blocks_per_namespace_and_draws_the_prefix_tree(cache: di
 
     r = tkv("inspect", "--cache-dir", str(cache["root"]), "--tree")
     assert r.returncode == 0 and f"{24 + 3 * L} blocks" in r.stdout and cache["ns"]["alice"][:10] in r.stdout
-    for label in ("blocks 0-7", f"blocks 8-{11 + L}", f"blocks 8-{9 + L}", f"blocks 0-{9 + L}"):
-        assert label in r.stdout, label
+    # Labels add up: a node's KV blocks and their tokens, then the prompt's exact entry (its logits
+    # blocks hold no tokens: not counted as blocks of the prompt, issue 40).
+    logits = f"logits: {L} block{'s' if L != 1 else ''}"
+    for label in ("blocks 0-7 (32 tok) (reads", f"blocks 8-11 (16 tok) + exact entry ({logits})",
+                  f"blocks 8-9 (8 tok) + exact entry ({logits})", f"blocks 0-9 (40 tok) + exact entry ({logits})",
+                  f"{14 + 2 * L} blocks (14 of KV, {2 * L} of exact entries)"):
+        assert label in r.stdout, (label, r.stdout)
 
 
 def test_prefix_tree_keeps_blocks_whose_parent_is_gone_as_orphan_trees() -> None:
@@ -207,6 +214,32 @@ def test_prefix_tree_keeps_blocks_whose_parent_is_gone_as_orphan_trees() -> None
         (0, False, [keys[0].hash, keys[1].hash]),
         (None, True, [k.hash for k in keys[3:]])]
     assert nodes[1].token_ids == list(range(12, 24))
+
+
+def test_tree_labels_count_an_exact_entrys_tail_and_logits_apart_from_the_prompts_blocks() -> None:
+    """Issue 40: a prompt ending in a partial block keeps a 1-token tail block and its logits
+    (blocks of no tokens); beside a longer prompt that branch read `blocks 2-3 (1 tok)`."""
+    from rich.console import Console
+
+    from storage.disk.tier import DiskBlockInfo
+    from storage.hashing import block_keys, hash_block, root_hash
+    from tieredkv.inspect_tree import Survey, build_forest, forest_tree
+    ns = b"m" * 32
+    keys = block_keys(ns, list(range(16)), BLOCK)                 # a 16-token prompt: blocks 0-3
+    tail = hash_block(keys[1].hash, (99,))                         # a 9-token prompt: blocks 0-1 + 1 tail token
+    logits = hash_block(tail, ())
+    assert keys[0].parent == root_hash(ns)
+    stored = [DiskBlockInfo(k.hash, k.parent, ns, k.token_ids, 64, 32, 0, 0, 0.0) for k in keys]
+    stored += [DiskBlockInfo(tail, keys[1].hash, ns, (99,), 64, 32, 0, 0, 0.0),
+               DiskBlockInfo(logits, tail, ns, (), 64, 32, 0, 0, 0.0)]
+    s = Survey({}, build_forest(stored), {}, {}, {b.hash: len(b.token_ids) for b in stored})
+    console = Console(width=200, record=True)
+    console.print(forest_tree(s, 5, 5))
+    text = console.export_text()
+    assert "6 blocks (4 of KV, 2 of exact entries)" in text, text
+    assert "blocks 0-1 (8 tok)" in text and "blocks 2-3 (8 tok)" in text, text
+    assert "exact entry after block 1 (1 tail tok + logits: 1 block)" in text, text
+    assert "(1 tok)" not in text, text
 
 
 def test_billing_from_the_ledger_file(cache: dict) -> None:

@@ -180,7 +180,7 @@ def serve(
                                        "flag; default on CUDA with flex_paged: one graph per batch bucket, "
                                        "captured at start)."),
     log_probes: bool = typer.Option(False, "--log-probes", help="Write polling in the request log too: /health, "
-                                    "/ready, /metrics, the router's block-hash calls and the dashboard's fetches "
+                                    "/ready, /metrics, the router's block-hash calls, the dashboard's page and fetches "
                                     "(off: DEBUG lines only)."),
     # What vLLM and llama-server users reach for (tieredkv/cli_flags.py says what each becomes).
     max_num_seqs: int = typer.Option(64, "--max-num-seqs", min=1, help="vLLM's: sequences in one batch."),
@@ -381,6 +381,8 @@ def route(
                                          "from its first byte; past it 408 and the connection closed."),
     body_timeout: float = typer.Option(30.0, min=0.001, help="Seconds a request's body may take after its "
                                        "headers, plus one per 64 KiB received; past it 408."),
+    log_probes: bool = typer.Option(False, "--log-probes", help="Write successful /health and /metrics answers "
+                                    "in the request log at INFO too (default: DEBUG)."),
     log_level: str = typer.Option("info", help="uvicorn log level."),
 ) -> None:
     """Route OpenAI requests over several servers: each to the one holding its prompt's prefix.
@@ -401,7 +403,7 @@ def route(
                               prediction_ttl_s=prediction_ttl, eject_cooldown_s=eject_cooldown,
                               eject_cooldown_max_s=max(60.0, eject_cooldown), kv_events_key=kv_events_key,
                               kv_events_server_keys=tuple(kv_events_server_key or ()), header_timeout_s=header_timeout,
-                              body_timeout_s=body_timeout)
+                              body_timeout_s=body_timeout, log_probes=log_probes)
     sock = bind_socket(host, port)
     sock.listen(2048)
     bound = sock.getsockname()

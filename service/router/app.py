@@ -12,7 +12,8 @@ the backend's status and OpenAI's error body; its fields are the backend's to va
 run with --lenient-fields), and its 400 is relayed. Every answer of the router's own is
 OpenAI's JSON error body, an exception that escapes a route included (a 500). A client that
 leaves (before its body was read, before its answer began, mid-stream) is a 499 nobody reads,
-counted and said in one INFO line (proxy.client_gone), never a 500 or a traceback.
+counted and said in one INFO line (proxy.client_gone), never a 500 or a traceback. Every request
+is one line of the router's request log (request_log.py: id, tenant, backend).
 Doesn't know: how a backend is chosen (policy.py) or forwarded to (proxy.py).
 """
 from __future__ import annotations
@@ -37,6 +38,7 @@ from service.router.index import PrefixIndex
 from service.router.metrics import RouterMetrics
 from service.router.policy import Policy
 from service.router.proxy import Proxy, error
+from service.router.request_log import RouterRequestLog, note_prompt
 from service.router.settings import RouterSettings
 from service.body_parsing import check_json_content_type, decode_json_object
 
@@ -86,6 +88,7 @@ def create_router_app(settings: RouterSettings) -> FastAPI:
     app.add_middleware(CatchAll, what="router", logger=log, log_prefix="router: ", record_reason=False,
                        on_disconnect=lambda scope: router.proxy.client_gone(
                            "body", f"{scope.get('method')} {scope.get('path')}"))
+    app.add_middleware(RouterRequestLog, log_probes=settings.log_probes)   # outermost: the client's status
 
     async def generation(request: Request, chat: bool) -> Response:
         what = f"POST {request.url.path}"
@@ -105,6 +108,8 @@ def create_router_app(settings: RouterSettings) -> FastAPI:
 
         async def routed() -> Response:
             blocks = await router.proxy.prompt_blocks(chat, doc, headers)
+            if blocks is not None:
+                note_prompt(request.scope, blocks.tenant, blocks.prompt_tokens)
             return await router.proxy.forward("POST", request.url.path, body, headers, blocks,
                                               sse=doc.get("stream") is True)
         # A client that leaves before its answer begins: the forward is cancelled (its connection to

@@ -56,6 +56,7 @@ class PromptBlocks:
     hashes: list[bytes]
     block_size: int
     prompt_tokens: int
+    tenant: str | None = None          # the tenant the backend derived from the caller's key
 
 
 def error(status: int, message: str, code: str) -> JSONResponse:
@@ -137,7 +138,8 @@ class Proxy:
             return None
         try:
             blocks = PromptBlocks([bytes.fromhex(h) for h in got["hashes"]], int(got["block_size"]),
-                                  int(got.get("prompt_tokens") or len(got["hashes"]) * int(got["block_size"])))
+                                  int(got.get("prompt_tokens") or len(got["hashes"]) * int(got["block_size"])),
+                                  got["tenant"] if isinstance(got.get("tenant"), str) else None)
         except (ValueError, KeyError, TypeError, OverflowError):
             self.metrics.hash_lookups.labels("bad_answer").inc()
             return None

@@ -31,7 +31,10 @@ class _Server(uvicorn.Server):
 
 
 def router_config(app: Any, settings: RouterSettings, **kw: Any) -> uvicorn.Config:
-    """uvicorn's config for the router's app: our h11 protocol with the settings' read limits."""
+    """uvicorn's config for the router's app: our h11 protocol with the settings' read limits.
+    uvicorn's access line is off unless asked for: the router's request log (request_log.py)
+    writes one with more in it."""
+    kw.setdefault("access_log", False)
     limits = ReadLimits(settings.header_timeout_s, settings.body_timeout_s, settings.max_body_bytes)
     return uvicorn.Config(app, http=http_protocol(limits), lifespan="on", **kw)
 

@@ -36,6 +36,7 @@ class RouterSettings:
     body_timeout_s: float = 30.0
     eject_cooldown_s: float = 5.0        # an ejected backend's first probe comes this long after (doubling per failed probe)
     eject_cooldown_max_s: float = 60.0
+    log_probes: bool = False             # successful /health and /metrics answers at INFO in the request log (else DEBUG)
     # KV events over tcp take CURVE keys: the router's secret certificate (`tieredkv kv-events-keys`
     # writes it; the backends allow its public half), and optionally the backends' public keys.
     kv_events_key: str | None = None

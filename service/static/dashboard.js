@@ -192,6 +192,18 @@
         el("td", {}, num(k("p50_per_1k_s"), r.p50_per_1k_s, fmtMs)),
         el("td", {}, num(k("p90_per_1k_s"), r.p90_per_1k_s, fmtMs))));
     }
+    // Like with like: a hit against a miss of the same prompt length (the server's buckets).
+    const lengths = $("ttft-length").tBodies[0];
+    lengths.replaceChildren();
+    const byLength = Object.entries((status.service || {}).ttft_by_length || {});
+    for (const [label, b] of byLength) {
+      const cells = ["miss", "device", "host", "disk", "remote"].map((s) => el("td", { title: `${b.requests[s]} requests` },
+        num(`status.service.ttft_by_length.${label}.p50_s.${s}`, b.p50_s[s], fmtMs)));
+      lengths.append(el("tr", { "data-length": label }, el("td", {}, label), ...cells));
+    }
+    if (!byLength.length) {
+      lengths.append(el("tr", {}, el("td", { colspan: 6, class: "muted" }, "no prompt length has had both a miss and a hit yet")));
+    }
   }
 
   function drawChart() {
@@ -392,9 +404,11 @@
     if (needsKey && !sessionStorage.getItem(KEY)) { askForKey(""); return; }
     // A server without keys puts its status (with the recent hit history) in the page itself, so
     // the first paint shows the cache, not "connecting"; the polls take over from there.
+    // Its billing and prefix tree too: the Tenants and Cached prefixes panels are filled at once.
     const initial = $("initial") && $("initial").textContent.trim();
     if (initial) {
-      render(JSON.parse(initial), true, null, null);
+      const first = JSON.parse(initial);
+      render(first.status, true, first.billing, first.tree);
       $("updated").textContent = "as of " + new Date().toLocaleTimeString();
     }
     poll();

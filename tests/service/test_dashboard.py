@@ -12,6 +12,7 @@ both. Without them these tests fail and say so; they never skip.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import time
@@ -160,6 +161,12 @@ def test_the_page_shows_what_status_says_and_follows_new_requests(server, engine
         assert "Tenants never share blocks" in w.page.inner_text("#tree")
         assert w.page.eval_on_selector_all("#chart polyline", "els => els.length") == 4
         assert w.page.get_attribute('[data-k="status.service.ttft_by_source.device.requests"]', "data-value") == "1"
+        # Like with like (issue 40): the device hit beside the miss of the same prompt's length.
+        by_length = routes["status"]["service"]["ttft_by_length"]
+        both = [k for k, b in by_length.items() if None not in (b["p50_s"]["device"], b["p50_s"]["miss"])]
+        assert both, by_length
+        assert w.page.is_visible(f'tr[data-length="{both[0]}"] [data-k="status.service.ttft_by_length.{both[0]}.p50_s.device"]')
+        assert "only lengths where a miss and a hit both ran" in w.page.inner_text("#ttft-section")
         w.page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
         if os.environ.get("TIEREDKV_DASHBOARD_SCREENSHOT"):       # how docs/dashboard.png is made
             w.page.screenshot(path=os.environ["TIEREDKV_DASHBOARD_SCREENSHOT"], full_page=True)
@@ -262,5 +269,28 @@ def test_the_first_paint_is_filled_from_the_servers_history(server, engine, brow
     assert len(set(ticks)) == 3, ticks                     # distinct y ticks (it read "1, 1, 0")
     assert "(the last 5 minutes" in w.page.inner_text("#main")
     assert w.page.is_visible('[data-k="status.service.ttft_by_source.device.p50_per_1k_s"]')
+    # Issue 40: the Tenants and Cached prefixes panels are filled at first paint, not empty headers.
+    assert w.page.is_visible('tr[data-tenant="acme"]')
+    assert "tiered KV cache keeps the prefixes" in w.page.inner_text("#tree")
+    with server.client() as c:
+        routes = snapshot(c)
+    keys = {k for k, _, _ in w.shown()}
+    assert {"billing.tenants.acme.requests", "tree.tenants.acme.blocks"} <= keys, keys
+    check_numbers(w, {"billing": routes["billing"], "tree": routes["tree"], "status": routes["status"]})
     assert w.errors == [] and w.foreign == [], (w.errors, w.foreign)
     w.page.close()
+
+
+def test_loading_the_page_and_its_polling_log_nothing_at_info(server, browser, caplog) -> None:
+    """Issue 40: a dashboard left open must not bury the request log -- its page, files and
+    fetches are DEBUG lines (INFO only under serve --log-probes)."""
+    caplog.set_level(logging.DEBUG, logger="tieredkv.requests")
+    w = Watched(browser, server.url)
+    w.page.goto(server.url + "/dashboard")
+    w.wait_polls(2)
+    w.page.close()
+    lines = [r for r in caplog.records if r.name == "tieredkv.requests"]
+    paths = {r.request_fields["path"] for r in lines}
+    assert {"/dashboard", "/dashboard/dashboard.js", "/v1/cache/status"} <= paths, paths
+    info = [r.getMessage() for r in lines if r.levelno >= logging.INFO]
+    assert info == [], f"a dashboard load logged at INFO: {info}"
