@@ -45,10 +45,13 @@ DEFAULT_MODEL = DEFAULT_MODEL_NAME
 TIERS = ("device", "host", "disk", "remote")
 TENANT = "demo"
 SYSTEM = "You are Halden's support assistant. Answer from the manual, in one or two sentences."
+# Questions the default model (SmolLM2-135M) answers right from the document, greedy (checked
+# 2026-11-29: "dry cloth", "self-consumption"); it got "E04" and the charging temperature wrong
+# ("100 degrees Celsius"), and a showcase that answers wrong undersells what it shows.
 QUESTIONS = (
     "How long is the warranty, and what does it cover?",
-    "What does error code E04 mean, and what should I do?",
-    "Below which temperature does the battery stop charging?",
+    "What should I wipe the vents with?",
+    "Which mode saves most homes the most money?",
 )
 CHAT_SYSTEM = "You are a friendly, concise assistant."
 CHAT_TURNS = (
