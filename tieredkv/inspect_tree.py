@@ -125,13 +125,34 @@ def identify(namespaces: set[bytes], block_sizes: set[int], tenants: Iterable[st
 
 
 def load_decoder(model_dir: str | None) -> Callable[[list[int]], str] | None:
-    """A model directory's tokenizer as a decode function, or None when it cannot be loaded (the
-    one place inspect imports transformers: --tree's text previews)."""
+    """A model directory's tokenizer as a decode function, or None when it cannot be loaded: --tree's
+    text previews. Its tokenizer.json read by the `tokenizers` library alone (~0.1 s) where the
+    config asks for no clean-up of spaces (AutoTokenizer's decode is then the same call); else
+    transformers' AutoTokenizer, whose import and load took ~7.7 s of a 120-block tree's 8.3 s."""
     if model_dir is None or not os.path.isfile(os.path.join(model_dir, "tokenizer_config.json")):
         return None
+    fast = _tokenizers_decoder(model_dir)
+    if fast is not None:
+        return fast
     try:
         from transformers import AutoTokenizer
         tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    except Exception:
+        return None
+    return lambda ids: tok.decode(ids, skip_special_tokens=False)
+
+
+def _tokenizers_decoder(model_dir: str) -> Callable[[list[int]], str] | None:
+    """The decode of the directory's tokenizer.json through `tokenizers`, or None where that would
+    differ from AutoTokenizer's (clean_up_tokenization_spaces) or cannot be read."""
+    import json
+    path = os.path.join(model_dir, "tokenizer.json")
+    try:
+        with open(os.path.join(model_dir, "tokenizer_config.json"), encoding="utf-8") as f:
+            if json.load(f).get("clean_up_tokenization_spaces", False) or not os.path.isfile(path):
+                return None
+        from tokenizers import Tokenizer
+        tok = Tokenizer.from_file(path)
     except Exception:
         return None
     return lambda ids: tok.decode(ids, skip_special_tokens=False)
