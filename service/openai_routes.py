@@ -44,6 +44,7 @@ async def completions(request: Request) -> Any:
     c = ctx(request)
     c.authenticate(request)
     req = await parse_body(request, CompletionRequest)
+    record(request).cache_key = req.prompt_cache_key
     caller = c.caller(request, req.user)
     c.check_model(req.model)
     params = _params(req, COMPLETIONS_DEFAULT_MAX_TOKENS)
@@ -68,6 +69,7 @@ async def chat_completions(request: Request) -> Any:
     c = ctx(request)
     c.authenticate(request)
     req = await parse_body(request, ChatRequest)
+    record(request).cache_key = req.prompt_cache_key
     caller = c.caller(request, req.user)
     c.check_model(req.model)
     params = _params(req, c.settings.default_chat_max_tokens)

@@ -1,7 +1,7 @@
 """One log line per HTTP request, on the logger `tieredkv.requests`.
 
 Knows: what a line says -- request id, tenant, method and path, status, prompt and completion
-tokens, hit tokens by tier, TTFT, the whole request's time, and for an error the reason the
+tokens, hit tokens by tier, TTFT, the whole request's time, the prompt_cache_key when given, and for an error the reason the
 client was given -- and where the parts come from: the routes and the error handlers note them
 on the request (`record(request)`, kept in the ASGI scope's state), and `RequestLog`, the
 outermost middleware, writes the line once the response is sent (a stream: after its last
@@ -48,6 +48,7 @@ class RequestRecord:
     usage: Any = None                  # engine.outputs.Usage
     ttft_s: float | None = None
     reason: str | None = None          # an error's message, as the client got it
+    cache_key: str | None = None       # the body's prompt_cache_key, when given
 
     def finished(self, request_id: str, usage: Any, metrics: Any) -> None:
         self.request_id = request_id
@@ -88,6 +89,8 @@ def fields_of(method: str, path: str, status: int, rec: RequestRecord, header_id
     if rec.ttft_s is not None:
         fields["ttft_ms"] = round(rec.ttft_s * 1e3, 1)
     fields["time_ms"] = round(elapsed_s * 1e3, 1)
+    if rec.cache_key is not None:
+        fields["cache_key"] = shown(rec.cache_key)
     if status >= 400 or rec.reason is not None:
         fields["reason"] = rec.reason          # None: the error came from nowhere that said why
     return fields

@@ -18,6 +18,10 @@ string. Nothing is silently ignored (issue 17):
   other than text, audio, prediction, reasoning_effort, metadata, store=true, service_tier,
   web_search_options, verbosity, a message's name, stream_options without stream, chat
   top_logprobs without logprobs.
+- OpenAI's prompt caching fields: `prompt_cache_key` (a string of at most 256 characters) is
+  written in the request log line and keeps a key's requests on one backend behind `tieredkv
+  route` (service/router/sticky.py); `prompt_cache_retention` "in_memory" is what the cache does
+  anyway, "24h" is refused (retention beyond the cache's LRU is not supported yet), anything else too.
 - Any other field (nested ones too, such as messages[0].foo) is unknown: a 400
   "Unrecognized request argument supplied: <name>" (OpenAI's words) -- unless the server runs
   with ServiceSettings(unknown_fields="ignore") (`tieredkv serve --lenient-fields`, vLLM's
@@ -38,6 +42,7 @@ from service.prompt_field import Prompts, check_prompt, check_prompts
 
 
 MAX_LOGPROBS = 20          # top log-probabilities per token, as OpenAI's chat and vLLM's default
+MAX_CACHE_KEY_CHARS = 256  # prompt_cache_key's length bound
 
 # extra="forbid": an unknown field is an error that parse_body reports (or, in lenient mode, drops:
 # service/body_parsing.py).
@@ -121,6 +126,8 @@ class _GenerationRequest(BaseModel):
     presence_penalty: float | None = None
     logit_bias: dict[str, Any] | None = None
     ignore_eos: bool | None = None           # extension (vLLM's)
+    prompt_cache_key: str | None = None      # OpenAI's: logged; the router keeps a key on one backend
+    prompt_cache_retention: str | None = None    # OpenAI's: "in_memory" only (the cache's LRU)
     # Refused (any value but null): constrained decoding is not implemented.
     guided_json: Any = REFUSED
     guided_regex: Any = REFUSED
@@ -135,6 +142,23 @@ class _GenerationRequest(BaseModel):
     def _no_guided(cls, v: Any) -> Any:
         if v is not None:
             raise ValueError("guided (constrained) decoding is not supported by this server")
+        return v
+
+    @field_validator("prompt_cache_key")
+    @classmethod
+    def _cache_key(cls, v: str | None) -> str | None:
+        if v is not None and not 0 < len(v) <= MAX_CACHE_KEY_CHARS:
+            raise ValueError(f"expected a string of 1 to {MAX_CACHE_KEY_CHARS} characters, got {len(v)}")
+        return v
+
+    @field_validator("prompt_cache_retention")
+    @classmethod
+    def _retention(cls, v: str | None) -> str | None:
+        if v == "24h":
+            raise ValueError('"24h" is not supported yet: cached prefixes live as long as the cache\'s LRU '
+                             'keeps them (use "in_memory")')
+        if v not in (None, "in_memory"):
+            raise ValueError(f'expected "in_memory", got {v!r}')
         return v
 
     @field_validator("stop", mode="before")

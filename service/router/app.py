@@ -13,7 +13,7 @@ run with --lenient-fields), and its 400 is relayed. Every answer of the router's
 OpenAI's JSON error body, an exception that escapes a route included (a 500). A client that
 leaves (before its body was read, before its answer began, mid-stream) is a 499 nobody reads,
 counted and said in one INFO line (proxy.client_gone), never a 500 or a traceback. Every request
-is one line of the router's request log (request_log.py: id, tenant, backend).
+is one line of the router's request log (request_log.py: id, tenant, backend, cache_key).
 Doesn't know: how a backend is chosen (policy.py) or forwarded to (proxy.py).
 """
 from __future__ import annotations
@@ -39,6 +39,7 @@ from service.router.metrics import RouterMetrics
 from service.router.policy import Policy
 from service.router.proxy import Proxy, error
 from service.router.request_log import RouterRequestLog, note_prompt
+from service.request_log import scope_record
 from service.router.settings import RouterSettings
 from service.body_parsing import check_json_content_type, decode_json_object
 
@@ -105,13 +106,18 @@ def create_router_app(settings: RouterSettings) -> FastAPI:
             router.proxy.client_gone("body", what)
             return ClientGone("body", "the client disconnected before its body was read").response()
         headers = dict(request.headers)
+        # OpenAI's prompt_cache_key: the backend validates it (a 400 is relayed); a string is logged
+        # and keeps the key's requests on one backend (sticky.py).
+        cache_key = doc.get("prompt_cache_key")
+        cache_key = cache_key if isinstance(cache_key, str) and cache_key else None
+        scope_record(request.scope).cache_key = cache_key
 
         async def routed() -> Response:
             blocks = await router.proxy.prompt_blocks(chat, doc, headers)
             if blocks is not None:
                 note_prompt(request.scope, blocks.tenant, blocks.prompt_tokens)
             return await router.proxy.forward("POST", request.url.path, body, headers, blocks,
-                                              sse=doc.get("stream") is True)
+                                              sse=doc.get("stream") is True, cache_key=cache_key)
         # A client that leaves before its answer begins: the forward is cancelled (its connection to
         # the backend closed, so the backend aborts the request), counted, one INFO line.
         work = asyncio.ensure_future(routed())

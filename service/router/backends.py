@@ -122,6 +122,7 @@ class BackendSet:
                                timeout_s=health_timeout_s, api_key=api_key, clock=clock)
         self._zmq = zmq.asyncio.Context()
         self._task: asyncio.Task | None = None
+        self.on_out: list[Callable[[Backend], None]] = []    # told when a backend leaves rotation
 
     def healthy(self) -> list[Backend]:
         return [b for b in self.backends if b.healthy]
@@ -172,6 +173,7 @@ class BackendSet:
         b.healthy = False
         b.was_down = True
         b.last_error = reason
+        self._left(b)
 
     def eject(self, b: Backend, reason: str, label: str, *, request: bool = False) -> None:
         """Out of rotation until a probe passes (ejection.py). A request's failure (`request`)
@@ -187,6 +189,11 @@ class BackendSet:
                         "it stays in rotation", b.url, label, reason)
             return
         self.ejector.eject(b, reason, label)
+        self._left(b)
+
+    def _left(self, b: Backend) -> None:
+        for tell in self.on_out:
+            tell(b)
 
     async def check(self, b: Backend) -> None:
         if b.ejected and not self.ejector.due(b):
@@ -247,6 +254,7 @@ class BackendSet:
             self.ejector.probe_failed(b, reason)
         else:
             self.ejector.eject(b, reason, label)
+            self._left(b)
 
     async def _reset_events(self, b: Backend) -> None:
         if b.subscriber is not None:

@@ -14,6 +14,9 @@ hit: waiting behind a queued prefill and computing the same prefill elsewhere ta
 but only the first leaves one copy of the prefix and the machine's work smaller. The cheapest
 backend wins; ties go to the longer prefix, then the fewest in flight (a miss everywhere: the
 least loaded), then the fewest routed so far, then list order.
+A `sticky` backend (the one a request's prompt_cache_key sticks to: sticky.py) is credited the
+whole prompt: its miss counts as 0 and it wins ties, but its load terms stay, so a sticky backend
+loaded past another's whole miss plus load loses the request to the cost rule as any other would.
 Doesn't know: where the prefixes come from (index.py) or HTTP.
 """
 from __future__ import annotations
@@ -60,7 +63,7 @@ class Choice:
 
 
 def choose(policy: Policy, candidates: list[Candidate], prefixes: dict[str, list[int]], prompt_tokens: int,
-           block_size: int) -> Choice:
+           block_size: int, sticky: str | None = None) -> Choice:
     """The cheapest candidate; `prefixes[name]` lists the medium rank (index into MEDIA) of each
     block of its cached prefix. `candidates` must not be empty."""
     if not candidates:
@@ -71,8 +74,9 @@ def choose(policy: Policy, candidates: list[Candidate], prefixes: dict[str, list
         ranks = prefixes.get(c.name, [])
         held = block_size * sum(weight[r] for r in ranks)
         miss = max(0.0, prompt_tokens - held)
-        cost = miss + policy.queue_weight * c.pending_tokens + policy.in_flight_tokens * c.in_flight
-        key = (cost, -held, c.in_flight, c.routed, order)
+        stuck = c.name == sticky
+        cost = (0.0 if stuck else miss) + policy.queue_weight * c.pending_tokens + policy.in_flight_tokens * c.in_flight
+        key = (cost, not stuck, -held, c.in_flight, c.routed, order)
         if best is None or key < best[0]:
             best = (key, Choice(c.name, len(ranks) * block_size, round(miss), cost))
     assert best is not None

@@ -6,7 +6,8 @@ hashes are namespaced by the tenant, which only a backend derives); when that fa
 body, a bad key, an older backend -- the request is routed as a miss and the backend it reaches
 gives the client the real error. (2) The policy picks a backend among the healthy ones not
 tried yet; the prompt's blocks are predicted onto it at once (index.predict), so the next
-request for the same new prefix follows. (3) The request goes out with the client's headers
+request for the same new prefix follows; a request with a `prompt_cache_key` sticks to the backend
+its key's last request went to while that one is in rotation (sticky.py; policy.py weighs it). (3) The request goes out with the client's headers
 (Authorization included; hop-by-hop ones dropped) and the router waits for the answer's status
 line, then for the answer to be judged (relay.py: a whole body, or a stream's first event).
 A 503 (the backend is shutting down) or a 429 (its queue is full) sends the request to the
@@ -38,6 +39,7 @@ from service.router.index import PrefixIndex
 from service.router.metrics import RouterMetrics
 from service.router.policy import Candidate, Choice, Policy, choose
 from service.router.relay import Refused, receive
+from service.router.sticky import StickyMap, tenant_of
 
 log = logging.getLogger("tieredkv.router")
 HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
@@ -91,8 +93,10 @@ class InFlight:
 
 class Proxy:
     def __init__(self, backends: BackendSet, index: PrefixIndex, policy: Policy, metrics: RouterMetrics,
-                 client: httpx.AsyncClient, hash_timeout_s: float = 30.0) -> None:
+                 client: httpx.AsyncClient, hash_timeout_s: float = 30.0, sticky: StickyMap | None = None) -> None:
         self.backends = backends
+        self.sticky = sticky if sticky is not None else StickyMap(index.prediction_ttl_s)
+        backends.on_out.append(lambda b: self.sticky.drop_backend(b.name))
         self.index = index
         self.policy = policy
         self.metrics = metrics
@@ -147,26 +151,31 @@ class Proxy:
         return blocks
 
     # ---- (2)-(4) choose, send, relay -----------------------------------------------------
-    def _choose(self, blocks: PromptBlocks | None, tried: set[str]) -> tuple[Backend, Choice] | None:
+    def _choose(self, blocks: PromptBlocks | None, tried: set[str],
+                sticky_key: tuple[str, str] | None = None) -> tuple[Backend, Choice] | None:
         up = [b for b in self.backends.healthy() if b.name not in tried]
         if not up:
             return None
         candidates = [Candidate(b.name, b.in_flight, b.routed, b.pending_tokens) for b in up]
+        stuck = None if sticky_key is None else self.sticky.get(sticky_key, {b.name for b in up})
         if blocks is None:
-            choice = choose(self.policy, candidates, {}, 0, 1)
+            choice = choose(self.policy, candidates, {}, 0, 1, sticky=stuck)
         else:
             prefixes = self.index.prefix(blocks.hashes, [c.name for c in candidates])
-            choice = choose(self.policy, candidates, prefixes, blocks.prompt_tokens, blocks.block_size)
+            choice = choose(self.policy, candidates, prefixes, blocks.prompt_tokens, blocks.block_size, sticky=stuck)
         return self.backends.by_name(choice.backend), choice
 
     async def forward(self, method: str, path: str, body: bytes, headers: dict[str, str],
-                      blocks: PromptBlocks | None = None, sse: bool = False) -> Response:
+                      blocks: PromptBlocks | None = None, sse: bool = False, cache_key: str | None = None) -> Response:
+        """`cache_key`: the body's prompt_cache_key (a string), if any."""
+        sticky_key = None if cache_key is None else \
+            (tenant_of(blocks.tenant if blocks is not None else None, headers), cache_key)
         out_headers = {k: v for k, v in headers.items() if k.lower() not in HOP_BY_HOP}
         kind = answers.kind_of(method, path)
         tried: set[str] = set()
         last_error: Response | None = None       # the last backend's own (good) error answer
         while True:
-            picked = self._choose(blocks, tried)
+            picked = self._choose(blocks, tried, sticky_key)
             if picked is None:
                 if last_error is not None:
                     return last_error
@@ -179,6 +188,8 @@ class Proxy:
             tried.add(b.name)
             if blocks is not None:
                 self.index.predict(b.name, blocks.hashes)
+            if sticky_key is not None:
+                self.sticky.set(sticky_key, b.name)
             b.routed += 1
             release = InFlight(b, choice.miss_tokens)
             upstream: httpx.Response | None = None

@@ -6,7 +6,8 @@ time_ms=12.5`. The id is the one the backend made (its answer's x-request-id: th
 own line and the client's body carry), else the client's X-Request-Id; the tenant is the one the
 backend named when the router asked it for the prompt's block hashes (the router derives none
 itself: "-" when it did not ask, or the asking failed); the backend is the one that answered
-(the answer's X-Tieredkv-Backend), "-" when none did. A stream's line is written after its last
+(the answer's X-Tieredkv-Backend), "-" when none did; `cache_key=` the body's prompt_cache_key,
+only when it has one. A stream's line is written after its last
 chunk. uvicorn's own access line is off (service/router/server.py): this one replaces it.
 Levels as a server's: INFO, WARNING for a 5xx, DEBUG for a successful probe (/health, /metrics)
 unless `log_probes` (`route --log-probes`).
