@@ -39,6 +39,9 @@ FILE_NAME = "fleet.secret"
 MIN_SECRET_BYTES = 32
 TAG_SIZE = 32
 KEY_ID_SIZE = 8
+SEAL_SIZE = KEY_ID_SIZE + TAG_SIZE     # a sealed span's head: key id, then the seal
+FOREIGN = "sealed under another fleet secret"                              # FleetSecret.open's answers
+NOT_VERIFIED = "seal does not verify under the fleet secret (forged or damaged)"
 # BLAKE3 key-derivation contexts: hard-coded, globally unique, never changed (a change re-keys
 # every fleet: all its sealed values become foreign).
 _MAC_CONTEXT = "tieredkv 2026-11-29 block seal MAC key"
@@ -82,6 +85,20 @@ class FleetSecret:
     def check(self, name: bytes, data: bytes | memoryview, tag: bytes | memoryview) -> bool:
         """True when `tag` is this secret's seal of `data` named `name` (constant-time compare)."""
         return hmac.compare_digest(self.seal(name, (data,)), bytes(tag))
+
+    def head(self, name: bytes, parts: Iterable[bytes | memoryview]) -> bytes:
+        """What goes before `parts` in a sealed span: this secret's key id, then its seal."""
+        return self.key_id + self.seal(name, parts)
+
+    def open(self, name: bytes, sealed: memoryview) -> tuple[memoryview | None, str | None]:
+        """The data after a sealed span's head (a view) when the head is this secret's seal of it
+        for `name`; else (None, FOREIGN) for another secret's key id, (None, NOT_VERIFIED) for a
+        seal that does not hold. `sealed` holds at least SEAL_SIZE bytes."""
+        if bytes(sealed[:KEY_ID_SIZE]) != self.key_id:
+            return None, FOREIGN
+        if not self.check(name, sealed[SEAL_SIZE:], sealed[KEY_ID_SIZE:SEAL_SIZE]):
+            return None, NOT_VERIFIED
+        return sealed[SEAL_SIZE:], None
 
 
 def default_secret_path() -> str:

@@ -20,9 +20,7 @@ import os
 import stat
 from dataclasses import dataclass
 
-from storage.fleet_secret import KEY_ID_SIZE, TAG_SIZE, FleetSecret
-
-SEAL_SIZE = KEY_ID_SIZE + TAG_SIZE     # bytes before the payload in a sealed record
+from storage.fleet_secret import FOREIGN, SEAL_SIZE, FleetSecret   # SEAL_SIZE: bytes before a record's payload
 
 
 def shared_directory(path: str) -> str | None:
@@ -43,15 +41,9 @@ class DiskSeal:
     """Seals and opens one store's records. Immutable: any thread."""
     secret: FleetSecret
 
-    def parts(self, block_hash: bytes, namespace: bytes, payload: bytes | memoryview
-              ) -> tuple[bytes, bytes | memoryview]:
-        """The record's parts, in order: the seal's head, then the payload as given (joined by
-        the put: LMDB copies a value once whatever it is)."""
-        tag = self.secret.seal(block_hash + namespace, (payload,))
-        return self.secret.key_id + tag, payload
-
     def record(self, block_hash: bytes, namespace: bytes, payload: bytes | memoryview) -> bytes:
-        return b"".join(self.parts(block_hash, namespace, payload))
+        """The stored record: the seal's head, then the payload."""
+        return b"".join((self.secret.head(block_hash + namespace, (payload,)), payload))
 
     def open(self, block_hash: bytes, namespace: bytes, stored: bytes | memoryview
              ) -> tuple[memoryview | None, str | None]:
@@ -59,11 +51,10 @@ class DiskSeal:
         mv = memoryview(stored)
         if len(mv) < SEAL_SIZE:
             return None, "sealed record too short"
-        if bytes(mv[:KEY_ID_SIZE]) != self.secret.key_id:
+        payload, problem = self.secret.open(block_hash + namespace, mv)
+        if problem == FOREIGN:      # here, not another fleet's to leave alone: a record we cannot vouch for
             return None, "record not sealed under this fleet secret (written unsealed, or under another secret)"
-        if not self.secret.check(block_hash + namespace, mv[SEAL_SIZE:], mv[KEY_ID_SIZE:SEAL_SIZE]):
-            return None, "seal does not verify under the fleet secret (forged or damaged)"
-        return mv[SEAL_SIZE:], None
+        return payload, problem
 
 
 def settle(path: str, seal: DiskSeal | None, begin, dbs, readonly: bool) -> None:

@@ -26,15 +26,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from storage.codec.stored_block import BlockMeta
-from storage.fleet_secret import KEY_ID_SIZE, TAG_SIZE, FleetSecret
+from storage.fleet_secret import FOREIGN, SEAL_SIZE, FleetSecret  # noqa: F401 -- FOREIGN: Opened.problem, re-exported
 from storage.hashing import BlockKey
 
 KEY_PREFIX = b"tkv:r2:"       # bump r2 when the value format changes: old values are then never read
 VALUE_MAGIC = b"TKR2"
 _META_LEN = struct.Struct("<I")
-_SEALED = len(VALUE_MAGIC) + KEY_ID_SIZE + TAG_SIZE     # where the sealed bytes begin
+_SEALED = len(VALUE_MAGIC) + SEAL_SIZE                  # where the sealed bytes begin
 HEAD_SIZE = _SEALED + _META_LEN.size                    # magic, key id, seal, meta length
-FOREIGN = "sealed under another fleet secret"           # Opened.problem of a foreign value
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +62,7 @@ def pack_value(key: BlockKey, payload: bytes | Sequence[bytes | memoryview], raw
     size = sum(memoryview(p).nbytes for p in parts)
     meta = BlockMeta(key.parent, key.namespace, key.token_ids, raw_size, size, time.time(), 0, 0).pack()
     body = (_META_LEN.pack(len(meta)), meta, *parts)
-    return b"".join((VALUE_MAGIC, secret.key_id, secret.seal(remote_key(key), body), *body))
+    return b"".join((VALUE_MAGIC, secret.head(remote_key(key), body), *body))
 
 
 def open_value(rkey: bytes, value: bytes | memoryview, secret: FleetSecret) -> Opened:
@@ -72,10 +71,9 @@ def open_value(rkey: bytes, value: bytes | memoryview, secret: FleetSecret) -> O
     mv = memoryview(value).cast("B") if not isinstance(value, memoryview) or value.format != "B" else value
     if len(mv) < HEAD_SIZE or bytes(mv[:4]) != VALUE_MAGIC:
         return Opened(None, None, "value framing damaged")
-    if bytes(mv[4:4 + KEY_ID_SIZE]) != secret.key_id:
-        return Opened(None, None, FOREIGN)
-    if not secret.check(rkey, mv[_SEALED:], mv[4 + KEY_ID_SIZE:_SEALED]):
-        return Opened(None, None, "seal does not verify under the fleet secret (forged or damaged)")
+    _, problem = secret.open(rkey, mv[len(VALUE_MAGIC):])
+    if problem is not None:
+        return Opened(None, None, problem)
     (n,) = _META_LEN.unpack_from(mv, _SEALED)
     if HEAD_SIZE + n > len(mv):
         return Opened(None, None, "value framing damaged")
