@@ -15,15 +15,7 @@ import httpx
 import pytest
 
 from tests.service.conftest import ServerProcess, check_usage
-
-COMPL = "/v1/completions"
-
-
-def until(cond, what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"{what} never held"
-        time.sleep(0.1)
+from tests.service.test_billing_aborted_fs import COMPL, until
 
 
 def complete(c: httpx.Client, model: str, prompt: str) -> dict:
