@@ -32,7 +32,8 @@ def shared_directory(path: str) -> str | None:
     if st.st_uid != os.geteuid():
         return f"owned by uid {st.st_uid}, not this process's {os.geteuid()}"
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        return f"mode {stat.S_IMODE(st.st_mode):04o} lets {'others' if st.st_mode & stat.S_IWOTH else 'its group'} write it"
+        who = "others" if st.st_mode & stat.S_IWOTH else "its group"
+        return f"mode {stat.S_IMODE(st.st_mode):04o} lets {who} write it"
     return None
 
 
