@@ -28,6 +28,15 @@ def until(cond, what: str, timeout: float = 60.0) -> None:
         time.sleep(0.05)
 
 
+def in_the_kernel(thread: threading.Thread) -> bool:
+    """Whether `thread` sleeps uninterruptibly (`D`: a write fault waiting for the thaw)."""
+    try:
+        with open(f"/proc/self/task/{thread.native_id}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "D"
+    except (OSError, IndexError):
+        return False
+
+
 def test_a_frozen_filesystem_holds_only_the_disk_tiers_calls_and_the_tier_comes_back(ext4) -> None:
     if shutil.which("fsfreeze") is None:
         pytest.skip("fsfreeze is not installed")
@@ -56,7 +65,12 @@ def test_a_frozen_filesystem_holds_only_the_disk_tiers_calls_and_the_tier_comes_
             threading.Thread(target=ticker, daemon=True).start()
             # The first read makes the lock file writable on its own thread: it waits out the freeze
             # there, GIL released. (Before the fix: holding the GIL, and nothing below ran.)
-            threading.Thread(target=reader, args=("first",), daemon=True).start()
+            first = threading.Thread(target=reader, args=("first",), daemon=True)
+            first.start()
+            # Seen from the kernel before anything else asks the tier: stats() hands its own touch to
+            # the tier's touch thread, and whichever touch comes first is the one that waits out the
+            # freeze (a read behind it takes its miss after the stall bound: not what this test watches).
+            until(lambda: ext4.thawed_by_guard.exists() or in_the_kernel(first), "the first read waiting in the kernel")
             until(lambda: ext4.thawed_by_guard.exists() or t.stats().writes_off is not None, "the tier stalled")
             assert not ext4.thawed_by_guard.exists(), "the process stood still until the guard thawed the filesystem"
             s = t.stats()                                                  # from memory
