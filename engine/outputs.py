@@ -8,6 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 TIERS = ("device", "host", "disk", "remote")     # storage.tiered_cache.TIERS: one vocabulary
+# Retention classes a client may buy (Anthropic's cache_control ttl "5m"/"1h", OpenAI's
+# prompt_cache_retention "24h"), shortest first; storage/retention.py holds their seconds.
+RETENTION_CLASSES = ("5m", "1h", "24h")
 
 
 @dataclass(frozen=True)
@@ -16,12 +19,26 @@ class Usage:
     completion_tokens: int
     hit_tokens_by_tier: dict[str, int]      # {"device": n, "host": n, "disk": n, "remote": n}
     prompt_cache_miss_tokens: int
+    # Retention (issue 39): prompt tokens written into the cache under a retention class (a retained
+    # span's tokens that were not read from the cache: Anthropic's cache_creation), class -> tokens;
+    # the token-seconds of retention this request bought (each retained block's deadline moved on,
+    # times its tokens); and the tokens it asked to retain that were refused (its tenant's bound or
+    # the cache's: served and cached as usual, only not kept past LRU).
+    cache_write_tokens: dict[str, int] = field(default_factory=dict)
+    retained_token_seconds: int = 0
+    retention_refused_tokens: int = 0
 
     def __post_init__(self) -> None:
         # NOTE invariant: every prompt token is billed exactly once, by its origin.
         if self.prompt_cache_hit_tokens + self.prompt_cache_miss_tokens != self.prompt_tokens:
             raise AssertionError(f"usage invariant broken: hit {self.prompt_cache_hit_tokens} + miss "
                                  f"{self.prompt_cache_miss_tokens} != prompt {self.prompt_tokens}")
+        unknown = set(self.cache_write_tokens) - set(RETENTION_CLASSES)
+        if unknown:
+            raise AssertionError(f"cache_write_tokens: unknown retention class {sorted(unknown)[0]!r}")
+        if sum(self.cache_write_tokens.values()) > self.prompt_cache_miss_tokens:
+            raise AssertionError(f"cache_write_tokens {sum(self.cache_write_tokens.values())} > miss tokens "
+                                 f"{self.prompt_cache_miss_tokens}: a token written was computed")
 
     @property
     def prompt_cache_hit_tokens(self) -> int:
@@ -39,6 +56,10 @@ class Usage:
             "prompt_cache_hit_tokens": self.prompt_cache_hit_tokens,
             "prompt_cache_miss_tokens": self.prompt_cache_miss_tokens,
             "hit_tokens_by_tier": dict(self.hit_tokens_by_tier),
+            **({"cache_write_tokens": dict(self.cache_write_tokens),
+                "retained_token_seconds": self.retained_token_seconds,
+                "retention_refused_tokens": self.retention_refused_tokens}
+               if self.cache_write_tokens or self.retained_token_seconds or self.retention_refused_tokens else {}),
         }
 
 
