@@ -64,10 +64,21 @@ class Cascade:
         for upper, lower in zip(tiers.lower, tiers.lower[1:]):
             upper.on_commit(lambda committed, lower=lower: self.forward(lower, committed))
 
+    @property
+    def retained(self) -> Callable[[bytes], bool]:
+        """Whether a block is retained (storage/cache_retention.py sets it where the disk keeps
+        retained blocks): such a block is written through, whatever the policy, and its
+        write-behind waits for room below rather than drop it."""
+        return self.writeback.retained
+
+    @retained.setter
+    def retained(self, live: Callable[[bytes], bool]) -> None:
+        self.writeback.retained = live
+
     # ---- under pressure (engine thread, lock held) --------------------------------------------
     def registered(self, key: BlockKey, page: int) -> None:
-        """A block was just computed into `page`: under write-through it goes down now."""
-        if self.write_through:
+        """A block was just computed into `page`: under write-through (or retained) it goes down now."""
+        if self.write_through or self.writeback.retained(key.hash):
             self.device_to_host([(key, page)], through=True)
 
     def device_evicted(self, blocks: list[tuple[BlockKey, int]]) -> None:

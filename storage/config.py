@@ -129,6 +129,11 @@ class CacheConfig:
     # others can write (shared between users or containers), which is refused unsealed. Costs a
     # keyed BLAKE3 pass per block written and read (~2.3 GB/s a core here).
     seal_disk: bool = False
+    # Retention (issue 39): what clients may keep past LRU (cache_control ttl, prompt_cache_retention
+    # "24h") in the lowest local tier (the disk, else the host slab). None: half of that tier; it
+    # must stay below it, so unretained traffic always has room. Per tenant, None: the whole bound.
+    max_retained: int | str | None = None
+    max_retained_per_tenant: int | str | None = None
     # Every call to the store is bounded by this (connect and read). Short: a lookup waits for
     # it, and a slow store must cost less than recomputing (a 16-token block takes ~ms).
     remote_timeout_s: float = 0.5
@@ -186,6 +191,8 @@ class CacheConfig:
     disk_bytes: int = field(init=False, repr=False, compare=False)
     disk_reserve_bytes: int = field(init=False, repr=False, compare=False)
     remote: RemoteURL | None = field(init=False, compare=False)   # remote_url parsed (password redacted in repr)
+    max_retained_bytes: int | None = field(init=False, repr=False, compare=False)
+    max_retained_per_tenant_bytes: int | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or not 1 <= self.block_size <= 4096:
@@ -194,6 +201,14 @@ class CacheConfig:
         object.__setattr__(self, "host_bytes", parse_size(self.host_memory, "host_memory"))
         object.__setattr__(self, "disk_bytes", parse_size(self.disk_capacity, "disk_capacity"))
         object.__setattr__(self, "disk_reserve_bytes", parse_size(self.disk_reserve, "disk_reserve"))
+        for name in ("max_retained", "max_retained_per_tenant"):
+            v = getattr(self, name)
+            object.__setattr__(self, f"{name}_bytes", None if v is None else parse_size(v, name))
+        lowest = ("disk_capacity", self.disk_bytes) if self.disk_dir is not None else ("host_memory", self.host_bytes)
+        if self.max_retained_bytes is not None and self.max_retained_bytes and self.max_retained_bytes >= lowest[1]:
+            raise ValueError(f"max_retained: {self.max_retained_bytes} bytes must stay below {lowest[0]} "
+                             f"({lowest[1]} bytes), the tier retained blocks are kept in, so unretained "
+                             "traffic always has room (0: no retention)")
         if self.device_bytes == 0:
             raise ValueError("device_memory: must be > 0 (the device pool holds the running sequences)")
         if self.disk_dir is not None and (not isinstance(self.disk_dir, (str, os.PathLike)) or not str(self.disk_dir)):

@@ -70,6 +70,11 @@ class HostTier:
         self._gen = [0] * self.num_slots   # per slot: bumped whenever its block leaves it
         self._said = [False] * self.num_slots   # per slot: its block's BlockStored was said (commit)
         self.evictions = 0
+        # Retention where the slab is the lowest local tier (storage/retention.py): a block `keep`
+        # says is retained is passed over by evict_lru (moved to the MRU end); at most `keep_bound`
+        # slots hold such blocks (the retention's bound), so reservable() leaves them out.
+        self.keep: Callable[[bytes], bool] | None = None
+        self.keep_bound = 0
 
     @property
     def enabled(self) -> bool:
@@ -124,7 +129,7 @@ class HostTier:
     def reservable(self) -> int:
         """Slots a `reserve` could hand out now (free, or holding an unpinned block): a batch of
         at most this many reserves never evicts a slot the same batch reserved."""
-        return self.num_slots - self._pinned
+        return max(0, self.num_slots - self._pinned - self.keep_bound)
 
     def reserve(self, block: BlockKey) -> int | None:
         """A slot for `block` (its old slot if it is already here: callers look it up first, and a
@@ -158,11 +163,22 @@ class HostTier:
         return out
 
     def evict_lru(self) -> bool:
-        """Evict the least recently used block no reader pins now (through `on_evict`). False
-        when every block is pinned (nothing evicted)."""
+        """Evict the least recently used block no reader pins now and no retention keeps (through
+        `on_evict`). False when every block is pinned or kept (nothing evicted)."""
         # NOTE invariant: capacity holds because a slot is only reused after its block left, and
         # a pinned slot is skipped: its reader's copy is still running (see the module's note).
-        h = next((h for h, slot in self._lru.items() if not self._readers[slot]), None)
+        kept: list[bytes] = []
+        h = None
+        for cand, slot in self._lru.items():
+            if self._readers[slot]:
+                continue
+            if self.keep is not None and self.keep(cand):
+                kept.append(cand)         # retained: passed over, to the MRU end below
+                continue
+            h = cand
+            break
+        for k in kept:
+            self._lru.move_to_end(k)
         if h is None:
             return False
         slot = self._lru.pop(h)

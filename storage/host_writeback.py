@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterable
+from typing import Callable, Iterable
 
 from storage.hashing import BlockKey
 from storage.lower_tier import private_copy
@@ -32,6 +32,8 @@ from storage.tiers import Tiers
 from storage.transfer import Transfer
 
 log = logging.getLogger(__name__)
+
+_RETAINED_WAIT_S = 30.0   # the most a retained block waits for room in the disk's queue
 
 
 class HostWriteBack:
@@ -43,6 +45,7 @@ class HostWriteBack:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tieredkv-host-writeback",
                                         initializer=background_priority)
         self.written = 0                          # blocks queued below by the worker (tiers' lock)
+        self.retained: Callable[[bytes], bool] = lambda h: False   # retained blocks wait for room below
 
     def submit(self, keys: Iterable[BlockKey]) -> int:
         """Write these host blocks down behind the caller (under the tiers' lock): those still
@@ -79,7 +82,10 @@ class HostWriteBack:
             with t.lock:                      # kept only if the slot still holds the block
                 kept = [(key, block) for (key, slot, gen, _), block in zip(jobs, copies)
                         if t.host.slot_of(key) == slot and t.host.generation(slot) == gen]
-            queued = [key for key, block in kept if below.put(key, block, wait=False)]
+            # A retained block waits for room in a local tier's queue (this thread's own wait, no
+            # lock held): the disk keeps it past its deadline only once it has it.
+            queued = [key for key, block in kept
+                      if below.put(key, block, wait=below.local and self.retained(key.hash), timeout=_RETAINED_WAIT_S)]
             with t.lock:
                 for _ in queued:
                     t.count_write(below.name)

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, Protocol, Sequence, runtim
 
 from storage.cancellation import Cancellation
 from storage.hashing import BlockKey
+from storage.retention import RetainRow
 
 if TYPE_CHECKING:      # the disk tier opened for inspection (`tieredkv inspect`, `verify`) loads no torch
     import torch
@@ -157,6 +158,17 @@ class LowerTier(Protocol):
         tier stored (on its writer's thread), so the tier below is written from them (encoded
         once). False: this tier forwards nothing."""
         return False
+
+    def retain(self, rows: Sequence[RetainRow]) -> bool:
+        """Keep these retention deadlines (storage/retention.py) with the blocks, so that this
+        tier, evicting, passes a block over until its deadline, also after a restart. False: this
+        tier keeps none (a store shared over a link: retention is the lowest local tier's)."""
+        return False
+
+    def open_retention(self, clock: Callable[[], float]) -> list[RetainRow]:
+        """Once, at start: the retention deadlines this tier kept (a restart's), and the clock
+        (wall-clock seconds) its deadlines are judged by from now on."""
+        return []
 
     def read_late(self) -> None:
         """A read from this tier outlived the deadline of the load waiting for it (storage/

@@ -26,11 +26,12 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass, replace
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from storage.cache_events import CacheEvents
+from storage.cache_retention import CacheRetention
 from storage.cascade import Cascade
 from storage.config import CacheConfig
 from storage.device_pool import DevicePool
@@ -70,12 +71,12 @@ class CacheMatch:
         return out
 
 
-class TieredKVCache(SharedPages, CacheEvents, NamedTiers):
+class TieredKVCache(SharedPages, CacheEvents, CacheRetention, NamedTiers):
     def __init__(self, layout: BlockLayout, config: CacheConfig, device: str | torch.device = "cpu",
                  num_pages: int | None = None, disk: LowerTier | None = None, transfer: Transfer | None = None,
-                 remote: LowerTier | None = None) -> None:
+                 remote: LowerTier | None = None, clock: Callable[[], float] | None = None) -> None:
         """`disk`, `remote`: tiers built already (tests, tools); else CacheConfig's are built
-        (storage/tier_wiring.py)."""
+        (storage/tier_wiring.py). `clock`: wall-clock seconds for retention deadlines (tests)."""
         if layout.block_size != config.block_size:
             raise ValueError(f"layout block_size {layout.block_size} != config block_size {config.block_size}")
         self.layout = layout
@@ -101,6 +102,7 @@ class TieredKVCache(SharedPages, CacheEvents, NamedTiers):
         self.cascade = Cascade(self.tiers, write_through=wired.write_through,
                                link_timeout_s=config.remote_timeout_s)
         self.loader = Loader(self.tiers)
+        self._start_retention(clock)       # storage/cache_retention.py: deadlines read back
         # A planner needs a figure before the first fill: a few ms of host copies and one decode.
         self.tiers.rates.calibrate(layout, wired.codec, self.device)
         if config.kv_events is not None:

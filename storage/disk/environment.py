@@ -85,7 +85,7 @@ def open_env(path: str, map_size: int, readonly: bool) -> tuple[lmdb.Environment
     # a stored block is one run of contiguous overflow pages (~0.1-1 MB), read whole; with
     # readahead off (MADV_RANDOM) a cold read faulted it in 4 KiB at a time -- a burst of two
     # 2048-token restores from a cold page cache took 1.1-1.4 s instead of 0.18-0.42 s.
-    env = lmdb.open(path, map_size=map_size, max_dbs=4, readonly=readonly, readahead=True, max_readers=_MAX_READERS)
+    env = lmdb.open(path, map_size=map_size, max_dbs=5, readonly=readonly, readahead=True, max_readers=_MAX_READERS)
     try:
         # NOTE: before any read through the map -- a damaged page pointer past the file's end
         # makes LMDB's first read of it a SIGBUS (storage/disk/pagewalk.py). A file truncated

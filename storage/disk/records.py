@@ -6,6 +6,7 @@ Databases in the environment directory:
     payload  hash -> codec payload (storage/codec/payload.py)
     meta     hash -> BlockMeta (parent, namespace, token ids, sizes, created, last access seq, reads)
     lru      8-byte big-endian access sequence || hash -> b""   (key order == LRU order)
+    retain   hash -> each tenant's retention deadline on the block (storage/disk/retained.py)
     info     b"counters" -> used bytes, blocks, raw bytes, next sequence; b"format" -> version;
              b"capacity" -> the stored-bytes bound every writing process enforces;
              b"sealed" -> the key id of the fleet secret a sealed store's records carry
@@ -68,14 +69,16 @@ class StoreDamaged(DamagedEnvironment):
 
 
 class Databases(NamedTuple):
-    """The four open database handles of one environment."""
+    """The open database handles of one environment (`retain` None: a store opened read-only
+    that was written before retention, issue 39)."""
     payload: Any
     meta: Any
     lru: Any
     info: Any
+    retain: Any = None
 
 
-_NAMES = (b"payload", b"meta", b"lru", b"info")
+_NAMES = (b"payload", b"meta", b"lru", b"info", b"retain")
 
 
 def open_databases(env: lmdb.Environment, path: str, readonly: bool) -> Databases:
@@ -83,11 +86,15 @@ def open_databases(env: lmdb.Environment, path: str, readonly: bool) -> Database
     and FileNotFoundError when a readonly directory holds no disk tier."""
     if readonly:
         try:
-            dbs = Databases(*(env.open_db(n, create=False) for n in _NAMES))
+            dbs = Databases(*(env.open_db(n, create=False) for n in _NAMES[:4]))
         except lmdb.NotFoundError:
             raise FileNotFoundError(f"{path} is not a tieredkv disk tier (databases missing)") from None
         with env.begin() as txn:
             _check_format(path, txn.get(b"format", db=dbs.info))
+        try:
+            dbs = dbs._replace(retain=env.open_db(b"retain", create=False))
+        except lmdb.NotFoundError:
+            pass               # written before retention: it retains nothing
         return dbs
     if env.info()["last_pgno"] > 1:
         # NOTE: a used environment must already hold our databases. If it holds none, its main

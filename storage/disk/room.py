@@ -22,7 +22,9 @@ import lmdb
 
 from storage.disk.gate import EnvGate
 from storage.disk.index import DiskIndex
-from storage.disk.records import StoreDamaged, StoreInfo, delete_in_txn, load_info, lru_hash, lru_key, read_meta, store_info
+from storage.disk.records import (SEQ, StoreDamaged, StoreInfo, delete_in_txn, load_info, lru_hash, lru_key, read_meta,
+                                  store_info)
+from storage.disk.retained import live_deadline
 from storage.disk.verdicts import is_no_space
 
 log = logging.getLogger(__name__)
@@ -84,10 +86,12 @@ class FreeSpace:
         self.space = (free, None if current >= self._full_map else current)
 
 
-def make_room(begin: Callable, gate: EnvGate, index: DiskIndex, count: Callable[..., None], target: int) -> int:
+def make_room(begin: Callable, gate: EnvGate, index: DiskIndex, count: Callable[..., None], now: float,
+              target: int) -> int:
     """Evict LRU blocks until `target` stored bytes are freed, in a transaction of its own
     (smaller ones if even the deletes hit MapFull). Returns the bytes freed. `begin`: the writer's
-    transactions (gate.begin); `count(evictions=n)` the tier's counter."""
+    transactions (gate.begin); `count(evictions=n)` the tier's counter; `now`: wall-clock seconds
+    (retention deadlines)."""
     freed, per_txn = 0, 64
     while freed < target:
         try:
@@ -99,7 +103,7 @@ def make_room(begin: Callable, gate: EnvGate, index: DiskIndex, count: Callable[
                     limit[0] -= 1
                     return limit[0] >= 0 and before - info.used_bytes + freed < target
                 gone: list[bytes] = []
-                n = evict_in_txn(txn, gate.dbs, info, more, gone)
+                n = evict_in_txn(txn, gate.dbs, info, more, gone, now)
                 store_info(txn, gate.dbs, info)
             index.discard(gone)
         except Exception as e:
@@ -127,9 +131,17 @@ def make_room(begin: Callable, gate: EnvGate, index: DiskIndex, count: Callable[
     return freed
 
 
-def evict_in_txn(txn: lmdb.Transaction, dbs, info: StoreInfo, more: Callable[[], bool], evicted: list[bytes]) -> int:
+def evict_in_txn(txn: lmdb.Transaction, dbs, info: StoreInfo, more: Callable[[], bool], evicted: list[bytes],
+                 now: float | None = None) -> int:
     """Delete least recently used blocks while more() says so, appending their hashes to
     `evicted`. Returns how many. `dbs`: the gate's databases, read inside `txn`.
+
+    Retention (issue 39): a block a tenant retains past `now` (storage/disk/retained.py) is not
+    deleted but moved to the back of the LRU order (a new access sequence), so each retained
+    block is passed over once per walk; once the walk meets a block it moved, every block left is
+    retained and nothing more can be evicted (the caller's batch is then dropped, counted: the
+    retention bounds keep this from happening, storage/retention.py). A row whose deadlines all
+    passed is deleted and its block evicted as any other.
 
     NOTE: bounded. Each turn deletes the LRU database's first entry and proves it did (the
     next first entry is another key); one that comes back means the lru tree is out of order
@@ -139,6 +151,8 @@ def evict_in_txn(txn: lmdb.Transaction, dbs, info: StoreInfo, more: Callable[[],
     n = 0
     turns = txn.stat(dbs.lru)["entries"] + 1
     cur = txn.cursor(db=dbs.lru)
+    moved_from = info.next_seq            # a block at this sequence or later was moved by this walk
+    retains = dbs.retain if now is not None else None
     while more():
         if turns == 0:
             raise StoreDamaged("the lru database holds more entries than it says (its tree is damaged)")
@@ -147,7 +161,17 @@ def evict_in_txn(txn: lmdb.Transaction, dbs, info: StoreInfo, more: Callable[[],
             break
         first = bytes(cur.key())
         h = lru_hash(first)
+        if retains is not None and SEQ.unpack_from(first)[0] >= moved_from:
+            break                         # every block left is retained
         raw, m = read_meta(txn, dbs, h)
+        if (m is not None and retains is not None and lru_key(m.last_access, h) == first
+                and live_deadline(txn, retains, h, now) is not None):
+            cur.delete()                  # retained: to the back of the LRU order
+            m.last_access = info.next_seq
+            info.next_seq += 1
+            txn.put(h, m.pack(), db=dbs.meta)
+            txn.put(lru_key(m.last_access, h), b"", db=dbs.lru)
+            continue
         if m is not None and lru_key(m.last_access, h) == first:
             delete_in_txn(txn, dbs, h, info)     # raises StoreDamaged if it deleted nothing
             n += 1

@@ -58,6 +58,7 @@ from storage.disk.pagewalk import check_pages
 from storage.disk.records import (DISK_FORMAT_VERSION, StoreInfo, delete_in_txn, load_capacity, load_info,
                                   repair_counters, store_info)
 from storage.disk.records import recount as recount_info
+from storage.disk.retained import DiskRetention
 from storage.disk.writer import DiskWriter
 from storage.layout import BlockLayout, dtype_name
 from storage.malloc_tuning import keep_freed_memory
@@ -79,7 +80,7 @@ DEFAULT_RESERVE_BYTES = 256 << 20
 _STATUS_WAIT_S = 0.5     # stats() waits at most this for the store's counters, then answers the last ones read
 
 
-class DiskTier(DiskReads, LowerTier):
+class DiskTier(DiskReads, DiskRetention, LowerTier):
     """Blocks on disk, LRU-bounded by stored (compressed) bytes. Thread-safe.
 
     put() hands a block to a background writer thread; get()/get_many() verify before

@@ -56,7 +56,9 @@ from storage.disk.stall import DiskStalled
 from storage.disk.index import DiskIndex
 from storage.disk.pending import PendingBlock
 from storage.codec.stored_block import BlockMeta
+from storage.disk.retained import merge_in_txn
 from storage.hashing import BlockKey
+from storage.retention import RetainRow
 
 if TYPE_CHECKING:      # blocks are tensors, but nothing here makes one: `tieredkv inspect`/`verify` load no torch
     import torch
@@ -71,6 +73,7 @@ class _Batch:
     """What the writer took at once: puts and accesses, and the puts' encodings as they come."""
     items: list[PendingBlock]
     touches: dict[bytes, int]
+    retains: list[RetainRow] = field(default_factory=list)     # deadlines to write (storage/disk/retained.py)
     encoding: Encoding | None = None     # its encodes in flight, once prepared
     # Once ready: what encoded (NOTE: a payload may be a view of the encode process's memory, valid
     # until the batch after next is prepared: committed before then).
@@ -105,6 +108,8 @@ class DiskWriter(BackgroundWriter[_Batch]):
         self._pending: dict[bytes, PendingBlock] = {}   # every put not yet committed (queued or in flight)
         self._queue: deque[bytes] = deque()             # pending hashes the writer has not taken yet
         self._touches: dict[bytes, int] = {}            # hash -> reads to record, in access order
+        self._retains: list[RetainRow] = []             # retention deadlines to write with the next batch
+        self.clock: Callable[[], float] = time.time     # wall-clock seconds: retention deadlines (set by the tier)
         # NOTE: a put in the writer's hands (taken, encoding or committing) was cancelled when _pending
         # no longer maps its hash to that very PendingBlock (a delete popped it, or a new put of the
         # same hash replaced it): checked inside the commit's transaction.
@@ -178,6 +183,12 @@ class DiskWriter(BackgroundWriter[_Batch]):
                 self._touches[h] = self._touches.pop(h, 0) + 1
             self._cond.notify_all()
 
+    def record_retains(self, rows: Iterable[RetainRow]) -> None:
+        """Retention deadlines, written (merged with the stored ones) with the next batch."""
+        with self._cond:
+            self._retains.extend(rows)
+            self._cond.notify_all()
+
     def cancel(self, h: bytes) -> bool:
         """Forget a pending put of `h`. True when there was one."""
         with self._cond:
@@ -202,7 +213,8 @@ class DiskWriter(BackgroundWriter[_Batch]):
         after a lost write)."""
         with self._cond:
             dropped_before = self._dropped if since is None else since
-            return (self._wait_for(lambda: not self._pending and not self._touches and not self._busy, timeout,
+            return (self._wait_for(lambda: not self._pending and not self._touches and not self._retains
+                                   and not self._busy, timeout,
                                    needs_thread=True)
                     and self._dropped == dropped_before)
 
@@ -251,7 +263,7 @@ class DiskWriter(BackgroundWriter[_Batch]):
         self._encoding.close()           # the encode process exits and is reaped; the pool ends
 
     def _has_work(self) -> bool:
-        return bool(self._queue or self._touches) or self._switch.due()
+        return bool(self._queue or self._touches or self._retains) or self._switch.due()
 
     def _idle_timeout(self) -> float | None:
         return self._switch.wait()
@@ -262,13 +274,14 @@ class DiskWriter(BackgroundWriter[_Batch]):
             # batch is empty and its write a probe (_write).
             dropped = [self._pending.pop(h) for h in self._queue if h in self._pending]
             self._queue.clear()
-            self._touches = {}
+            self._touches, self._retains = {}, []
             self.lost(len(dropped))
             return _Batch([], {})
         n = min(self._batch_blocks, len(self._queue))
         items = [self._pending[self._queue.popleft()] for _ in range(n)]
         touches, self._touches = self._touches, {}
-        return _Batch(items, touches)
+        retains, self._retains = self._retains, []
+        return _Batch(items, touches, retains)
 
     # -- encoding: in the encode process or on the pool, a batch ahead of the commits (outside any
     # transaction: the write lock is held only to commit); storage/disk/batch_encoder.py -----------
@@ -316,7 +329,7 @@ class DiskWriter(BackgroundWriter[_Batch]):
             try:
                 self.clear_stale_readers()
                 self.fit_to_space()
-                self._write_batch(encoded, touches)
+                self._write_batch(encoded, touches, batch.retains)
                 return True
             except DiskStalled:
                 self.lost(len(encoded))         # the filesystem is not answering: said once by the stall watch
@@ -341,10 +354,14 @@ class DiskWriter(BackgroundWriter[_Batch]):
             if self._pending.get(it.key.hash) is it:
                 del self._pending[it.key.hash]
 
-    def _write_batch(self, encoded: list[tuple[PendingBlock, bytes]], touches: dict[bytes, int]) -> None:
-        """Commit the batch's encoded blocks and its accesses (encoded by _prepare/_ready)."""
-        if self._try_commit(encoded, touches):
+    def _write_batch(self, encoded: list[tuple[PendingBlock, bytes]], touches: dict[bytes, int],
+                     retains: list[RetainRow]) -> None:
+        """Commit the batch's encoded blocks, its accesses and its retention deadlines (encoded
+        by _prepare/_ready)."""
+        if self._try_commit(encoded, touches, retains):
             return
+        if retains and not self._try_commit([], {}, retains):
+            log.warning("disk tier: %d retention deadline(s) could not be written", len(retains))
         if len(encoded) > 1:   # the batch does not fit as a whole: try each block alone
             for e in encoded:
                 if not self._try_commit([e], {}):
@@ -352,12 +369,12 @@ class DiskWriter(BackgroundWriter[_Batch]):
         else:
             self.lost(len(encoded))
 
-    def _try_commit(self, encoded: list, touches: dict[bytes, int]) -> bool:
+    def _try_commit(self, encoded: list, touches: dict[bytes, int], retains: list[RetainRow] = ()) -> bool:
         """Commit, making room on MapFull/ENOSPC; False when it still does not fit."""
         need = sum(len(p) for _, p in encoded)
         for attempt in range(4):
             try:
-                self._commit(encoded, touches)
+                self._commit(encoded, touches, retains)
                 return True
             except Exception as e:
                 if not is_no_space(e, self._gate.env.path()):
@@ -369,13 +386,13 @@ class DiskWriter(BackgroundWriter[_Batch]):
             # pages only once no transaction can still see them, hence several attempts.
             with self._begin() as txn:
                 info = load_info(txn, self._gate.dbs)
-            if make_room(self._begin, self._gate, self._index, self._count,
+            if make_room(self._begin, self._gate, self._index, self._count, self.clock(),
                          max(need, info.used_bytes // 10) << attempt) == 0 and info.blocks == 0:
                 break
         log.warning("disk tier: no room for %d block(s) after evicting; dropping them", len(encoded))
         return False
 
-    def _commit(self, encoded: list, touches: dict[bytes, int]) -> None:
+    def _commit(self, encoded: list, touches: dict[bytes, int], retains: list[RetainRow] = ()) -> None:
         written = 0
         stored: list[BlockKey] = []
         new: list = []            # (key, payload, raw size) of blocks this commit stored
@@ -402,7 +419,9 @@ class DiskWriter(BackgroundWriter[_Batch]):
                 info.next_seq += 1
                 txn.put(h, m.pack(), db=dbs.meta)
                 txn.put(lru_key(m.last_access, h), b"", db=dbs.lru)
-            now = time.time()
+            now = self.clock()
+            if retains and dbs.retain is not None:
+                merge_in_txn(txn, dbs.retain, list(retains), now)
             for it, payload in live:   # (the others were deleted meanwhile)
                 key, raw_size = it.key, it.nbytes
                 h = key.hash
@@ -425,7 +444,7 @@ class DiskWriter(BackgroundWriter[_Batch]):
             # NOTE: the capacity invariant (used_bytes <= capacity_bytes) is enforced here, in the
             # same transaction that added the bytes: no committed state exceeds it, whichever
             # process committed it.
-            evict_in_txn(txn, self._gate.dbs, info, lambda: info.used_bytes > capacity, evicted)
+            evict_in_txn(txn, self._gate.dbs, info, lambda: info.used_bytes > capacity, evicted, now)
             store_info(txn, dbs, info)
         # Committed: now the index says so. In the transaction every put came before every
         # eviction (a batch larger than the capacity evicts its own first blocks), so the same
