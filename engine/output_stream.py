@@ -13,6 +13,7 @@ import time
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.outputs import CompletionOutput, RequestMetrics, StreamChunk, Usage
+from engine.retain_spans import retention_usage
 from engine.sequence import Sequence
 from storage.tiered_cache import TIERS
 
@@ -86,8 +87,11 @@ def usage_of(seq: Sequence, reason: str) -> Usage:
             prompt = 0              # never admitted: nothing was served
         if seq.delivered_tokens is not None:
             completion = min(completion, seq.delivered_tokens)
+    written, token_seconds, refused = retention_usage(seq.retain, prompt, sum(hits.values()) if prompt else 0,
+                                                      seq.block_size)
     return Usage(prompt_tokens=prompt, completion_tokens=completion, hit_tokens_by_tier=dict(hits),
-                 prompt_cache_miss_tokens=prompt - sum(hits.values()))
+                 prompt_cache_miss_tokens=prompt - sum(hits.values()), cache_write_tokens=written,
+                 retained_token_seconds=token_seconds, retention_refused_tokens=refused)
 
 
 def completion_of(seq: Sequence, reason: str, with_text: bool) -> tuple[CompletionOutput, StreamChunk]:

@@ -74,7 +74,10 @@ class RequestGroup:
         first = done[0]
         return Usage(prompt_tokens=first.prompt_tokens, completion_tokens=sum(u.completion_tokens for u in done),
                      hit_tokens_by_tier=dict(first.hit_tokens_by_tier),
-                     prompt_cache_miss_tokens=first.prompt_cache_miss_tokens)
+                     prompt_cache_miss_tokens=first.prompt_cache_miss_tokens,
+                     cache_write_tokens=dict(first.cache_write_tokens),
+                     retained_token_seconds=first.retained_token_seconds,
+                     retention_refused_tokens=first.retention_refused_tokens)
 
     def results(self, usage: Usage) -> list[tuple[CompletionOutput, StreamChunk]]:
         """Every choice's output and last chunk, in index order, carrying the request's usage; a

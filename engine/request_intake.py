@@ -30,6 +30,7 @@ from engine.billing import validate_tenant
 from engine.errors import BillingUnavailable, EngineClosedError, QueueFullError
 from engine.outputs import CompletionOutput, StreamChunk
 from engine.request_group import RequestGroup
+from engine.retain_spans import RetainSpan, check_spans, retain_request
 from engine.sampler import is_greedy, make_generator
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
@@ -100,9 +101,12 @@ class RequestIntake:
         return seq
 
     def _submit(self, prompts: list[Prompt], params: SamplingParams | None, tenant: str,
-                abort: AbortHandle | None, shared: "queue.Queue | None" = None, id_prefix: str = "cmpl") -> list[Sequence]:
+                abort: AbortHandle | None, shared: "queue.Queue | None" = None, id_prefix: str = "cmpl",
+                retain: Seq[RetainSpan] = ()) -> list[Sequence]:
         """Build every prompt's sequence, then queue them all (QueueFullError: none queued).
-        `shared`: a batch's one queue (each sequence's messages tagged with its place)."""
+        `shared`: a batch's one queue (each sequence's messages tagged with its place). `retain`:
+        spans of each prompt to keep past LRU (engine/retain_spans.py), retained once queued."""
+        retain = check_spans(retain)
         if self._closed:
             raise EngineClosedError("engine is closed")
         refusing = self.billing.refusing(count=True) if self.billing is not None else None
@@ -133,6 +137,9 @@ class RequestIntake:
                     self._done(seq)
                 raise
         for seq in seqs:
+            if retain:      # kept from now: the blocks are retained as they are computed
+                seq.retain = retain_request(self.cache, tenant, seq.prefix_keys(), len(seq.prompt_ids),
+                                            self.block_size, retain)
             # Its disk blocks start moving to the host tier now, so its wait in the queue overlaps
             # the drive (storage/loader.py; reads only memory here).
             seq.prefetch = self.cache.prefetch(list(seq.exact.chain) if seq.exact is not None else seq.prefix_keys(),
@@ -146,8 +153,8 @@ class RequestIntake:
 
     # ---- public API -------------------------------------------------------------------------
     def generate(self, prompt: Prompt | list[Prompt], params: SamplingParams | None = None,
-                 tenant: str = "default", abort: AbortHandle | None = None, id_prefix: str = "cmpl"
-                 ) -> CompletionOutput | list:
+                 tenant: str = "default", abort: AbortHandle | None = None, id_prefix: str = "cmpl",
+                 retain: Seq[RetainSpan] = ()) -> CompletionOutput | list:
         """One prompt -> one output; a list of prompts -> a list of outputs, run concurrently (each
         its own request, billed on its own). (A list of ints is one prompt of token ids.) `abort`
         stops the call -- every prompt of a batch -- from any thread (engine/abort.py).
@@ -155,15 +162,17 @@ class RequestIntake:
         carrying the request's usage (the prompt once, the choices' completions summed).
         `id_prefix`: each request's id is `<id_prefix>-<hex>` (the HTTP service's chat route asks
         for "chatcmpl": the id its body carries is then the one its bill is recorded under), or
-        `<id_prefix><hex>` for a prefix ending in "_" (the Messages route's "msg_")."""
+        `<id_prefix><hex>` for a prefix ending in "_" (the Messages route's "msg_"). `retain`: spans
+        of the prompt kept past LRU until their deadlines (engine/retain_spans.py: Anthropic's
+        cache_control, OpenAI's prompt_cache_retention), billed as cache writes in the usage."""
         batch = is_batch(prompt)
-        seqs = self._submit(prompt if batch else [prompt], params, tenant, abort, id_prefix=id_prefix)
+        seqs = self._submit(prompt if batch else [prompt], params, tenant, abort, id_prefix=id_prefix, retain=retain)
         outs = [self._wait(seq) for seq in seqs]
         return outs if batch else outs[0]
 
     def stream(self, prompt: Prompt | list[Prompt], params: SamplingParams | None = None,
-               tenant: str = "default", abort: AbortHandle | None = None, id_prefix: str = "cmpl"
-               ) -> Iterator[StreamChunk]:
+               tenant: str = "default", abort: AbortHandle | None = None, id_prefix: str = "cmpl",
+               retain: Seq[RetainSpan] = ()) -> Iterator[StreamChunk]:
         """Chunks with only the new text/token ids; the last has finish_reason, usage, metrics.
         Closing the iterator early aborts the request (billed for the chunks it yielded).
         With params.n > 1 the choices' chunks come interleaved, each with its `index`; each
@@ -175,7 +184,7 @@ class RequestIntake:
         batch = is_batch(prompt)
         n = (params or SamplingParams()).n
         shared: queue.Queue | None = queue.Queue() if batch else None
-        seqs = self._submit(prompt if batch else [prompt], params, tenant, abort, shared, id_prefix)
+        seqs = self._submit(prompt if batch else [prompt], params, tenant, abort, shared, id_prefix, retain)
         yielded = [0] * (len(seqs) * n)
         try:
             chunks = self._batch_messages(shared, len(seqs), n) if batch else self._chunks(seqs[0])

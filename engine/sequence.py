@@ -15,6 +15,7 @@ from enum import Enum
 
 import torch
 
+from engine.retain_spans import RetainRecord
 from engine.sampling_params import SamplingParams
 from storage.exact_entry import ExactKeys
 from storage.hashing import BlockKey, block_keys
@@ -81,6 +82,7 @@ class Sequence:
     # Exact hits (storage/exact_entry.py): the prompt's whole chain (None: off for this engine);
     # on an exact hit, the pages holding its stored logits until its first token is sampled.
     exact: ExactKeys | None = None
+    retain: RetainRecord | None = None            # what its retention spans bought (engine/retain_spans.py)
     exact_hit: bool = False
     logits_pages: list[int] = field(default_factory=list)
     # n > 1 (engine/request_group.py): its choice's index and the request it is a choice of.

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Iterable
 
-from engine.outputs import TIERS, Usage
+from engine.outputs import RETENTION_CLASSES, TIERS, Usage
 
 
 def sum_usage(usages: Iterable[Usage]) -> Usage:
@@ -21,7 +21,11 @@ def sum_usage(usages: Iterable[Usage]) -> Usage:
     return Usage(prompt_tokens=sum(u.prompt_tokens for u in usages),
                  completion_tokens=sum(u.completion_tokens for u in usages),
                  hit_tokens_by_tier={t: sum(u.hit_tokens_by_tier.get(t, 0) for u in usages) for t in TIERS},
-                 prompt_cache_miss_tokens=sum(u.prompt_cache_miss_tokens for u in usages))
+                 prompt_cache_miss_tokens=sum(u.prompt_cache_miss_tokens for u in usages),
+                 cache_write_tokens={c: n for c in RETENTION_CLASSES
+                                     if (n := sum(u.cache_write_tokens.get(c, 0) for u in usages))},
+                 retained_token_seconds=sum(u.retained_token_seconds for u in usages),
+                 retention_refused_tokens=sum(u.retention_refused_tokens for u in usages))
 
 
 def flatten(outs: list[Any], n: int) -> list[Any]:

@@ -63,12 +63,15 @@ async def messages(request: Request) -> Any:
     def prompt_ids() -> list[int]:    # on the worker thread: templating and placing breakpoints is real work
         return c.with_room(prompt.ids(), req.max_tokens)
 
+    # Each breakpoint's segment retained under its ttl (placed by prompt_ids(): evaluated first).
     if req.stream:
         return await stream_message(c, request, lambda: engine.stream(prompt_ids(), params, tenant=tenant, abort=abort,
-                                                                      id_prefix=ID_PREFIX), tenant, abort, prompt)
+                                                                      id_prefix=ID_PREFIX, retain=prompt.spans()),
+                                    tenant, abort, prompt)
 
     def run() -> Any:
-        return engine.generate(prompt_ids(), params, tenant=tenant, abort=abort, id_prefix=ID_PREFIX)
+        return engine.generate(prompt_ids(), params, tenant=tenant, abort=abort, id_prefix=ID_PREFIX,
+                               retain=prompt.spans())
     try:
         out = await c.dispatcher.call(run, tenant=tenant, timeout=c.settings.request_timeout_s, abort=abort,
                                       gone=lambda: until_disconnected(request))

@@ -21,8 +21,10 @@ Knows:
   input_tokens = the rest. input + creation + read == prompt tokens, and with no breakpoint
   nothing is created. The read by tier is ours, as `cache_read_input_tokens_by_tier` (as our
   OpenAI routes add DeepSeek's fields).
-NOTE: a breakpoint is reported, not kept: its blocks stay by the cache's LRU like any other (a
-ttl's retention is issue 39 item 1).
+- The retention asked (`TemplatedPrompt.spans`): each breakpoint's segment kept under its ttl
+  (engine/retain_spans.py). Once the engine answered, what it billed stands: creation is the
+  usage's cache_write_tokens (a segment a tenant's bound refused is not created: it is input, and
+  `cache_retention_refused_input_tokens` says how many).
 Doesn't know: HTTP, the request's schema beyond its Conversation, or how the engine caches.
 """
 from __future__ import annotations
@@ -32,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.outputs import TIERS, Usage
+from engine.retain_spans import RetainSpan
 from service.messages_schemas import Breakpoint, Conversation
 
 log = logging.getLogger("tieredkv.service")
@@ -74,7 +77,14 @@ def usage_body(usage: Usage, marks: list[Mark], output_tokens: int | None = None
     """The `usage` object of a message (or a stream's message_start / message_delta):
     Anthropic's fields and our read by tier. `output_tokens`: instead of the usage's own."""
     s = split(usage.prompt_tokens, usage.prompt_cache_hit_tokens, marks)
-    return {"input_tokens": s.input_tokens,
+    if usage.cache_write_tokens or usage.retention_refused_tokens:      # what the engine billed
+        w = usage.cache_write_tokens
+        made = w.get("5m", 0) + w.get("1h", 0) + w.get("24h", 0)
+        s = PromptSplit(usage.prompt_tokens - s.cache_read_input_tokens - made, s.cache_read_input_tokens,
+                        w.get("5m", 0), w.get("1h", 0) + w.get("24h", 0))
+    refused = {"cache_retention_refused_input_tokens": usage.retention_refused_tokens} \
+        if usage.retention_refused_tokens else {}
+    return {**refused,"input_tokens": s.input_tokens,
             "cache_creation_input_tokens": s.cache_creation_input_tokens,
             "cache_read_input_tokens": s.cache_read_input_tokens,
             "cache_creation": {"ephemeral_5m_input_tokens": s.created_5m, "ephemeral_1h_input_tokens": s.created_1h},
@@ -129,6 +139,10 @@ class TemplatedPrompt:
         self.marks = place(self.engine, self.conversation, ids) if self.conversation.breakpoints else []
         self.tokens = len(ids)
         return ids
+
+    def spans(self) -> tuple[RetainSpan, ...]:
+        """The retention the breakpoints ask (after ids(): each segment under its ttl)."""
+        return tuple(RetainSpan(m.tokens, m.ttl) for m in self.marks)
 
     def usage_before(self, hit_tokens_by_tier: dict[str, int]) -> Usage:
         """The prompt's usage before any output (a stream's message_start), from its first chunk's hits."""

@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine.abort import CLIENT_DISCONNECTED, TIMEOUT, AbortHandle
 from engine.request_intake import is_batch   # the engine's rule: the route and the engine split a batch alike
+from engine.retain_spans import RetainSpan
 from engine.sampling_params import SamplingParams
 from service.context import AppContext, ctx
 from service.disconnect import ClosingStreamingResponse, until_disconnected
@@ -92,17 +93,20 @@ async def _generate(c: AppContext, request: Request, req: Any, prompt_ids: Calla
     size of a batch of prompts (their ids a list of lists), None for one prompt."""
     engine = c.engine
     prefix = "chatcmpl" if chat else "cmpl"     # the engine's id is the body's: the ledger's key too
+    # OpenAI's prompt_cache_retention "24h": the whole prompt kept a day (engine/retain_spans.py).
+    retain = (RetainSpan(None, "24h"),) if req.prompt_cache_retention == "24h" else ()
     choices = params.n * (prompts or 1)
     abort = AbortHandle()      # aborts the engine's request when its client goes or it times out
     if req.stream:
         gaps = TokenGaps()
         return await _stream(c, request, lambda: timed(c, engine.stream(prompt_ids(), params, tenant=tenant,
-                                                                        abort=abort, id_prefix=prefix), gaps),
+                                                                        abort=abort, id_prefix=prefix,
+                                                                        retain=retain), gaps),
                              tenant, abort, chat=chat, include_usage=req.include_usage, logprobs=logprobs, gaps=gaps,
                              n=choices)
 
     def run() -> Any:
-        out = engine.generate(prompt_ids(), params, tenant=tenant, abort=abort, id_prefix=prefix)
+        out = engine.generate(prompt_ids(), params, tenant=tenant, abort=abort, id_prefix=prefix, retain=retain)
         return _with_logprobs(flatten(out, params.n) if prompts is not None else out, logprobs)
     try:
         out, lp = await c.dispatcher.call(run, tenant=tenant, timeout=c.settings.request_timeout_s, abort=abort,

@@ -31,6 +31,10 @@ def usage_dict(usage: Any) -> dict[str, Any]:
         "prompt_cache_miss_tokens": usage.prompt_cache_miss_tokens,
         "prompt_tokens_details": {"cached_tokens": hit},
         "prompt_cache_hit_tokens_by_tier": {t: usage.hit_tokens_by_tier.get(t, 0) for t in TIERS},
+        **({"cache_write_tokens": dict(usage.cache_write_tokens),      # retention (issue 39): what was kept
+            "retained_token_seconds": usage.retained_token_seconds,
+            "retention_refused_tokens": usage.retention_refused_tokens}
+           if usage.cache_write_tokens or usage.retention_refused_tokens or usage.retained_token_seconds else {}),
     }
 
 

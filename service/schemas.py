@@ -20,8 +20,9 @@ string. Nothing is silently ignored (issue 17):
   top_logprobs without logprobs.
 - OpenAI's prompt caching fields: `prompt_cache_key` (a string of at most 256 characters) is
   written in the request log line and keeps a key's requests on one backend behind `tieredkv
-  route` (service/router/sticky.py); `prompt_cache_retention` "in_memory" is what the cache does
-  anyway, "24h" is refused (retention beyond the cache's LRU is not supported yet), anything else too.
+  route` (service/router/sticky.py); `prompt_cache_retention` "in_memory" is the cache's LRU,
+  "24h" keeps the whole prompt a day (engine/retain_spans.py, billed as a cache write), anything
+  else is refused.
 - Any other field (nested ones too, such as messages[0].foo) is unknown: a 400
   "Unrecognized request argument supplied: <name>" (OpenAI's words) -- unless the server runs
   with ServiceSettings(unknown_fields="ignore") (`tieredkv serve --lenient-fields`, vLLM's
@@ -127,7 +128,7 @@ class _GenerationRequest(BaseModel):
     logit_bias: dict[str, Any] | None = None
     ignore_eos: bool | None = None           # extension (vLLM's)
     prompt_cache_key: str | None = None      # OpenAI's: logged; the router keeps a key on one backend
-    prompt_cache_retention: str | None = None    # OpenAI's: "in_memory" only (the cache's LRU)
+    prompt_cache_retention: str | None = None    # OpenAI's: "in_memory" (the cache's LRU) or "24h" (kept a day)
     # Refused (any value but null): constrained decoding is not implemented.
     guided_json: Any = REFUSED
     guided_regex: Any = REFUSED
@@ -154,11 +155,8 @@ class _GenerationRequest(BaseModel):
     @field_validator("prompt_cache_retention")
     @classmethod
     def _retention(cls, v: str | None) -> str | None:
-        if v == "24h":
-            raise ValueError('"24h" is not supported yet: cached prefixes live as long as the cache\'s LRU '
-                             'keeps them (use "in_memory")')
-        if v not in (None, "in_memory"):
-            raise ValueError(f'expected "in_memory", got {v!r}')
+        if v not in (None, "in_memory", "24h"):
+            raise ValueError(f'expected "in_memory" or "24h", got {v!r}')
         return v
 
     @field_validator("stop", mode="before")

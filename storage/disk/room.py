@@ -22,8 +22,7 @@ import lmdb
 
 from storage.disk.gate import EnvGate
 from storage.disk.index import DiskIndex
-from storage.disk.records import (SEQ, StoreDamaged, StoreInfo, delete_in_txn, load_info, lru_hash, lru_key, read_meta,
-                                  store_info)
+from storage.disk.records import StoreDamaged, StoreInfo, delete_in_txn, load_info, lru_hash, lru_key, read_meta, store_info
 from storage.disk.retained import live_deadline
 from storage.disk.verdicts import is_no_space
 
@@ -151,7 +150,7 @@ def evict_in_txn(txn: lmdb.Transaction, dbs, info: StoreInfo, more: Callable[[],
     n = 0
     turns = txn.stat(dbs.lru)["entries"] + 1
     cur = txn.cursor(db=dbs.lru)
-    moved_from = info.next_seq            # a block at this sequence or later was moved by this walk
+    moved: set[bytes] = set()             # the lru keys this walk moved to the back
     retains = dbs.retain if now is not None else None
     while more():
         if turns == 0:
@@ -161,7 +160,7 @@ def evict_in_txn(txn: lmdb.Transaction, dbs, info: StoreInfo, more: Callable[[],
             break
         first = bytes(cur.key())
         h = lru_hash(first)
-        if retains is not None and SEQ.unpack_from(first)[0] >= moved_from:
+        if first in moved:
             break                         # every block left is retained
         raw, m = read_meta(txn, dbs, h)
         if (m is not None and retains is not None and lru_key(m.last_access, h) == first
@@ -170,6 +169,7 @@ def evict_in_txn(txn: lmdb.Transaction, dbs, info: StoreInfo, more: Callable[[],
             m.last_access = info.next_seq
             info.next_seq += 1
             txn.put(h, m.pack(), db=dbs.meta)
+            moved.add(lru_key(m.last_access, h))
             txn.put(lru_key(m.last_access, h), b"", db=dbs.lru)
             continue
         if m is not None and lru_key(m.last_access, h) == first:

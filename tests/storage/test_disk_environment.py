@@ -141,7 +141,9 @@ def _pages(path: Path):
             if flags & 0x01:
                 todo.append(lo | hi << 16 | nflags << 32)
             elif nflags & 0x02:
-                todo.append(struct.unpack_from("<Q", p, off + 8 + ksize + 40)[0])
+                root = struct.unpack_from("<Q", p, off + 8 + ksize + 40)[0]
+                if root != 2**64 - 1:          # P_INVALID: an empty named database (one never written)
+                    todo.append(root)
         yield pgno, p, ps
 
 
