@@ -1,7 +1,8 @@
 """The billing ledger: per-tenant token counts and cost by token origin, durable in LMDB.
 
-Knows: prices (integer micro-dollars per 1M tokens), how a finished request's usage becomes
-cost, and how it is stored -- one LMDB environment in its own directory with three tables:
+Knows: a finished request's usage validated and priced (prices and their arithmetic:
+engine/billing_prices.py), and how it is stored -- one LMDB environment in its own directory
+with three tables:
   requests  request_id -> the request's record (tenant, day, tokens, cost): the idempotency
             key and the audit trail (`check()` recomputes every sum from these records)
   totals    tenant -> running totals since the ledger was created
@@ -14,11 +15,15 @@ are the project's vocabulary ("device", "host", "disk", "remote").
 
 Money is never a float. A price p is micro-dollars per 1M tokens, so one token costs
 p * 1e-6 micro-dollars = p pico-dollars: the cost of n tokens is exactly n * p pico-dollars,
-an integer. Every stored cost is in pico-dollars and sums are exact; the only rounding is to
-whole micro-dollars for display (`TenantBill.cost`), done once on the exact sum. Rounding each
-request on its own would lose up to half a micro-dollar per request (3 tokens at 27_000/1M
-are 0.081 micro-dollars: 0 when rounded, every time); rounding the sum loses under half a
-micro-dollar in total, however many requests there are.
+an integer. Every stored cost is in pico-dollars and sums are exact (a request's cache-write
+surcharge and retention are rounded to whole pico-dollars once: engine/billing_prices.py);
+the other rounding is to whole micro-dollars for display (`TenantBill.cost`), once on the exact
+sum. Rounding each request would lose up to half a micro-dollar per request (3 tokens at
+27_000/1M are 0.081 micro-dollars: 0 when rounded, every time); rounding the sum loses under
+half a micro-dollar in total, however many requests there are.
+Records also keep the prompt tokens written under each retention class (`cache_write_tokens`)
+and the token-seconds of retention bought, only when non-zero: a record without them (any
+record made before they existed) reads as zeros.
 """
 from __future__ import annotations
 
@@ -26,14 +31,15 @@ import json
 import logging
 import os
 import threading
-import tomllib
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Iterator
 
 import lmdb
 
+from engine.billing_prices import Prices
 from engine.billing_spill import RESERVE_FILE, forget_pending, read_pending
+from engine.outputs import RETENTION_CLASSES
 from storage.disk.environment import reserve_lock_file
 
 log = logging.getLogger("tieredkv.billing")
@@ -45,58 +51,6 @@ _MAX_KEY_BYTES = 400          # LMDB keys are at most 511 bytes; leave room for 
 _DEFAULT_MAP_SIZE = 4 << 30   # a sparse file: the address space, not the disk used
 
 
-@dataclass(frozen=True)
-class Prices:
-    """Integer micro-dollars per 1M tokens, by where a prompt token came from.
-
-    Defaults: DeepSeek-V3's list prices for a cache miss ($0.27/1M) and for output ($1.10/1M),
-    with every cache hit at a tenth of a miss, DeepSeek's published hit/miss ratio. The tiers
-    are priced alike by default; an operator may price a disk hit above a device hit, or a
-    remote hit (the shared store: network and its memory) above both.
-    """
-    miss: int = 270_000
-    device_hit: int = 27_000
-    host_hit: int = 27_000
-    disk_hit: int = 27_000
-    remote_hit: int = 27_000
-    completion: int = 1_100_000
-
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"{f.name}: expected a non-negative int of micro-dollars per 1M tokens, got {v!r}")
-
-    def hit(self, tier: str) -> int:
-        return getattr(self, f"{tier}_hit")
-
-    @classmethod
-    def from_dict(cls, data: Any) -> "Prices":
-        if not isinstance(data, dict):
-            raise ValueError(f"prices: expected a table of prices, got {type(data).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"{unknown[0]}: unknown price (expected some of {sorted(known)})")
-        return cls(**data)
-
-    @classmethod
-    def from_file(cls, path: str | os.PathLike) -> "Prices":
-        """Prices from a JSON file (`{"miss": 270000, ...}`) or a TOML file (`miss = 270000`).
-        A missing key keeps its default."""
-        path = os.fspath(path)
-        with open(path, "rb") as f:
-            raw = f.read()
-        try:
-            data = tomllib.loads(raw.decode()) if path.endswith(".toml") else json.loads(raw)
-        except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"{path}: not valid {'TOML' if path.endswith('.toml') else 'JSON'}: {e}") from e
-        return cls.from_dict(data)
-
-    def to_dict(self) -> dict[str, int]:
-        return asdict(self)
-
-
 @dataclass(slots=True)
 class Bucket:
     """Sums over a set of requests: one tenant's totals, or one tenant's day."""
@@ -106,6 +60,9 @@ class Bucket:
     hit_tokens_by_tier: dict[str, int] = field(default_factory=lambda: dict.fromkeys(BILLED_TIERS, 0))
     miss_tokens: int = 0
     cost_pico: int = 0        # exact: pico-dollars (see the module docstring)
+    # Of the miss tokens, those written under each retention class; tokens x seconds retained.
+    cache_write_tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(RETENTION_CLASSES, 0))
+    retained_token_seconds: int = 0
 
     @property
     def hit_tokens(self) -> int:
@@ -129,6 +86,9 @@ class Bucket:
             self.hit_tokens_by_tier[t] += other.hit_tokens_by_tier[t]
         self.miss_tokens += other.miss_tokens
         self.cost_pico += other.cost_pico
+        for c in RETENTION_CLASSES:
+            self.cache_write_tokens[c] += other.cache_write_tokens[c]
+        self.retained_token_seconds += other.retained_token_seconds
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -138,16 +98,25 @@ class Bucket:
             "hit_tokens": self.hit_tokens,
             "hit_tokens_by_tier": dict(self.hit_tokens_by_tier),
             "miss_tokens": self.miss_tokens,
+            "cache_write_tokens": dict(self.cache_write_tokens),
+            "retained_token_seconds": self.retained_token_seconds,
+            "retained_token_hours": self.retained_token_seconds / 3600,     # display; seconds are exact
             "cost_pico": self.cost_pico,
             "cost": self.cost,
             "cost_usd": self.cost_usd,
         }
 
     def _stored(self) -> dict[str, Any]:
-        """What is stored: the sums only (cost exact in pico-dollars; the rest is derived)."""
-        return {"requests": self.requests, "prompt_tokens": self.prompt_tokens,
-                "completion_tokens": self.completion_tokens, "hit_tokens_by_tier": dict(self.hit_tokens_by_tier),
-                "miss_tokens": self.miss_tokens, "cost_pico": self.cost_pico}
+        """What is stored: the sums only (cost exact in pico-dollars; the rest is derived). The
+        retention sums only when non-zero (the module docstring)."""
+        d = {"requests": self.requests, "prompt_tokens": self.prompt_tokens,
+             "completion_tokens": self.completion_tokens, "hit_tokens_by_tier": dict(self.hit_tokens_by_tier),
+             "miss_tokens": self.miss_tokens, "cost_pico": self.cost_pico}
+        if any(self.cache_write_tokens.values()):
+            d["cache_write_tokens"] = dict(self.cache_write_tokens)
+        if self.retained_token_seconds:
+            d["retained_token_seconds"] = self.retained_token_seconds
+        return d
 
     def _encode(self) -> bytes:
         return json.dumps(self._stored(), separators=(",", ":")).encode()
@@ -157,8 +126,10 @@ class Bucket:
         if raw is None:
             return cls()
         d = json.loads(raw)
+        writes = d.get("cache_write_tokens", {})        # absent from older records: none
         return cls(d["requests"], d["prompt_tokens"], d["completion_tokens"],
-                   {t: d["hit_tokens_by_tier"].get(t, 0) for t in BILLED_TIERS}, d["miss_tokens"], d["cost_pico"])
+                   {t: d["hit_tokens_by_tier"].get(t, 0) for t in BILLED_TIERS}, d["miss_tokens"], d["cost_pico"],
+                   {c: writes.get(c, 0) for c in RETENTION_CLASSES}, d.get("retained_token_seconds", 0))
 
 
 @dataclass(slots=True)
@@ -196,6 +167,20 @@ def _check_count(value: Any, name: str) -> int:
     return value
 
 
+def _check_writes(value: Any, miss_tokens: int) -> dict[str, int]:
+    value = {} if value is None else value
+    if not isinstance(value, dict):
+        raise ValueError(f"cache_write_tokens: expected a dict of retention class -> tokens, got {value!r}")
+    unknown = sorted(set(value) - set(RETENTION_CLASSES), key=str)
+    if unknown:
+        raise ValueError(f"cache_write_tokens: unknown retention class {unknown[0]!r} (expected {RETENTION_CLASSES})")
+    writes = {c: _check_count(value.get(c, 0), f"cache_write_tokens[{c!r}]") for c in RETENTION_CLASSES}
+    if sum(writes.values()) > miss_tokens:
+        raise ValueError(f"cache_write_tokens: {sum(writes.values())} written > miss_tokens {miss_tokens} "
+                         "(a token written into the cache is one the request computed)")
+    return writes
+
+
 def _utc_day(when: datetime | None) -> str:
     if when is None:
         when = datetime.now(timezone.utc)
@@ -223,9 +208,11 @@ class Entry:
 
 
 def prepare(prices: Prices, tenant: str, request_id: str, prompt_tokens: int, completion_tokens: int,
-            hit_tokens_by_tier: dict[str, int], miss_tokens: int, when: datetime | None = None) -> Entry:
+            hit_tokens_by_tier: dict[str, int], miss_tokens: int, when: datetime | None = None,
+            cache_write_tokens: dict[str, int] | None = None, retained_token_seconds: int = 0) -> Entry:
     """Validate and price one request's usage (ValueError naming the field); nothing is written.
-    Needs no ledger: a request is priced even while the ledger cannot be opened."""
+    Needs no ledger: a request is priced even while the ledger cannot be opened.
+    `cache_write_tokens`: of the miss tokens, those written under each retention class."""
     _check_name(tenant, "tenant")          # Entry.of makes the key from it
     rid_key = _check_name(request_id, "request_id")
     _check_count(prompt_tokens, "prompt_tokens")
@@ -241,10 +228,11 @@ def prepare(prices: Prices, tenant: str, request_id: str, prompt_tokens: int, co
     if sum(hits.values()) + miss_tokens != prompt_tokens:
         raise ValueError(f"hit_tokens_by_tier + miss_tokens: hit {sum(hits.values())} + miss {miss_tokens} "
                          f"!= prompt_tokens {prompt_tokens}")
+    writes = _check_writes(cache_write_tokens, miss_tokens)
+    _check_count(retained_token_seconds, "retained_token_seconds")
     day = _utc_day(when)
-    cost = (miss_tokens * prices.miss + completion_tokens * prices.completion
-            + sum(n * prices.hit(t) for t, n in hits.items()))
-    one = Bucket(1, prompt_tokens, completion_tokens, hits, miss_tokens, cost)
+    cost = prices.cost_pico(hits, miss_tokens, completion_tokens, writes, retained_token_seconds)
+    one = Bucket(1, prompt_tokens, completion_tokens, hits, miss_tokens, cost, writes, retained_token_seconds)
     record = json.dumps({"tenant": tenant, "day": day, **one._stored()}, separators=(",", ":")).encode()
     return Entry.of(rid_key, tenant, day, record, one)
 
@@ -329,19 +317,22 @@ class Ledger:
     # -- writing ---------------------------------------------------------------------------
 
     def record(self, tenant: str, request_id: str, prompt_tokens: int, completion_tokens: int,
-               hit_tokens_by_tier: dict[str, int], miss_tokens: int, when: datetime | None = None) -> bool:
+               hit_tokens_by_tier: dict[str, int], miss_tokens: int, when: datetime | None = None,
+               cache_write_tokens: dict[str, int] | None = None, retained_token_seconds: int = 0) -> bool:
         """Bill one finished request. Returns False (and changes nothing) if `request_id` was
         already recorded. Durable when it returns: the caller may then complete the response."""
         return self.record_many([self.prepare(tenant, request_id, prompt_tokens, completion_tokens,
-                                              hit_tokens_by_tier, miss_tokens, when)])[0]
+                                              hit_tokens_by_tier, miss_tokens, when, cache_write_tokens,
+                                              retained_token_seconds)])[0]
 
     def prepare(self, tenant: str, request_id: str, prompt_tokens: int, completion_tokens: int,
-                hit_tokens_by_tier: dict[str, int], miss_tokens: int, when: datetime | None = None) -> "Entry":
+                hit_tokens_by_tier: dict[str, int], miss_tokens: int, when: datetime | None = None,
+                cache_write_tokens: dict[str, int] | None = None, retained_token_seconds: int = 0) -> "Entry":
         """Validate and price one request's usage (ValueError naming the field); nothing is written."""
         if self.readonly:
             raise PermissionError(f"ledger at {self.path} was opened read-only")
         return prepare(self.prices, tenant, request_id, prompt_tokens, completion_tokens, hit_tokens_by_tier,
-                       miss_tokens, when)
+                       miss_tokens, when, cache_write_tokens, retained_token_seconds)
 
     def record_many(self, entries: list["Entry"]) -> list[bool]:
         """Bill several prepared requests in one write transaction: one fsync for all of them
@@ -399,7 +390,7 @@ class Ledger:
 
     def check(self) -> None:
         """Integrity audit: every total and day bucket equals the sum of its request records,
-        and every record keeps hit + miss == prompt. Raises AssertionError on a mismatch."""
+        and every record keeps hit + miss == prompt and written <= miss. Raises AssertionError on a mismatch."""
         with self._env.begin() as txn:
             want_totals: dict[str, Bucket] = {}
             want_days: dict[tuple[str, str], Bucket] = {}
@@ -407,6 +398,7 @@ class Ledger:
                 r = json.loads(raw)
                 one = Bucket._decode(raw)
                 assert one.hit_tokens + one.miss_tokens == one.prompt_tokens, f"request {rid!r}: hit + miss != prompt"
+                assert sum(one.cache_write_tokens.values()) <= one.miss_tokens, f"request {rid!r}: written > miss"
                 want_totals.setdefault(r["tenant"], Bucket()).add(one)
                 want_days.setdefault((r["tenant"], r["day"]), Bucket()).add(one)
             got_totals = {k.decode(): Bucket._decode(v) for k, v in txn.cursor(db=self._totals)}
@@ -425,7 +417,8 @@ class Ledger:
                     break
                 days[k[len(prefix):].decode()] = Bucket._decode(v)
         return TenantBill(b.requests, b.prompt_tokens, b.completion_tokens, b.hit_tokens_by_tier,
-                          b.miss_tokens, b.cost_pico, tenant=name, days=days)
+                          b.miss_tokens, b.cost_pico, b.cache_write_tokens, b.retained_token_seconds,
+                          tenant=name, days=days)
 
     def probe(self) -> None:
         """One real write (a page changed, committed, fsynced) that bills nothing: whether the

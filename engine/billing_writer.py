@@ -122,10 +122,12 @@ class BillingWriter(BackgroundWriter[list[tuple[Entry, Done | None]]]):
             self._cond.notify_all()
 
     def prepare(self, tenant: str, request_id: str, prompt_tokens: int, completion_tokens: int,
-                hit_tokens_by_tier: dict[str, int], miss_tokens: int) -> Entry:
+                hit_tokens_by_tier: dict[str, int], miss_tokens: int, cache_write_tokens: dict[str, int] | None = None,
+                retained_token_seconds: int = 0) -> Entry:
         """One request's entry, priced (engine/billing.py's prepare): needs no open ledger."""
         return prepare(self.prices, tenant, request_id, prompt_tokens, completion_tokens, hit_tokens_by_tier,
-                       miss_tokens)
+                       miss_tokens, cache_write_tokens=cache_write_tokens,
+                       retained_token_seconds=retained_token_seconds)
 
     def refusing(self, count: bool = False) -> str | None:
         """Why a new request would be refused now (BillingUnavailable at admission), or None:

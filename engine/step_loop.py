@@ -269,7 +269,9 @@ class StepLoop:
             return
         try:
             entry = self.billing.prepare(seq.tenant, seq.request_id, usage.prompt_tokens, usage.completion_tokens,
-                                         usage.hit_tokens_by_tier, usage.prompt_cache_miss_tokens)
+                                         usage.hit_tokens_by_tier, usage.prompt_cache_miss_tokens,
+                                         cache_write_tokens=usage.cache_write_tokens,
+                                         retained_token_seconds=usage.retained_token_seconds)
             self.billing.submit(entry, complete)
         except Exception as e:
             log.exception("billing failed for %s", seq.request_id)

@@ -14,12 +14,10 @@ from pathlib import Path
 from typing import Any, Optional
 
 import typer
-from rich import box
 from rich.markup import escape
-from rich.table import Table
 
-from tieredkv.cli_common import (CLIError, api_key_of, cache_root, err, existing_dir, friendly, get_json, micro, out,
-                                 print_json, server_url, spinner)
+from tieredkv.cli_common import (CLIError, api_key_of, cache_root, err, existing_dir, friendly, get_json, narrow_table,
+                                 out, print_json, server_url, spinner)
 from tieredkv.cli_common import CACHE_HELP, cache_default, disk_seal_of, open_disk_tier
 from tieredkv import cli_serve
 from tieredkv.cli_flags import translate
@@ -54,12 +52,6 @@ def main_options(
 ) -> None:
     # The options of `tieredkv` itself (the app's help text is Typer(help=...) above).
     return None
-
-
-def narrow_table(**kw: Any) -> Table:
-    """A table that fits 80 columns: SIMPLE_HEAD's column divider is already a space, so one
-    more on the left and none on the right (rich's default padding cut the last columns)."""
-    return Table(box=box.SIMPLE_HEAD, padding=(0, 0, 0, 1), pad_edge=False, **kw)
 
 
 def disk_space_line(disk: dict) -> str | None:
@@ -387,34 +379,8 @@ def billing(
             body["uncommitted"] = {"tenants": waiting, "where": where}
     if json_out:
         return print_json(body)
-    bills = [body] if "tenant" in body else list(body.get("tenants", {}).values())
-    t = narrow_table(title="Billing" + (f" — tenant {tenant}" if tenant else ""),
-                     caption="Device/Host/Disk/Remote: prompt tokens hit in that tier; Miss: computed; Output: "
-                     "completion tokens; cost in micro-dollars")
-    # The tenant name folds onto more lines rather than vanish (rich squeezed a wrappable
-    # column to nothing at 80 columns); numbers never wrap.
-    t.add_column("Tenant", justify="left", min_width=8, max_width=14, overflow="fold")
-    for col in ("Reqs", "Prompt", "Device", "Host", "Disk", "Remote", "Miss", "Output", "Cost µ$"):
-        t.add_column(col, justify="right", no_wrap=True)
-
-    def row(name: str, b: dict) -> list[str]:
-        hits = b.get("hit_tokens_by_tier", {})
-        return [name, f"{b['requests']:,}", f"{b['prompt_tokens']:,}", *(f"{hits.get(x, 0):,}" for x in TIERS),
-                f"{b['miss_tokens']:,}", f"{b['completion_tokens']:,}", micro(b["cost_pico"])]
-    for b in bills:
-        t.add_row(*row(escape(b["tenant"]), b))
-    if "total" in body and len(bills) > 1:
-        t.add_section()
-        t.add_row(*row("total", body["total"]))
-    out.print(t)
-    total = body.get("total", body)
-    n = total["requests"]
-    out.print(f"total ${total['cost_pico'] / 1e12:.6f} for {n:,} request{'s' if n != 1 else ''}")
-    waiting = body.get("uncommitted", {}).get("tenants", {})
-    if waiting:
-        reqs = sum(b["requests"] for b in waiting.values())
-        out.print(f"plus {reqs:,} bill{'s' if reqs != 1 else ''} of {', '.join(sorted(waiting))} not in the ledger "
-                  f"yet, waiting in {', '.join(body['uncommitted']['where'])}: the next start commits them")
+    from tieredkv.billing_table import print_bills
+    print_bills(body, tenant)
 
 
 def bare_kv_events(argv: list[str]) -> list[str]:

@@ -21,7 +21,9 @@ from typing import Any, Callable, Iterator, Optional
 import typer
 
 from storage.config import CacheConfig, default_cache_root, parse_size
+from rich import box
 from rich.console import Console
+from rich.table import Table
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 _CACHE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(CacheConfig)}
@@ -144,6 +146,12 @@ def existing_dir(path: Path, what: str) -> Path:
 
 def print_json(obj: Any) -> None:
     sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
+
+
+def narrow_table(**kw: Any) -> Table:
+    """A table that fits 80 columns: SIMPLE_HEAD's column divider is already a space, so one
+    more on the left and none on the right (rich's default padding cut the last columns)."""
+    return Table(box=box.SIMPLE_HEAD, padding=(0, 0, 0, 1), pad_edge=False, **kw)
 
 
 def micro(pico: int) -> str:

@@ -111,7 +111,9 @@ def serve(
                                            "refuse (the request fails)."),
     api_keys: Optional[str] = typer.Option(None, help='JSON file {"sk-...": {"tenant": ..., "role": "admin"|"user"}}.'),
     block_size: int = typer.Option(cache_default("block_size"), help="Tokens per cached block."),
-    prices: Optional[str] = typer.Option(None, help="Prices file (JSON or .toml), micro-dollars per 1M tokens."),
+    prices: Optional[str] = typer.Option(None, help="Prices file (JSON or .toml), micro-dollars per 1M tokens; "
+                                         "cache_write_5m/1h/24h: multiples of the miss price; retained_token_hour: "
+                                         "per 1M token-hours."),
     device: str = typer.Option("auto", help="auto, cpu, cuda, cuda:N."),
     dtype: str = typer.Option("auto", help="auto, float32, bfloat16, float16."),
     log_level: str = typer.Option("info", help="Log level: " + ", ".join(LOG_LEVELS) + " (uvicorn's and "
@@ -277,7 +279,11 @@ def serve(
     for name, path in (("--prices", prices), ("--api-keys", api_keys)):
         if path and not os.path.isfile(path):
             raise CLIError(f"{name}: no such file {path}", code=2)
-    price_table = Prices.from_file(prices) if prices else None
+    try:
+        price_table = Prices.from_file(prices) if prices else None
+    except ValueError as e:       # a bad price or multiplier: named, with its file, before the model loads
+        why = str(e) if str(e).startswith(prices) else f"{prices}: {e}"
+        raise CLIError(f"--prices: {why}", code=2) from None
     from service.auth import ApiKeys
     from service.server import check_bind
     from service.settings import ServiceSettings

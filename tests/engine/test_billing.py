@@ -216,7 +216,9 @@ def test_kill_9_mid_way_loses_no_acknowledged_request(tmp_path):
         led = Ledger({str(path)!r})
         i = 0
         while True:
-            led.record("t%d" % (i % 3), "req-%d" % i, 10, 2, {{"device": 3, "disk": 3, "remote": 0}}, 4)
+            # Of the 4 computed tokens, 3 written into the cache for an hour (issue 39): billed once too.
+            led.record("t%d" % (i % 3), "req-%d" % i, 10, 2, {{"device": 3, "disk": 3, "remote": 0}}, 4,
+                       cache_write_tokens={{"1h": 3}}, retained_token_seconds=3 * 3600)
             print("req-%d" % i, flush=True)    # acknowledged only after record() returned
             i += 1
         """)], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
@@ -244,4 +246,7 @@ def test_kill_9_mid_way_loses_no_acknowledged_request(tmp_path):
         assert [b.requests for b in bills] == [len(range(k, n, 3)) for k in range(3)]
         assert sum(b.prompt_tokens for b in bills) == 10 * n
         assert sum(b.hit_tokens_by_tier["disk"] for b in bills) == 3 * n
-        assert sum(b.cost_pico for b in bills) == n * (4 * 270_000 + 6 * 27_000 + 2 * 1_100_000)
+        assert sum(b.cache_write_tokens["1h"] for b in bills) == 3 * n
+        assert sum(b.retained_token_seconds for b in bills) == 3 * 3600 * n
+        # A written token is billed at the miss price times 2 (an hour): 3 of the 4 missed ones.
+        assert sum(b.cost_pico for b in bills) == n * (4 * 270_000 + 3 * 270_000 + 6 * 27_000 + 2 * 1_100_000)

@@ -97,7 +97,9 @@ def test_kill_9_while_the_ledger_cannot_be_written_loses_no_answered_bill(tmpfs)
         writer = BillingWriter(ledger, reserve_bytes=1 << 20)
         fill(__import__("pathlib").Path({str(mnt)!r}))
         for i in range(25):
-            assert submit_and_wait(writer, entry(ledger, i))["error"] is None
+            # Of its 16 missed tokens, 10 written for 5 minutes and 4 for a day (issue 39).
+            e = writer.prepare("acme", f"req-{{i}}", 32, 4, {{"disk": 16}}, 16, {{"5m": 10, "24h": 4}}, 4 * 86400)
+            assert submit_and_wait(writer, e)["error"] is None
             print(f"answered req-{{i}}", flush=True)
         assert writer.status()["unwritten"] == 25
         os.kill(os.getpid(), 9)
@@ -110,6 +112,12 @@ def test_kill_9_while_the_ledger_cannot_be_written_loses_no_answered_bill(tmpfs)
     for f in mnt.glob("filler-*"):
         f.unlink()
     assert billed(mnt / "billing") == answered
+    with Ledger(mnt / "billing") as led:            # each bill's cache writes counted once, from the journal
+        bill = led.tenant("acme")
+        assert bill.cache_write_tokens == {"5m": 250, "1h": 0, "24h": 100}
+        assert bill.retained_token_seconds == 25 * 4 * 86400
+        per = 16 * 270_000 + 16 * 27_000 + 4 * 1_100_000 + 10 * 270_000 // 4 + 4 * 270_000    # 1.25x, 2x
+        assert bill.cost_pico == 25 * per
 
 
 def test_serve_fails_the_requests_whose_bills_neither_a_full_reserve_nor_memory_can_hold(tmpfs) -> None:

@@ -86,6 +86,24 @@ def test_billing_counts_exactly(client, engine, tokenizer):
     assert everyone["total"]["requests"] == sum(t["requests"] for t in everyone["tenants"].values())
 
 
+def test_billing_shows_cache_writes_by_class_and_retained_token_hours(client, engine):
+    """Issue 39: a bill with cache writes, as the engine's billing writer commits one, read back over HTTP."""
+    import threading
+    done = threading.Event()
+    entry = engine.billing.prepare("bill-ret", "ret-1", 48, 2, {"device": 16}, 32,
+                                   cache_write_tokens={"5m": 16, "1h": 8}, retained_token_seconds=24 * 3600)
+    engine.billing.submit(entry, lambda recorded, error: done.set())
+    assert done.wait(60)
+    bill = client.get("/v1/cache/billing", params={"tenant": "bill-ret"}).json()
+    assert bill["cache_write_tokens"] == {"5m": 16, "1h": 8, "24h": 0}
+    assert bill["retained_token_seconds"] == 86_400 and bill["retained_token_hours"] == 24
+    p = Prices()
+    assert bill["cost_pico"] == 32 * p.miss + 16 * p.device_hit + 2 * p.completion + 16 * p.miss // 4 + 8 * p.miss
+    everyone = client.get("/v1/cache/billing").json()
+    assert everyone["tenants"]["bill-ret"] == bill and everyone["prices"]["cache_write_1h"] == 2.0
+    assert everyone["total"]["cache_write_tokens"]["5m"] >= 16
+
+
 def test_flush_then_drop_serves_disk_hits_then_device_hits(client, engine, tokenizer):
     ids = tokenizer(TEXT + " (flush)")["input_ids"]
     hit = full_blocks(len(ids))
