@@ -304,6 +304,8 @@ class Engine(StepLoop, RequestIntake):
                 # Where this server's KV events are published (a router subscribes there): the
                 # bound endpoints, the last batch's sequence number, events dropped.
                 "kv_events": self.cache.events_status(),
+                # Prefixes clients paid to keep (issue 39): the bound, the blocks kept per tenant.
+                "retention": self.cache.retention_status(),
                 "billing": self.billing.status() if self.billing is not None else {"state": "off"},
                 # What compute-or-load decides from (issue 18; calibrated at start, issue 27): each
                 # tier's restore latency and bandwidth, this engine's prefill fit, and how far each

@@ -134,6 +134,7 @@ class CacheCollector:
         if _is_number(billing.get("refused")):
             yield _single(CounterMetricFamily, "tieredkv_billing_refused", "Requests failed with 503 because their "
                           "bill could be held nowhere (--on-billing-failure serve, past the bound)", billing["refused"])
+        yield from retention_metrics(status.get("retention") or {})
         cost = status.get("cost_model", {})
         rates = cost.get("restore_bytes_per_s", {})
         if rates:
@@ -350,3 +351,26 @@ def _quantile(sorted_xs: list[float], q: float) -> float | None:
     if not sorted_xs:
         return None
     return sorted_xs[min(len(sorted_xs) - 1, int(q * len(sorted_xs)))]
+
+
+def retention_metrics(r: dict) -> Iterable[Metric]:
+    """Retention (issue 39): the blocks and bytes each tenant keeps past LRU, the bound, and the
+    retentions that ran out or were refused."""
+    if not r:
+        return
+    blocks = GaugeMetricFamily("tieredkv_retained_blocks", "Blocks a tenant retains past LRU now "
+                               "(cache_control ttl, prompt_cache_retention)", labels=["tenant"])
+    held = GaugeMetricFamily("tieredkv_retained_bytes", "Bytes a tenant retains past LRU now (raw block bytes)",
+                             labels=["tenant"])
+    for tenant, t in (r.get("tenants") or {}).items():
+        blocks.add_metric([tenant], float(t.get("blocks", 0)))
+        held.add_metric([tenant], float(t.get("bytes", 0)))
+    yield blocks
+    yield held
+    if _is_number(r.get("max_bytes")):
+        yield _single(GaugeMetricFamily, "tieredkv_retention_bound_bytes", "What every tenant's retention together "
+                      "may hold (--max-retained)", r["max_bytes"])
+    for key, help_text in (("expired", "Retentions (a block, a tenant) whose deadline passed"),
+                           ("refused", "Blocks a request asked to retain that a bound refused")):
+        if _is_number(r.get(key)):
+            yield _single(CounterMetricFamily, f"tieredkv_retention_{key}", help_text, r[key])

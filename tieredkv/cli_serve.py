@@ -145,6 +145,12 @@ def serve(
                                                "reach disk) or write_through (as soon as computed: what several "
                                                "servers sharing a store want)."),
     cache_secret_file: Optional[str] = typer.Option(None, help=SECRET_HELP),
+    max_retained: Optional[str] = typer.Option(None, help="What clients may keep past LRU (Anthropic's cache_control "
+                                               "ttl, OpenAI's prompt_cache_retention \"24h\"), e.g. 8GiB "
+                                               "(default: half the disk capacity; it must stay below it). 0: none."),
+    max_retained_per_tenant: Optional[str] = typer.Option(None, help="One tenant's share of --max-retained "
+                                                          "(default: all of it); past it a request is served "
+                                                          "and cached as usual, its usage says what was refused."),
     seal_disk: bool = typer.Option(False, "--seal-disk", help="Seal every disk block under the fleet secret "
                                    "(a cache dir others can write: one shared between users or containers; a "
                                    "keyed hash per block written and read). Without it a shared kv/ is refused."),
@@ -241,7 +247,8 @@ def serve(
         raise CLIError(f"--log-level: expected one of {', '.join(LOG_LEVELS)}, got {log_level!r}", code=2)
     device_memory = pool_size(device_memory, gpu_memory_utilization, device)
     for flag, value in (("--device-memory", device_memory), ("--host-memory", host_memory),
-                        ("--disk-capacity", disk_capacity), ("--disk-reserve", disk_reserve)):
+                        ("--disk-capacity", disk_capacity), ("--disk-reserve", disk_reserve),
+                        ("--max-retained", max_retained or 0), ("--max-retained-per-tenant", max_retained_per_tenant or 0)):
         parse_size(value, flag)             # a bad size names the flag the user typed
     from storage.config import CODECS, RESTORE_POLICIES
     if codec not in CODECS:
@@ -256,13 +263,17 @@ def serve(
     # --no-enable-prefix-caching: no block kept for reuse, in the device pool or below it.
     tiers = dict(host_memory=host_memory, disk_dir=str(root / "kv")) if enable_prefix_caching else \
         dict(host_memory=0, disk_dir=None, prefix_caching=False)
-    cache = CacheConfig(block_size=block_size, device_memory=device_memory, disk_capacity=disk_capacity,
-                        disk_reserve=disk_reserve, restore_policy=restore_policy, codec=codec, **tiers,
-                        **kv_events_options(root, kv_events, kv_events_replay, kv_events_allow_keys,
-                                            kv_events_secret_file, kv_events_tokens, kv_events_no_tokens,
-                                            kv_events_replay_seconds),
-                        **remote_options(remote_url, remote_timeout, remote_ttl, remote_write, cache_secret_file, root,
-                                         seal_disk and enable_prefix_caching))
+    try:
+        cache = CacheConfig(block_size=block_size, device_memory=device_memory, disk_capacity=disk_capacity,
+                            disk_reserve=disk_reserve, restore_policy=restore_policy, codec=codec, **tiers,
+                            max_retained=max_retained, max_retained_per_tenant=max_retained_per_tenant,
+                            **kv_events_options(root, kv_events, kv_events_replay, kv_events_allow_keys,
+                                                kv_events_secret_file, kv_events_tokens, kv_events_no_tokens,
+                                                kv_events_replay_seconds),
+                            **remote_options(remote_url, remote_timeout, remote_ttl, remote_write, cache_secret_file, root,
+                                             seal_disk and enable_prefix_caching))
+    except ValueError as e:     # --max-retained past the disk, and the like: named, before the model loads
+        raise CLIError(str(e), code=2) from None
     if cache.kv_events is not None:
         from storage.kv_events.access import prepare
         prepare(cache)        # keys read (the server's made), ipc directories made: errors now, not after the load

@@ -16,6 +16,8 @@ Doesn't know: LMDB or payloads -- it reads only what DiskTier.iter_blocks yields
 from __future__ import annotations
 
 import os
+import time
+from datetime import datetime, timezone
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
@@ -71,12 +73,30 @@ def survey(tier: Any, billing_dir: str, decode: bool) -> Survey:
                            "model": lab.model if lab else None, "dtype": lab.dtype if lab else None,
                            "tenant": lab.tenant if lab else None, **d})
     report = {"path": tier.path, "blocks": stats.blocks, "stored_bytes": stats.used_bytes, "raw_bytes": stats.raw_bytes,
-              "compression_ratio": round(stats.compression_ratio, 3), "namespaces": namespaces}
+              "compression_ratio": round(stats.compression_ratio, 3), "namespaces": namespaces,
+              "retained": retained_report(tier, {b.hash for b in blocks})}
     decoders: dict[bytes, Callable[[list[int]], str]] = {}
     if decode:
         by_dir = {str(d): load_decoder(str(d)) for d in {d for _, d in found.values()}}
         decoders = {ns: by_dir[str(d)] for ns, (_, d) in found.items() if by_dir[str(d)] is not None}
     return Survey(report, build_forest(blocks), labels, decoders, {b.hash: len(b.token_ids) for b in blocks})
+
+
+def retained_report(tier: Any, stored: set[bytes]) -> dict[str, dict[str, Any]]:
+    """Per tenant, the blocks retained past LRU now (issue 39): how many the store holds, how many
+    it does not (yet, or no more), and the next deadline (ISO 8601, UTC)."""
+    now = time.time()
+    out: dict[str, dict[str, Any]] = {}
+    for row in tier.retained_rows():
+        if row.deadline <= now:
+            continue
+        t = out.setdefault(row.tenant, {"blocks": 0, "not_stored": 0, "next_deadline": None, "by_class": {}})
+        t["blocks" if row.block_hash in stored else "not_stored"] += 1
+        t["by_class"][row.klass] = t["by_class"].get(row.klass, 0) + 1
+        t["next_deadline"] = row.deadline if t["next_deadline"] is None else min(t["next_deadline"], row.deadline)
+    for t in out.values():
+        t["next_deadline"] = datetime.fromtimestamp(t["next_deadline"], timezone.utc).isoformat(timespec="seconds")
+    return dict(sorted(out.items()))
 
 
 def tree_to_dict(s: Survey, max_depth: int, max_width: int) -> dict[str, list[dict[str, Any]]]:
@@ -173,6 +193,10 @@ def overview(report: dict[str, Any], url: str = "http://127.0.0.1:8000") -> Any:
             f"{format_size(report['raw_bytes'])} raw, compression {report['compression_ratio']:.2f}x")
     if n == 0:
         return Group(head, escape(empty_disk_note(url)))
+    for tenant, r in report.get("retained", {}).items():
+        head += (f"\n  retained for {escape(tenant)}: {r['blocks']:,} block(s) past LRU"
+                 + (f" (+{r['not_stored']:,} not on disk)" if r["not_stored"] else "")
+                 + f", next deadline {r['next_deadline']}")
     return Group(head, namespace_table(report["namespaces"], reads=True))
 
 

@@ -123,6 +123,10 @@ class DiskRetention:
         """Every retention row the store holds (none while it does not answer); `clock`: wall-clock
         seconds for the writer's deadlines from now on (tests inject one)."""
         self._writer.clock = clock
+        return self.retained_rows()
+
+    def retained_rows(self) -> list[RetainRow]:
+        """Every retention row the store holds, deadlines passed included (`tieredkv inspect`)."""
         try:
             with self._begin() as txn:
                 db = self._gate.dbs.retain
