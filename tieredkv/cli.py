@@ -170,6 +170,11 @@ def status(
     line = disk_space_line(disk)
     if line:
         out.print(line, soft_wrap=True)
+    ret = body.get("retention") or {}
+    if ret.get("tenants"):        # prefixes kept past LRU (cache_control ttl, prompt_cache_retention "24h")
+        kept = ", ".join(f"{escape(t)} {r['blocks']:,} blocks" for t, r in ret["tenants"].items())
+        out.print(f"retained in {ret.get('keeper')}: {kept} (bound {format_size(ret.get('max_bytes', 0))}; "
+                  f"{ret.get('refused', 0):,} blocks refused)", soft_wrap=True)
     cost = body.get("cost_model", {})
     rates = cost.get("restore_bytes_per_s", {})
     if rates:
