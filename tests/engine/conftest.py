@@ -30,7 +30,8 @@ def make_engine(tmp_path=None, config=None, *, block_size=4, device_memory="256K
                         disk_dir=str(tmp_path / "kv") if (disk and tmp_path is not None) else None,
                         disk_capacity="64MiB",
                         **{k: kw.pop(k) for k in list(kw) if k in ("write_policy", "isolate_tenants", "restore_policy", "calibrate",
-                                                                       "load_deadline_slack_s", "prefix_caching")})
+                                                                       "load_deadline_slack_s", "prefix_caching",
+                                                                       "max_retained", "max_retained_per_tenant")})
     return Engine(loaded, cache, **kw)
 
 
