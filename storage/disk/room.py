@@ -22,7 +22,8 @@ import lmdb
 
 from storage.disk.gate import EnvGate
 from storage.disk.index import DiskIndex
-from storage.disk.records import StoreDamaged, StoreInfo, delete_in_txn, load_info, lru_hash, lru_key, read_meta, store_info
+from storage.disk.records import (StoreDamaged, StoreInfo, delete_in_txn, load_capacity, load_info, lru_hash, lru_key,
+                                  read_meta, store_info)
 from storage.disk.retained import live_deadline
 from storage.disk.verdicts import is_no_space
 
@@ -44,8 +45,19 @@ class FreeSpace:
         self._full_map = map_size
         self._last_space_check = -1e9
         self._last_set: int | None = None        # the map size this writer last set
+        self._warned_capacity = False
         self.growth_left: int | None = None      # bytes the data file may still grow; None: unbounded
         self.space: tuple[int | None, int | None] = (None, None)   # (free bytes, the map's bound or None)
+
+    def capacity_in(self, txn: lmdb.Transaction) -> int:
+        """The store's capacity, read in the committing transaction (another process may have
+        changed it); warns once when it is not this process's configured one."""
+        capacity = load_capacity(txn, self._gate.dbs) or self._capacity_bytes
+        if capacity != self._capacity_bytes and not self._warned_capacity:
+            self._warned_capacity = True
+            log.warning("disk tier: another process set the capacity to %d bytes (this one was configured "
+                        "with %d); enforcing the store's %d", capacity, self._capacity_bytes, capacity)
+        return capacity
 
     def fit(self, force: bool = False) -> None:
         """Bound the data file by the filesystem's free space minus the reserve: the map size is the

@@ -6,16 +6,11 @@ PendingBlock.copy_for), the accesses reads record for it, deletes that race a co
 the capacity bound enforced in the same transaction, and what to do when LMDB runs out of map or
 disk (MapFull/ENOSPC: make room, retry smaller, drop what still does not fit).
 
-Compression runs, while sequences decode, in the encode process (a child, so its per-block Python
-holds the child's GIL, not the engine's: storage/codec/encode_process.py) or, with nothing
-decoding, when that is off or when it hands a block back, on a pool (`tieredkv-disk-encode`, os.cpu_count() threads by default); storage/disk/batch_encoder.py
-decides. It is pipelined with the commits (the look-ahead of storage/background_writer.py): while
-batch k commits -- LMDB's copy into the map and its fsync, one thread --, batch k+1 encodes; no
-more than that one batch is ever encoded ahead, and batches commit one at a time in the order they
-were taken. On this 2-core CPU the gain is the fsync and commit hidden behind encoding; on the
-16-core GPU machines users run, the encodes of a batch also run 16 at a time (tools/
-bench_write_pool.py measures both; the child's threads as the pool's) -- while no sequence runs:
-while one does, one encode at a time (storage/foreground.py: the decoders keep their cores).
+Compression runs in the encode process while sequences decode (a child: its per-block Python
+holds its own GIL: storage/codec/encode_process.py), else on a pool (`tieredkv-disk-encode`);
+storage/disk/batch_encoder.py decides. It is pipelined with the commits (storage/
+background_writer.py's look-ahead): batch k+1 encodes while batch k commits (LMDB's copy and
+fsync), never more than one batch ahead, commits in order (tools/bench_write_pool.py).
 Doesn't know: the read path or verification (storage/disk/tier.py, storage/disk/integrity.py),
 how room is made in the store (LRU eviction, the map bounded by free space: storage/disk/room.py),
 or the byte layout of the records beyond storage/disk/records.py's functions.
@@ -25,10 +20,9 @@ drain() reports them: it is True only when nothing was dropped while it waited. 
 says the directory takes no writes (read-only, EIO, gone) turns the writes off instead of
 dropping batch after batch: storage/disk/write_switch.py, which probes until they can resume.
 
-Stale readers: a process killed inside a read transaction leaves its slot in LMDB's reader
-table, and LMDB then keeps every page that snapshot could see -- freed pages are never reused,
-the file grows past the capacity and commits fail with MapFull. The writer clears such slots
-(reader_check) at start, every few seconds, and before evicting for room.
+Stale readers (a process killed inside a read transaction pins every page its snapshot saw, so
+the file grows past the capacity): cleared (reader_check) at start, every few seconds, before evicting.
+Retention deadlines (storage/disk/retained.py) are written with the next batch.
 """
 from __future__ import annotations
 
@@ -50,7 +44,7 @@ from storage.disk.batch_encoder import BatchEncoder, Encoding
 from storage.disk.gate import EnvGate
 from storage.disk.verdicts import is_damage, is_no_space
 from storage.disk.write_switch import WriteSwitch, stops_writes
-from storage.disk.records import StoreInfo, load_capacity, load_info, lru_key, read_meta, store_info
+from storage.disk.records import StoreInfo, load_info, lru_key, read_meta, store_info
 from storage.disk.room import FreeSpace, evict_in_txn, make_room
 from storage.disk.stall import DiskStalled
 from storage.disk.index import DiskIndex
@@ -117,7 +111,7 @@ class DiskWriter(BackgroundWriter[_Batch]):
         # `encode_process` is None, on the pool what it cannot (storage/disk/batch_encoder.py).
         self._encoding = BatchEncoder(codec, encode_threads or os.cpu_count() or 1, encode_process)
         self._dropped = 0                               # blocks ever dropped (never committed)
-        self._last_reader_check, self._warned_capacity = 0.0, False   # writer thread only
+        self._last_reader_check = 0.0                   # writer thread only
         # Called on the writer thread after each commit with (key, payload, raw size) of every block
         # it stored: the remote tier's write-behind (a block is compressed once for both).
         self.on_commit: Callable[[list], None] | None = None
@@ -400,7 +394,7 @@ class DiskWriter(BackgroundWriter[_Batch]):
         with self._begin(write=True) as txn:
             dbs = self._gate.dbs
             info = load_info(txn, dbs)
-            capacity = store_capacity = self._capacity_in(txn)
+            capacity = store_capacity = self._room.capacity_in(txn)
             if self._room.growth_left is not None:
                 # Bounded by free space: grow by at most most of what the file may still grow
                 # (page rounding and copy-on-write pages need the rest); MapFull catches the rest.
@@ -459,13 +453,3 @@ class DiskWriter(BackgroundWriter[_Batch]):
                 self.on_commit(new)
             except Exception:   # the disk tier's commit stands whatever the write-behind does
                 log.exception("disk tier: forwarding %d committed blocks failed", len(new))
-
-    def _capacity_in(self, txn: lmdb.Transaction) -> int:
-        """The store's capacity, read in the committing transaction (another process may have
-        changed it); warns once when it is not this process's configured one."""
-        capacity = load_capacity(txn, self._gate.dbs) or self._capacity_bytes
-        if capacity != self._capacity_bytes and not self._warned_capacity:
-            self._warned_capacity = True
-            log.warning("disk tier: another process set the capacity to %d bytes (this one was configured "
-                        "with %d); enforcing the store's %d", capacity, self._capacity_bytes, capacity)
-        return capacity
