@@ -17,7 +17,7 @@ import os
 import queue
 import threading
 import time
-from typing import Sequence as Seq
+from typing import Callable, Sequence as Seq
 
 import torch
 
@@ -90,7 +90,7 @@ class Engine(StepLoop, RequestIntake):
                  max_model_len: int | None = None, enforce_eager: bool = False,
                  decode_step: str = "auto", exact_hits: bool = True, max_n: int = 16,
                  newcomer_first: bool = True, tenant_weights: dict[str, float] | None = None,
-                 seed: int | None = None) -> None:
+                 seed: int | None = None, cache_clock: Callable[[], float] | None = None) -> None:
         cache = cache or CacheConfig()
         max_batch_tokens = max_batch_tokens or default_batch_tokens(loaded.device)
         if billing_failure not in ON_FAILURE:      # before any thread starts
@@ -128,7 +128,8 @@ class Engine(StepLoop, RequestIntake):
         sink_pages = 0 if self.decode_step == "off" else 1
         self.max_context, self.max_context_source = context_length(loaded.max_context, pool_pages - sink_pages,
                                                                    cache.block_size, max_model_len)
-        self.cache = TieredKVCache(self.layout, cache, loaded.device, num_pages=num_pages)
+        # cache_clock: wall-clock seconds for retention deadlines (None: time.time; tests inject one).
+        self.cache = TieredKVCache(self.layout, cache, loaded.device, num_pages=num_pages, clock=cache_clock)
         # The engine's compute rate, fitted from its own steps (engine/prefill_model.py), and what
         # decides from it and the tiers' restore rates whether a hit is loaded or recomputed.
         self.prefill_model = PrefillModel()
