@@ -30,6 +30,7 @@ __all__ = ["RETENTION_SECONDS", "RetainOutcome", "RetainRow", "Retention", "Tena
 # Each class a client may buy and how long it keeps a prefix: Anthropic's cache_control ttl
 # ("5m" default, "1h"), OpenAI's prompt_cache_retention "24h". engine/outputs.py names them too.
 RETENTION_SECONDS = {"5m": 300.0, "1h": 3600.0, "24h": 86400.0}
+WRITE_AHEAD = 0.02     # of a class's seconds: how far past a deadline the disk's row says (see retain)
 
 
 def retention_seconds(klass: str) -> float:
@@ -95,6 +96,7 @@ class Retention:
         self._held: dict[bytes, dict[str, tuple[float, str]]] = {}   # hash -> tenant -> (deadline, class)
         self._tenant_blocks: dict[str, int] = {}
         self._heap: list[tuple[float, bytes, str]] = []   # (deadline, hash, tenant); stale entries skipped
+        self._written: dict[tuple[bytes, str], float] = {}  # (hash, tenant) -> the deadline the disk was given
         self.expired = 0            # (block, tenant) retentions that ran out
         self.refused = 0            # blocks refused by a bound
 
@@ -133,8 +135,14 @@ class Retention:
                     bought += deadline - max(mine[0], now)
                     held[tenant] = (deadline, klass)
                 heapq.heappush(self._heap, (deadline, key.hash, tenant))
-                rows.append(RetainRow(key.hash, tenant, deadline, klass))
                 kept += 1
+                # NOTE: the disk is handed a deadline WRITE_AHEAD of the class later than this one,
+                # so the refreshes of a hot prefix (every hit) write nothing until it is reached:
+                # after a restart a block may be kept that much past what was paid, never less.
+                if deadline > self._written.get((key.hash, tenant), 0.0):
+                    ahead = deadline + WRITE_AHEAD * ttl
+                    self._written[(key.hash, tenant)] = ahead
+                    rows.append(RetainRow(key.hash, tenant, ahead, klass))
             self.refused += refused
         return RetainOutcome(kept, refused, bought, tuple(rows))
 
@@ -153,6 +161,7 @@ class Retention:
                 if r.deadline <= now:
                     continue
                 held = self._held.get(r.block_hash, {})
+                self._written[(r.block_hash, r.tenant)] = max(r.deadline, self._written.get((r.block_hash, r.tenant), 0.0))
                 if r.tenant in held:
                     if r.deadline > held[r.tenant][0]:
                         held[r.tenant] = (r.deadline, r.klass)
@@ -196,6 +205,7 @@ class Retention:
             if not held or tenant not in held or held[tenant][0] != d:
                 continue       # refreshed since (a later entry stands) or gone
             del held[tenant]
+            self._written.pop((h, tenant), None)
             if not held:
                 del self._held[h]
             self._tenant_blocks[tenant] -= 1

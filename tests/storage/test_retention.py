@@ -11,7 +11,7 @@ import pytest
 
 from storage.config import CacheConfig
 from storage.hashing import BlockKey
-from storage.retention import Retention
+from storage.retention import WRITE_AHEAD, Retention
 from storage.tiered_cache import TieredKVCache
 from tests.storage.conftest import TINY, block_data, keys
 from tests.storage.test_tiered_cache import fill, same_bits
@@ -64,9 +64,14 @@ def test_the_book_bounds_each_tenant_and_everyone_and_refreshes() -> None:
     clock.t += 100
     got = r.retain("a", a[:2], "1h")                       # a refresh moves the deadline on
     assert got.retained == 2 and got.block_seconds == pytest.approx(2 * (3600 + 100 - 300))
-    assert got.rows and all(row.deadline == clock.t + 3600 for row in got.rows)
+    # the disk is told a little past the deadline, so the next refreshes write nothing
+    assert got.rows and all(row.deadline == clock.t + 3600 * (1 + WRITE_AHEAD) for row in got.rows)
     got = r.retain("a", a[:2], "5m")                       # a shorter ask buys nothing
     assert got.retained == 2 and got.block_seconds == 0 and not got.rows
+    clock.t += 10
+    got = r.retain("a", a[:2], "1h")                       # a refresh within the write-ahead: no row
+    assert got.block_seconds == pytest.approx(2 * 10) and not got.rows
+    clock.t -= 10
     assert r.tenants()["a"].blocks == 4 and r.tenants()["b"].blocks == 2
     clock.t += 301 - 100 + 1                               # a[2:4] (5m) passed; a[:2] (1h) not
     assert [r.live(k.hash) for k in a[:4]] == [True, True, False, False]
@@ -99,7 +104,7 @@ def test_a_retained_chain_survives_a_flood_5x_the_disk_and_a_restart_then_expire
         assert held_on_disk(cache, retained) == 8
         got = cache.disk.get_many(retained)
         assert all(same_bits(g, block_data(k)) for g, k in zip(got, retained))
-        clock.t += 1801                                     # past the deadline: ordinary LRU
+        clock.t += 1801 + WRITE_AHEAD * 3600                # past the deadline the disk was given: ordinary LRU
         assert cache.retention.blocks() == 0
         flood(cache, 2 * disk_blocks, start=200_000)
         assert held_on_disk(cache, retained) == 0
