@@ -31,11 +31,19 @@ def usage_dict(usage: Any) -> dict[str, Any]:
         "prompt_cache_miss_tokens": usage.prompt_cache_miss_tokens,
         "prompt_tokens_details": {"cached_tokens": hit},
         "prompt_cache_hit_tokens_by_tier": {t: usage.hit_tokens_by_tier.get(t, 0) for t in TIERS},
-        **({"cache_write_tokens": dict(usage.cache_write_tokens),      # retention (issue 39): what was kept
-            "retained_token_seconds": usage.retained_token_seconds,
-            "retention_refused_tokens": usage.retention_refused_tokens}
-           if usage.cache_write_tokens or usage.retention_refused_tokens or usage.retained_token_seconds else {}),
+        **retention_fields(usage),
     }
+
+
+def retention_fields(usage: Any) -> dict[str, Any]:
+    """A retaining request's cache writes by class, token-seconds bought and tokens refused (issue
+    39); nothing for any other request (the usage of a request that asked no retention is OpenAI's)."""
+    written = getattr(usage, "cache_write_tokens", None) or {}
+    seconds = getattr(usage, "retained_token_seconds", 0)
+    refused = getattr(usage, "retention_refused_tokens", 0)
+    if not (written or seconds or refused):
+        return {}
+    return {"cache_write_tokens": dict(written), "retained_token_seconds": seconds, "retention_refused_tokens": refused}
 
 
 def completion_id(request_id: str, chat: bool) -> str:
