@@ -150,9 +150,9 @@ def evict_in_txn(txn: lmdb.Transaction, dbs, info: StoreInfo, more: Callable[[],
     Retention (issue 39): a block a tenant retains past `now` (storage/disk/retained.py) is not
     deleted but moved to the back of the LRU order (a new access sequence), so each retained
     block is passed over once per walk; once the walk meets a block it moved, every block left is
-    retained and nothing more can be evicted (the caller's batch is then dropped, counted: the
-    retention bounds keep this from happening, storage/retention.py). A row whose deadlines all
-    passed is deleted and its block evicted as any other.
+    retained, and while more() still asks, retained blocks are evicted too (the capacity bound is
+    the invariant; the retention bounds keep this from happening, storage/retention.py). A row
+    whose deadlines all passed is deleted and its block evicted as any other.
 
     NOTE: bounded. Each turn deletes the LRU database's first entry and proves it did (the
     next first entry is another key); one that comes back means the lru tree is out of order
@@ -173,7 +173,13 @@ def evict_in_txn(txn: lmdb.Transaction, dbs, info: StoreInfo, more: Callable[[],
         first = bytes(cur.key())
         h = lru_hash(first)
         if first in moved:
-            break                         # every block left is retained
+            # Every block left is retained and the store is still over its bound (rows a larger
+            # configuration wrote, or stored sizes past the raw bytes the bound counts): the
+            # capacity invariant wins, retained blocks go too, oldest first.
+            log.warning("disk tier: every block left is retained and the store is over its capacity: "
+                        "evicting retained blocks (is --max-retained close to --disk-capacity?)")
+            retains = None
+            moved.clear()
         raw, m = read_meta(txn, dbs, h)
         if (m is not None and retains is not None and lru_key(m.last_access, h) == first
                 and live_deadline(txn, retains, h, now) is not None):

@@ -167,3 +167,26 @@ def test_with_no_tier_below_the_device_every_ask_is_refused() -> None:
 def test_max_retained_must_stay_below_the_keeping_tier(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="max_retained"):
         make(tmp_path / "kv", Clock(), disk_blocks=40, max_retained=40 * BLOCK)
+
+
+def test_the_capacity_bound_wins_over_rows_a_larger_configuration_wrote(tmp_path: Path) -> None:
+    """Rows on disk retaining more than this configuration's disk holds (written by a server with a
+    bigger disk): the store still never commits past its capacity; retained blocks go, oldest first."""
+    clock = Clock()
+    retained = keys(30, start_token=90_000)
+    big = make(tmp_path / "kv", clock, disk_blocks=80)
+    try:
+        assert big.retain("alice", retained, "24h").retained == 30
+        for i in range(0, 30, 4):
+            big.release(fill(big, retained[i:i + 4]))
+        assert held_on_disk(big, retained) == 30
+    finally:
+        big.close()
+    small = make(tmp_path / "kv", clock, disk_blocks=20)
+    try:
+        assert small.disk.stats().capacity_bytes == 20 * BLOCK
+        flood(small, 60, start=0)
+        assert small.disk.stats().used_bytes <= small.disk.stats().capacity_bytes
+        assert held_on_disk(small, retained) < 30
+    finally:
+        small.close()
