@@ -64,14 +64,14 @@ if [ -n "$CARRY" ]; then
     export PYTHONPATH=$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}   # the repo itself is not pip-installed there
     export PATH=$SITE/bin:$PATH
 fi
-# The C extensions (pyproject.toml's ext-modules: the byte-plane codec, the disk tier's SIGBUS
-# guard) are built by `pip install` here; a copy on a lent machine has none for its Python (the
+# The C extensions (pyproject.toml's ext-modules: the byte-plane codec, the raw codec's read
+# check, the disk tier's SIGBUS guard) are built by `pip install` here; a copy on a lent machine has none for its Python (the
 # numpy byte planes are several times slower on a disk or remote restore, and without the guard a
 # truncated store is a crash): build them in place with the machine's cc when they are missing.
 if [ $DRY -eq 0 ]; then
     read -r inc suffix < <($PY -c "import sysconfig as s; print(s.get_paths()['include'], s.get_config_var('EXT_SUFFIX'))")
-    for mod in storage/codec/_byte_planes storage/codec/_nibble storage/disk/_map_faults; do
-        [ -f "$mod$suffix" ] || ${CC:-cc} -O3 -shared -fPIC -I"$inc" "$mod.c" -o "$mod$suffix" \
+    for mod in storage/codec/_byte_planes storage/codec/_nibble storage/codec/_raw_batch storage/disk/_map_faults; do
+        [ -f "$mod$suffix" ] || ${CC:-cc} -O3 -shared -fPIC -pthread -I"$inc" "$mod.c" -o "$mod$suffix" \
             || echo "gpu_check: building $mod.c failed" >&2
     done
 fi

@@ -2,7 +2,8 @@
 read-ahead into the OS page cache, the stored blocks' metadata listed, and the decode pool.
 
 Knows: one read transaction per get_many, each payload verified and decoded where it lies in the
-map (on the decode pool, `tieredkv-disk-decode`, for zstd), damaged blocks
+map (on the decode pool, `tieredkv-disk-decode`, for zstd; the raw codec's blocks in one compiled
+call, storage/codec/raw_batch.py), damaged blocks
 counted and deleted, accesses handed to the writer (reads never take LMDB's write lock).
 A part of DiskTier (a base class of it, as SharedPages is of the cache): the gate, the index, the
 writer, the counters and `_delete_now`/`_read_failed` are DiskTier's (storage/disk/tier.py).
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import lmdb
 
+from storage.codec import raw_batch
 from storage.codec.stored_block import BlockMeta, verify_and_decode
 from storage.disk import map_faults
 from storage.disk.preflight import DamagedEnvironment
@@ -80,7 +82,7 @@ class DiskReads:
         # and on a process holding a model a full collection costs tens of ms):
         idx: list[int] = []                       # each one's index in `keys`
         stored: list[memoryview | bytes | None] = []   # its payload: read in place, or copied out
-        metas: list[bytes | None] = []            # its metadata record (copied: ~100 bytes)
+        metas: list[memoryview | bytes | None] = []   # its metadata record: likewise
         # NOTE invariant: each payload is verified and decoded where it lies in the map, inside
         # the read transaction: the decode's copy into `out` is the one copy. A data.mdb
         # truncated under the server while a restore decodes reads as zeros there
@@ -109,22 +111,34 @@ class DiskReads:
                 else:
                     idx.append(i)
                     stored.append(payload if payload is None or in_place else bytes(payload))
-                    metas.append(None if meta is None else bytes(meta))
+                    metas.append(meta if meta is None or in_place else bytes(meta))
             tensors: list[torch.Tensor | None] = [None] * len(idx)
             reasons: list[str | None] = [None] * len(idx)
 
             def check(j: int) -> None:
-                # NOTE invariant: a block is served only once verify_and_decode accepted it (its
+                # NOTE invariant: a block is served only once verify_and_decode (or, for a raw
+                # block, raw_batch's compiled twin of it, tests/storage/test_raw_batch.py) accepted it (its
                 # metadata against the key, the header crc32, the binding, the coded crc32 and
                 # every frame's checksum, or the raw codec's xxh3); anything else leaves
                 # tensors[j] None, and it is counted corrupt and deleted below.
                 i = idx[j]
                 tensors[j], reasons[j] = self._verify_and_decode(keys[i], outs[i], stored[j], metas[j])
-            # The raw codec's decode is a hash and one copy (~40 us a block): a pool's dispatch and
-            # the GIL cost more than the threads overlap (256 bf16 blocks: 4.5 GB/s inline, 3.6 on
-            # 2 threads), so it decodes inline. zstd's decode releases the GIL for ~300 us a block
-            # and gains from every thread.
-            if len(idx) > 1 and self._decode_threads > 1 and self.codec.kind != "raw":
+            # The raw codec: every block's checks, hash and copy in one compiled call, the GIL
+            # released and the blocks spread over the decode threads' count
+            # (storage/codec/raw_batch.py); a block it leaves undecided (another codec's payload)
+            # and a sealed store's records take verify_and_decode. zstd's decode releases the GIL
+            # for ~300 us a block and gains from every thread of the pool.
+            decided = None
+            if self.codec.kind == "raw" and self._seal is None:
+                decided = raw_batch.verify_batch(self.layout, [keys[i] for i in idx], [outs[i] for i in idx],
+                                                 stored, metas, self._decode_threads)
+            if decided is not None:
+                for j, verdict in enumerate(decided):
+                    if verdict is None:
+                        check(j)
+                    else:
+                        tensors[j], reasons[j] = verdict
+            elif len(idx) > 1 and self._decode_threads > 1 and self.codec.kind != "raw":
                 self._on_pool(check, len(idx))
             else:
                 for j in range(len(idx)):
@@ -137,6 +151,7 @@ class DiskReads:
                         payloads[idx[j]] = stored[j] if isinstance(stored[j], bytes) and not head \
                             else bytes(memoryview(stored[j])[head:])
             stored.clear()
+            metas.clear()
         self._index.discard(gone)
         damaged, touched, bytes_read = [], [], 0
         for i, size, tensor, reason in zip(idx, sizes, tensors, reasons):
