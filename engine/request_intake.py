@@ -138,8 +138,10 @@ class RequestIntake:
                 raise
         for seq in seqs:
             if retain:      # kept from now: the blocks are retained as they are computed
-                seq.retain = retain_request(self.cache, tenant, seq.prefix_keys(), len(seq.prompt_ids),
-                                            self.block_size, retain)
+                # The prompt's full blocks: hashed already when it has an exact entry (an exact
+                # hit never hashes them again), else its prefix keys (admission needs them anyway).
+                keys = seq.exact.full if seq.exact is not None else seq.prefix_keys()
+                seq.retain = retain_request(self.cache, tenant, keys, len(seq.prompt_ids), self.block_size, retain)
             # Its disk blocks start moving to the host tier now, so its wait in the queue overlaps
             # the drive (storage/loader.py; reads only memory here).
             seq.prefetch = self.cache.prefetch(list(seq.exact.chain) if seq.exact is not None else seq.prefix_keys(),
