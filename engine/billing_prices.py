@@ -60,8 +60,8 @@ class Prices:
 
     Cache writes (tokens a request asked to retain and did not read from the cache) are billed
     at the miss price times `cache_write_5m` (1.25), `cache_write_1h` (2.0) or `cache_write_24h`
-    (2.0): Anthropic's 1.25x for 5 minutes and 2x for an hour; OpenAI's 24h retention is priced
-    like an hour. `retained_token_hour` (micro-dollars per 1M token-hours of retention bought)
+    (1.0): Anthropic's 1.25x for 5 minutes and 2x for an hour; OpenAI charges no premium for its
+    24h retention (a write is a miss). `retained_token_hour` (micro-dollars per 1M token-hours of retention bought)
     is 0: Anthropic and OpenAI charge nothing for storage; Gemini's explicit caches do (per 1M
     token-hours, $1.00 to $4.50 on Gemini 2.5: `retained_token_hour = 1000000` for $1).
     A multiplier is a number with at most 4 decimal places (kept exact as ten-thousandths).
@@ -74,7 +74,7 @@ class Prices:
     completion: int = 1_100_000
     cache_write_5m: float = 1.25
     cache_write_1h: float = 2.0
-    cache_write_24h: float = 2.0
+    cache_write_24h: float = 1.0
     retained_token_hour: int = 0
 
     def __post_init__(self) -> None:

@@ -20,6 +20,7 @@ inbox, in-flight count (under its lock) and abort queue, never the scheduler.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import queue
 import random
 import uuid
@@ -34,6 +35,8 @@ from engine.retain_spans import RetainSpan, check_spans, retain_request
 from engine.sampler import is_greedy, make_generator
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
+
+log = logging.getLogger("tieredkv.engine")
 
 Prompt = str | Seq[int]
 Delivered = int | tuple[int, ...] | None
@@ -141,7 +144,11 @@ class RequestIntake:
                 # The prompt's full blocks: hashed already when it has an exact entry (an exact
                 # hit never hashes them again), else its prefix keys (admission needs them anyway).
                 keys = seq.exact.full if seq.exact is not None else seq.prefix_keys()
-                seq.retain = retain_request(self.cache, tenant, keys, len(seq.prompt_ids), self.block_size, retain)
+                try:
+                    seq.retain = retain_request(self.cache, tenant, keys, len(seq.prompt_ids), self.block_size,
+                                                retain)
+                except Exception:      # a cache closing under it: served and cached as ever, nothing retained
+                    log.exception("retention of %s failed: the request runs without it", seq.request_id)
             # Its disk blocks start moving to the host tier now, so its wait in the queue overlaps
             # the drive (storage/loader.py; reads only memory here).
             seq.prefetch = self.cache.prefetch(list(seq.exact.chain) if seq.exact is not None else seq.prefix_keys(),

@@ -83,8 +83,11 @@ def retention_usage(rec: RetainRecord | None, prompt_tokens: int, read_tokens: i
                     block_size: int) -> tuple[dict[str, int], int, int]:
     """(tokens written by class, token-seconds bought, tokens refused) for a request that read
     its first `read_tokens` prompt tokens from the cache."""
-    if rec is None or prompt_tokens == 0:
+    if rec is None:
         return {}, 0, 0
+    bought = int(round(rec.block_seconds * block_size))
+    if prompt_tokens == 0:       # never admitted (its caller left): nothing written, what it bought stays bought
+        return {}, bought, 0
     written: dict[str, int] = {}
     refused = 0
     start = 0
@@ -97,4 +100,4 @@ def retention_usage(rec: RetainRecord | None, prompt_tokens: int, read_tokens: i
             written[klass] = written.get(klass, 0) + n
         refused += max(0, end - max(lo, cut))
         start = max(start, end)
-    return written, int(round(rec.block_seconds * block_size)), refused
+    return written, bought, refused

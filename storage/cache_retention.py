@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 
 from storage.hashing import BlockKey
 from storage.lower_tier import LowerTier
-from storage.retention import RetainOutcome, Retention
+from storage.retention import RetainOutcome, RetainRow, Retention
 
 log = logging.getLogger(__name__)
 
@@ -47,15 +47,17 @@ class CacheRetention:
         self.retention = Retention(self.layout.nbytes, bound, bound if per_tenant is None else per_tenant, clock)
         self._keeper = keeper
         if keeper is not None:
-            rows = keeper.open_retention(clock)
-            kept = self.retention.load(rows)
+            rows = keeper.open_retention(clock, self.retention.unwritten)
+            over = self.retention.load(rows)
+            if over:      # written under a larger configuration: the disk keeps no more than the book
+                keeper.retain([RetainRow(r.block_hash, r.tenant, 0.0, r.klass) for r in over])
             if rows:
-                log.info("retention: %d of %d retained block row(s) read back from the %s tier are live",
-                         kept, len(rows), keeper.name)
+                log.info("retention: %d retained block row(s) read back from the %s tier, %d live (%d over "
+                         "this configuration's bounds, forgotten)", len(rows), keeper.name,
+                         self.retention.blocks(), len(over))
             self.cascade.retained = self.retention.live      # written through once computed
-        elif self.tiers.host.enabled and self.retention.enabled:
-            self.tiers.host.keep = self.retention.live
-            self.tiers.host.keep_bound = bound // self.layout.nbytes
+        if self.tiers.host.enabled and self.retention.enabled:
+            self.tiers.host.keep = self._keep_in_host
 
     def retain(self, tenant: str, keys: Sequence[BlockKey], klass: str) -> RetainOutcome:
         """Keep these blocks (a prompt's chain, in order) for `tenant` under retention class
@@ -68,13 +70,31 @@ class CacheRetention:
         outcome = self.retention.retain(tenant, keys, klass)
         if self._keeper is not None and outcome.rows:
             self._keeper.retain(outcome.rows)
-            self._send_down([k for k in keys[:outcome.retained]])
+            self._send_down(list(keys[:outcome.retained]))
         return outcome
+
+    def _keep_in_host(self, key: BlockKey, slot: int) -> bool:
+        """Whether the slab passes this block over when evicting (engine thread, tiers' lock held):
+        a retained block where the slab is the lowest local tier, or one the disk does not hold
+        yet (its write dropped by a full queue, or not reached): it is queued for the disk again
+        here and kept until the disk has it. A slab of nothing but such blocks still evicts
+        (HostTier.evict_lru): the slab's capacity wins."""
+        if not self.retention.live(key.hash):
+            return False
+        keeper = self._keeper
+        if keeper is None:
+            return True
+        if keeper.contains(key):
+            return False
+        self.cascade.host_to_lower(key, slot)
+        return not keeper.contains(key)
 
     def _send_down(self, keys: list[BlockKey]) -> None:
         """Retained blocks the pool or the slab holds and the keeping tier does not: written down
         now (as write-through would), so no eviction above can drop them first."""
         keeper = self._keeper
+        if not self.tiers.host.enabled:
+            return        # new blocks go down as they are computed (Cascade.registered); none copied here
         with self._lock:
             t = self.tiers
             on_device = [(k, page) for k in keys if not keeper.contains(k) and t.host.slot_of(k) is None

@@ -70,11 +70,10 @@ class HostTier:
         self._gen = [0] * self.num_slots   # per slot: bumped whenever its block leaves it
         self._said = [False] * self.num_slots   # per slot: its block's BlockStored was said (commit)
         self.evictions = 0
-        # Retention where the slab is the lowest local tier (storage/retention.py): a block `keep`
-        # says is retained is passed over by evict_lru (moved to the MRU end); at most `keep_bound`
-        # slots hold such blocks (the retention's bound), so reservable() leaves them out.
-        self.keep: Callable[[bytes], bool] | None = None
-        self.keep_bound = 0
+        # Retention (storage/cache_retention.py): a block `keep(key, slot)` says is retained (and
+        # not yet held below) is passed over by evict_lru (moved to the MRU end) -- unless every
+        # unpinned block is: then the LRU one goes anyway (the slab's capacity wins).
+        self.keep: Callable[[BlockKey, int], bool] | None = None
 
     @property
     def enabled(self) -> bool:
@@ -129,7 +128,7 @@ class HostTier:
     def reservable(self) -> int:
         """Slots a `reserve` could hand out now (free, or holding an unpinned block): a batch of
         at most this many reserves never evicts a slot the same batch reserved."""
-        return max(0, self.num_slots - self._pinned - self.keep_bound)
+        return self.num_slots - self._pinned
 
     def reserve(self, block: BlockKey) -> int | None:
         """A slot for `block` (its old slot if it is already here: callers look it up first, and a
@@ -164,7 +163,7 @@ class HostTier:
 
     def evict_lru(self) -> bool:
         """Evict the least recently used block no reader pins now and no retention keeps (through
-        `on_evict`). False when every block is pinned or kept (nothing evicted)."""
+        `on_evict`), else the least recently used unpinned one. False when every block is pinned."""
         # NOTE invariant: capacity holds because a slot is only reused after its block left, and
         # a pinned slot is skipped: its reader's copy is still running (see the module's note).
         kept: list[bytes] = []
@@ -172,11 +171,13 @@ class HostTier:
         for cand, slot in self._lru.items():
             if self._readers[slot]:
                 continue
-            if self.keep is not None and self.keep(cand):
+            if self.keep is not None and self.keep(self._keys[slot], slot):
                 kept.append(cand)         # retained: passed over, to the MRU end below
                 continue
             h = cand
             break
+        if h is None and kept:
+            h = kept.pop(0)               # every unpinned block is kept: the LRU one goes anyway
         for k in kept:
             self._lru.move_to_end(k)
         if h is None:

@@ -165,9 +165,11 @@ class LowerTier(Protocol):
         tier keeps none (a store shared over a link: retention is the lowest local tier's)."""
         return False
 
-    def open_retention(self, clock: Callable[[], float]) -> list[RetainRow]:
-        """Once, at start: the retention deadlines this tier kept (a restart's), and the clock
-        (wall-clock seconds) its deadlines are judged by from now on."""
+    def open_retention(self, clock: Callable[[], float],
+                       lost: Callable[[list[RetainRow]], None] | None = None) -> list[RetainRow]:
+        """Once, at start: the retention deadlines this tier kept (a restart's), the clock
+        (wall-clock seconds) its deadlines are judged by from now on, and `lost`, told of rows
+        retain() took that could not be written (a deadline <= 0 in a row: forget that entry)."""
         return []
 
     def read_late(self) -> None:

@@ -128,21 +128,21 @@ class Retention:
                     self._held.setdefault(key.hash, {})[tenant] = (deadline, klass)
                     self._tenant_blocks[tenant] = self._tenant_blocks.get(tenant, 0) + 1
                     bought += ttl
-                else:
-                    if deadline <= mine[0]:
-                        kept += 1          # already kept longer: nothing bought, nothing to write
-                        continue
+                elif deadline > mine[0]:
                     bought += deadline - max(mine[0], now)
-                    held[tenant] = (deadline, klass)
-                heapq.heappush(self._heap, (deadline, key.hash, tenant))
+                    held[tenant] = (deadline, klass)      # (its heap entry is pushed on when popped)
+                if mine is None:
+                    heapq.heappush(self._heap, (deadline, key.hash, tenant))
                 kept += 1
-                # NOTE: the disk is handed a deadline WRITE_AHEAD of the class later than this one,
-                # so the refreshes of a hot prefix (every hit) write nothing until it is reached:
-                # after a restart a block may be kept that much past what was paid, never less.
-                if deadline > self._written.get((key.hash, tenant), 0.0):
-                    ahead = deadline + WRITE_AHEAD * ttl
+                # NOTE: the disk is handed a deadline WRITE_AHEAD of the class later than the one
+                # kept, so the refreshes of a hot prefix (every hit) write nothing until it is
+                # reached: after a restart a block may be kept that much past what was paid, never
+                # less. A row the disk lost (unwritten) is written again by the next ask.
+                until, its_class = held[tenant] if mine is not None else (deadline, klass)
+                if until > self._written.get((key.hash, tenant), 0.0):
+                    ahead = until + WRITE_AHEAD * retention_seconds(its_class)
                     self._written[(key.hash, tenant)] = ahead
-                    rows.append(RetainRow(key.hash, tenant, ahead, klass))
+                    rows.append(RetainRow(key.hash, tenant, ahead, its_class))
             self.refused += refused
         return RetainOutcome(kept, refused, bought, tuple(rows))
 
@@ -151,29 +151,35 @@ class Retention:
         everyone = (len(self._held) + (h not in self._held)) * self.block_bytes
         return mine <= self.per_tenant_bytes and everyone <= self.max_bytes
 
-    def load(self, rows: Iterable[RetainRow]) -> int:
-        """Deadlines read back at start (the disk's rows); those passed, and those past the bounds
-        (a smaller configuration than the one that wrote them), are dropped. Returns rows kept."""
-        n = 0
+    def load(self, rows: Iterable[RetainRow]) -> list[RetainRow]:
+        """Deadlines read back at start (the disk's rows). Those passed are left to the disk (its
+        evictions delete them); those past the bounds (written under a larger configuration) are
+        returned, for the disk to forget, so it keeps no more than this book allows."""
+        over: list[RetainRow] = []
         with self._lock:
             now = self.clock()
             for r in sorted(rows, key=lambda r: -r.deadline):     # the longest paid-for first
                 if r.deadline <= now:
                     continue
                 held = self._held.get(r.block_hash, {})
-                self._written[(r.block_hash, r.tenant)] = max(r.deadline, self._written.get((r.block_hash, r.tenant), 0.0))
-                if r.tenant in held:
-                    if r.deadline > held[r.tenant][0]:
-                        held[r.tenant] = (r.deadline, r.klass)
-                        heapq.heappush(self._heap, (r.deadline, r.block_hash, r.tenant))
+                if r.tenant in held:          # (one row per block and tenant: a repeat is harmless)
                     continue
                 if not self._fits(r.tenant, r.block_hash):
+                    over.append(r)
                     continue
                 self._held.setdefault(r.block_hash, {})[r.tenant] = (r.deadline, r.klass)
+                self._written[(r.block_hash, r.tenant)] = r.deadline
                 self._tenant_blocks[r.tenant] = self._tenant_blocks.get(r.tenant, 0) + 1
                 heapq.heappush(self._heap, (r.deadline, r.block_hash, r.tenant))
-                n += 1
-        return n
+        return over
+
+    def unwritten(self, rows: Iterable[RetainRow]) -> None:
+        """Rows the disk could not write (writes off, a stalled or replaced store): the next ask
+        for those blocks writes them again."""
+        with self._lock:
+            for r in rows:
+                if self._written.get((r.block_hash, r.tenant)) == r.deadline:
+                    del self._written[(r.block_hash, r.tenant)]
 
     # -- what the tiers ask ----------------------------------------------------------------------
     def live(self, h: bytes) -> bool:
@@ -202,8 +208,13 @@ class Retention:
         while self._heap and self._heap[0][0] <= now:
             d, h, tenant = heapq.heappop(self._heap)
             held = self._held.get(h)
-            if not held or tenant not in held or held[tenant][0] != d:
-                continue       # refreshed since (a later entry stands) or gone
+            if not held or tenant not in held:
+                continue       # gone
+            if held[tenant][0] > d:
+                # Refreshed since: one heap entry per (block, tenant), pushed again at its deadline
+                # (a refresh pushes none, so a hot prefix's refreshes never pile up here).
+                heapq.heappush(self._heap, (held[tenant][0], h, tenant))
+                continue
             del held[tenant]
             self._written.pop((h, tenant), None)
             if not held:

@@ -82,15 +82,17 @@ def live_deadline(txn: lmdb.Transaction, db, h: bytes, now: float) -> float | No
 
 
 def merge_in_txn(txn: lmdb.Transaction, db, rows: list[RetainRow], now: float) -> None:
-    """Write these rows, each tenant's deadline the later of the stored and the new one; entries
-    passed are dropped on the way."""
+    """Write these rows, each tenant's deadline the later of the stored and the new one; a row
+    with a deadline <= 0 removes its tenant's entry; entries passed are dropped on the way."""
     by_hash: dict[bytes, list[RetainRow]] = {}
     for r in rows:
         by_hash.setdefault(r.block_hash, []).append(r)
     for h, mine in by_hash.items():
         entries = {t: e for t, e in (_read(txn, db, h) or {}).items() if e[0] > now}
         for r in mine:
-            if r.tenant not in entries or r.deadline > entries[r.tenant][0]:
+            if r.deadline <= 0:
+                entries.pop(r.tenant, None)        # forgotten (over this configuration's bounds)
+            elif r.tenant not in entries or r.deadline > entries[r.tenant][0]:
                 entries[r.tenant] = (r.deadline, r.klass)
         if entries:
             txn.put(h, encode(entries), db=db)
@@ -119,10 +121,13 @@ class DiskRetention:
         self._writer.record_retains(rows)
         return True
 
-    def open_retention(self, clock: Callable[[], float]) -> list[RetainRow]:
+    def open_retention(self, clock: Callable[[], float],
+                       lost: Callable[[list[RetainRow]], None] | None = None) -> list[RetainRow]:
         """Every retention row the store holds (none while it does not answer); `clock`: wall-clock
-        seconds for the writer's deadlines from now on (tests inject one)."""
+        seconds for the writer's deadlines from now on (tests inject one); `lost`: called (on the
+        writer's thread) with rows it could not write."""
         self._writer.clock = clock
+        self._writer.retains_lost = lost
         return self.retained_rows()
 
     def retained_rows(self) -> list[RetainRow]:

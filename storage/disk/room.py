@@ -165,31 +165,37 @@ def evict_in_txn(txn: lmdb.Transaction, dbs, info: StoreInfo, more: Callable[[],
     moved: set[bytes] = set()             # the lru keys this walk moved to the back
     retains = dbs.retain if now is not None else None
     while more():
-        if turns == 0:
-            raise StoreDamaged("the lru database holds more entries than it says (its tree is damaged)")
-        turns -= 1
-        if not cur.first():
-            break
-        first = bytes(cur.key())
-        h = lru_hash(first)
-        if first in moved:
-            # Every block left is retained and the store is still over its bound (rows a larger
-            # configuration wrote, or stored sizes past the raw bytes the bound counts): the
-            # capacity invariant wins, retained blocks go too, oldest first.
-            log.warning("disk tier: every block left is retained and the store is over its capacity: "
-                        "evicting retained blocks (is --max-retained close to --disk-capacity?)")
-            retains = None
-            moved.clear()
-        raw, m = read_meta(txn, dbs, h)
-        if (m is not None and retains is not None and lru_key(m.last_access, h) == first
-                and live_deadline(txn, retains, h, now) is not None):
+        # The first entry that is not retained; retained ones move to the back on the way (a
+        # move is no eviction: more() is not asked again for it, and it adds the turn it used).
+        while True:
+            if turns == 0:
+                raise StoreDamaged("the lru database holds more entries than it says (its tree is damaged)")
+            turns -= 1
+            if not cur.first():
+                return n
+            first = bytes(cur.key())
+            h = lru_hash(first)
+            if first in moved:
+                # Every block left is retained and the store is still over its bound (rows a
+                # larger configuration wrote, stored sizes past the raw bytes the bound counts):
+                # the capacity invariant wins, retained blocks go too, oldest first.
+                log.warning("disk tier: every block left is retained and the store is over its capacity: "
+                            "evicting retained blocks (is --max-retained close to --disk-capacity?)")
+                retains = None
+                moved.clear()
+            raw, m = read_meta(txn, dbs, h)
+            if (m is None or retains is None or lru_key(m.last_access, h) != first
+                    or live_deadline(txn, retains, h, now) is None):
+                break
             cur.delete()                  # retained: to the back of the LRU order
+            if cur.first() and bytes(cur.key()) == first:
+                raise StoreDamaged(f"lru entry {first.hex()[:24]} survives its delete (the lru tree is damaged)")
             m.last_access = info.next_seq
             info.next_seq += 1
             txn.put(h, m.pack(), db=dbs.meta)
             moved.add(lru_key(m.last_access, h))
             txn.put(lru_key(m.last_access, h), b"", db=dbs.lru)
-            continue
+            turns += 1                    # its new entry is walked again at most once
         if m is not None and lru_key(m.last_access, h) == first:
             delete_in_txn(txn, dbs, h, info)     # raises StoreDamaged if it deleted nothing
             n += 1

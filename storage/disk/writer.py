@@ -104,6 +104,7 @@ class DiskWriter(BackgroundWriter[_Batch]):
         self._touches: dict[bytes, int] = {}            # hash -> reads to record, in access order
         self._retains: list[RetainRow] = []             # retention deadlines to write with the next batch
         self.clock: Callable[[], float] = time.time     # wall-clock seconds: retention deadlines (set by the tier)
+        self.retains_lost: Callable[[list[RetainRow]], None] | None = None   # rows not written (set by the tier)
         # NOTE: a put in the writer's hands (taken, encoding or committing) was cancelled when _pending
         # no longer maps its hash to that very PendingBlock (a delete popped it, or a new put of the
         # same hash replaced it): checked inside the commit's transaction.
@@ -268,8 +269,9 @@ class DiskWriter(BackgroundWriter[_Batch]):
             # batch is empty and its write a probe (_write).
             dropped = [self._pending.pop(h) for h in self._queue if h in self._pending]
             self._queue.clear()
-            self._touches, self._retains = {}, []
+            self._touches, retains, self._retains = {}, self._retains, []
             self.lost(len(dropped))
+            self._lose_retains(retains)
             return _Batch([], {})
         n = min(self._batch_blocks, len(self._queue))
         items = [self._pending[self._queue.popleft()] for _ in range(n)]
@@ -309,9 +311,14 @@ class DiskWriter(BackgroundWriter[_Batch]):
         """(free bytes, the map's bound or None): read by stats() from any thread."""
         return self._room.space
 
+    def _lose_retains(self, rows: list[RetainRow]) -> None:
+        if rows and self.retains_lost is not None:
+            self.retains_lost(rows)
+
     def _write(self, batch: _Batch) -> bool:
         encoded, touches = batch.encoded, batch.touches
         if self._switch.off is not None:
+            self._lose_retains(batch.retains)
             if not batch.items and not touches:
                 # Its store's files checked first (a remounted filesystem is another store: the
                 # tick follows it), then one empty transaction committed.
@@ -327,6 +334,7 @@ class DiskWriter(BackgroundWriter[_Batch]):
                 return True
             except DiskStalled:
                 self.lost(len(encoded))         # the filesystem is not answering: said once by the stall watch
+                self._lose_retains(batch.retains)
                 return False
             except Exception as e:   # never let the writer die: the engine keeps running without disk writes
                 if attempt == 0 and is_damage(e):
@@ -336,6 +344,7 @@ class DiskWriter(BackgroundWriter[_Batch]):
                     touches = {}
                     continue
                 self.lost(len(encoded))
+                self._lose_retains(batch.retains)
                 if stops_writes(e):
                     self._switch.turn_off(e, len(encoded))     # one line, not one per batch
                 else:
@@ -356,6 +365,7 @@ class DiskWriter(BackgroundWriter[_Batch]):
             return
         if retains and not self._try_commit([], {}, retains):
             log.warning("disk tier: %d retention deadline(s) could not be written", len(retains))
+            self._lose_retains(retains)
         if len(encoded) > 1:   # the batch does not fit as a whole: try each block alone
             for e in encoded:
                 if not self._try_commit([e], {}):

@@ -33,8 +33,8 @@ def tkv(*args: str) -> subprocess.CompletedProcess:
 
 def test_write_multipliers_default_to_anthropics_and_storage_is_free():
     p = Prices()
-    assert (p.cache_write_5m, p.cache_write_1h, p.cache_write_24h, p.retained_token_hour) == (1.25, 2.0, 2.0, 0)
-    assert [p.write_multiplier_e4(c) for c in ("5m", "1h", "24h")] == [12_500, 20_000, 20_000]
+    assert (p.cache_write_5m, p.cache_write_1h, p.cache_write_24h, p.retained_token_hour) == (1.25, 2.0, 1.0, 0)
+    assert [p.write_multiplier_e4(c) for c in ("5m", "1h", "24h")] == [12_500, 20_000, 10_000]
 
 
 def test_multipliers_from_json_and_toml_are_exact_ten_thousandths(tmp_path):
@@ -192,7 +192,7 @@ def test_the_billing_writer_passes_the_writes_through(tmp_path):
         assert submit_and_wait(writer, e) == {"recorded": True, "error": None}
         bill = ledger.tenant("acme")
         assert bill.cache_write_tokens["24h"] == 16 and bill.retained_token_seconds == 16 * 86400
-        assert bill.cost_pico == 4 * 27_000 + 16 * 100 * 2
+        assert bill.cost_pico == 4 * 27_000 + 16 * 100 * 1      # 24h: a write at the miss price (OpenAI's)
         with pytest.raises(ValueError, match="^cache_write_tokens: 17 written > miss_tokens 16"):
             writer.prepare("acme", "r2", 20, 0, {"host": 4}, 16, cache_write_tokens={"5m": 17})
     finally:

@@ -19,7 +19,7 @@ def test_written_tokens_follow_each_span_and_stop_where_the_cache_refused() -> N
     rec.refused_from = 64
     assert retention_usage(rec, 120, 16, 4) == ({"1h": 24, "5m": 24}, 40, 36)
     assert retention_usage(None, 120, 0, 4) == ({}, 0, 0)
-    assert retention_usage(rec, 0, 0, 4) == ({}, 0, 0)                       # never admitted: nothing
+    assert retention_usage(rec, 0, 0, 4) == ({}, 40, 0)     # never admitted: nothing written, the retention bought
 
 
 def test_bad_spans_are_refused_by_name() -> None:

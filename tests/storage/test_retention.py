@@ -8,10 +8,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from storage.config import CacheConfig
 from storage.hashing import BlockKey
-from storage.retention import WRITE_AHEAD, Retention
+from storage.retention import WRITE_AHEAD, RetainRow, Retention
 from storage.tiered_cache import TieredKVCache
 from tests.storage.conftest import TINY, block_data, keys
 from tests.storage.test_tiered_cache import fill, same_bits
@@ -185,8 +186,60 @@ def test_the_capacity_bound_wins_over_rows_a_larger_configuration_wrote(tmp_path
     small = make(tmp_path / "kv", clock, disk_blocks=20)
     try:
         assert small.disk.stats().capacity_bytes == 20 * BLOCK
+        assert small.retention.blocks() == 10          # half the smaller disk; the 20 others forgotten on disk too
         flood(small, 60, start=0)
         assert small.disk.stats().used_bytes <= small.disk.stats().capacity_bytes
-        assert held_on_disk(small, retained) < 30
+        assert held_on_disk(small, retained) == 10     # exactly what this configuration retains
+        assert small.disk.stats().moved_aside == 0 and not list(tmp_path.glob("kv.damaged*"))
     finally:
         small.close()
+    again = make(tmp_path / "kv", clock, disk_blocks=20)
+    try:                                               # the disk's rows now say what the book said
+        assert len({r.block_hash for r in again.disk.retained_rows()}) == 10
+    finally:
+        again.close()
+
+
+def test_a_disk_of_nothing_but_retained_blocks_still_keeps_its_capacity(tmp_path: Path) -> None:
+    """Every stored block retained and the store over its bound (a commit of retained blocks past
+    the capacity): the walk passes every block over once, then evicts retained blocks, oldest
+    first -- the capacity wins, and the store is healthy (not declared damaged for the walk's moves)."""
+    from storage.codec.payload import Codec
+    from storage.disk.tier import DiskTier
+    from tests.storage.disk_tier_child import make_block, make_key
+    clock = Clock()
+    size = len(make_block(0, dtype=torch.float32).numpy().tobytes())
+    with DiskTier(str(tmp_path / "kv"), 20 * size + 20 * 256, codec=Codec(kind="raw"), reserve_bytes=None) as t:
+        t.open_retention(clock)
+        ks = [make_key(i) for i in range(30)]
+        t.retain([RetainRow(k.hash, "alice", clock.t + 3600, "1h") for k in ks])
+        for i in range(0, 30, 5):
+            for j in range(i, i + 5):
+                t.put(ks[j], make_block(j, dtype=torch.float32))
+            assert t.drain(timeout=60)
+        s = t.stats()
+        assert s.used_bytes <= s.capacity_bytes and s.moved_aside == 0
+        held = {b.hash for b in t.iter_blocks()}
+        assert 0 < len(held) < 30 and {k.hash for k in ks[-5:]} <= held     # the newest kept, the oldest went
+        assert t.check() == []
+
+
+def test_refreshes_neither_pile_up_nor_rewrite_until_the_write_ahead_passes() -> None:
+    clock = Clock()
+    r = Retention(BLOCK, max_bytes=64 * BLOCK, per_tenant_bytes=64 * BLOCK, clock=clock)
+    chain = keys(8)
+    first = r.retain("a", chain, "5m")
+    assert len(first.rows) == 8
+    rows = 0
+    for _ in range(1000):                       # a hot prefix: a hit every 100 ms for 100 s
+        clock.t += 0.1
+        rows += len(r.retain("a", chain, "5m").rows)
+    # rows only each time the write-ahead (2% of 5 min = 6 s) ran out: ~100 s / 6 s times 8 blocks
+    assert 8 * 14 <= rows <= 8 * 18
+    assert len(r._heap) == 8                    # one entry per block and tenant, however many refreshes
+    assert not r.retain("a", chain, "5m").rows  # within the write-ahead: nothing to write ...
+    # ... unless the disk said it lost them: then the next ask writes them again
+    r.unwritten([RetainRow(k.hash, "a", r._written[(k.hash, "a")], "5m") for k in chain])
+    assert len(r.retain("a", chain, "5m").rows) == 8
+    clock.t += 301 + 6
+    assert r.blocks() == 0 and r._heap == []
