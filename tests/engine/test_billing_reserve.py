@@ -116,7 +116,7 @@ def test_kill_9_while_the_ledger_cannot_be_written_loses_no_answered_bill(tmpfs)
         bill = led.tenant("acme")
         assert bill.cache_write_tokens == {"5m": 250, "1h": 0, "24h": 100}
         assert bill.retained_token_seconds == 25 * 4 * 86400
-        per = 16 * 270_000 + 16 * 27_000 + 4 * 1_100_000 + 10 * 270_000 // 4 + 4 * 270_000    # 1.25x, 2x
+        per = 16 * 270_000 + 16 * 27_000 + 4 * 1_100_000 + 10 * 270_000 // 4    # 5m: 1.25x; 24h: 1x (no surcharge)
         assert bill.cost_pico == 25 * per
 
 

@@ -57,6 +57,9 @@ def test_serve_answers_every_request_while_the_filesystem_is_aborted_and_bills_t
         ext4.recover()
         until(lambda: c.get("/ready").status_code == 200, "/ready 200 once the filesystem is back")
         until(lambda: c.get("/ready").json()["tiers"]["disk"] == "ok", "the disk tier's writes on (its probe)")
+        # /ready turns 200 once the ledger takes a commit again; the bills held meanwhile may still
+        # be on their way in (seen once under load: 30 of 35 at the first read). Every one lands.
+        until(lambda: c.get("/v1/cache/billing").json()["total"]["requests"] >= 35, "every bill in the ledger")
         billing = c.get("/v1/cache/billing").json()
         assert billing["total"]["requests"] == len(ids) == 35, billing
         assert 'status="500"' not in c.get("/metrics").text
