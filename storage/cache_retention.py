@@ -97,9 +97,14 @@ class CacheRetention:
             return        # new blocks go down as they are computed (Cascade.registered); none copied here
         with self._lock:
             t = self.tiers
-            on_device = [(k, page) for k in keys if not keeper.contains(k) and t.host.slot_of(k) is None
-                         and (page := t.pool.page_of(k)) is not None]
-            in_host = [k for k in keys if not keeper.contains(k) and t.host.slot_of(k) is not None]
+            on_device, in_host = [], []
+            for k in keys:
+                if keeper.contains(k):
+                    continue
+                if t.host.slot_of(k) is not None:
+                    in_host.append(k)
+                elif (page := t.pool.page_of(k)) is not None:
+                    on_device.append((k, page))
             if on_device:
                 self.cascade.device_to_host(on_device, through=True)
             if in_host:

@@ -191,18 +191,6 @@ class Retention:
             now = self.clock()
             return any(d > now for d, _ in self._held.get(h, {}).values())
 
-    def deadline(self, h: bytes) -> float | None:
-        """The latest deadline any tenant holds on `h` (None: not retained now)."""
-        with self._lock:
-            now = self.clock()
-            ds = [d for d, _ in self._held.get(h, {}).values() if d > now]
-            return max(ds) if ds else None
-
-    def expire(self) -> int:
-        """Forget the retentions whose deadline passed; returns how many."""
-        with self._lock:
-            return self._expire(self.clock())
-
     def _expire(self, now: float) -> int:
         n = 0
         while self._heap and self._heap[0][0] <= now:

@@ -10,7 +10,6 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import lmdb
 import pytest
 import torch
 import xxhash
@@ -22,6 +21,7 @@ from storage.disk.tier import DiskTier
 from storage.hashing import BlockKey
 from storage.layout import BlockLayout
 from tests.storage.disk_tier_child import make_block, make_key, same_bits
+from tests.storage.test_disk_binding import edit
 
 SHAPE = (2, 2, 16, 3, 8)
 BIG = (8, 2, 16, 8, 128)      # 512 KiB in bf16: a batch of them is spread over the call's threads (4 MiB each)
@@ -169,16 +169,6 @@ def test_what_it_cannot_decide_is_left_to_python() -> None:
     v = raw_batch.verify_batch(layout, [a.key], [torch.empty(SHAPE, dtype=torch.float16)], [a.payload], [a.meta], 1)
     assert v == [None]
     assert python_verdict(None, b)[1] is None
-
-
-def edit(path: Path, fn) -> None:
-    env = lmdb.open(str(path), max_dbs=4)
-    try:
-        dbs = {n: env.open_db(n.encode()) for n in ("payload", "meta", "lru", "info")}
-        with env.begin(write=True) as txn:
-            fn(txn, dbs)
-    finally:
-        env.close()
 
 
 @pytest.mark.parametrize("c_path", [True, False])
