@@ -168,7 +168,7 @@ def test_a_truncate_inside_a_transaction_is_survived_served_as_misses_and_the_st
     """copy: the get_many's copy of a payload out of the map (the drill's 1 in 12); begin: LMDB's
     read of the meta pages at mdb_txn_begin; commit: the writer's puts walking the tree; batch: a
     get_many of 40 raw blocks whose every payload lies past the new end when the raw codec's
-    compiled check (storage/codec/_raw_batch.c) reads them, GIL released, on its threads. Truncated
+    compiled check (storage/codec/_block_batch.c) reads them, GIL released, on its threads. Truncated
     to nothing, or to the two meta pages (LMDB then begins fine and faults on the tree)."""
     kv = tmp_path / "kv"
     r = run(LIVE, str(kv), where, str(size), kind)

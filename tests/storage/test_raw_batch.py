@@ -1,5 +1,5 @@
 """Issue 38, item 1: the raw codec's blocks checked, hashed and copied in one compiled call per
-get_many (storage/codec/raw_batch.py, _raw_batch.c) give the verdict the Python path gives
+get_many (storage/codec/block_batch.py, _block_batch.c) give the verdict the Python path gives
 (verify_and_decode) for every block -- good, or damaged in its header, data, binding, length or
 metadata, or asked for under the wrong key -- and serve the same bits; the disk tier counts and
 deletes what it refuses. The C call must decide every raw block itself (a skipped check would serve
@@ -15,7 +15,7 @@ import pytest
 import torch
 import xxhash
 
-from storage.codec import raw_batch
+from storage.codec import block_batch
 from storage.codec.payload import Codec
 from storage.codec.stored_block import BlockMeta, payload_binding, verify_and_decode
 from storage.disk.tier import DiskTier
@@ -101,7 +101,7 @@ def python_verdict(layout: BlockLayout | None, r: Record) -> tuple[torch.Tensor 
 
 @pytest.fixture(autouse=True)
 def compiled() -> None:
-    assert raw_batch.AVAILABLE, ("storage/codec/_raw_batch.c was not built (no C compiler at `pip install -e .`?): "
+    assert block_batch.AVAILABLE, ("storage/codec/_block_batch.c was not built (no C compiler at `pip install -e .`?): "
                                  "raw disk reads take the Python path, ~40 us a block holding the GIL")
 
 
@@ -109,10 +109,10 @@ def compiled() -> None:
 def test_its_xxh3_is_the_xxhash_packages(baseline: bool) -> None:
     """Streamed in the check's chunks, with the kernel it uses (AVX2 where the CPU has it) and the
     baseline one: the package's digest either way."""
-    assert raw_batch.kernel() in ("avx2", "sse2", "baseline")
+    assert block_batch.kernel() in ("avx2", "sse2", "baseline")
     for n in (0, 1, 3, 16, 17, 128, 129, 240, 241, 1024, 65535, 65536, 65537, 368_640, 1_000_003):
         data = os.urandom(n)
-        assert raw_batch.xxh3_64(data, baseline) == xxhash.xxh3_64_intdigest(data), n
+        assert block_batch.xxh3_64(data, baseline) == xxhash.xxh3_64_intdigest(data), n
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -127,7 +127,7 @@ def test_every_damage_is_the_same_miss_on_both_paths_and_decided_in_c(
     # and last, the damaged ones between: with BIG blocks, every thread takes some of each.
     records = [good] + [r for r, _ in cases.values()] + [good]
     for threads in (1, 2, 3):
-        verdicts = raw_batch.verify_batch(layout, [r.key for r in records], [None] * len(records),
+        verdicts = block_batch.verify_batch(layout, [r.key for r in records], [None] * len(records),
                                           [r.payload for r in records], [r.meta for r in records], threads)
         assert verdicts is not None
         for served, reason in (verdicts[0], verdicts[-1]):
@@ -146,7 +146,7 @@ def test_good_blocks_serve_the_same_bits_into_their_destinations(dtype: torch.dt
     records = [record(i, dtype, shape=shape) for i in range(24)]
     outs = [torch.full(shape, 7.0, dtype=dtype) if i % 2 else torch.empty(layout.numel, dtype=dtype)
             for i in range(24)]          # half shaped as the block, half flat: each is viewed as the block
-    verdicts = raw_batch.verify_batch(layout, [r.key for r in records], outs, [r.payload for r in records],
+    verdicts = block_batch.verify_batch(layout, [r.key for r in records], outs, [r.payload for r in records],
                                       [r.meta for r in records], 2)
     for i, (r, out, (tensor, reason)) in enumerate(zip(records, outs, verdicts)):
         py_tensor, _ = python_verdict(layout, r)
@@ -160,13 +160,13 @@ def test_what_it_cannot_decide_is_left_to_python() -> None:
     layout = layout_of(torch.float32)
     zstd = record(0, torch.float32, Codec(kind="zstd"))
     nibble = record(1, torch.float32, Codec(kind="nibble"))
-    v = raw_batch.verify_batch(layout, [zstd.key, nibble.key], [None, None], [zstd.payload, nibble.payload],
+    v = block_batch.verify_batch(layout, [zstd.key, nibble.key], [None, None], [zstd.payload, nibble.payload],
                                [zstd.meta, nibble.meta], 2)
     assert v == [None, None]
     a, b = record(2, torch.float32), record(3, torch.float16)
-    v = raw_batch.verify_batch(None, [a.key, b.key], [None, None], [a.payload, b.payload], [a.meta, b.meta], 1)
+    v = block_batch.verify_batch(None, [a.key, b.key], [None, None], [a.payload, b.payload], [a.meta, b.meta], 1)
     assert v[0] is not None and v[0][1] is None and v[1] is None
-    v = raw_batch.verify_batch(layout, [a.key], [torch.empty(SHAPE, dtype=torch.float16)], [a.payload], [a.meta], 1)
+    v = block_batch.verify_batch(layout, [a.key], [torch.empty(SHAPE, dtype=torch.float16)], [a.payload], [a.meta], 1)
     assert v == [None]
     assert python_verdict(None, b)[1] is None
 
@@ -187,7 +187,8 @@ def test_the_disk_tier_serves_good_blocks_and_counts_and_deletes_damaged_ones(
     """Through a real store: damage written into data.mdb behind a closed tier; one get_many.
     The same answers with the compiled check and without it (the Python path, no compiler)."""
     if not c_path:
-        monkeypatch.setattr(raw_batch, "_compiled", None)
+        monkeypatch.setattr(block_batch, "_compiled", None)     # as without a C compiler at install
+        monkeypatch.setattr(block_batch, "AVAILABLE", False)
     dtype, n = torch.bfloat16, 16
     layout = layout_of(dtype)
     keys = [make_key(i) for i in range(n)]

@@ -1,5 +1,4 @@
-/* The raw codec's read check for a batch of stored blocks, compiled: storage/codec/raw_batch.py's
- * one call per get_many, instead of ~40 us of Python a block holding the GIL.
+/* A stored block's checks, compiled: storage/codec/_block_batch.c's work on each block of a batch.
  *
  * Knows: the BlockMeta record's layout (storage/codec/stored_block.py) and a version-4 whole
  * (raw codec) payload's header (storage/codec/header.py), and every check verify_and_decode makes
@@ -10,29 +9,21 @@
  * data's xxh3_64 -- fused with the one copy into the destination: each 64 KiB chunk is copied, then
  * hashed from the cache it was just written to (in a batch of STREAM_FROM bytes or more, copied
  * with streaming stores and its stored bytes, which the copy just loaded, hashed), so the stored
- * bytes are read from memory once. A block that fails is a verdict (a code, below),
- * never an exception; its destination may hold part of its bytes (a miss: the caller never reads
- * it). Anything that is not a v4 whole payload (zstd or nibble, version 3, unknown flags) is
- * NOT_RAW: the Python path decides it, so it gives the same verdict it always did.
- * Doesn't know: LMDB, torch, or what becomes of a verdict (the disk tier counts and deletes).
+ * bytes are read from memory once. A block that fails is a verdict (a code, below), never an
+ * exception; its destination may hold part of its bytes (a miss: the caller never reads it).
+ * Anything that is not a v4 whole payload (zstd or nibble, version 3, unknown flags) is NOT_RAW:
+ * the Python path decides it, so it gives the same verdict it always did.
+ * Doesn't know: threads, LMDB, torch, or what becomes of a verdict (the disk tier counts and deletes).
  *
- * Threads: the metadata records are read holding the GIL (a few hundred bytes a block, and the
- * key's token ids are Python ints); the headers, hashes and copies with the GIL released, on the
- * calling thread and up to threads - 1 pthreads, each taking the next block until none is left.
- * They touch only the buffers the caller holds (payloads read inside its read transaction, the
- * destinations it owns), and all are joined before the call returns: every read of the map is
- * inside the transaction, and a fault there (a truncated data.mdb) is absorbed as zeros by
- * storage/disk/_map_faults.c's handler on whichever thread faults (it needs no set-up of a
- * thread: a new one inherits the caller's signal mask, and the handler runs on its own stack).
+ * check_meta reads Python objects (the key's fields) and needs the GIL; check_and_copy touches only
+ * the job's buffers and runs on any thread without it.
  *
  * xxh3_64 comes from storage/codec/xxhash.h, vendored verbatim from the `xxhash` package's sdist
  * (4.1.0: xxHash 0.8.4, BSD 2-Clause, storage/codec/xxhash.LICENSE), the library that package
  * binds: the same digest the Python code computes (tests/storage/test_raw_batch.py).
+ * Included once, by storage/codec/_block_batch.c (every function static).
  */
-#define PY_SSIZE_T_CLEAN
 #include <Python.h>
-#include <pthread.h>
-#include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -66,7 +57,7 @@ static inline void hash_update(XXH3_state_t *s, const uint8_t *p, size_t n, int 
     XXH3_64bits_update(s, p, n);
 }
 
-/* Verdicts: raw_batch.py's REASONS says each one in words. Append only. */
+/* Verdicts: storage/codec/block_batch.py's REASONS says each one in words. Append only. */
 enum {
     OK = 0,
     NOT_RAW,             /* not a v4 whole payload, or a key the C code does not read: Python decides */
@@ -114,17 +105,15 @@ typedef struct {
     uint8_t verdict;
 } Job;
 
+/* What every block of the batch must be (the layout's, or the first header's guess). */
 typedef struct {
-    Job *jobs;
-    Py_ssize_t n;
-    _Atomic Py_ssize_t next;
     Py_ssize_t nbytes;
     int dtype_code;
     int strict;                  /* the layout's (a mismatch is damage), or a guess (Python decides) */
     int stream;                  /* a batch past STREAM_FROM bytes: streaming stores (x86-64) */
     int ndim;
     uint32_t shape[MAX_NDIM];
-} Batch;
+} Expect;
 
 static uint32_t crc_table[256];
 
@@ -176,7 +165,7 @@ static inline uint16_t le16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); re
 static const int ITEMSIZE[4] = {0, 4, 2, 2};    /* dtype codes: float32, float16, bfloat16 */
 
 /* The header, the binding, the payload's length and the data (copied, then hashed): no GIL. */
-static uint8_t check_and_copy(const Batch *b, Job *j) {
+static uint8_t check_and_copy(const Expect *b, Job *j) {
     const uint8_t *p = j->src;
     Py_ssize_t len = j->len;
     if (len < FIXED)
@@ -247,18 +236,6 @@ static uint8_t check_and_copy(const Batch *b, Job *j) {
     return XXH3_64bits_digest(&state) == le64(p + table_end) ? OK : DATA_XXH3;
 }
 
-static void *drain(void *arg) {
-    Batch *b = arg;
-    for (;;) {
-        Py_ssize_t i = atomic_fetch_add(&b->next, 1);
-        if (i >= b->n)
-            return NULL;
-        Job *j = &b->jobs[i];
-        if (j->verdict == OK)            /* the metadata passed (read holding the GIL) */
-            j->verdict = check_and_copy(b, j);
-    }
-}
-
 /* The metadata record against the key (GIL held: the key's fields are Python objects). */
 static uint8_t check_meta(const uint8_t *m, Py_ssize_t mlen, PyObject *key, Py_ssize_t payload_len, Job *j) {
     if (mlen < META_FIXED || m[0] != META_VERSION)
@@ -317,151 +294,4 @@ done:
     Py_XDECREF(parent);
     Py_XDECREF(hash);
     return verdict;
-}
-
-static PyObject *verify_copy(PyObject *self, PyObject *args) {
-    PyObject *keys, *payloads, *metas, *dsts, *shape;
-    Py_ssize_t nbytes;
-    int dtype_code, strict, threads;
-    if (!PyArg_ParseTuple(args, "O!O!O!O!niO!pi", &PyList_Type, &keys, &PyList_Type, &payloads, &PyList_Type, &metas,
-                          &PyList_Type, &dsts, &nbytes, &dtype_code, &PyTuple_Type, &shape, &strict, &threads))
-        return NULL;
-    Py_ssize_t n = PyList_GET_SIZE(keys);
-    if (PyList_GET_SIZE(payloads) != n || PyList_GET_SIZE(metas) != n || PyList_GET_SIZE(dsts) != n) {
-        PyErr_SetString(PyExc_ValueError, "keys, payloads, metas, dsts: expected one entry each");
-        return NULL;
-    }
-    Batch b = {.n = n, .nbytes = nbytes, .dtype_code = dtype_code, .strict = strict,
-               .ndim = (int)PyTuple_GET_SIZE(shape)};
-    if (b.ndim > MAX_NDIM) {
-        PyErr_SetString(PyExc_ValueError, "shape: too many dims");
-        return NULL;
-    }
-    for (int d = 0; d < b.ndim; d++)
-        b.shape[d] = (uint32_t)PyLong_AsUnsignedLong(PyTuple_GET_ITEM(shape, d));
-    if (PyErr_Occurred())
-        return NULL;
-    atomic_init(&b.next, 0);
-    PyObject *verdicts = PyBytes_FromStringAndSize(NULL, n);
-    Py_buffer *views = PyMem_Calloc(n > 0 ? n : 1, sizeof(Py_buffer));
-    b.jobs = PyMem_Calloc(n > 0 ? n : 1, sizeof(Job));
-    if (!verdicts || !views || !b.jobs) {
-        Py_XDECREF(verdicts);
-        PyMem_Free(views);
-        PyMem_Free(b.jobs);
-        return PyErr_NoMemory();
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        Job *j = &b.jobs[i];
-        PyObject *payload = PyList_GET_ITEM(payloads, i), *meta = PyList_GET_ITEM(metas, i);
-        if (payload == Py_None) {
-            j->verdict = PAYLOAD_MISSING;
-            continue;
-        }
-        if (PyObject_GetBuffer(payload, &views[i], PyBUF_SIMPLE) < 0)
-            goto fail;
-        j->src = views[i].buf;
-        j->len = views[i].len;
-        if (meta == Py_None) {
-            j->verdict = META_MISSING;
-            continue;
-        }
-        Py_buffer mv;
-        if (PyObject_GetBuffer(meta, &mv, PyBUF_SIMPLE) < 0)
-            goto fail;
-        j->verdict = check_meta(mv.buf, mv.len, PyList_GET_ITEM(keys, i), j->len, j);
-        PyBuffer_Release(&mv);
-        if (PyErr_Occurred())
-            goto fail;
-        if (j->verdict == OK) {
-            j->dst = PyLong_AsVoidPtr(PyList_GET_ITEM(dsts, i));
-            if (j->dst == NULL) {
-                if (!PyErr_Occurred())
-                    PyErr_SetString(PyExc_ValueError, "dsts: a null address");
-                goto fail;
-            }
-        }
-    }
-    /* A thread per MIN_SHARE bytes at most: starting one costs ~20-50 us, a share that small is
-       copied in ~1 ms. */
-    Py_ssize_t by_bytes = (n * nbytes + MIN_SHARE - 1) / MIN_SHARE;
-    b.stream = n * nbytes >= STREAM_FROM;
-    if (threads > by_bytes)
-        threads = (int)by_bytes;
-    if (threads > n)
-        threads = (int)n;
-    if (threads > 64)
-        threads = 64;
-    if (threads < 1)
-        threads = 1;
-    pthread_t helpers[64];
-    int started = 0;
-    Py_BEGIN_ALLOW_THREADS
-    for (; started < threads - 1; started++)
-        if (pthread_create(&helpers[started], NULL, drain, &b) != 0)
-            break;                       /* fewer helpers: the blocks are taken all the same */
-    drain(&b);
-    for (int t = 0; t < started; t++)
-        pthread_join(helpers[t], NULL);
-    Py_END_ALLOW_THREADS
-    char *out = PyBytes_AS_STRING(verdicts);
-    for (Py_ssize_t i = 0; i < n; i++)
-        out[i] = (char)b.jobs[i].verdict;
-    for (Py_ssize_t i = 0; i < n; i++)
-        if (views[i].obj)
-            PyBuffer_Release(&views[i]);
-    PyMem_Free(views);
-    PyMem_Free(b.jobs);
-    return verdicts;
-fail:                                    /* views not taken are zeros (calloc): no obj */
-    for (Py_ssize_t i = 0; i < n; i++)
-        if (views[i].obj)
-            PyBuffer_Release(&views[i]);
-    PyMem_Free(views);
-    PyMem_Free(b.jobs);
-    Py_DECREF(verdicts);
-    return NULL;
-}
-
-static PyObject *xxh3(PyObject *self, PyObject *args) {
-    Py_buffer v;
-    int baseline = 0;
-    if (!PyArg_ParseTuple(args, "y*|p", &v, &baseline))
-        return NULL;
-    XXH3_state_t state;              /* the very path a block's data takes: streamed, in CHUNKs */
-    XXH3_64bits_reset(&state);
-    for (Py_ssize_t at = 0; at < v.len; at += CHUNK)
-        hash_update(&state, (const uint8_t *)v.buf + at, (size_t)(v.len - at < CHUNK ? v.len - at : CHUNK), baseline);
-    XXH64_hash_t h = XXH3_64bits_digest(&state);
-    PyBuffer_Release(&v);
-    return PyLong_FromUnsignedLongLong(h);
-}
-
-static PyObject *kernel(PyObject *self, PyObject *unused) {
-#ifdef RAW_AVX2
-    return PyUnicode_FromString(has_avx2 ? "avx2" : "sse2");
-#else
-    return PyUnicode_FromString("baseline");
-#endif
-}
-
-static PyMethodDef methods[] = {
-    {"verify_copy", verify_copy, METH_VARARGS,
-     "verify_copy(keys, payloads, metas, dsts, nbytes, dtype_code, shape, strict, threads) -> bytes: each block's "
-     "verdict (0: verified and copied to its dst address)."},
-    {"xxh3", xxh3, METH_VARARGS, "xxh3(buffer, baseline=False) -> int: the vendored xxh3_64 (seed 0) as a block's "
-     "data is hashed; baseline: with the baseline kernel even where AVX2's is used."},
-    {"kernel", kernel, METH_NOARGS, "kernel() -> str: the xxh3 kernel in use (avx2, sse2 or baseline)."},
-    {NULL, NULL, 0, NULL},
-};
-
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_raw_batch", NULL, -1, methods};
-
-PyMODINIT_FUNC PyInit__raw_batch(void) {
-    crc_init();
-#ifdef RAW_AVX2
-    __builtin_cpu_init();
-    has_avx2 = __builtin_cpu_supports("avx2");
-#endif
-    return PyModule_Create(&module);
 }
