@@ -62,7 +62,7 @@ static void take_jobs(Batch *b) {
         Job *j = &b->jobs[b->next++];
         pthread_mutex_unlock(&b->mu);
         if (j->verdict == OK)            /* the metadata passed (read holding the GIL) */
-            j->verdict = check_and_copy(&b->e, j);
+            j->verdict = check_block(&b->e, j);
         pthread_mutex_lock(&b->mu);
     }
     pthread_mutex_unlock(&b->mu);

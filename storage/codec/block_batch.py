@@ -1,13 +1,14 @@
-"""A get_many's raw blocks checked and copied by compiled threads while the rest are still being
-fetched: every check verify_and_decode makes of a raw block (metadata against the key, the header
-and its crc32, the layout, the binding, the data's xxh3_64) and the one copy into its destination,
-the GIL released for the headers, hashes and copies, spread over `threads`
+"""A get_many's raw and nibble blocks checked and decoded by compiled threads while the rest are
+still being fetched: every check verify_and_decode makes of such a block (metadata against the key,
+the header and its crc32, the plane table, the layout, the binding, the data's xxh3_64) and its
+decode into its destination (a raw block's one copy; a nibble block's table lookup and interleave,
+after its hash held), the GIL released for the headers, hashes and decodes, spread over `threads`
 (storage/codec/_block_batch.c; each block's checks storage/codec/block_checks.h).
 
 Knows: which blocks a batch can take -- a destination that is a contiguous CPU tensor of the
 layout's dtype and size (without a layout: the first header's), or none (one is made) -- what
-each verdict says in words, and that the blocks it cannot decide (not a v4 raw payload: zstd,
-nibble, version 3; a destination of another dtype or size) are left to verify_and_decode, so every
+each verdict says in words, and that the blocks it cannot decide (not a v4 raw or nibble payload:
+zstd, version 3; a destination of another dtype or size) are left to verify_and_decode, so every
 block gets the verdict the Python path gives. Doesn't know: LMDB, seals (a sealed record keeps the
 Python path), or what becomes of a damaged block (the disk tier counts and deletes it).
 
@@ -51,6 +52,7 @@ REASONS: tuple[str | None, ...] = (
     "block's dtype or shape differs from the layout's",
     "codec: payload is bound to another block: stored under the wrong key",
     "codec: payload length differs from its plane table's", "codec: data xxh3 mismatch: payload damaged",
+    "codec: plane table: a nibble plane of an unknown mode or another length", "codec: nibble: the coded plane is malformed",
 )
 
 Verdict = tuple["torch.Tensor | None", "str | None"]
@@ -63,7 +65,7 @@ class BlockBatch:
     def __init__(self, layout: BlockLayout | None, n: int, threads: int) -> None:
         self._n, self._threads = n, threads
         self._c = None               # the compiled batch, made at the first payload
-        self._declined = False       # no layout, and the first payload is not raw: nothing decided here
+        self._declined = False       # no layout, and the first payload is neither kind: nothing decided here
         self._served: list[torch.Tensor | None] = []   # per add: what a pass serves, None: not taken
         if layout is not None:
             self._expect(dtype_name(layout.dtype), layout.shape, True, layout.dtype)
@@ -137,12 +139,12 @@ def verify_batch(layout: BlockLayout | None, keys: Sequence[BlockKey], outs: Seq
 
 
 def _first_header(payload: bytes | memoryview) -> CodecHeader | None:
-    """The payload's header, parsed but not checked, when it is a raw (whole) one."""
+    """The payload's header, parsed but not checked, when it is a raw (whole) or nibble one."""
     try:
         header = parse_header(memoryview(payload))
     except CodecError:
         return None
-    return header if header.whole else None
+    return header if header.whole or header.nibble else None
 
 
 def xxh3_64(data: bytes | memoryview, baseline: bool = False) -> int:

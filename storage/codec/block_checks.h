@@ -1,21 +1,23 @@
 /* A stored block's checks, compiled: storage/codec/_block_batch.c's work on each block of a batch.
  *
- * Knows: the BlockMeta record's layout (storage/codec/stored_block.py) and a version-4 whole
- * (raw codec) payload's header (storage/codec/header.py), and every check verify_and_decode makes
- * of such a block, in its order: the metadata record against the key (version and length, token
- * ids, namespace, parent), its stored size against the record's, the header (its fields, then its
- * crc32 before any field is used), its raw size against the metadata's, its dtype and shape
- * against the layout's, its binding against hash || namespace, the payload's length, and the
- * data's xxh3_64 -- fused with the one copy into the destination: each 64 KiB chunk is copied, then
- * hashed from the cache it was just written to (in a batch of STREAM_FROM bytes or more, copied
- * with streaming stores and its stored bytes, which the copy just loaded, hashed), so the stored
- * bytes are read from memory once. A block that fails is a verdict (a code, below), never an
- * exception; its destination may hold part of its bytes (a miss: the caller never reads it).
- * Anything that is not a v4 whole payload (zstd or nibble, version 3, unknown flags) is NOT_RAW:
- * the Python path decides it, so it gives the same verdict it always did.
+ * Knows: the BlockMeta record's layout (storage/codec/stored_block.py) and a version-4 raw (whole)
+ * or nibble payload's header (storage/codec/header.py), and every check verify_and_decode makes of
+ * such a block, in its order: the metadata record against the key (version and length, token ids,
+ * namespace, parent), its stored size against the record's, the header (its fields, then its crc32
+ * before any field is used), its plane table, its raw size against the metadata's, its dtype and
+ * shape against the layout's, its binding against hash || namespace, the payload's length against
+ * the plane table, and the data's xxh3_64. A raw block's hash is fused with the one copy into the
+ * destination: each 64 KiB chunk is copied, then hashed from the cache it was just written to (in a
+ * batch of STREAM_FROM bytes or more, copied with streaming stores and its stored bytes, which the
+ * copy just loaded, hashed), so the stored bytes are read from memory once. A nibble block's planes
+ * are hashed first and decoded into the destination only once the hash holds
+ * (storage/codec/nibble_kernel.h, the kernel nibble.decode runs). A block that fails is a verdict (a
+ * code, below), never an exception; its destination may hold part of its bytes (a miss: the caller
+ * never reads it). Anything else (zstd planes, version 3, unknown flags) is NOT_RAW: the Python path
+ * decides it, so it gives the same verdict it always did.
  * Doesn't know: threads, LMDB, torch, or what becomes of a verdict (the disk tier counts and deletes).
  *
- * check_meta reads Python objects (the key's fields) and needs the GIL; check_and_copy touches only
+ * check_meta reads Python objects (the key's fields) and needs the GIL; check_block touches only
  * the job's buffers and runs on any thread without it.
  *
  * xxh3_64 comes from storage/codec/xxhash.h, vendored verbatim from the `xxhash` package's sdist
@@ -26,6 +28,8 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "nibble_kernel.h"
 
 /* xxh3's AVX2 kernels beside the baseline's (SSE2 on x86-64), chosen at import by what the CPU
    has -- as the `xxhash` package's build does (xxHash's xxh_x86dispatch.c), from the one header:
@@ -60,7 +64,7 @@ static inline void hash_update(XXH3_state_t *s, const uint8_t *p, size_t n, int 
 /* Verdicts: storage/codec/block_batch.py's REASONS says each one in words. Append only. */
 enum {
     OK = 0,
-    NOT_RAW,             /* not a v4 whole payload, or a key the C code does not read: Python decides */
+    NOT_RAW,             /* not a v4 raw or nibble payload, or a key the C code does not read: Python decides */
     PAYLOAD_MISSING,
     META_MISSING,
     META_DAMAGED,
@@ -80,6 +84,8 @@ enum {
     BINDING,
     PAYLOAD_LENGTH,
     DATA_XXH3,
+    NIBBLE_PLANES,       /* header: a nibble plane's mode or length */
+    MALFORMED,           /* a nibble block's coded plane, intact under its hash, that no encoder writes */
 };
 
 /* BlockMeta: "<B32sQQdQQHI" then the namespace, then the token ids as u32. */
@@ -88,7 +94,7 @@ enum {
 /* The header: "<4sBBBbB" then dims, u64 raw size, binding, plane table, u64 xxh3, u32 crc. */
 #define FIXED 9
 #define FLAG_WHOLE 0x04
-#define V4_FLAGS 0x0e
+#define FLAG_NIBBLE 0x08
 #define MAX_NDIM 8
 #define MAX_BINDING 255
 #define CHUNK (64 * 1024)   /* copied then hashed while it is in L1/L2 */
@@ -164,59 +170,12 @@ static inline uint16_t le16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); re
 
 static const int ITEMSIZE[4] = {0, 4, 2, 2};    /* dtype codes: float32, float16, bfloat16 */
 
-/* The header, the binding, the payload's length and the data (copied, then hashed): no GIL. */
-static uint8_t check_and_copy(const Expect *b, Job *j) {
-    const uint8_t *p = j->src;
-    Py_ssize_t len = j->len;
-    if (len < FIXED)
-        return TRUNCATED;
-    if (memcmp(p, "TKVB", 4) != 0)
-        return BAD_MAGIC;
-    int version = p[4], flags = p[5], code = p[6], ndim = p[8];
-    if (version != 4 || (flags & ~V4_FLAGS) || flags != FLAG_WHOLE)
-        return NOT_RAW;        /* version 3, another kind, or flags header.py refuses: its words */
-    if (code < 1 || code > 3)
-        return BAD_DTYPE;
-    if (ndim > MAX_NDIM)
-        return BAD_NDIM;
-    Py_ssize_t binding_at = FIXED + 4 * ndim + 8;
-    if (len < binding_at + 1)
-        return TRUNCATED;
-    Py_ssize_t binding_end = binding_at + 1 + p[binding_at];
-    Py_ssize_t table_end = binding_end + 5;
-    Py_ssize_t size = table_end + 8 + 4;
-    if (len < size)
-        return TRUNCATED;
-    /* NOTE invariant: the crc32 is checked before any field past the fixed part is used. */
-    if (crc32_of(p, (size_t)(size - 4)) != le32(p + size - 4))
-        return HEADER_CRC;
-    uint64_t raw_size = le64(p + FIXED + 4 * ndim), numel = 1;
-    for (int d = 0; d < ndim; d++)
-        numel *= le32(p + FIXED + 4 * d);
-    if (numel * (uint64_t)ITEMSIZE[code] != raw_size)
-        return RAW_SIZE_SHAPE;
-    if (p[binding_end] != 0 || le32(p + binding_end + 1) != raw_size)
-        return PLANE_TABLE;
-    if (raw_size != j->meta_raw)
-        return RAW_SIZE_META;
-    /* Not strict (no layout: the batch's first header's, a guess): another shape is Python's. */
-    uint8_t other = b->strict ? LAYOUT : NOT_RAW;
-    if (code != b->dtype_code || ndim != b->ndim || raw_size != (uint64_t)b->nbytes)
-        return other;
-    for (int d = 0; d < ndim; d++)
-        if (le32(p + FIXED + 4 * d) != b->shape[d])
-            return other;
-    /* NOTE invariant: a payload is served only under the binding it was written with. */
-    if (j->binding_len != p[binding_at] || memcmp(p + binding_at + 1, j->binding, (size_t)j->binding_len) != 0)
-        return BINDING;
-    if (len - size != (Py_ssize_t)raw_size)
-        return PAYLOAD_LENGTH;
-    /* raw_size == the layout's bytes == the destination's (raw_batch.py checked each one). */
+/* A raw block's data: copied into the destination and hashed, 64 KiB at a time. */
+static uint8_t copy_whole(const Expect *b, Job *j, const uint8_t *data, Py_ssize_t raw_size, uint64_t xxh3) {
     XXH3_state_t state;
     XXH3_64bits_reset(&state);
-    const uint8_t *data = p + size;
-    for (Py_ssize_t at = 0; at < (Py_ssize_t)raw_size; at += CHUNK) {
-        size_t m = (size_t)((Py_ssize_t)raw_size - at < CHUNK ? (Py_ssize_t)raw_size - at : CHUNK);
+    for (Py_ssize_t at = 0; at < raw_size; at += CHUNK) {
+        size_t m = (size_t)(raw_size - at < CHUNK ? raw_size - at : CHUNK);
 #ifdef RAW_STREAM
         if (b->stream) {
             /* The chunk's stored bytes, just loaded by the copy, hashed from the cache: the
@@ -233,7 +192,97 @@ static uint8_t check_and_copy(const Expect *b, Job *j) {
     if (b->stream)
         _mm_sfence();                /* the streamed stores ordered before the verdict is read */
 #endif
-    return XXH3_64bits_digest(&state) == le64(p + table_end) ? OK : DATA_XXH3;
+    return XXH3_64bits_digest(&state) == xxh3 ? OK : DATA_XXH3;
+}
+
+/* A nibble block's data (its planes, `len` bytes, the plane table's sum): hashed, then decoded
+   into the destination (storage/codec/nibble_kernel.h) -- a damaged block is never decoded. */
+static uint8_t decode_nibble(Job *j, const uint8_t *data, Py_ssize_t len, int itemsize, Py_ssize_t n,
+                             int top_coded, uint64_t xxh3) {
+    XXH3_state_t state;
+    XXH3_64bits_reset(&state);
+    for (Py_ssize_t at = 0; at < len; at += CHUNK)
+        hash_update(&state, data + at, (size_t)(len - at < CHUNK ? len - at : CHUNK), 0);
+    if (XXH3_64bits_digest(&state) != xxh3)
+        return DATA_XXH3;
+    const uint8_t *low[3] = {data, data + n, data + 2 * n}, *top = data + (itemsize - 1) * n;
+    if (nibble_decode_into(top_coded ? top : NULL, len - (itemsize - 1) * n, top_coded ? NULL : top, low, itemsize,
+                           j->dst, n) < 0)
+        return MALFORMED;        /* intact bytes (the hash held) no encoder of ours writes */
+    return OK;
+}
+
+/* The header, the binding, the payload's length and the data (a raw block's copied and hashed, a
+   nibble block's hashed and decoded): no GIL. The checks in verify_and_decode's order. */
+static uint8_t check_block(const Expect *b, Job *j) {
+    const uint8_t *p = j->src;
+    Py_ssize_t len = j->len;
+    if (len < FIXED)
+        return TRUNCATED;
+    if (memcmp(p, "TKVB", 4) != 0)
+        return BAD_MAGIC;
+    int version = p[4], flags = p[5], code = p[6], ndim = p[8];
+    if (version != 4 || (flags != FLAG_WHOLE && flags != FLAG_NIBBLE))
+        return NOT_RAW;        /* version 3, zstd planes, or flags header.py refuses: its words */
+    if (code < 1 || code > 3)
+        return BAD_DTYPE;
+    if (ndim > MAX_NDIM)
+        return BAD_NDIM;
+    int whole = flags == FLAG_WHOLE, itemsize = ITEMSIZE[code], planes = whole ? 1 : itemsize;
+    Py_ssize_t binding_at = FIXED + 4 * ndim + 8;
+    if (len < binding_at + 1)
+        return TRUNCATED;
+    Py_ssize_t binding_end = binding_at + 1 + p[binding_at];
+    Py_ssize_t table_end = binding_end + 5 * planes;
+    Py_ssize_t size = table_end + 8 + 4;
+    if (len < size)
+        return TRUNCATED;
+    /* NOTE invariant: the crc32 is checked before any field past the fixed part is used. */
+    if (crc32_of(p, (size_t)(size - 4)) != le32(p + size - 4))
+        return HEADER_CRC;
+    uint64_t raw_size = le64(p + FIXED + 4 * ndim), numel = 1;
+    for (int d = 0; d < ndim; d++)
+        numel *= le32(p + FIXED + 4 * d);
+    if (numel * (uint64_t)itemsize != raw_size)
+        return RAW_SIZE_SHAPE;
+    uint64_t stored = 0;         /* the plane table's bytes after the header */
+    int top_coded = 0;
+    if (whole) {
+        if (p[binding_end] != 0 || le32(p + binding_end + 1) != raw_size)
+            return PLANE_TABLE;
+        stored = raw_size;
+    } else {
+        /* Every plane stored (numel bytes) but the top one, which may be coded: a length within
+           nibble.coded_bounds(numel) (header.py's _check_nibble_planes). */
+        for (int k = 0; k < planes; k++) {
+            int mode = p[binding_end + 5 * k];
+            uint64_t length = le32(p + binding_end + 5 * k + 1);
+            uint64_t least = NIBBLE_TABLE + (numel + 1) / 2;
+            if (mode > 1 || (mode == 1 ? k != planes - 1 || length < least || length > least + numel : length != numel))
+                return NIBBLE_PLANES;
+            top_coded = mode == 1;
+            stored += length;
+        }
+    }
+    if (raw_size != j->meta_raw)
+        return RAW_SIZE_META;
+    /* Not strict (no layout: the batch's first header's, a guess): another shape is Python's. */
+    uint8_t other = b->strict ? LAYOUT : NOT_RAW;
+    if (code != b->dtype_code || ndim != b->ndim || raw_size != (uint64_t)b->nbytes)
+        return other;
+    for (int d = 0; d < ndim; d++)
+        if (le32(p + FIXED + 4 * d) != b->shape[d])
+            return other;
+    /* NOTE invariant: a payload is served only under the binding it was written with. */
+    if (j->binding_len != p[binding_at] || memcmp(p + binding_at + 1, j->binding, (size_t)j->binding_len) != 0)
+        return BINDING;
+    if ((uint64_t)(len - size) != stored)
+        return PAYLOAD_LENGTH;
+    /* raw_size == the layout's bytes == the destination's (block_batch.py checked each one). */
+    uint64_t xxh3 = le64(p + table_end);
+    if (whole)
+        return copy_whole(b, j, p + size, (Py_ssize_t)raw_size, xxh3);
+    return decode_nibble(j, p + size, len - size, itemsize, (Py_ssize_t)numel, top_coded, xxh3);
 }
 
 /* The metadata record against the key (GIL held: the key's fields are Python objects). */

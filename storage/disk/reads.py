@@ -2,8 +2,8 @@
 read-ahead into the OS page cache, the stored blocks' metadata listed, and the decode pool.
 
 Knows: one read transaction per get_many, each payload verified and decoded where it lies in the
-map (on the decode pool, `tieredkv-disk-decode`, for zstd; the raw codec's blocks by compiled
-threads while the rest are fetched, storage/codec/block_batch.py), damaged blocks
+map (on the decode pool, `tieredkv-disk-decode`, for zstd; the raw and nibble codecs' blocks by
+compiled threads while the rest are fetched, storage/codec/block_batch.py), damaged blocks
 counted and deleted, accesses handed to the writer (reads never take LMDB's write lock).
 A part of DiskTier (a base class of it, as SharedPages is of the cache): the gate, the index, the
 writer, the counters and `_delete_now`/`_read_failed` are DiskTier's (storage/disk/tier.py).
@@ -93,14 +93,14 @@ class DiskReads:
         # copy. (On the quiet 2-core VM the two read alike, ~2.1 GB/s raw: docs/BENCHMARKS.md,
         # issue 38; in place spares a block-sized allocation and copy each.)
         in_place = map_faults.PROTECTED
-        # The raw codec: each block handed to a compiled batch as it is read (its metadata checked
-        # at once, its header, hash and copy on the batch's threads, the GIL released), so the
-        # copies run while the next blocks are fetched (storage/codec/block_batch.py); a block it
-        # leaves undecided (another codec's payload) and a sealed store's records take
-        # verify_and_decode. zstd's decode releases the GIL for ~300 us a block and gains from
-        # every thread of the pool.
+        # The raw and nibble codecs: each block handed to a compiled batch as it is read (its
+        # metadata checked at once, its header, hash and decode on the batch's threads, the GIL
+        # released), so the decodes run while the next blocks are fetched
+        # (storage/codec/block_batch.py); a block it leaves undecided (a zstd payload) and a sealed
+        # store's records take verify_and_decode. zstd's decode releases the GIL for ~300 us a
+        # block and gains from every thread of the pool.
         batch = None
-        if self.codec.kind == "raw" and self._seal is None and block_batch.AVAILABLE:
+        if self.codec.kind in ("raw", "nibble") and self._seal is None and block_batch.AVAILABLE:
             batch = block_batch.BlockBatch(self.layout, len(keys), self._decode_threads)
         with self._begin(buffers=True) as txn:
             payload_db, meta_db = self._payload, self._meta
@@ -138,10 +138,11 @@ class DiskReads:
             reasons: list[str | None] = [None] * len(idx)
 
             def check(j: int) -> None:
-                # NOTE invariant: a block is served only once verify_and_decode (or, for a raw
-                # block, block_batch's compiled twin of it, tests/storage/test_raw_batch.py) accepted it (its
-                # metadata against the key, the header crc32, the binding, the coded crc32 and
-                # every frame's checksum, or the raw codec's xxh3); anything else leaves
+                # NOTE invariant: a block is served only once verify_and_decode (or, for a raw or
+                # nibble block, block_batch's compiled twin of it, tests/storage/test_raw_batch.py and
+                # test_nibble_batch.py) accepted it (its metadata against the key, the header crc32,
+                # the binding, the coded crc32 and every frame's checksum, or the raw and nibble
+                # codecs' xxh3); anything else leaves
                 # tensors[j] None, and it is counted corrupt and deleted below.
                 i = idx[j]
                 tensors[j], reasons[j] = self._verify_and_decode(keys[i], outs[i], stored[j], metas[j])
