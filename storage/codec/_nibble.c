@@ -76,7 +76,7 @@ static PyObject *nibble_decode(PyObject *self, PyObject *args) {
     }
     int bad;
     Py_BEGIN_ALLOW_THREADS
-    bad = nibble_decode_into((const uint8_t *)coded.buf, coded.len, NULL, lows, itemsize, (uint8_t *)dst.buf, n) < 0;
+    bad = nibble_decode_into((const uint8_t *)coded.buf, coded.len, NULL, lows, itemsize, (uint8_t *)dst.buf, n, 0) < 0;
     Py_END_ALLOW_THREADS
     if (bad) {
         PyErr_Format(PyExc_ValueError, "nibble: the coded plane is malformed (table, padding or %zd escapes stored)",

@@ -197,8 +197,8 @@ static uint8_t copy_whole(const Expect *b, Job *j, const uint8_t *data, Py_ssize
 
 /* A nibble block's data (its planes, `len` bytes, the plane table's sum): hashed, then decoded
    into the destination (storage/codec/nibble_kernel.h) -- a damaged block is never decoded. */
-static uint8_t decode_nibble(Job *j, const uint8_t *data, Py_ssize_t len, int itemsize, Py_ssize_t n,
-                             int top_coded, uint64_t xxh3) {
+static uint8_t decode_nibble(const Expect *b, Job *j, const uint8_t *data, Py_ssize_t len, int itemsize,
+                             Py_ssize_t n, int top_coded, uint64_t xxh3) {
     XXH3_state_t state;
     XXH3_64bits_reset(&state);
     for (Py_ssize_t at = 0; at < len; at += CHUNK)
@@ -207,7 +207,7 @@ static uint8_t decode_nibble(Job *j, const uint8_t *data, Py_ssize_t len, int it
         return DATA_XXH3;
     const uint8_t *low[3] = {data, data + n, data + 2 * n}, *top = data + (itemsize - 1) * n;
     if (nibble_decode_into(top_coded ? top : NULL, len - (itemsize - 1) * n, top_coded ? NULL : top, low, itemsize,
-                           j->dst, n) < 0)
+                           j->dst, n, b->stream) < 0)
         return MALFORMED;        /* intact bytes (the hash held) no encoder of ours writes */
     return OK;
 }
@@ -282,7 +282,7 @@ static uint8_t check_block(const Expect *b, Job *j) {
     uint64_t xxh3 = le64(p + table_end);
     if (whole)
         return copy_whole(b, j, p + size, (Py_ssize_t)raw_size, xxh3);
-    return decode_nibble(j, p + size, len - size, itemsize, (Py_ssize_t)numel, top_coded, xxh3);
+    return decode_nibble(b, j, p + size, len - size, itemsize, (Py_ssize_t)numel, top_coded, xxh3);
 }
 
 /* The metadata record against the key (GIL held: the key's fields are Python objects). */
