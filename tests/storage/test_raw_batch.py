@@ -1,11 +1,12 @@
-"""Issue 38, item 1: the raw codec's blocks checked, hashed and copied in one compiled call per
-get_many (storage/codec/block_batch.py, _block_batch.c) give the verdict the Python path gives
+"""Issue 38, item 1: the raw codec's blocks checked, hashed and copied by one compiled batch per
+get_many (storage/codec/block_batch.py, _block_batch.c, block_checks.h) give the verdict the Python path gives
 (verify_and_decode) for every block -- good, or damaged in its header, data, binding, length or
 metadata, or asked for under the wrong key -- and serve the same bits; the disk tier counts and
-deletes what it refuses. The C call must decide every raw block itself (a skipped check would serve
+deletes what it refuses. The C batch must decide every raw block itself (a skipped check would serve
 a damaged block: the verdicts here then differ)."""
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -222,3 +223,50 @@ def test_the_disk_tier_serves_good_blocks_and_counts_and_deletes_damaged_ones(
         assert all(not t.contains(keys[i]) for i in bad)
         again = t.get_many(keys)
         assert [i for i, g in enumerate(again) if g is None] == sorted(bad) and t.stats().corrupt == len(bad)
+
+
+def os_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def test_a_read_that_fails_midway_joins_the_batch_threads_and_misses(tmp_path: Path) -> None:
+    """An LMDB error after half a get_many's blocks were handed to the batch (its thread already
+    copying them, then waiting for more): every block of the read is a miss, the thread is joined
+    before the read transaction ends, and the next read serves every block."""
+    dtype, n = torch.bfloat16, 24            # 12 MiB of BIG blocks: the batch starts a thread
+    layout = layout_of(dtype, BIG)
+    keys = [make_key(i) for i in range(n)]
+    with DiskTier(str(tmp_path), 256 << 20, RAW, layout=layout, decode_threads=2) as t:
+        for i, k in enumerate(keys):
+            t.put(k, make_block(i, dtype, BIG))
+        assert t.drain(timeout=120)
+        outs = [torch.empty(BIG, dtype=dtype) for _ in range(n)]
+        assert all(g is not None for g in t.get_many(keys, outs))     # warm: lazily made threads exist
+        before, real = os_threads(), t._begin
+        calls = [0]
+
+        class Failing:
+            def __init__(self, txn):
+                self.txn = txn
+
+            def get(self, key, db=None):
+                calls[0] += 1
+                if calls[0] == n:            # the 12th payload: 11 blocks handed to the batch
+                    raise lmdb.ReadersFullError("injected")
+                return self.txn.get(key, db=db)
+
+        at_end: list[int] = []
+
+        @contextlib.contextmanager
+        def failing(**kw):
+            with real(**kw) as txn:
+                try:
+                    yield Failing(txn)
+                finally:
+                    at_end.append(os_threads())   # the transaction ends next: no thread may read the map
+        t._begin = failing
+        assert t.get_many(keys, outs) == [None] * n
+        assert at_end == [before] and calls[0] == n and t.stats().read_errors == 1
+        t._begin = real
+        got = t.get_many(keys, outs)
+        assert all(same_bits(got[i], make_block(i, dtype, BIG)) for i in range(n))
