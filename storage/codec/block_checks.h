@@ -98,6 +98,7 @@ enum {
 #define MAX_NDIM 8
 #define MAX_BINDING 255
 #define CHUNK (64 * 1024)   /* copied then hashed while it is in L1/L2 */
+#define NIBBLE_PART (16 * 1024)   /* elements a nibble block's pass takes at a time: their plane 0 stays in L1 */
 #define MIN_SHARE (4 << 20)  /* bytes a thread is started for, at least */
 #define STREAM_FROM (8 << 20)  /* a batch's bytes from which its copies stream past the cache */
 
@@ -195,21 +196,31 @@ static uint8_t copy_whole(const Expect *b, Job *j, const uint8_t *data, Py_ssize
     return XXH3_64bits_digest(&state) == xxh3 ? OK : DATA_XXH3;
 }
 
-/* A nibble block's data (its planes, `len` bytes, the plane table's sum): hashed, then decoded
-   into the destination (storage/codec/nibble_kernel.h) -- a damaged block is never decoded. */
+/* A nibble block's data (its planes, `len` bytes, the plane table's sum) hashed and decoded into
+   the destination in one pass: NIBBLE_PART elements at a time, plane 0's bytes of them hashed (in
+   the hash's order: plane 0 comes first) and then decoded from the cache, the other planes hashed
+   after. The verdicts are verify_and_decode's, the hash's first: a block whose hash fails is
+   DATA_XXH3 whatever its decode found (which reads no byte outside the planes, damaged or not). */
 static uint8_t decode_nibble(const Expect *b, Job *j, const uint8_t *data, Py_ssize_t len, int itemsize,
                              Py_ssize_t n, int top_coded, uint64_t xxh3) {
+    const uint8_t *low[3] = {data, data + n, data + 2 * n}, *top = data + (itemsize - 1) * n;
     XXH3_state_t state;
     XXH3_64bits_reset(&state);
-    for (Py_ssize_t at = 0; at < len; at += CHUNK)
+    NibbleDecode d;
+    int bad = nibble_begin(&d, top_coded ? top : NULL, len - (itemsize - 1) * n, top_coded ? NULL : top, low,
+                           itemsize, j->dst, n, b->stream) < 0;
+    for (Py_ssize_t at = 0; at < n; at += NIBBLE_PART) {
+        Py_ssize_t to = n - at < NIBBLE_PART ? n : at + NIBBLE_PART;
+        hash_update(&state, data + at, (size_t)(to - at), 0);
+        if (!bad)
+            bad = nibble_part(&d, at, to) < 0;
+    }
+    bad = nibble_end(&d) < 0 || bad;
+    for (Py_ssize_t at = n; at < len; at += CHUNK)
         hash_update(&state, data + at, (size_t)(len - at < CHUNK ? len - at : CHUNK), 0);
     if (XXH3_64bits_digest(&state) != xxh3)
         return DATA_XXH3;
-    const uint8_t *low[3] = {data, data + n, data + 2 * n}, *top = data + (itemsize - 1) * n;
-    if (nibble_decode_into(top_coded ? top : NULL, len - (itemsize - 1) * n, top_coded ? NULL : top, low, itemsize,
-                           j->dst, n, b->stream) < 0)
-        return MALFORMED;        /* intact bytes (the hash held) no encoder of ours writes */
-    return OK;
+    return bad ? MALFORMED : OK;   /* MALFORMED: intact bytes (the hash held) no encoder of ours writes */
 }
 
 /* The header, the binding, the payload's length and the data (a raw block's copied and hashed, a
