@@ -68,6 +68,7 @@ backend; with zstd, every edge >= 0.8 of its own limit.
     python tools/bench_peers.py [--blocks N] [--rounds 5] [--codec zstd,raw] [--json]
                                 [--peer-venv DIR] [--no-peer] [--synthetic] [--torch-threads N]
                                 [--edges disk,remote] [--shape smollm2|llama8b] [--peer-chunk-tokens 256]
+                                [--decode-threads N]
 """
 from __future__ import annotations
 
@@ -181,7 +182,8 @@ def run(args) -> dict:
                     print(f"LMCache peer skipped: {peer_info['reason']}", file=sys.stderr)
                     peer = None
         for kind in args.codecs:
-            ours[kind] = Ours(kind, args.level, layout, blocks, tokens, tmp, url, args.connections, args.seal_disk)
+            ours[kind] = Ours(kind, args.level, layout, blocks, tokens, tmp, url, args.connections, args.seal_disk,
+                              args.decode_threads)
         for r in range(args.rounds):
             rec = {"ours": {}, "limits": {}, "peer": {}}
 
@@ -388,6 +390,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--torch-threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--connections", type=int, default=None,
                     help="our remote tier's connections in flight (default: the tier's own default)")
+    ap.add_argument("--decode-threads", type=int, default=None,
+                    help="our disk tier's decode threads (default: the tier's own, every core): 1 vs 2, a scaling")
     ap.add_argument("--edges", default="disk,remote", help="which tiers' edges to run: disk, remote or both")
     ap.add_argument("--seal-disk", action="store_true", help="our disk tier sealed under a fleet secret (serve "
                     "--seal-disk: a keyed BLAKE3 per record written and read); the remote is always sealed")
@@ -397,6 +401,8 @@ def main(argv: list[str] | None = None) -> int:
         args.blocks = SHAPES[args.shape][1]
     if args.peer_chunk_tokens < BLOCK_TOKENS or args.peer_chunk_tokens % BLOCK_TOKENS:
         ap.error(f"--peer-chunk-tokens: expected a positive multiple of {BLOCK_TOKENS}, got {args.peer_chunk_tokens}")
+    if args.decode_threads is not None and args.decode_threads < 1:
+        ap.error(f"--decode-threads: expected a positive count, got {args.decode_threads}")
     if args.blocks < 1 or args.rounds < 1:
         ap.error("--blocks and --rounds: expected >= 1")
     if not args.no_peer and args.blocks % (args.peer_chunk_tokens // BLOCK_TOKENS):

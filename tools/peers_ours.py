@@ -37,7 +37,8 @@ class Ours:
     """Our disk tier (and remote tier, given a URL) with one codec kind, and the limits' pieces."""
 
     def __init__(self, kind: str, level: int, layout: BlockLayout, blocks: torch.Tensor, tokens: list[int],
-                 tmp: str, url: str | None, connections: int | None = None, seal_disk: bool = False) -> None:
+                 tmp: str, url: str | None, connections: int | None = None, seal_disk: bool = False,
+                 decode_threads: int | None = None) -> None:
         self.kind, self.layout, self.blocks, self.tokens = kind, layout, blocks, tokens
         self.n = blocks.shape[0]
         self.nbytes = self.n * layout.nbytes
@@ -46,7 +47,7 @@ class Ours:
         cap = 4 * self.nbytes
         self.secret = FleetSecret.random()        # the remote tier's seal (and the disk's with seal_disk)
         self.disk = DiskTier(os.path.join(tmp, f"disk-{kind}"), cap, self.codec, layout=layout,
-                             seal=DiskSeal(self.secret) if seal_disk else None)
+                             seal=DiskSeal(self.secret) if seal_disk else None, decode_threads=decode_threads)
         self.threads = self.disk._decode_threads     # get_many's decode threads (every core)
         self.pool = ThreadPoolExecutor(self.threads)
         self.raw_env = lmdb.open(os.path.join(tmp, f"raw-{kind}"), map_size=default_map_size(cap), readahead=True)

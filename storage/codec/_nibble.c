@@ -12,92 +12,18 @@
  *               nibble (0 past the last element when n is odd)
  *     escapes   one byte per element coded 15, its top byte, in element order
  *
- * decode is one pass over the codes and the stored planes: on x86-64 with SSSE3, 32 elements a
- * step (pshufb looks up 16 nibbles in the table at once, unpacks interleave them with the lower
- * planes), and a step holding an escape goes element by element; elsewhere, the same in plain C.
- * Both functions release the GIL; the caller must not write to the buffers meanwhile.
+ * decode is one pass over the codes and the stored planes (storage/codec/nibble_kernel.h, which a
+ * disk read's batch shares: storage/codec/block_checks.h). Both functions release the GIL; the
+ * caller must not write to the buffers meanwhile.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#include <immintrin.h>
-#define NIBBLE_SIMD 1
-#endif
+#include "nibble_kernel.h"
 
-#define ESCAPE 15
-
-/* One element, scalar: its top byte from its code (an escape from the stream); -1 when the
-   stream is exhausted. */
-static inline int top_of(const uint8_t *codes, const uint8_t *table, const uint8_t *esc, Py_ssize_t nesc,
-                         Py_ssize_t *e, Py_ssize_t i) {
-    uint8_t c = (codes[i >> 1] >> ((i & 1) * 4)) & 15;
-    if (c != ESCAPE)
-        return table[c];
-    if (*e >= nesc)
-        return -1;
-    return esc[(*e)++];
-}
-
-/* Elements [from, to) element by element. Returns -1 when the escapes run out. */
-static int decode_scalar(const uint8_t *codes, const uint8_t *table, const uint8_t *esc, Py_ssize_t nesc,
-                         Py_ssize_t *e, const uint8_t *const *low, int itemsize, uint8_t *dst,
-                         Py_ssize_t from, Py_ssize_t to) {
-    for (Py_ssize_t i = from; i < to; i++) {
-        int t = top_of(codes, table, esc, nesc, e, i);
-        if (t < 0)
-            return -1;
-        uint8_t *d = dst + i * itemsize;
-        for (int b = 0; b < itemsize - 1; b++)
-            d[b] = low[b][i];
-        d[itemsize - 1] = (uint8_t)t;
-    }
-    return 0;
-}
-
-#ifdef NIBBLE_SIMD
-/* Elements [0, n - n % 32) in steps of 32; a step with an escape goes through decode_scalar.
-   Returns -1 when the escapes run out. */
-__attribute__((target("ssse3")))
-static int decode_ssse3(const uint8_t *codes, const uint8_t *table, const uint8_t *esc, Py_ssize_t nesc,
-                        Py_ssize_t *e, const uint8_t *const *low, int itemsize, uint8_t *dst, Py_ssize_t n) {
-    const __m128i tab = _mm_loadu_si128((const __m128i *)table);
-    const __m128i mask = _mm_set1_epi8(0x0f), fifteen = _mm_set1_epi8(ESCAPE);
-    for (Py_ssize_t i = 0; i + 32 <= n; i += 32) {
-        __m128i c = _mm_loadu_si128((const __m128i *)(codes + i / 2));
-        __m128i lo = _mm_and_si128(c, mask), hi = _mm_and_si128(_mm_srli_epi16(c, 4), mask);
-        if (_mm_movemask_epi8(_mm_or_si128(_mm_cmpeq_epi8(lo, fifteen), _mm_cmpeq_epi8(hi, fifteen)))) {
-            if (decode_scalar(codes, table, esc, nesc, e, low, itemsize, dst, i, i + 32) < 0)
-                return -1;
-            continue;
-        }
-        __m128i a = _mm_shuffle_epi8(tab, lo), b = _mm_shuffle_epi8(tab, hi);
-        __m128i top[2] = {_mm_unpacklo_epi8(a, b), _mm_unpackhi_epi8(a, b)};   /* elements i.., i+16.. */
-        for (int h = 0; h < 2; h++) {
-            Py_ssize_t at = i + 16 * h;
-            uint8_t *d = dst + at * itemsize;
-            if (itemsize == 2) {
-                __m128i m0 = _mm_loadu_si128((const __m128i *)(low[0] + at));
-                _mm_storeu_si128((__m128i *)d, _mm_unpacklo_epi8(m0, top[h]));
-                _mm_storeu_si128((__m128i *)(d + 16), _mm_unpackhi_epi8(m0, top[h]));
-            } else {
-                __m128i m0 = _mm_loadu_si128((const __m128i *)(low[0] + at));
-                __m128i m1 = _mm_loadu_si128((const __m128i *)(low[1] + at));
-                __m128i m2 = _mm_loadu_si128((const __m128i *)(low[2] + at));
-                __m128i l01 = _mm_unpacklo_epi8(m0, m1), h01 = _mm_unpackhi_epi8(m0, m1);
-                __m128i l23 = _mm_unpacklo_epi8(m2, top[h]), h23 = _mm_unpackhi_epi8(m2, top[h]);
-                _mm_storeu_si128((__m128i *)d, _mm_unpacklo_epi16(l01, l23));
-                _mm_storeu_si128((__m128i *)(d + 16), _mm_unpackhi_epi16(l01, l23));
-                _mm_storeu_si128((__m128i *)(d + 32), _mm_unpacklo_epi16(h01, h23));
-                _mm_storeu_si128((__m128i *)(d + 48), _mm_unpackhi_epi16(h01, h23));
-            }
-        }
-    }
-    return 0;
-}
-#endif
+#define ESCAPE NIBBLE_ESCAPE
 
 static int check_itemsize(int itemsize) {
     if (itemsize != 2 && itemsize != 4) {
@@ -148,25 +74,13 @@ static PyObject *nibble_decode(PyObject *self, PyObject *args) {
         }
         lows[held] = (const uint8_t *)low[held].buf;
     }
-    const uint8_t *table = (const uint8_t *)coded.buf, *codes = table + 16, *esc = codes + ncodes;
-    Py_ssize_t nesc = coded.len - 16 - ncodes, e = 0;
-    int bad = table[ESCAPE] != 0 || ((n & 1) && (codes[ncodes - 1] >> 4) != 0);
-    uint8_t *d = (uint8_t *)dst.buf;
-    if (!bad) {
-        Py_BEGIN_ALLOW_THREADS
-        Py_ssize_t from = 0;
-#ifdef NIBBLE_SIMD
-        if (__builtin_cpu_supports("ssse3")) {
-            bad = decode_ssse3(codes, table, esc, nesc, &e, lows, itemsize, d, n) < 0;
-            from = n - n % 32;
-        }
-#endif
-        if (!bad)
-            bad = decode_scalar(codes, table, esc, nesc, &e, lows, itemsize, d, from, n) < 0;
-        Py_END_ALLOW_THREADS
-    }
-    if (bad || e != nesc) {
-        PyErr_Format(PyExc_ValueError, "nibble: the coded plane is malformed (%zd escapes stored, %zd used)", nesc, e);
+    int bad;
+    Py_BEGIN_ALLOW_THREADS
+    bad = nibble_decode_into((const uint8_t *)coded.buf, coded.len, NULL, lows, itemsize, (uint8_t *)dst.buf, n, 0) < 0;
+    Py_END_ALLOW_THREADS
+    if (bad) {
+        PyErr_Format(PyExc_ValueError, "nibble: the coded plane is malformed (table, padding or %zd escapes stored)",
+                     coded.len - 16 - ncodes);
         goto done;
     }
     Py_INCREF(Py_None);

@@ -2,8 +2,8 @@
 read-ahead into the OS page cache, the stored blocks' metadata listed, and the decode pool.
 
 Knows: one read transaction per get_many, each payload verified and decoded where it lies in the
-map (on the decode pool, `tieredkv-disk-decode`, for zstd; the raw codec's blocks in one compiled
-call, storage/codec/raw_batch.py), damaged blocks
+map (on the decode pool, `tieredkv-disk-decode`, for zstd; the raw and nibble codecs' blocks by
+compiled threads while the rest are fetched, storage/codec/block_batch.py), damaged blocks
 counted and deleted, accesses handed to the writer (reads never take LMDB's write lock).
 A part of DiskTier (a base class of it, as SharedPages is of the cache): the gate, the index, the
 writer, the counters and `_delete_now`/`_read_failed` are DiskTier's (storage/disk/tier.py).
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import lmdb
 
-from storage.codec import raw_batch
+from storage.codec import block_batch
 from storage.codec.stored_block import BlockMeta, verify_and_decode
 from storage.disk import map_faults
 from storage.disk.preflight import DamagedEnvironment
@@ -93,55 +93,69 @@ class DiskReads:
         # copy. (On the quiet 2-core VM the two read alike, ~2.1 GB/s raw: docs/BENCHMARKS.md,
         # issue 38; in place spares a block-sized allocation and copy each.)
         in_place = map_faults.PROTECTED
+        # The raw and nibble codecs: each block handed to a compiled batch as it is read (its
+        # metadata checked at once, its header, hash and decode on the batch's threads, the GIL
+        # released), so the decodes run while the next blocks are fetched
+        # (storage/codec/block_batch.py); a block it leaves undecided (a zstd payload) and a sealed
+        # store's records take verify_and_decode. zstd's decode releases the GIL for ~300 us a
+        # block and gains from every thread of the pool.
+        batch = None
+        if self.codec.kind in ("raw", "nibble") and self._seal is None and block_batch.AVAILABLE:
+            batch = block_batch.BlockBatch(self.layout, len(keys), self._decode_threads)
         with self._begin(buffers=True) as txn:
             payload_db, meta_db = self._payload, self._meta
-            for i, (key, p) in enumerate(zip(keys, pending)):
-                if p is not None:
-                    # Served from the raw copy awaiting the writer; a key or `out` that does
-                    # not match it is a miss (nothing stored is damaged).
-                    results[i] = p.copy_for(key, outs[i], self.codec)
-                    if payloads is not None and results[i] is not None and p.payload is not None:
-                        payloads[i] = bytes(p.payload)
-                    hits, misses = hits + (results[i] is not None), misses + (results[i] is None)
-                    continue
-                payload, meta = txn.get(key.hash, db=payload_db), txn.get(key.hash, db=meta_db)
-                if payload is None and meta is None:
-                    misses += 1
-                    gone.append(key.hash)     # evicted by another process, or never stored
-                else:
+            try:
+                for i, (key, p) in enumerate(zip(keys, pending)):
+                    if p is not None:
+                        # Served from the raw copy awaiting the writer; a key or `out` that does
+                        # not match it is a miss (nothing stored is damaged).
+                        results[i] = p.copy_for(key, outs[i], self.codec)
+                        if payloads is not None and results[i] is not None and p.payload is not None:
+                            payloads[i] = bytes(p.payload)
+                        hits, misses = hits + (results[i] is not None), misses + (results[i] is None)
+                        continue
+                    payload, meta = txn.get(key.hash, db=payload_db), txn.get(key.hash, db=meta_db)
+                    if payload is None and meta is None:
+                        misses += 1
+                        gone.append(key.hash)     # evicted by another process, or never stored
+                        continue
+                    if not in_place:
+                        payload = payload if payload is None else bytes(payload)
+                        meta = meta if meta is None else bytes(meta)
                     idx.append(i)
-                    stored.append(payload if payload is None or in_place else bytes(payload))
-                    metas.append(meta if meta is None or in_place else bytes(meta))
+                    stored.append(payload)
+                    metas.append(meta)
+                    if batch is not None:
+                        batch.add(key, outs[i], payload, meta)
+                # NOTE invariant: the batch's threads read the payloads in the map: they are all
+                # joined here, inside the transaction (and abandoned on the way out of a failure).
+                decided = batch.finish() if batch is not None else [None] * len(idx)
+            except BaseException:
+                if batch is not None:
+                    batch.abandon()
+                raise
             tensors: list[torch.Tensor | None] = [None] * len(idx)
             reasons: list[str | None] = [None] * len(idx)
 
             def check(j: int) -> None:
-                # NOTE invariant: a block is served only once verify_and_decode (or, for a raw
-                # block, raw_batch's compiled twin of it, tests/storage/test_raw_batch.py) accepted it (its
-                # metadata against the key, the header crc32, the binding, the coded crc32 and
-                # every frame's checksum, or the raw codec's xxh3); anything else leaves
+                # NOTE invariant: a block is served only once verify_and_decode (or, for a raw or
+                # nibble block, block_batch's compiled twin of it, tests/storage/test_raw_batch.py and
+                # test_nibble_batch.py) accepted it (its metadata against the key, the header crc32,
+                # the binding, the coded crc32 and every frame's checksum, or the raw and nibble
+                # codecs' xxh3); anything else leaves
                 # tensors[j] None, and it is counted corrupt and deleted below.
                 i = idx[j]
                 tensors[j], reasons[j] = self._verify_and_decode(keys[i], outs[i], stored[j], metas[j])
-            # The raw codec: every block's checks, hash and copy in one compiled call, the GIL
-            # released and the blocks spread over the decode threads' count
-            # (storage/codec/raw_batch.py); a block it leaves undecided (another codec's payload)
-            # and a sealed store's records take verify_and_decode. zstd's decode releases the GIL
-            # for ~300 us a block and gains from every thread of the pool.
-            decided = None
-            if self.codec.kind == "raw" and self._seal is None:
-                decided = raw_batch.verify_batch(self.layout, [keys[i] for i in idx], [outs[i] for i in idx],
-                                                 stored, metas, self._decode_threads)
-            if decided is not None:
-                for j, verdict in enumerate(decided):
-                    if verdict is None:
-                        check(j)
-                    else:
-                        tensors[j], reasons[j] = verdict
-            elif len(idx) > 1 and self._decode_threads > 1 and self.codec.kind != "raw":
-                self._on_pool(check, len(idx))
+            undecided = []
+            for j, verdict in enumerate(decided):
+                if verdict is None:
+                    undecided.append(j)
+                else:
+                    tensors[j], reasons[j] = verdict
+            if len(undecided) > 1 and self._decode_threads > 1 and self.codec.kind != "raw":
+                self._on_pool(lambda k: check(undecided[k]), len(undecided))
             else:
-                for j in range(len(idx)):
+                for j in undecided:
                     check(j)
             sizes = [0 if payload is None else len(payload) for payload in stored]
             if payloads is not None:     # copied out of the map (a copy already made is kept); sealed: its payload

@@ -109,7 +109,7 @@ class Txn:                      # the real transaction; cut() right after LMDB h
             value = bytes(value)  # the records read whole: only the payloads' views lie past the new end
             self.views += 1
             if self.views == 40:
-                cut()           # every payload's view is out: each is read past the new end
+                cut()           # every payload's view is out, the last one not yet read: it is read past the new end
         return value
     def __getattr__(self, name):
         return getattr(self.txn, name)
@@ -141,7 +141,7 @@ if where == "commit":
     for i in range(40, 44):
         t.put(make_key(i), make_block(i, DTYPE, shape=SHAPE))
     print("flushed-during", t.drain(timeout=120), flush=True)
-elif where == "batch":          # one get_many: the raw codec's compiled check reads them all, on 2 threads
+elif where == "batch":          # one get_many: the compiled batch reads them all, on 2 threads
     print("served", sum(b is not None for b in t.get_many([make_key(i) for i in range(40)])), flush=True)
 else:
     print("served", sum(t.get(make_key(i)) is not None for i in range(40)), flush=True)
@@ -162,13 +162,14 @@ with DiskTier(path, 64 << 20, Codec(kind=kind), layout=layout) as t:
 
 
 @pytest.mark.parametrize("size", [0, 2 * 4096])
-@pytest.mark.parametrize("where, kind", [("copy", "zstd"), ("begin", "zstd"), ("commit", "zstd"), ("batch", "raw")])
+@pytest.mark.parametrize("where, kind", [("copy", "zstd"), ("begin", "zstd"), ("commit", "zstd"), ("batch", "raw"),
+                                         ("batch", "nibble")])
 def test_a_truncate_inside_a_transaction_is_survived_served_as_misses_and_the_store_replaced(
         tmp_path: Path, where: str, kind: str, size: int) -> None:
     """copy: the get_many's copy of a payload out of the map (the drill's 1 in 12); begin: LMDB's
     read of the meta pages at mdb_txn_begin; commit: the writer's puts walking the tree; batch: a
-    get_many of 40 raw blocks whose every payload lies past the new end when the raw codec's
-    compiled check (storage/codec/_raw_batch.c) reads them, GIL released, on its threads. Truncated
+    get_many of 40 raw (or nibble) blocks, the last payload's view handed to the compiled batch
+    (storage/codec/_block_batch.c) after the truncate, so its threads read past the new end. Truncated
     to nothing, or to the two meta pages (LMDB then begins fine and faults on the tree)."""
     kv = tmp_path / "kv"
     r = run(LIVE, str(kv), where, str(size), kind)

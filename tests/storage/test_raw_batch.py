@@ -1,11 +1,12 @@
-"""Issue 38, item 1: the raw codec's blocks checked, hashed and copied in one compiled call per
-get_many (storage/codec/raw_batch.py, _raw_batch.c) give the verdict the Python path gives
+"""Issue 38, item 1: the raw codec's blocks checked, hashed and copied by one compiled batch per
+get_many (storage/codec/block_batch.py, _block_batch.c, block_checks.h) give the verdict the Python path gives
 (verify_and_decode) for every block -- good, or damaged in its header, data, binding, length or
 metadata, or asked for under the wrong key -- and serve the same bits; the disk tier counts and
-deletes what it refuses. The C call must decide every raw block itself (a skipped check would serve
+deletes what it refuses. The C batch must decide every raw block itself (a skipped check would serve
 a damaged block: the verdicts here then differ)."""
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,7 +15,7 @@ import pytest
 import torch
 import xxhash
 
-from storage.codec import raw_batch
+from storage.codec import block_batch
 from storage.codec.payload import Codec
 from storage.codec.stored_block import BlockMeta, payload_binding, verify_and_decode
 from storage.disk.tier import DiskTier
@@ -101,7 +102,7 @@ def python_verdict(layout: BlockLayout | None, r: Record) -> tuple[torch.Tensor 
 
 @pytest.fixture(autouse=True)
 def compiled() -> None:
-    assert raw_batch.AVAILABLE, ("storage/codec/_raw_batch.c was not built (no C compiler at `pip install -e .`?): "
+    assert block_batch.AVAILABLE, ("storage/codec/_block_batch.c was not built (no C compiler at `pip install -e .`?): "
                                  "raw disk reads take the Python path, ~40 us a block holding the GIL")
 
 
@@ -109,10 +110,10 @@ def compiled() -> None:
 def test_its_xxh3_is_the_xxhash_packages(baseline: bool) -> None:
     """Streamed in the check's chunks, with the kernel it uses (AVX2 where the CPU has it) and the
     baseline one: the package's digest either way."""
-    assert raw_batch.kernel() in ("avx2", "sse2", "baseline")
+    assert block_batch.kernel() in ("avx2", "sse2", "baseline")
     for n in (0, 1, 3, 16, 17, 128, 129, 240, 241, 1024, 65535, 65536, 65537, 368_640, 1_000_003):
         data = os.urandom(n)
-        assert raw_batch.xxh3_64(data, baseline) == xxhash.xxh3_64_intdigest(data), n
+        assert block_batch.xxh3_64(data, baseline) == xxhash.xxh3_64_intdigest(data), n
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -127,7 +128,7 @@ def test_every_damage_is_the_same_miss_on_both_paths_and_decided_in_c(
     # and last, the damaged ones between: with BIG blocks, every thread takes some of each.
     records = [good] + [r for r, _ in cases.values()] + [good]
     for threads in (1, 2, 3):
-        verdicts = raw_batch.verify_batch(layout, [r.key for r in records], [None] * len(records),
+        verdicts = block_batch.verify_batch(layout, [r.key for r in records], [None] * len(records),
                                           [r.payload for r in records], [r.meta for r in records], threads)
         assert verdicts is not None
         for served, reason in (verdicts[0], verdicts[-1]):
@@ -146,7 +147,7 @@ def test_good_blocks_serve_the_same_bits_into_their_destinations(dtype: torch.dt
     records = [record(i, dtype, shape=shape) for i in range(24)]
     outs = [torch.full(shape, 7.0, dtype=dtype) if i % 2 else torch.empty(layout.numel, dtype=dtype)
             for i in range(24)]          # half shaped as the block, half flat: each is viewed as the block
-    verdicts = raw_batch.verify_batch(layout, [r.key for r in records], outs, [r.payload for r in records],
+    verdicts = block_batch.verify_batch(layout, [r.key for r in records], outs, [r.payload for r in records],
                                       [r.meta for r in records], 2)
     for i, (r, out, (tensor, reason)) in enumerate(zip(records, outs, verdicts)):
         py_tensor, _ = python_verdict(layout, r)
@@ -155,18 +156,19 @@ def test_good_blocks_serve_the_same_bits_into_their_destinations(dtype: torch.dt
 
 
 def test_what_it_cannot_decide_is_left_to_python() -> None:
-    """Another codec's payload in a raw tier (a tier reads every codec it wrote), a block of another
+    """A zstd payload in a raw tier (a tier reads every codec it wrote), a block of another
     shape without a layout, a destination of another dtype: undecided, so verify_and_decode's verdict."""
     layout = layout_of(torch.float32)
     zstd = record(0, torch.float32, Codec(kind="zstd"))
     nibble = record(1, torch.float32, Codec(kind="nibble"))
-    v = raw_batch.verify_batch(layout, [zstd.key, nibble.key], [None, None], [zstd.payload, nibble.payload],
+    v = block_batch.verify_batch(layout, [zstd.key, nibble.key], [None, None], [zstd.payload, nibble.payload],
                                [zstd.meta, nibble.meta], 2)
-    assert v == [None, None]
+    assert v[0] is None
+    assert v[1] is not None and v[1][1] is None      # nibble's is decided too: tests/storage/test_nibble_batch.py
     a, b = record(2, torch.float32), record(3, torch.float16)
-    v = raw_batch.verify_batch(None, [a.key, b.key], [None, None], [a.payload, b.payload], [a.meta, b.meta], 1)
+    v = block_batch.verify_batch(None, [a.key, b.key], [None, None], [a.payload, b.payload], [a.meta, b.meta], 1)
     assert v[0] is not None and v[0][1] is None and v[1] is None
-    v = raw_batch.verify_batch(layout, [a.key], [torch.empty(SHAPE, dtype=torch.float16)], [a.payload], [a.meta], 1)
+    v = block_batch.verify_batch(layout, [a.key], [torch.empty(SHAPE, dtype=torch.float16)], [a.payload], [a.meta], 1)
     assert v == [None]
     assert python_verdict(None, b)[1] is None
 
@@ -177,7 +179,8 @@ def test_the_disk_tier_serves_good_blocks_and_counts_and_deletes_damaged_ones(
     """Through a real store: damage written into data.mdb behind a closed tier; one get_many.
     The same answers with the compiled check and without it (the Python path, no compiler)."""
     if not c_path:
-        monkeypatch.setattr(raw_batch, "_compiled", None)
+        monkeypatch.setattr(block_batch, "_compiled", None)     # as without a C compiler at install
+        monkeypatch.setattr(block_batch, "AVAILABLE", False)
     dtype, n = torch.bfloat16, 16
     layout = layout_of(dtype)
     keys = [make_key(i) for i in range(n)]
@@ -210,3 +213,50 @@ def test_the_disk_tier_serves_good_blocks_and_counts_and_deletes_damaged_ones(
         assert all(not t.contains(keys[i]) for i in bad)
         again = t.get_many(keys)
         assert [i for i, g in enumerate(again) if g is None] == sorted(bad) and t.stats().corrupt == len(bad)
+
+
+def os_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def test_a_read_that_fails_midway_joins_the_batch_threads_and_misses(tmp_path: Path) -> None:
+    """An LMDB error after half a get_many's blocks were handed to the batch (its thread already
+    copying them, then waiting for more): every block of the read is a miss, the thread is joined
+    before the read transaction ends, and the next read serves every block."""
+    dtype, n = torch.bfloat16, 24            # 12 MiB of BIG blocks: the batch starts a thread
+    layout = layout_of(dtype, BIG)
+    keys = [make_key(i) for i in range(n)]
+    with DiskTier(str(tmp_path), 256 << 20, RAW, layout=layout, decode_threads=2) as t:
+        for i, k in enumerate(keys):
+            t.put(k, make_block(i, dtype, BIG))
+        assert t.drain(timeout=120)
+        outs = [torch.empty(BIG, dtype=dtype) for _ in range(n)]
+        assert all(g is not None for g in t.get_many(keys, outs))     # warm: lazily made threads exist
+        before, real = os_threads(), t._begin
+        calls = [0]
+
+        class Failing:
+            def __init__(self, txn):
+                self.txn = txn
+
+            def get(self, key, db=None):
+                calls[0] += 1
+                if calls[0] == n:            # the 12th payload: 11 blocks handed to the batch
+                    raise lmdb.ReadersFullError("injected")
+                return self.txn.get(key, db=db)
+
+        at_end: list[int] = []
+
+        @contextlib.contextmanager
+        def failing(**kw):
+            with real(**kw) as txn:
+                try:
+                    yield Failing(txn)
+                finally:
+                    at_end.append(os_threads())   # the transaction ends next: no thread may read the map
+        t._begin = failing
+        assert t.get_many(keys, outs) == [None] * n
+        assert at_end == [before] and calls[0] == n and t.stats().read_errors == 1
+        t._begin = real
+        got = t.get_many(keys, outs)
+        assert all(same_bits(got[i], make_block(i, dtype, BIG)) for i in range(n))
