@@ -50,6 +50,7 @@ typedef struct {
 
 /* Take jobs until none is left and none will come (or the batch is abandoned). No GIL. */
 static void take_jobs(Batch *b) {
+    Scratch scratch = {0};           /* this thread's zstd context and decoded planes */
     pthread_mutex_lock(&b->mu);
     for (;;) {
         while (b->next >= b->added && !b->closed && !b->abandoned) {
@@ -62,10 +63,11 @@ static void take_jobs(Batch *b) {
         Job *j = &b->jobs[b->next++];
         pthread_mutex_unlock(&b->mu);
         if (j->verdict == OK)            /* the metadata passed (read holding the GIL) */
-            j->verdict = check_block(&b->e, j);
+            j->verdict = check_block(&b->e, j, &scratch);
         pthread_mutex_lock(&b->mu);
     }
     pthread_mutex_unlock(&b->mu);
+    scratch_free(&scratch);
 }
 
 static void *helper(void *arg) {
@@ -267,6 +269,18 @@ static PyObject *xxh3(PyObject *self, PyObject *args) {
     return PyLong_FromUnsignedLongLong(h);
 }
 
+static const char *crc_kind = "table";
+
+/* load(isal_path) -> (zstd, crc): libzstd and the fastest crc32 found (zstd_planes.h), once. */
+static PyObject *load(PyObject *self, PyObject *args) {
+    const char *isal_path = NULL;
+    if (!PyArg_ParseTuple(args, "|z", &isal_path))
+        return NULL;
+    if (!zstd.ok)
+        crc_kind = zstd_load(isal_path);
+    return Py_BuildValue("(Os)", zstd.ok ? Py_True : Py_False, crc_kind);
+}
+
 static PyObject *kernel(PyObject *self, PyObject *unused) {
 #ifdef RAW_AVX2
     return PyUnicode_FromString(has_avx2 ? "avx2" : "sse2");
@@ -278,6 +292,8 @@ static PyObject *kernel(PyObject *self, PyObject *unused) {
 static PyMethodDef methods[] = {
     {"xxh3", xxh3, METH_VARARGS, "xxh3(buffer, baseline=False) -> int: the vendored xxh3_64 (seed 0) as a block's "
      "data is hashed; baseline: with the baseline kernel even where AVX2's is used."},
+    {"load", load, METH_VARARGS, "load(isal_path=None) -> (zstd_loaded, crc32_kind): libzstd.so.1 and a crc32 "
+     "(ISA-L's from the isal module at isal_path, else zlib's, else a table) loaded for zstd-planes blocks."},
     {"kernel", kernel, METH_NOARGS, "kernel() -> str: the xxh3 kernel in use (avx2, sse2 or baseline)."},
     {NULL, NULL, 0, NULL},
 };

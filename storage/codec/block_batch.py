@@ -1,15 +1,17 @@
-"""A get_many's raw and nibble blocks checked and decoded by compiled threads while the rest are
-still being fetched: every check verify_and_decode makes of such a block (metadata against the key,
-the header and its crc32, the plane table, the layout, the binding, the data's xxh3_64) and its
-decode into its destination (a raw block's one copy; a nibble block's table lookup and interleave,
-after its hash held), the GIL released for the headers, hashes and decodes, spread over `threads`
-(storage/codec/_block_batch.c; each block's checks storage/codec/block_checks.h).
+"""A get_many's blocks checked and decoded by compiled threads while the rest are still being
+fetched: every check verify_and_decode makes of such a block (metadata against the key, the header
+and its crc32, the plane table, the layout, the binding, then the data's: a raw or nibble block's
+xxh3_64, a zstd block's coded crc32 and each plane frame's checksum) and its decode into its
+destination (a raw block's one copy; a nibble block's table lookup and interleave after its hash
+held; a zstd block's frames decoded by libzstd and its planes joined), the GIL released for the
+headers, hashes and decodes, spread over `threads` (storage/codec/_block_batch.c; each block's
+checks storage/codec/block_checks.h, a zstd block's frames storage/codec/zstd_planes.h).
 
 Knows: which blocks a batch can take -- a destination that is a contiguous CPU tensor of the
 layout's dtype and size (without a layout: the first header's), or none (one is made) -- what
-each verdict says in words, and that the blocks it cannot decide (not a v4 raw or nibble payload:
-zstd, version 3; a destination of another dtype or size) are left to verify_and_decode, so every
-block gets the verdict the Python path gives. Doesn't know: LMDB, seals (a sealed record keeps the
+each verdict says in words, and that the blocks it cannot decide (version 3; zstd planes where
+libzstd.so.1 could not be loaded, ZSTD False; a destination of another dtype or size) are left to
+verify_and_decode, so every block gets the verdict the Python path gives. Doesn't know: LMDB, seals (a sealed record keeps the
 Python path), or what becomes of a damaged block (the disk tier counts and deletes it).
 
 Threads: a BlockBatch belongs to the thread that made it. NOTE invariant: its payloads are read
@@ -35,10 +37,25 @@ try:
 except ImportError:      # no C compiler at install: verify_and_decode decides every block
     _compiled = None
 
+
+def _load() -> tuple[bool, str | None]:
+    """libzstd and the fastest crc32 (ISA-L's, from the isal module header.py uses) for zstd blocks."""
+    if _compiled is None:
+        return False, None
+    try:
+        from isal import isal_zlib
+        isal_path = isal_zlib.__file__
+    except ImportError:
+        isal_path = None
+    return _compiled.load(isal_path)
+
 if TYPE_CHECKING:
     import torch
 
 AVAILABLE = _compiled is not None
+# Whether zstd blocks are decided here too (libzstd.so.1 found), and which crc32 their coded
+# frames are checked with ("isal", "zlib" or "table").
+ZSTD, CRC32 = _load()
 
 _NOT_RAW = 1
 # Each verdict code of block_checks.h in words (index = code), as verify_and_decode words it.
@@ -53,6 +70,10 @@ REASONS: tuple[str | None, ...] = (
     "codec: payload is bound to another block: stored under the wrong key",
     "codec: payload length differs from its plane table's", "codec: data xxh3 mismatch: payload damaged",
     "codec: plane table: a nibble plane of an unknown mode or another length", "codec: nibble: the coded plane is malformed",
+    "codec: plane table: a plane of an unknown mode", "codec: dim-1-major planes flagged for a shape without dims 0 and 1",
+    "codec: coded planes' crc32 mismatch: payload damaged",
+    "codec: stored plane's content checksum mismatch: payload damaged",
+    "codec: zstd frame damaged or not as the codec writes it",
 )
 
 Verdict = tuple["torch.Tensor | None", "str | None"]
@@ -139,12 +160,13 @@ def verify_batch(layout: BlockLayout | None, keys: Sequence[BlockKey], outs: Seq
 
 
 def _first_header(payload: bytes | memoryview) -> CodecHeader | None:
-    """The payload's header, parsed but not checked, when it is a raw (whole) or nibble one."""
+    """The payload's header, parsed but not checked, when it is one the batch decodes: version 4,
+    raw (whole), nibble, or zstd planes where libzstd was loaded."""
     try:
         header = parse_header(memoryview(payload))
     except CodecError:
         return None
-    return header if header.whole or header.nibble else None
+    return header if header.version == 4 and (header.whole or header.nibble or ZSTD) else None
 
 
 def xxh3_64(data: bytes | memoryview, baseline: bool = False) -> int:

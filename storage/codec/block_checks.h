@@ -86,6 +86,11 @@ enum {
     DATA_XXH3,
     NIBBLE_PLANES,       /* header: a nibble plane's mode or length */
     MALFORMED,           /* a nibble block's coded plane, intact under its hash, that no encoder writes */
+    PLANE_MODE,          /* zstd planes: a plane table entry of an unknown mode */
+    DIM1_MAJOR,          /* zstd planes: dim-1-major flagged for a shape that has no dims 0 and 1 to swap */
+    CODED_CRC,           /* zstd planes: the coded frames' crc32 */
+    STORED_CHECKSUM,     /* zstd planes: a stored plane's raw blocks against their XXH64 */
+    ZSTD_FRAME,          /* zstd planes: a frame zstd or decompress_frame's checks refuse */
 };
 
 /* BlockMeta: "<B32sQQdQQHI" then the namespace, then the token ids as u32. */
@@ -93,6 +98,7 @@ enum {
 #define META_VERSION 1
 /* The header: "<4sBBBbB" then dims, u64 raw size, binding, plane table, u64 xxh3, u32 crc. */
 #define FIXED 9
+#define FLAG_DIM1_MAJOR 0x02
 #define FLAG_WHOLE 0x04
 #define FLAG_NIBBLE 0x08
 #define MAX_NDIM 8
@@ -171,6 +177,8 @@ static inline uint16_t le16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); re
 
 static const int ITEMSIZE[4] = {0, 4, 2, 2};    /* dtype codes: float32, float16, bfloat16 */
 
+#include "zstd_planes.h"
+
 /* A raw block's data: copied into the destination and hashed, 64 KiB at a time. */
 static uint8_t copy_whole(const Expect *b, Job *j, const uint8_t *data, Py_ssize_t raw_size, uint64_t xxh3) {
     XXH3_state_t state;
@@ -225,7 +233,7 @@ static uint8_t decode_nibble(const Expect *b, Job *j, const uint8_t *data, Py_ss
 
 /* The header, the binding, the payload's length and the data (a raw block's copied and hashed, a
    nibble block's hashed and decoded): no GIL. The checks in verify_and_decode's order. */
-static uint8_t check_block(const Expect *b, Job *j) {
+static uint8_t check_block(const Expect *b, Job *j, Scratch *s) {
     const uint8_t *p = j->src;
     Py_ssize_t len = j->len;
     if (len < FIXED)
@@ -233,8 +241,11 @@ static uint8_t check_block(const Expect *b, Job *j) {
     if (memcmp(p, "TKVB", 4) != 0)
         return BAD_MAGIC;
     int version = p[4], flags = p[5], code = p[6], ndim = p[8];
-    if (version != 4 || (flags != FLAG_WHOLE && flags != FLAG_NIBBLE))
-        return NOT_RAW;        /* version 3, zstd planes, or flags header.py refuses: its words */
+    /* zstd planes (flags 0 or dim-1-major) where libzstd was loaded; version 3 and flags header.py
+       refuses: Python's words. */
+    int planes_zstd = zstd.ok && (flags == 0 || flags == FLAG_DIM1_MAJOR);
+    if (version != 4 || (flags != FLAG_WHOLE && flags != FLAG_NIBBLE && !planes_zstd))
+        return NOT_RAW;
     if (code < 1 || code > 3)
         return BAD_DTYPE;
     if (ndim > MAX_NDIM)
@@ -245,7 +256,7 @@ static uint8_t check_block(const Expect *b, Job *j) {
         return TRUNCATED;
     Py_ssize_t binding_end = binding_at + 1 + p[binding_at];
     Py_ssize_t table_end = binding_end + 5 * planes;
-    Py_ssize_t size = table_end + 8 + 4;
+    Py_ssize_t size = table_end + (planes_zstd ? 4 : 8) + 4;    /* the coded crc32, or the data xxh3 */
     if (len < size)
         return TRUNCATED;
     /* NOTE invariant: the crc32 is checked before any field past the fixed part is used. */
@@ -262,6 +273,14 @@ static uint8_t check_block(const Expect *b, Job *j) {
         if (p[binding_end] != 0 || le32(p + binding_end + 1) != raw_size)
             return PLANE_TABLE;
         stored = raw_size;
+    } else if (planes_zstd) {
+        for (int k = 0; k < planes; k++) {
+            if (p[binding_end + 5 * k] > 1)
+                return PLANE_MODE;
+            stored += le32(p + binding_end + 5 * k + 1);
+        }
+        if ((flags & FLAG_DIM1_MAJOR) && !(ndim >= 3 && le32(p + FIXED) > 1 && le32(p + FIXED + 4) > 1))
+            return DIM1_MAJOR;           /* byte_planes.can_swap */
     } else {
         /* Every plane stored (numel bytes) but the top one, which may be coded: a length within
            nibble.coded_bounds(numel) (header.py's _check_nibble_planes). */
@@ -290,6 +309,9 @@ static uint8_t check_block(const Expect *b, Job *j) {
     if ((uint64_t)(len - size) != stored)
         return PAYLOAD_LENGTH;
     /* raw_size == the layout's bytes == the destination's (block_batch.py checked each one). */
+    if (planes_zstd)
+        return decode_zstd(b, j, s, p + binding_end, p + size, itemsize, (size_t)numel, le32(p + table_end),
+                           (flags & FLAG_DIM1_MAJOR) != 0);
     uint64_t xxh3 = le64(p + table_end);
     if (whole)
         return copy_whole(b, j, p + size, (Py_ssize_t)raw_size, xxh3);

@@ -93,14 +93,13 @@ class DiskReads:
         # copy. (On the quiet 2-core VM the two read alike, ~2.1 GB/s raw: docs/BENCHMARKS.md,
         # issue 38; in place spares a block-sized allocation and copy each.)
         in_place = map_faults.PROTECTED
-        # The raw and nibble codecs: each block handed to a compiled batch as it is read (its
-        # metadata checked at once, its header, hash and decode on the batch's threads, the GIL
-        # released), so the decodes run while the next blocks are fetched
-        # (storage/codec/block_batch.py); a block it leaves undecided (a zstd payload) and a sealed
-        # store's records take verify_and_decode. zstd's decode releases the GIL for ~300 us a
-        # block and gains from every thread of the pool.
+        # Each block handed to a compiled batch as it is read (its metadata checked at once, its
+        # header, checks and decode on the batch's threads, the GIL released), so the decodes run
+        # while the next blocks are fetched (storage/codec/block_batch.py); a block it leaves
+        # undecided (version 3; zstd where libzstd.so.1 is missing) and a sealed store's records
+        # take verify_and_decode, zstd's on the decode pool.
         batch = None
-        if self.codec.kind in ("raw", "nibble") and self._seal is None and block_batch.AVAILABLE:
+        if (self.codec.kind != "zstd" or block_batch.ZSTD) and self._seal is None and block_batch.AVAILABLE:
             batch = block_batch.BlockBatch(self.layout, len(keys), self._decode_threads)
         with self._begin(buffers=True) as txn:
             payload_db, meta_db = self._payload, self._meta
