@@ -159,6 +159,22 @@ def verify_batch(layout: BlockLayout | None, keys: Sequence[BlockKey], outs: Seq
     return batch.finish()
 
 
+def verify_one(layout: BlockLayout | None, key: BlockKey, out: torch.Tensor | None, payload: bytes | memoryview,
+               meta: bytes | memoryview) -> Verdict | None:
+    """One block's verdict from the compiled check, on the calling thread with the GIL released (a
+    remote tier's decode task: its pool is the parallelism); None where the batch does not decide
+    it (or is not built): the caller runs verify_and_decode."""
+    if _compiled is None:
+        return None
+    batch = BlockBatch(layout, 1, 1)
+    try:
+        batch.add(key, out, payload, meta)
+    except BaseException:
+        batch.abandon()
+        raise
+    return batch.finish()[0]
+
+
 def _first_header(payload: bytes | memoryview) -> CodecHeader | None:
     """The payload's header, parsed but not checked, when it is one the batch decodes: version 4,
     raw (whole), nibble, or zstd planes where libzstd was loaded."""
