@@ -26,8 +26,11 @@ from dataclasses import dataclass
 
 import torch
 
+from storage.codec import block_batch
 from storage.codec.header import KINDS
 from storage.codec.payload import Codec
+from storage.codec.stored_block import BlockMeta, payload_binding, verify_and_decode
+from storage.hashing import BlockKey, hash_block
 from storage.layout import BlockLayout
 
 log = logging.getLogger(__name__)
@@ -68,17 +71,32 @@ def sample_block(layout: BlockLayout, seed: int = 0) -> torch.Tensor:
 
 
 def measure_codecs(layout: BlockLayout, kinds: tuple[str, ...] = KINDS) -> tuple[CodecFigures, ...]:
+    """Each kind's ratio and one-thread read rate, through the check a disk read runs: the compiled
+    one (storage/codec/block_batch.py) where it decides the kind, else verify_and_decode -- every
+    check included, so each rate is what a restore of that kind costs here."""
     block = sample_block(layout)
     out = torch.empty_like(block)
-    binding = b"\0" * 64
+    parent = b"\0" * 32
+    key = BlockKey(hash_block(parent, tuple(range(layout.block_size))), parent, tuple(range(layout.block_size)),
+                   b"\0" * 32)
+    binding = payload_binding(key.hash, key.namespace)
     figures = []
     for kind in kinds:
-        payload = Codec(kind=kind).encode(block, binding)
-        Codec().decode(payload, binding, out)          # warm
+        codec = Codec(kind=kind)
+        payload = codec.encode(block, binding)
+        meta = BlockMeta(key.parent, key.namespace, key.token_ids, layout.nbytes, len(payload), 0.0, 0, 0).pack()
+
+        def read() -> None:
+            verdict = block_batch.verify_one(layout, key, out, payload, meta)
+            if verdict is None:
+                verdict = verify_and_decode(codec, layout, key, out, payload, meta)
+            if verdict[0] is None:
+                raise RuntimeError(f"codec {kind}: the sample block does not read back ({verdict[1]})")
+        read()                                         # warm
         best = float("inf")
         for _ in range(DECODES):
             t0 = time.perf_counter()
-            Codec().decode(payload, binding, out)
+            read()
             best = min(best, time.perf_counter() - t0)
         figures.append(CodecFigures(kind, layout.nbytes / len(payload), layout.nbytes / max(best, 1e-9)))
     return tuple(figures)
