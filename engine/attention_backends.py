@@ -189,8 +189,12 @@ def pool_by_layer(name: str | None, device: torch.device, block_size: int, layou
         raise ValueError(f"TIEREDKV_POOL_LAYOUT: expected one of {POOL_LAYOUTS} or 'auto', got {env!r}")
     if env != "auto":
         return env == "layer"
-    return (_resolve(name, device, block_size)[0] == "flex_paged"
-            and DevicePool.attention_span(layout, num_pages, False) > FLEX_MAX_POOL_ELEMENTS)
+    span = DevicePool.attention_span(layout, num_pages, False)
+    if span <= FLEX_MAX_POOL_ELEMENTS or _resolve(name, device, block_size)[0] != "flex_paged":
+        return False
+    log.info("attention: the device pool (%s KV elements) is laid out by layer for flex_paged's 32-bit offsets",
+             f"{span:,}")
+    return True
 
 
 def make_backend(name: str | None, device: torch.device, block_size: int = 16,

@@ -149,8 +149,9 @@ def main() -> None:
     if args.json:
         print(json.dumps(result))
         return
-    print(f"decode step, {result['device']} {result['dtype']}, attention {result['attention']} (pool {result['pool_layout']}-major), copy "
-          f"{result['bandwidth_GBs']:.1f} GB/s, weights {result['weights_MB']:.0f} MB")
+    print(f"decode step, {result['device']} {result['dtype']}, attention {result['attention']} "
+          f"(pool {result['pool_layout']}-major), copy {result['bandwidth_GBs']:.1f} GB/s, "
+          f"weights {result['weights_MB']:.0f} MB")
     cols = ["floor_ms"] + [f"{m}_ms" for m in modes] + ["transformers_ms"]
     print("batch context " + " ".join(f"{c:>15}" for c in cols))
     for r in rows_out:
