@@ -27,6 +27,8 @@ from torch.nn.attention.bias import causal_lower_right
 
 from engine.flex_paged import FlexPaged
 from engine.paged_batch import Group, PagedBatch
+from storage.device_pool import DevicePool
+from storage.layout import BlockLayout
 
 log = logging.getLogger(__name__)
 
@@ -148,36 +150,66 @@ class GatherSDPA:
 GATHER_SDPA = _GATHER = GatherSDPA()
 
 
-# The most KV elements flex_paged's kernels address: its Triton kernels index the pool with 32-bit
-# offsets. The H200 run of 2026-11-26 (torch 2.11) hit "an illegal memory access" with a 16 GiB and
-# a 24 GiB bf16 pool of the Llama-3.1-8B shape (8.7G and 12.9G elements) where 2 GiB pools
-# (1.1G) ran right and gather_sdpa ran a 6 GiB pool: past 2^31 elements flex is not used.
+# The most KV elements flex_paged's kernels address from one layer's view of the pool: its Triton
+# kernels index K/V with 32-bit offsets. The H200 run of 2026-11-26 (torch 2.11) hit "an illegal
+# memory access" with a 16 GiB and a 24 GiB bf16 page-major pool of the Llama-3.1-8B shape (8.7G
+# and 12.9G elements: page-major, a layer's view spans the whole pool) where 2 GiB pools (1.1G) ran
+# right. So a pool past it is laid out layer-major (storage/device_pool.py): a layer's view spans
+# its own region, 1/L of the pool (403M elements at 24 GiB), and flex_paged serves it.
 FLEX_MAX_POOL_ELEMENTS = 2**31 - 1
+POOL_LAYOUTS = ("page", "layer")
 
 
-def make_backend(name: str | None, device: torch.device, block_size: int = 16,
-                 pool_elements: int = 0) -> AttentionBackend:
-    """'gather_sdpa', 'flex_paged', or None/'auto' (TIEREDKV_ATTENTION overrides 'auto'): on CUDA,
-    flex_paged when the block size suits its kernel (a power of two >= 16) and the pool is within
-    its 32-bit offsets (`pool_elements`); gather_sdpa otherwise, and always on CPU (flex's unfused
-    CPU path is for tests only). flex_paged asked for by name where it cannot run is an error."""
+def _resolve(name: str | None, device: torch.device, block_size: int) -> tuple[str, bool]:
+    """(the backend's name, whether it was 'auto'): TIEREDKV_ATTENTION overrides 'auto'; on CUDA
+    'auto' is flex_paged where the block size suits its kernel (a power of two >= 16)."""
     auto = name in (None, "auto")
     if auto:
         env = os.environ.get("TIEREDKV_ATTENTION")
         name = env if env not in (None, "", "auto") else ("flex_paged" if device.type == "cuda" else "gather_sdpa")
     if name not in BACKENDS:
         raise ValueError(f"attention: expected one of {BACKENDS} or 'auto', got {name!r}")
-    if name == "gather_sdpa":
-        return _GATHER
-    if device.type == "cuda" and (block_size < 16 or block_size & (block_size - 1)):
+    if name == "flex_paged" and device.type == "cuda" and (block_size < 16 or block_size & (block_size - 1)):
         if not auto:
             raise ValueError(f"attention: flex_paged on CUDA needs a block size that is a power of two >= 16, "
                              f"got {block_size}")
         log.warning("attention: block size %d does not suit flex_paged; using gather_sdpa", block_size)
+        return "gather_sdpa", auto
+    return name, auto
+
+
+def pool_by_layer(name: str | None, device: torch.device, block_size: int, layout: BlockLayout,
+                  num_pages: int) -> bool:
+    """Whether the device pool is laid out layer-major: TIEREDKV_POOL_LAYOUT 'page' or 'layer'
+    says; 'auto' (or unset) takes layer-major exactly where flex_paged runs and a page-major pool
+    would put a layer's view past its 32-bit offsets -- every other pool stays page-major (one
+    contiguous copy per block). Shapes only: nothing is allocated."""
+    env = os.environ.get("TIEREDKV_POOL_LAYOUT", "auto") or "auto"
+    if env not in POOL_LAYOUTS + ("auto",):
+        raise ValueError(f"TIEREDKV_POOL_LAYOUT: expected one of {POOL_LAYOUTS} or 'auto', got {env!r}")
+    if env != "auto":
+        return env == "layer"
+    span = DevicePool.attention_span(layout, num_pages, False)
+    if span <= FLEX_MAX_POOL_ELEMENTS or _resolve(name, device, block_size)[0] != "flex_paged":
+        return False
+    log.info("attention: the device pool (%s KV elements) is laid out by layer for flex_paged's 32-bit offsets",
+             f"{span:,}")
+    return True
+
+
+def make_backend(name: str | None, device: torch.device, block_size: int = 16,
+                 span: int = 0) -> AttentionBackend:
+    """'gather_sdpa', 'flex_paged', or None/'auto' (TIEREDKV_ATTENTION overrides 'auto'): on CUDA,
+    flex_paged when the block size suits its kernel (a power of two >= 16) and one layer's view of
+    the pool (`span`: DevicePool.attention_span) is within its 32-bit offsets; gather_sdpa
+    otherwise, and always on CPU (flex's unfused CPU path is for tests only). flex_paged asked for
+    by name where it cannot run is an error."""
+    name, auto = _resolve(name, device, block_size)
+    if name == "gather_sdpa":
         return _GATHER
-    if pool_elements > FLEX_MAX_POOL_ELEMENTS:
-        why = (f"the device pool holds {pool_elements:,} KV elements, past flex_paged's 32-bit offsets "
-               f"({FLEX_MAX_POOL_ELEMENTS:,}); a smaller --device-memory keeps it")
+    if span > FLEX_MAX_POOL_ELEMENTS:
+        why = (f"one layer's view of the device pool spans {span:,} KV elements, past flex_paged's 32-bit "
+               f"offsets ({FLEX_MAX_POOL_ELEMENTS:,}); a smaller --device-memory keeps it")
         if not auto:
             raise ValueError(f"attention: flex_paged: {why}")
         log.warning("attention: %s; using gather_sdpa", why)

@@ -33,7 +33,7 @@ from engine.restore_planner import RestorePlanner
 from engine.fair_share import FairShare
 from engine.model import LoadedModel, kv_layout, load_model
 from engine.model_runner import ModelRunner
-from engine.attention_backends import make_backend
+from engine.attention_backends import make_backend, pool_by_layer
 from engine.decode_graph import MODES as DECODE_MODES
 from engine.outputs import CompletionOutput, LookupResult
 from engine.paged_attention import ATTN_NAME, register
@@ -44,6 +44,7 @@ from engine.request_intake import Prompt, RequestIntake, request_seeds
 from engine.step_timer import StepTimer
 from engine.sequence import Sequence
 from storage.config import CacheConfig
+from storage.device_pool import DevicePool
 from storage.tiered_cache import TIERS, FlushResult, TieredKVCache
 from storage.exact_entry import ExactKeys, LogitsFormat, exact_keys, worth_keeping
 from storage.hashing import BlockKey, block_keys, namespace_digest, root_hash, tenant_salt
@@ -122,14 +123,18 @@ class Engine(StepLoop, RequestIntake):
         # Checked before the cache opens anything: a max_model_len too big is refused cleanly.
         pool_pages = num_pages if num_pages is not None else self.layout.blocks_in(cache.device_bytes)
         # Built once, here: its name picks the decode mode and the runner gets this very backend.
-        backend = make_backend(attention, loaded.device, cache.block_size, pool_pages * self.layout.numel)
+        # A pool past flex_paged's 32-bit offsets page-major is laid out layer-major (engine/attention_backends.py).
+        by_layer = pool_by_layer(attention, loaded.device, cache.block_size, self.layout, pool_pages)
+        backend = make_backend(attention, loaded.device, cache.block_size,
+                               DevicePool.attention_span(self.layout, pool_pages, by_layer))
         self.decode_step = decode_mode(decode_step, enforce_eager, loaded.device, backend.name)
         # A graph-safe decode step's padding rows write into a page of their own (engine/decode_graph.py).
         sink_pages = 0 if self.decode_step == "off" else 1
         self.max_context, self.max_context_source = context_length(loaded.max_context, pool_pages - sink_pages,
                                                                    cache.block_size, max_model_len)
         # cache_clock: wall-clock seconds for retention deadlines (None: time.time; tests inject one).
-        self.cache = TieredKVCache(self.layout, cache, loaded.device, num_pages=num_pages, clock=cache_clock)
+        self.cache = TieredKVCache(self.layout, cache, loaded.device, num_pages=num_pages, clock=cache_clock,
+                                   pool_by_layer=by_layer)
         # The engine's compute rate, fitted from its own steps (engine/prefill_model.py), and what
         # decides from it and the tiers' restore rates whether a hit is loaded or recomputed.
         self.prefill_model = PrefillModel()

@@ -1,8 +1,10 @@
 """flex_paged: flex_attention over the page pool in place, compiled for a bounded, known set of shapes.
 
-Knows: the row mapping (the pool [page, layer, k/v, slot, head, dim] viewed as one long sequence
-of slots; for layer l, K is the view starting at that layer's first K slot and V the one a block
-further, so the rows of page p are p * 2L * B .. + B in both), the block mask that lists each
+Knows: the row mapping (`layer_rows`: one layer's K and V of the pool [page, layer, k/v, slot,
+head, dim] as two views of rows, V a block after K, page p's rows at p * stride .. + B in both:
+page-major, the whole pool as one sequence of slots starting at the layer's first K slot, stride
+2L * B; layer-major (storage/device_pool.py), the layer's own region, stride 2B, so a view spans
+one layer's pages and stays within the kernels' 32-bit offsets at any pool size), the block mask that lists each
 sequence's pages (one mask block per page) with a mask_mod mapping a physical row back to its
 logical position, and the shapes it ever hands the compiled kernel:
 - one query tile (Q_TILE) and fixed kernel options per kind of pass;
@@ -164,8 +166,8 @@ class FlexPaged:
 
     @staticmethod
     def _rows(kv: torch.Tensor) -> tuple[int, int, int]:
-        P, L, _, B = kv.shape[:4]
-        stride = 2 * L * B                      # rows from one page's slots to the next page's
+        P, _, _, B, H_kv, D = kv.shape
+        stride = kv.stride(0) // (H_kv * D)     # rows from one page's slots to the next page's
         return P, stride, (P - 1) * stride + B  # ... and the length every layer's view has
 
     def prepare(self, batch: PagedBatch, g: Group) -> _Flex:
@@ -192,7 +194,7 @@ class FlexPaged:
         p2l = torch.full((P + 1,), -1, dtype=torch.int32, device=dev)
         p2l.scatter_(0, torch.where(used, g.block_table, P).reshape(-1),
                      torch.where(used, blocks[None, :], -1).to(torch.int32).reshape(-1))
-        # One mask block per page: the block index of page p's rows is p * 2L (rows / B). The
+        # One mask block per page: the block index of page p's rows is p * stride / B. The
         # kernels read only the first kv_num entries of a row (flex_attention.py.jinja: the loop
         # stops at kv_num; utilities.py.jinja get_offset_for_next_block masks the next load by
         # kv_num; flex_decode.py.jinja indexes modulo the width), and the eager path reads only
@@ -220,11 +222,9 @@ class FlexPaged:
         return _Flex(block_mask, q_index, Sb, Qb, sized)
 
     def attend(self, q_all, kv, layer, g, prepared: _Flex, scaling):
-        P, stride, M = self._rows(kv)
-        _, L, _, B, H_kv, D = kv.shape
-        flat = kv.view(-1, H_kv, D)
-        k = flat[layer * 2 * B: layer * 2 * B + M]              # [M, kv_heads, D], a view
-        v = flat[layer * 2 * B + B: layer * 2 * B + B + M]
+        k, v = layer_rows(kv, layer)                            # [M, kv_heads, D] each, views
+        M, H_kv, D = k.shape
+        B = kv.shape[3]
         Sb, Qb = prepared.size, prepared.max_q
         q = q_all[prepared.q_index].transpose(1, 2)             # [Sb, heads, Qb, D]
         k = k.permute(1, 0, 2).unsqueeze(0).expand(Sb, H_kv, M, D)
@@ -269,6 +269,24 @@ class FlexPaged:
         log.info("attention: flex_paged ready: %d shape classes, %d compiles, %.1fs", len(classes),
                  self.counter.compiles, time.perf_counter() - started)
         return self.counter.compiles
+
+
+def layer_rows(kv: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's K and V of the pool view [page, layer, k/v, slot, head, dim] as row views
+    [M, kv_heads, D] (FlexPaged._rows): over the whole contiguous pool (page-major), or over the
+    layer's contiguous region (layer-major: the view's page stride is one page of one layer)."""
+    B, H_kv, D = kv.shape[3:]
+    if kv.is_contiguous():
+        flat, first = kv.view(-1, H_kv, D), layer * 2 * B
+    else:
+        flat, first = kv[:, layer].view(-1, H_kv, D), 0     # NOTE: a layer-major pool's region is contiguous
+    M = FlexPaged._rows(kv)[2]
+    return flat[first:first + M], flat[first + B:first + B + M]
+
+
+def attention_span(kv: torch.Tensor) -> int:
+    """The elements one layer's view spans from its start (storage/device_pool.py attention_span)."""
+    return kv.numel() if kv.is_contiguous() else kv[:, 0].numel()
 
 
 def _dummy_group(S: int, q_len: int, nb: int, block_size: int, device: torch.device) -> Group:

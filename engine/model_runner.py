@@ -10,6 +10,7 @@ import torch
 
 from engine.attention_backends import AttentionBackend, make_backend
 from engine.decode_graph import DecodeGraphs, DecodeRow
+from engine.flex_paged import attention_span
 from engine.paged_batch import PagedBatch, SeqSlice
 from engine.scheduler import Scheduled
 from engine.staging import StepUpload
@@ -24,7 +25,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = kv.device
         # The engine hands in the backend it built (one per engine); a name or None builds one here.
-        self.backend: AttentionBackend = (make_backend(attention, kv.device, block_size, kv.numel())
+        self.backend: AttentionBackend = (make_backend(attention, kv.device, block_size, attention_span(kv))
                                           if attention is None or isinstance(attention, str) else attention)
         warm_up = getattr(self.backend, "warm_up", None)
         if warm_up is not None:

@@ -1,5 +1,13 @@
 """The paged KV pool on the model's device: one preallocated tensor of pages.
 
+Two layouts of the same pages, one view: `kv` is always [page, layer, k/v, slot, kv_head, head_dim]
+and `kv[page]` is the page's block in the order it serializes (storage/layout.py), so every tier
+copies the same bytes either way. Page-major (the default): a page's block is contiguous (one copy
+per block). Layer-major (`by_layer`): the memory is [layer, page, ...] and `kv` a permuted view of
+it, so each layer's pages are one contiguous region (`kv[:, layer]`) -- what flex_paged's 32-bit
+kernel offsets address when the whole pool is past 2^31 elements (`attention_span`); a block is
+then strided (torch copies it; a CPU decode goes through staging, storage/loader.py).
+
 Knows: which pages are free, which hold a cached block (hash -> page), how many sequences use
 each page (refcounts), and the LRU order of cached pages nobody uses. Doesn't know: the host or
 disk tiers -- eviction hands the evicted blocks to `on_evict` (the demotion path), all of one
@@ -44,14 +52,20 @@ class PoolStats:
 class DevicePool:
     def __init__(self, layout: BlockLayout, num_pages: int, device: str | torch.device = "cpu",
                  on_evict: Callable[[list[tuple[BlockKey, int]]], None] | None = None,
-                 events: NoEvents = NO_EVENTS) -> None:
+                 events: NoEvents = NO_EVENTS, by_layer: bool = False) -> None:
         if num_pages < 1:
             raise ValueError(f"num_pages: need at least 1 page, got {num_pages}")
         self.layout = layout
         self.num_pages = num_pages
         self.device = torch.device(device)
+        self.by_layer = by_layer
         # [page, layer, k/v, slot, kv_head, head_dim]: one page holds one block of every layer.
-        self.kv = torch.zeros((num_pages, *layout.shape), dtype=layout.dtype, device=self.device)
+        if by_layer:
+            memory = torch.zeros((layout.num_layers, num_pages, *layout.shape[1:]), dtype=layout.dtype,
+                                 device=self.device)
+            self.kv = memory.transpose(0, 1)
+        else:
+            self.kv = torch.zeros((num_pages, *layout.shape), dtype=layout.dtype, device=self.device)
         self.on_evict = on_evict
         self.events = events
         self._ref = [0] * num_pages
@@ -61,6 +75,13 @@ class DevicePool:
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._gen = [0] * num_pages        # per page: bumped whenever its block leaves it
         self.evictions = 0
+
+    @staticmethod
+    def attention_span(layout: BlockLayout, num_pages: int, by_layer: bool) -> int:
+        """The KV elements one layer's attention view of such a pool spans (what flex_paged's
+        kernels address from the view's start): the whole pool page-major (a layer's rows are
+        spread over every page), one layer's region layer-major. Shapes only: nothing allocated."""
+        return num_pages * layout.numel // (layout.num_layers if by_layer else 1)
 
     # ---- queries -------------------------------------------------------------------------
     def page_of(self, block: BlockKey) -> int | None:

@@ -100,20 +100,29 @@ def store_logits(kv: torch.Tensor, pages: Sequence[int], row: torch.Tensor, fmt:
                          f"format wants {fmt.dtype} x {fmt.vocab} in {fmt.pages}")
     src = row.detach().contiguous().view(torch.uint8)
     for i, page in enumerate(pages):
-        dst = kv[page].view(-1).view(torch.uint8)
+        block = kv[page]
         part = src[i * fmt.page_bytes:(i + 1) * fmt.page_bytes]
-        dst[:part.numel()].copy_(part)
-        if part.numel() < dst.numel():
-            dst[part.numel():].zero_()
+        if block.is_contiguous():
+            dst = block.view(-1).view(torch.uint8)
+            dst[:part.numel()].copy_(part)
+            if part.numel() < dst.numel():
+                dst[part.numel():].zero_()
+            continue
+        # A layer-major pool's page is strided (storage/device_pool.py): the block's bytes in
+        # serialized order are built whole, then copied in (the same bytes as page-major).
+        whole = torch.zeros(block.numel() * block.element_size(), dtype=torch.uint8, device=block.device)
+        whole[:part.numel()].copy_(part)
+        block.copy_(whole.view(block.dtype).view(block.shape))
 
 
 def read_logits(kv: torch.Tensor, pages: Sequence[int], fmt: LogitsFormat) -> torch.Tensor:
-    """The stored row [vocab] from `pages` of the pool tensor: a view when it fits one page, else
-    a copy joined on the device. Either way no host <-> device copy."""
+    """The stored row [vocab] from `pages` of the pool tensor: a view when it fits one page of a
+    page-major pool, else a copy joined on the device. Either way no host <-> device copy."""
     if len(pages) != fmt.pages:
         raise ValueError(f"read_logits: {len(pages)} pages, format wants {fmt.pages}")
+    # reshape: a view of a page-major page, a copy of a layer-major (strided) one.
     if len(pages) == 1:
-        raw = kv[pages[0]].view(-1).view(torch.uint8)[:fmt.nbytes]
+        raw = kv[pages[0]].reshape(-1).view(torch.uint8)[:fmt.nbytes]
     else:
-        raw = torch.cat([kv[p].view(-1).view(torch.uint8) for p in pages])[:fmt.nbytes]
+        raw = torch.cat([kv[p].reshape(-1).view(torch.uint8) for p in pages])[:fmt.nbytes]
     return raw.view(fmt.dtype)

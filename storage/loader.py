@@ -99,7 +99,7 @@ class Loader:
         # Disk fills decode into staging blocks and copy from there (a device the CPU cannot
         # write directly); on CPU they decode straight into the pages. Tests set it on CPU to
         # run the staged path's bookkeeping.
-        self.stage_decodes = device.type != "cpu"
+        self.stage_decodes = device.type != "cpu" or tiers.pool.by_layer     # a layer-major page is strided
         self._local = threading.local()         # each load worker's staging halves
         self._buffers: list = []                # their HostBuffers, released by close()
         # Tests (CPU) call defer_copies(): the fills' copies into pages then complete later, on a

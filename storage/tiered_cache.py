@@ -74,9 +74,11 @@ class CacheMatch:
 class TieredKVCache(SharedPages, CacheEvents, CacheRetention, NamedTiers):
     def __init__(self, layout: BlockLayout, config: CacheConfig, device: str | torch.device = "cpu",
                  num_pages: int | None = None, disk: LowerTier | None = None, transfer: Transfer | None = None,
-                 remote: LowerTier | None = None, clock: Callable[[], float] | None = None) -> None:
+                 remote: LowerTier | None = None, clock: Callable[[], float] | None = None,
+                 pool_by_layer: bool = False) -> None:
         """`disk`, `remote`: tiers built already (tests, tools); else CacheConfig's are built
-        (storage/tier_wiring.py). `clock`: wall-clock seconds for retention deadlines (tests)."""
+        (storage/tier_wiring.py). `clock`: wall-clock seconds for retention deadlines (tests).
+        `pool_by_layer`: the device pool laid out layer-major (storage/device_pool.py)."""
         if layout.block_size != config.block_size:
             raise ValueError(f"layout block_size {layout.block_size} != config block_size {config.block_size}")
         self.layout = layout
@@ -92,7 +94,7 @@ class TieredKVCache(SharedPages, CacheEvents, CacheRetention, NamedTiers):
         self._announcer: threading.Thread | None = None
         self._closing = threading.Event()
         self.tiers = Tiers(layout=layout,
-                           pool=DevicePool(layout, num_pages, self.device),
+                           pool=DevicePool(layout, num_pages, self.device, by_layer=pool_by_layer),
                            host=HostTier(layout, config.host_bytes, pin=self.device.type == "cuda",
                                          device=self.device),
                            transfer=transfer or Transfer(self.device),   # tests pass Transfer(deferred=True)

@@ -32,10 +32,13 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 from transformers import DynamicCache, LlamaConfig  # noqa: E402
 
+from engine.attention_backends import pool_by_layer  # noqa: E402
 from engine.decode_graph import DecodeGraphs, DecodeRow  # noqa: E402
 from engine.model import load_model, model_from_config, resolve_device  # noqa: E402
 from engine.model_runner import ModelRunner  # noqa: E402
 from engine.paged_attention import ATTN_NAME, register  # noqa: E402
+from storage.device_pool import DevicePool  # noqa: E402
+from storage.layout import BlockLayout  # noqa: E402
 
 SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                     num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192, rms_norm_eps=1e-5,
@@ -95,7 +98,10 @@ def main() -> None:
     D = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     blocks = -(-(C + args.steps + 8) // B)
     pages = max(batches) * blocks + 1
-    kv = torch.randn((pages, L, 2, B, H_kv, D), device=device, dtype=loaded.dtype)   # no fp32 copy: 16 GiB at 8B x 32 x 4k
+    # Laid out as the engine would (layer-major past flex's 32-bit offsets: 8.7G elements at 8B x 32 x 4k).
+    layout = BlockLayout(L, B, H_kv, D, loaded.dtype)
+    by_layer = pool_by_layer(args.attention, device, B, layout, pages)
+    kv = DevicePool(layout, pages, device, by_layer=by_layer).kv.normal_()   # in place: no fp32 copy (16 GiB)
     sink = pages - 1
     bw = copy_bandwidth(device)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -138,12 +144,14 @@ def main() -> None:
             row["transformers_ms"] = 1e3 * _time(peer_step, args.steps, device)
         rows_out.append(row)
     result = {"device": str(device), "dtype": str(loaded.dtype), "bandwidth_GBs": bw / 1e9,
-              "weights_MB": weight_bytes / 1e6, "attention": runner.backend.name, "rows": rows_out}
+              "weights_MB": weight_bytes / 1e6, "attention": runner.backend.name,
+              "pool_layout": "layer" if by_layer else "page", "rows": rows_out}
     if args.json:
         print(json.dumps(result))
         return
-    print(f"decode step, {result['device']} {result['dtype']}, attention {result['attention']}, copy "
-          f"{result['bandwidth_GBs']:.1f} GB/s, weights {result['weights_MB']:.0f} MB")
+    print(f"decode step, {result['device']} {result['dtype']}, attention {result['attention']} "
+          f"(pool {result['pool_layout']}-major), copy {result['bandwidth_GBs']:.1f} GB/s, "
+          f"weights {result['weights_MB']:.0f} MB")
     cols = ["floor_ms"] + [f"{m}_ms" for m in modes] + ["transformers_ms"]
     print("batch context " + " ".join(f"{c:>15}" for c in cols))
     for r in rows_out:

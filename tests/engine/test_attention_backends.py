@@ -174,9 +174,10 @@ def test_flex_paged_equals_gather_sdpa_with_shared_pages_and_its_block_index_cov
 
 
 def test_flex_paged_is_never_given_a_pool_past_its_32_bit_offsets() -> None:
-    """A pool of more KV elements than flex_paged's kernels address (the H200 run: an illegal
-    memory access at 8.7G elements): 'auto' on CUDA takes gather_sdpa, a named flex_paged is a
-    clear error, and a pool within the bound keeps flex_paged."""
+    """One layer's view of the pool spanning more KV elements than flex_paged's kernels address
+    (the H200 run: an illegal memory access at 8.7G elements, page-major): 'auto' on CUDA takes
+    gather_sdpa, a named flex_paged is a clear error, and a span within the bound keeps flex_paged.
+    The engine lays such a pool out by layer instead (tests/engine/test_pool_layout.py)."""
     from engine.attention_backends import FLEX_MAX_POOL_ELEMENTS, make_backend
     cuda = torch.device("cuda")       # a device object needs no GPU; nothing is allocated
     assert make_backend(None, cuda, 16, FLEX_MAX_POOL_ELEMENTS + 1).name == "gather_sdpa"

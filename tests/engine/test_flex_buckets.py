@@ -29,9 +29,11 @@ def test_the_buckets():
         ["decode", "short", "short", "tile", "tile", "tiles", "tiles"]
 
 
-def _pool(seed: int = 0) -> torch.Tensor:
-    """Built outside inference mode, as the engine's pool is."""
-    return torch.randn((PAGES, L, 2, B, KV_HEADS, D), generator=torch.Generator().manual_seed(seed))
+def _pool(seed: int = 0, by_layer: bool = False) -> torch.Tensor:
+    """Built outside inference mode, as the engine's pool is; `by_layer`: the same view over
+    layer-major memory (storage/device_pool.py)."""
+    kv = torch.randn((PAGES, L, 2, B, KV_HEADS, D), generator=torch.Generator().manual_seed(seed))
+    return kv.transpose(0, 1).contiguous().transpose(0, 1) if by_layer else kv
 
 
 def _random_pass(rng: random.Random, kind: str) -> list[tuple[int, int, tuple[int, ...]]]:
@@ -62,9 +64,10 @@ def _run(backend, kv, specs, seed):
         return _outputs(batch, kv, q_all)
 
 
-def test_warm_up_compiles_the_set_and_varied_passes_never_recompile():
+@pytest.mark.parametrize("by_layer", [False, True], ids=["page_major", "layer_major"])
+def test_warm_up_compiles_the_set_and_varied_passes_never_recompile(by_layer):
     flex = FlexPaged(CPU, compile="aot_eager")
-    kv = _pool()
+    kv = _pool(by_layer=by_layer)
     made = flex.warm_up(kv, B, HEADS, torch.float32, max_query=2 * Q_TILE)
     # decode, short, one tile, several tiles: on the CPU's aot_eager a short chunk and a full tile
     # share a graph (inductor's decode-kernel choice splits them on CUDA).

@@ -95,6 +95,9 @@ def test_misuse_raises():
 def test_pool_tensor_shape_and_stats():
     pool = DevicePool(TINY, 5)
     assert pool.kv.shape == (5, 2, 2, 4, 2, 8)
+    by_layer = DevicePool(TINY, 5, by_layer=True)     # the same view over [layer, page, ...] memory
+    assert by_layer.kv.shape == (5, 2, 2, 4, 2, 8) and by_layer.kv.transpose(0, 1).is_contiguous()
+    assert DevicePool.attention_span(TINY, 5, True) == by_layer.kv[:, 1].numel() == pool.kv.numel() // 2
     st = pool.stats()
     assert st.capacity_bytes == 5 * TINY.nbytes == 5 * 256 * 4
     assert st.used_bytes == 0 and st.free_pages == 5

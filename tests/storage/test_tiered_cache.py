@@ -25,11 +25,11 @@ DISK = 64 << 20
 
 
 def make_cache(path: Path, pages: int, host_slots: int, disk_bytes: int = DISK, layout: BlockLayout = TINY,
-               write_policy: str = "write_back", codec: str = "zstd") -> TieredKVCache:
+               write_policy: str = "write_back", codec: str = "zstd", by_layer: bool = False) -> TieredKVCache:
     config = CacheConfig(block_size=layout.block_size, device_memory=pages * layout.nbytes,
                          host_memory=host_slots * layout.nbytes, disk_dir=str(path),
                          disk_capacity=disk_bytes, write_policy=write_policy, codec=codec)
-    return TieredKVCache(layout, config, num_pages=pages)
+    return TieredKVCache(layout, config, num_pages=pages, pool_by_layer=by_layer)
 
 
 @pytest.fixture
@@ -148,10 +148,13 @@ def test_eviction_cascades_device_host_disk_in_lru_order(caches) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_acquire_promotes_from_every_tier_bit_identically(caches, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("by_layer", [False, True], ids=["page_major", "layer_major"])
+def test_acquire_promotes_from_every_tier_bit_identically(caches, dtype: torch.dtype, by_layer: bool) -> None:
+    """Either pool layout (storage/device_pool.py): a layer-major page is strided, its block the same bytes."""
     layout = dataclasses.replace(TINY, dtype=dtype)
     ks = keys(6, layout=layout)
-    cache = caches(pages=6, host_slots=2, layout=layout)
+    cache = caches(pages=6, host_slots=2, layout=layout, by_layer=by_layer)
+    assert cache.pool.kv.is_contiguous() != by_layer and cache.loader.stage_decodes == by_layer
     cache.release(fill(cache, ks[:4]))
     assert cache.demote("device") == 4                # host keeps k2, k3; k0, k1 go on to disk
     assert on_host(cache, ks) == ["k2", "k3"] and on_disk(cache, ks) == ["k0", "k1"]
