@@ -72,6 +72,10 @@ class Tiers:
     # The KV-event hook (storage/kv_events/sink.py): NO_EVENTS unless the cache publishes events.
     events: NoEvents = NO_EVENTS
 
+    def __post_init__(self) -> None:
+        for below in self.lower:       # every wired tier is counted under its own name
+            self.counters.setdefault(below.name, TierStats())
+
     def publish_to(self, sink: NoEvents) -> None:
         """Every tier says its changes to `sink` from now on (under the lock: storage/cache_events.py)."""
         self.events = self.pool.events = self.host.events = sink
