@@ -104,7 +104,7 @@ class TieredKVCache(SharedPages, CacheEvents, CacheRetention, NamedTiers):
         self.loader = Loader(self.tiers)
         self._start_retention(clock)       # storage/cache_retention.py: deadlines read back
         # A planner needs a figure before the first fill: a few ms of host copies and one decode.
-        self.tiers.rates.calibrate(layout, wired.codec, self.device)
+        self.tiers.rates.calibrate(layout, wired.decoders, self.device)
         if config.kv_events is not None:
             try:
                 self._publish_events()

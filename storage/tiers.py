@@ -26,10 +26,9 @@ from storage.kv_events.sink import NO_EVENTS, NoEvents
 from storage.layout import BlockLayout
 from storage.restore_rates import RestoreRates
 from storage.lower_tier import LowerTier
+from storage.tier_kinds import TIERS
 from storage.transfer import Transfer
 
-TIERS = ("device", "host", "disk", "remote")
-SHARED = ("remote",)    # tiers every server shares: an operator drops them at the store, not from one server
 
 
 @dataclass
