@@ -11,7 +11,8 @@ A writable open first commits the bills an earlier process left beside the ledge
 reserve's journal and spill files: engine/billing_spill.py), and raises when it cannot (a full,
 read-only or unwritable directory: the billing writer then runs without a ledger).
 Doesn't know: engines, storage tiers or HTTP (dependencies point the other way); tier names
-are the project's vocabulary ("device", "host", "disk", "remote").
+are the project's one vocabulary (storage/tier_kinds.py's TIERS: "device", "host", "disk", "remote").
+A record written before a tier was known reads 0 tokens from it.
 
 Money is never a float. A price p is micro-dollars per 1M tokens, so one token costs
 p * 1e-6 micro-dollars = p pico-dollars: the cost of n tokens is exactly n * p pico-dollars,
@@ -40,11 +41,11 @@ import lmdb
 from engine.billing_prices import Prices
 from engine.billing_spill import RESERVE_FILE, forget_pending, read_pending
 from engine.outputs import RETENTION_CLASSES
+from storage.tier_kinds import TIERS
 from storage.disk.environment import reserve_lock_file
 
 log = logging.getLogger("tieredkv.billing")
 
-BILLED_TIERS = ("device", "host", "disk", "remote")
 PICO_PER_MICRO = 10**6
 PICO_PER_USD = 10**12
 _MAX_KEY_BYTES = 400          # LMDB keys are at most 511 bytes; leave room for the day suffix
@@ -57,7 +58,7 @@ class Bucket:
     requests: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    hit_tokens_by_tier: dict[str, int] = field(default_factory=lambda: dict.fromkeys(BILLED_TIERS, 0))
+    hit_tokens_by_tier: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
     miss_tokens: int = 0
     cost_pico: int = 0        # exact: pico-dollars (see the module docstring)
     # Of the miss tokens, those written under each retention class; tokens x seconds retained.
@@ -82,8 +83,8 @@ class Bucket:
         self.requests += other.requests
         self.prompt_tokens += other.prompt_tokens
         self.completion_tokens += other.completion_tokens
-        for t in BILLED_TIERS:
-            self.hit_tokens_by_tier[t] += other.hit_tokens_by_tier[t]
+        for t in TIERS:
+            self.hit_tokens_by_tier[t] = self.hit_tokens_by_tier.get(t, 0) + other.hit_tokens_by_tier.get(t, 0)
         self.miss_tokens += other.miss_tokens
         self.cost_pico += other.cost_pico
         for c in RETENTION_CLASSES:
@@ -128,7 +129,7 @@ class Bucket:
         d = json.loads(raw)
         writes = d.get("cache_write_tokens", {})        # absent from older records: none
         return cls(d["requests"], d["prompt_tokens"], d["completion_tokens"],
-                   {t: d["hit_tokens_by_tier"].get(t, 0) for t in BILLED_TIERS}, d["miss_tokens"], d["cost_pico"],
+                   {t: d["hit_tokens_by_tier"].get(t, 0) for t in TIERS}, d["miss_tokens"], d["cost_pico"],
                    {c: writes.get(c, 0) for c in RETENTION_CLASSES}, d.get("retained_token_seconds", 0))
 
 
@@ -220,10 +221,10 @@ def prepare(prices: Prices, tenant: str, request_id: str, prompt_tokens: int, co
     _check_count(miss_tokens, "miss_tokens")
     if not isinstance(hit_tokens_by_tier, dict):
         raise ValueError(f"hit_tokens_by_tier: expected a dict of tier -> tokens, got {hit_tokens_by_tier!r}")
-    unknown = sorted(set(hit_tokens_by_tier) - set(BILLED_TIERS))
+    unknown = sorted(set(hit_tokens_by_tier) - set(TIERS))
     if unknown:
-        raise ValueError(f"hit_tokens_by_tier: unknown tier {unknown[0]!r} (expected {BILLED_TIERS})")
-    hits = {t: _check_count(hit_tokens_by_tier.get(t, 0), f"hit_tokens_by_tier[{t!r}]") for t in BILLED_TIERS}
+        raise ValueError(f"hit_tokens_by_tier: unknown tier {unknown[0]!r} (expected {TIERS})")
+    hits = {t: _check_count(hit_tokens_by_tier.get(t, 0), f"hit_tokens_by_tier[{t!r}]") for t in TIERS}
     # NOTE invariant: every prompt token is billed exactly once, by its origin.
     if sum(hits.values()) + miss_tokens != prompt_tokens:
         raise ValueError(f"hit_tokens_by_tier + miss_tokens: hit {sum(hits.values())} + miss {miss_tokens} "

@@ -19,11 +19,12 @@ from __future__ import annotations
 import json
 import os
 import tomllib
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
 from engine.outputs import RETENTION_CLASSES
+from storage.tier_kinds import kind_of, kinds
 
 MULTIPLIER_SCALE = 10_000          # a write multiplier is kept in ten-thousandths
 _EXTRA_DENOMINATOR = MULTIPLIER_SCALE * 3600
@@ -48,7 +49,11 @@ def _multiplier_e4(name: str, value: Any) -> int:
     return int(scaled)
 
 
-@dataclass(frozen=True)
+_DEFAULT_HIT = 27_000
+_INTS = ("miss", "completion", "retained_token_hour")
+
+
+@dataclass(frozen=True, init=False)
 class Prices:
     """Integer micro-dollars per 1M tokens, by where a prompt token came from; cache writes as
     multipliers of the miss price; retention per 1M token-hours.
@@ -56,7 +61,10 @@ class Prices:
     Defaults: DeepSeek-V3's list prices for a cache miss ($0.27/1M) and for output ($1.10/1M),
     with every cache hit at a tenth of a miss, DeepSeek's published hit/miss ratio. The tiers
     are priced alike by default; an operator may price a disk hit above a device hit, or a
-    remote hit (the shared store: network and its memory) above both.
+    remote hit (the shared store: network and its memory) above both. A hit's price is named by
+    its tier's price key (storage/tier_kinds.py: `device_hit`, `host_hit`, `disk_hit`,
+    `remote_hit`, one per registered kind), given as a keyword (`Prices(disk_hit=20)`) and read
+    as an attribute (`prices.disk_hit`) or by tier (`prices.hit("disk")`).
 
     Cache writes (tokens a request asked to retain and did not read from the cache) are billed
     at the miss price times `cache_write_5m` (1.25), `cache_write_1h` (2.0) or `cache_write_24h`
@@ -66,31 +74,53 @@ class Prices:
     token-hours, $1.00 to $4.50 on Gemini 2.5: `retained_token_hour = 1000000` for $1).
     A multiplier is a number with at most 4 decimal places (kept exact as ten-thousandths).
     """
-    miss: int = 270_000
-    device_hit: int = 27_000
-    host_hit: int = 27_000
-    disk_hit: int = 27_000
-    remote_hit: int = 27_000
-    completion: int = 1_100_000
-    cache_write_5m: float = 1.25
-    cache_write_1h: float = 2.0
-    cache_write_24h: float = 1.0
-    retained_token_hour: int = 0
+    miss: int
+    hits: dict[str, int]            # price key -> price, one per registered tier kind
+    completion: int
+    cache_write_5m: float
+    cache_write_1h: float
+    cache_write_24h: float
+    retained_token_hour: int
 
-    def __post_init__(self) -> None:
+    def __init__(self, miss: int = 270_000, completion: int = 1_100_000, cache_write_5m: float = 1.25,
+                 cache_write_1h: float = 2.0, cache_write_24h: float = 1.0, retained_token_hour: int = 0,
+                 **hits: int) -> None:
+        keys = [k.price_key for k in kinds()]
+        unknown = sorted(set(hits) - set(keys))
+        if unknown:
+            raise TypeError(f"Prices: unknown price {unknown[0]!r} (expected some of {sorted(self.keys())})")
+        given = {"miss": miss, "completion": completion, "retained_token_hour": retained_token_hour}
+        hit_prices = {k: hits.get(k, _DEFAULT_HIT) for k in keys}
+        for name, v in [*given.items(), *hit_prices.items()]:
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                unit = "per 1M token-hours" if name == "retained_token_hour" else "per 1M tokens"
+                raise ValueError(f"{name}: expected a non-negative int of micro-dollars {unit}, got {v!r}")
+        for name, v in given.items():
+            object.__setattr__(self, name, v)
+        object.__setattr__(self, "hits", hit_prices)
         e4 = {}
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if f.name in _MULTIPLIERS:
-                e4[f.name.removeprefix("cache_write_")] = _multiplier_e4(f.name, v)
-                object.__setattr__(self, f.name, e4[f.name.removeprefix("cache_write_")] / MULTIPLIER_SCALE)
-            elif isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                unit = "per 1M token-hours" if f.name == "retained_token_hour" else "per 1M tokens"
-                raise ValueError(f"{f.name}: expected a non-negative int of micro-dollars {unit}, got {v!r}")
+        for name, v in (("cache_write_5m", cache_write_5m), ("cache_write_1h", cache_write_1h),
+                        ("cache_write_24h", cache_write_24h)):
+            e4[name.removeprefix("cache_write_")] = _multiplier_e4(name, v)
+            object.__setattr__(self, name, e4[name.removeprefix("cache_write_")] / MULTIPLIER_SCALE)
         object.__setattr__(self, "_write_e4", e4)     # not a field: equality and to_dict ignore it
 
+    def __getattr__(self, name: str) -> int:
+        """A hit's price by its key (`prices.disk_hit`); a tier registered after these prices
+        were made costs the default hit price."""
+        if name.endswith("_hit") and not name.startswith("_"):
+            hits = self.__dict__.get("hits", {})
+            if name in hits or any(k.price_key == name for k in kinds()):
+                return hits.get(name, _DEFAULT_HIT)
+        raise AttributeError(name)
+
+    @classmethod
+    def keys(cls) -> list[str]:
+        """Every price's name, as a prices file writes it."""
+        return ["miss", *(k.price_key for k in kinds()), "completion", *_MULTIPLIERS, "retained_token_hour"]
+
     def hit(self, tier: str) -> int:
-        return getattr(self, f"{tier}_hit")
+        return getattr(self, kind_of(tier).price_key)
 
     def write_multiplier_e4(self, retention: str) -> int:
         """The write multiplier of a retention class, in ten-thousandths (exact)."""
@@ -109,8 +139,8 @@ class Prices:
     def from_dict(cls, data: Any) -> "Prices":
         if not isinstance(data, dict):
             raise ValueError(f"prices: expected a table of prices, got {type(data).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
+        known = cls.keys()
+        unknown = sorted(set(data) - set(known))
         if unknown:
             raise ValueError(f"{unknown[0]}: unknown price (expected some of {sorted(known)})")
         return cls(**data)
@@ -130,4 +160,4 @@ class Prices:
         return cls.from_dict(data)
 
     def to_dict(self) -> dict[str, int | float]:
-        return asdict(self)
+        return {k: getattr(self, k) for k in self.keys()}

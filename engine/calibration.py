@@ -41,7 +41,6 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduled
 from engine.sequence import Sequence
 from engine.step_timer import StepTimer
-from storage.remote.link_probe import probe_link
 from storage.tiered_cache import TieredKVCache
 
 log = logging.getLogger("tieredkv.calibration")
@@ -140,9 +139,14 @@ def start_engine_thread(engine, loop: Callable[[], None]) -> threading.Thread:
     if failed:
         thread.join()
         raise failed[0]
-    if engine.config.calibrate and engine.cache.remote is not None:
+    if engine.config.calibrate and linked_to_probe(engine.cache):
         engine.link_calibration = start_link_probe(engine)
     return thread
+
+
+def linked_to_probe(cache: TieredKVCache) -> list:
+    """The tiers whose first figure is their link's (TierKind.calibrates == "link")."""
+    return [t for t in cache.tiers.lower if t.kind.calibrates == "link"]
 
 
 def start_link_probe(engine) -> "LinkCalibration":
@@ -157,7 +161,9 @@ def start_link_probe(engine) -> "LinkCalibration":
 
 
 class LinkCalibration:
-    """The remote tier's link probe on a thread of its own, started at once."""
+    """The link probes of the tiers over a link (TierKind.calibrates == "link": the remote
+    store's), one after another on a thread of its own, started at once. `figures`: the first
+    such tier's (LinkFigures), once measured."""
 
     def __init__(self, cache: TieredKVCache) -> None:
         self.cache = cache
@@ -168,17 +174,18 @@ class LinkCalibration:
 
     def _run(self) -> None:
         try:
-            remote = self.cache.remote
-            figures = probe_link(remote)
-            if figures is None:
-                log.warning("remote tier %s: the link probe got no answer; its first hits load unplanned",
-                            remote.url.redacted)
-                return
-            self.cache.tiers.rates.seed("remote", figures.bytes_per_s, figures.rtt_s, source="link probe",
-                                        points=figures.points())
-            self.figures = figures
-        except Exception:        # noqa: BLE001 -- a probe is a nicety: the tier works without it
-            log.exception("the remote tier's link probe failed")
+            for tier in linked_to_probe(self.cache):
+                try:
+                    figures = tier.link_probe()
+                    if figures is None:
+                        log.warning("%s tier: the link probe got no answer; its first hits load unplanned", tier.name)
+                        continue
+                    self.cache.tiers.rates.seed(tier.name, figures.bytes_per_s, figures.rtt_s, source="link probe",
+                                                points=figures.points())
+                    if self.figures is None:
+                        self.figures = figures
+                except Exception:        # noqa: BLE001 -- a probe is a nicety: the tier works without it
+                    log.exception("the %s tier's link probe failed", tier.name)
         finally:
             self.done.set()
 

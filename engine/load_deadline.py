@@ -23,7 +23,7 @@ pessimistic is not waited for 10x too long.
 A request's wait for its remote probe (which blocks the shared store holds, asked at submit) is
 bounded by what a probe is, one round trip of the store, not by the load of the blocks' bytes:
 
-    min(LOAD_MARGIN x round_trip("remote"), PROBE_FRACTION x compute(all blocks)) + probe_slack
+    min(LOAD_MARGIN x round_trip(the slowest linked tier), PROBE_FRACTION x compute(all blocks)) + probe_slack
 
 (`probe_seconds`; the round trip is the remote tier's latency figure: the link probe's at start,
 then fitted to its fills; without one, the fraction of the recompute alone; `probe_slack` a
@@ -45,12 +45,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from storage.tier_kinds import is_local, kinds
+
 # A load from the shared store this many times slower than its figures predict is given up (see
 # above). Loads from this machine's own tiers are bounded by the recompute alone: their figures
 # come from a codec decode and warm page cache (a cold read on a busy machine takes several times
 # that, and is still far quicker than recomputing), and no network stands between them.
 LOAD_MARGIN = 3.0
-LOCAL = ("host", "disk")
 # A probe's wait (see above): LOAD_MARGIN round trips, never more than this fraction of the
 # predicted recompute of the request's blocks (what a stalled store may add to its miss), + slack.
 PROBE_FRACTION = 0.1
@@ -102,12 +103,13 @@ class LoadDeadlines:
         of the store) before it is admitted without the store's answer (see above)."""
         predicted = self.compute_seconds(0, blocks)
         bound = PROBE_FRACTION * (self.fallback_s if predicted is None else predicted)
-        rtt = None if self.round_trip_s is None else self.round_trip_s("remote")
+        rtts = [] if self.round_trip_s is None else [self.round_trip_s(k.name) for k in kinds() if not k.local]
+        rtt = max((r for r in rtts if r is not None), default=None)     # the slowest link a probe asks
         return (bound if rtt is None else min(bound, LOAD_MARGIN * rtt)) + self.probe_slack_s
 
     def _load_bound(self, tiers: Sequence[str]) -> float:
         loading = [t for t in tiers if t != "device"]
-        if not loading or self.load_seconds is None or all(t in LOCAL for t in loading):
+        if not loading or self.load_seconds is None or all(is_local(t) for t in loading):
             return float("inf")
         predicted = self.load_seconds(loading)
         return float("inf") if predicted is None else LOAD_MARGIN * predicted

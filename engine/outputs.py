@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-TIERS = ("device", "host", "disk", "remote")     # storage.tiered_cache.TIERS: one vocabulary
+from storage.tier_kinds import TIERS     # the one vocabulary of tiers (re-exported for service/)
 # Retention classes a client may buy (Anthropic's cache_control ttl "5m"/"1h", OpenAI's
 # prompt_cache_retention "24h"), shortest first; storage/retention.py holds their seconds.
 RETENTION_CLASSES = ("5m", "1h", "24h")
@@ -17,7 +17,7 @@ RETENTION_CLASSES = ("5m", "1h", "24h")
 class Usage:
     prompt_tokens: int
     completion_tokens: int
-    hit_tokens_by_tier: dict[str, int]      # {"device": n, "host": n, "disk": n, "remote": n}
+    hit_tokens_by_tier: dict[str, int]      # per tier name (TIERS): {"device": n, "host": n, "disk": n, "remote": n}
     prompt_cache_miss_tokens: int
     # Retention (issue 39): prompt tokens written into the cache under a retention class (a retained
     # span's tokens that were not read from the cache: Anthropic's cache_creation), class -> tokens;

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from storage.load_records import ProbeAnswer
 from storage.tiered_cache import CacheMatch
 
 if TYPE_CHECKING:
@@ -60,20 +61,20 @@ class ProbeWait:
         self.late_blocks = 0      # blocks those loads were planned for
         self.late_unused = 0      # late answers with nothing left worth loading
 
-    def at_admission(self, seq: "Sequence") -> tuple[bool, frozenset[bytes] | None]:
-        """(admit now, the store's hashes for match()). Not admitted while the probe is out and
+    def at_admission(self, seq: "Sequence") -> tuple[bool, ProbeAnswer | None]:
+        """(admit now, the linked tiers' answers for match()). Not admitted while the probe is out and
         within its wait; past it, admitted with none (the probe kept as `seq.late_probe`)."""
         probe = seq.prefetch.probe if seq.prefetch is not None else None
         if probe is None:
             return True, None
         if probe.done.is_set():
-            return True, probe.hashes
+            return True, probe.answer
         if not self._overdue(seq):
             return False, None
         if seq.late_probe is not probe:
             self.abandoned += 1
             seq.late_probe = probe
-        return True, frozenset()
+        return True, ProbeAnswer()
 
     def _overdue(self, seq: "Sequence") -> bool:
         """True once the request has waited for its probe as long as the rule allows, from its
@@ -98,11 +99,11 @@ class ProbeWait:
         bs = s.block_size
         keys = seq.prefix_keys()
         first = len(seq.pages)        # the first block the sequence holds no page for
-        if (not probe.hashes or seq.hit_tokens_by_tier is None or first * bs < seq.num_computed
+        if (not probe.answer or seq.hit_tokens_by_tier is None or first * bs < seq.num_computed
                 or first >= len(keys)):
             self.late_unused += 1
             return
-        match = s.cache.match(keys[first:], probe.hashes)
+        match = s.cache.match(keys[first:], probe.answer)
         start = first
         if len(match) and s.planner is not None:
             # The suffix after the matched blocks, as admission's split is told (scheduler._split):

@@ -32,8 +32,7 @@ from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 from storage.config import RESTORE_POLICIES as POLICIES
-
-LOCAL = ("host", "disk")        # fills on the loader's fill pool, one after another
+from storage.tier_kinds import is_local     # a local tier's fills run on the loader's fill pool, one after another
 # A split must beat loading everything by this fraction: recomputing takes engine steps every
 # running request shares, a load runs on the loader's threads, so a near-tie goes to the load.
 # And any plan that loads must beat recomputing everything by it: a load's time is a prediction
@@ -186,9 +185,9 @@ class RestorePlanner:
         for t in costs[start:end]:
             if t != "device":
                 counts[t] = counts.get(t, 0) + 1
-        local = sum(self._tier_seconds(t, k) or 0.0 for t, k in counts.items() if t in LOCAL)
-        remote = sum(self._tier_seconds(t, k) or 0.0 for t, k in counts.items() if t not in LOCAL)
-        return max(local, remote)
+        local = sum(self._tier_seconds(t, k) or 0.0 for t, k in counts.items() if is_local(t))
+        linked = sum(self._tier_seconds(t, k) or 0.0 for t, k in counts.items() if not is_local(t))
+        return max(local, linked)
 
     def _decided(self, split: Split) -> Split:
         kind = "load" if split.start == split.device else "recompute" if split.start == split.n else "split"

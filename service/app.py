@@ -36,6 +36,7 @@ from service.openapi import install_openapi
 from service.request_log import RequestLog
 from service.body_parsing import IGNORED_HEADER, ignored_header_value
 from service.settings import ServiceSettings, per_tenant_bound
+from storage.tier_kinds import kinds
 
 log = logging.getLogger("tieredkv.service")
 
@@ -147,22 +148,7 @@ def engine_alive(engine: Any) -> bool:
 def readiness(status: dict, draining: bool, alive: bool) -> dict:
     """/ready's body: ready or not, why not, and each tier's state as cache_status reports it."""
     tiers = status.get("tiers", {})
-    disk, remote, host = (tiers.get(t) or {} for t in ("disk", "remote", "host"))
     billing = status.get("billing", {"state": "off"})
-    if not disk.get("enabled", True) and not disk.get("unavailable"):
-        disk_state = "off"
-    elif disk.get("unavailable"):
-        disk_state = "unavailable"
-    elif disk.get("writes_off"):
-        disk_state = "writes off"         # its directory takes no writes: it serves what it holds
-    elif disk.get("moved_aside"):
-        disk_state = "recovered"          # a damaged store was moved aside; a fresh one serves
-    else:
-        disk_state = "ok"
-    if not remote.get("enabled", True):
-        remote_state = "off"
-    else:
-        remote_state = "ok" if remote.get("breaker", "closed") == "closed" else f"breaker {remote.get('breaker')}"
     reasons = [status["error"]] if "error" in status else []
     if draining:
         reasons.append("shutting down")
@@ -181,10 +167,11 @@ def readiness(status: dict, draining: bool, alive: bool) -> dict:
         else:
             reasons.append(f"billing cannot be written ({held}: {billing.get('error')})")
     return {"ready": not reasons, "reasons": reasons,
-            "tiers": {"device": "ok", "host": "ok" if host.get("enabled", True) else "off",
-                      "disk": disk_state, "remote": remote_state},
-            "disk": {k: disk.get(k) for k in ("unavailable", "writes_off", "recovered", "moved_aside", "free_bytes",
-                                              "space_bound_bytes") if k in disk},
+            # Each tier's state as its kind reads its status (storage/tier_kinds.py), and the
+            # fields a kind names repeated under its name (the disk's).
+            "tiers": {k.name: k.ready(tiers.get(k.name) or {}) for k in kinds()},
+            **{k.name: {f: (tiers.get(k.name) or {}).get(f) for f in k.ready_fields if f in (tiers.get(k.name) or {})}
+               for k in kinds() if k.ready_fields},
             "billing": billing}
 
 

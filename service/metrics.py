@@ -19,6 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from engine.abort import ABORT_REASONS
 from engine.outputs import TIERS
+from storage.tier_kinds import DEVICE, is_local
 from service.disconnect import PHASES as DISCONNECT_PHASES
 from service.vllm_metrics import VllmMetrics, status_metrics
 
@@ -89,7 +90,7 @@ class CacheCollector:
             fam = (CounterMetricFamily(name, help_text, labels=["tier"]) if running_total
                    else GaugeMetricFamily(name, help_text, labels=["tier"]))
             for tier in TIERS:
-                if tier == "remote" and key in _STORE_OWN:
+                if not is_local(tier) and key in _STORE_OWN:
                     continue       # the store's own (shared by every server): not this server's to report
                 value = tiers.get(tier, {}).get(key)
                 if _is_number(value):
@@ -269,7 +270,7 @@ class ServiceMetrics:
             self.ttft_by_source.labels(source).observe(metrics.ttft_s)
             self.recent_ttft.add(source, metrics.ttft_s, usage.prompt_tokens if usage is not None else 0)
             self.latency.observe(metrics.total_s)
-            restored = usage is not None and any(usage.hit_tokens_by_tier.get(t, 0) for t in ("host", "disk", "remote"))
+            restored = usage is not None and any(usage.hit_tokens_by_tier.get(t, 0) for t in TIERS if t != DEVICE.name)
             if restored:
                 self.restore.observe(metrics.restore_s)
 
@@ -277,14 +278,16 @@ class ServiceMetrics:
         return generate_latest(self.registry)
 
 
-TTFT_SOURCES = ("device", "host", "disk", "remote", "miss")
+def ttft_sources() -> tuple[str, ...]:
+    """Where a prompt can come from: each tier kind, fastest first, then a miss."""
+    return (*TIERS, "miss")
 
 
 def ttft_source(usage: Any) -> str:
     """Where a request's prompt came from, for TTFT: the slowest tier that served any of its
     tokens (a single disk block makes a request wait for a disk read), or miss."""
     hits = getattr(usage, "hit_tokens_by_tier", None) or {}
-    for tier in ("remote", "disk", "host", "device"):
+    for tier in reversed(TIERS):
         if hits.get(tier, 0) > 0:
             return tier
     return "miss"
@@ -298,10 +301,11 @@ class RecentTTFT:
 
     def __init__(self, window: int = 256) -> None:
         self._lock = threading.Lock()
-        self._recent = {s: deque(maxlen=window) for s in TTFT_SOURCES}
-        self._per_1k = {s: deque(maxlen=window) for s in TTFT_SOURCES}
-        self._sized: dict[str, deque[tuple[int, float]]] = {s: deque(maxlen=window) for s in TTFT_SOURCES}
-        self._count = dict.fromkeys(TTFT_SOURCES, 0)
+        self._sources = ttft_sources()
+        self._recent = {s: deque(maxlen=window) for s in self._sources}
+        self._per_1k = {s: deque(maxlen=window) for s in self._sources}
+        self._sized: dict[str, deque[tuple[int, float]]] = {s: deque(maxlen=window) for s in self._sources}
+        self._count = dict.fromkeys(self._sources, 0)
 
     def add(self, source: str, seconds: float, prompt_tokens: int = 0) -> None:
         with self._lock:
@@ -317,7 +321,7 @@ class RecentTTFT:
         with every source's p50 (None where it has none) and count. A device hit of a long prompt
         beside misses of short ones read as "a hit is slower than a miss"; within a bucket it cannot."""
         with self._lock:
-            snap = {s: list(self._sized[s]) for s in TTFT_SOURCES}
+            snap = {s: list(self._sized[s]) for s in self._sources}
         buckets: dict[int, dict[str, list[float]]] = {}
         for source, xs in snap.items():
             for tokens, seconds in xs:
@@ -325,19 +329,19 @@ class RecentTTFT:
         out: dict[str, dict[str, Any]] = {}
         for k in sorted(buckets):
             got = buckets[k]
-            if "miss" not in got or not any(s in got for s in TTFT_SOURCES if s != "miss"):
+            if "miss" not in got or not any(s in got for s in self._sources if s != "miss"):
                 continue
             lo, hi = 1 << k, (1 << (k + 1)) - 1
             out[f"{lo}-{hi}"] = {"tokens_min": lo, "tokens_max": hi,
-                                 "p50_s": {s: _quantile(sorted(got.get(s, [])), 0.5) for s in TTFT_SOURCES},
-                                 "requests": {s: len(got.get(s, [])) for s in TTFT_SOURCES}}
+                                 "p50_s": {s: _quantile(sorted(got.get(s, [])), 0.5) for s in self._sources},
+                                 "requests": {s: len(got.get(s, [])) for s in self._sources}}
         return out
 
     def summary(self) -> dict[str, dict[str, Any]]:
         """Per source: requests since start, and over the recent window: p50, p90, last (seconds),
         and p50, p90 of seconds per 1,000 prompt tokens."""
         with self._lock:
-            snap = {s: (self._count[s], list(self._recent[s]), sorted(self._per_1k[s])) for s in TTFT_SOURCES}
+            snap = {s: (self._count[s], list(self._recent[s]), sorted(self._per_1k[s])) for s in self._sources}
         out = {}
         for s, (count, xs, per) in snap.items():
             last = xs[-1] if xs else None

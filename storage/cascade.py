@@ -39,7 +39,8 @@ from storage.flush_result import FlushResult
 from storage.hashing import BlockKey
 from storage.host_writeback import HostWriteBack
 from storage.lower_tier import LowerTier, private_copy
-from storage.tiers import SHARED, TIERS, Tiers, TierStats
+from storage.tier_kinds import kind_of
+from storage.tiers import Tiers, TierStats
 from storage.transfer import Transfer
 
 _FLUSH_BATCH = 32     # blocks reserved, copied out, then committed per batch by flush/demote
@@ -346,9 +347,7 @@ class Cascade:
     def drop(self, tier: str) -> int:
         """Forget every cached block of one tier (device: only pages no sequence uses)."""
         t = self.t
-        if tier not in TIERS:
-            raise ValueError(f"tier: expected one of {TIERS}, got {tier!r}")
-        if tier in SHARED:
+        if not kind_of(tier).local:     # ValueError for a name no kind has
             # Every server's blocks live there: clearing it is the store operator's call
             # (FLUSHDB, or its LRU and TTL), not one server's -- configured here or not.
             raise ValueError(f"tier: the {tier} tier is shared by every server and is not dropped from one")

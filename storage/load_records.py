@@ -16,6 +16,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Mapping
 
 from storage.cancellation import Cancellation
 from storage.hashing import BlockKey
@@ -90,11 +91,24 @@ class _Chunk:
     done: threading.Event = field(default_factory=threading.Event)
 
 
+@dataclass(frozen=True)
+class ProbeAnswer:
+    """What each tier over a link answered a probe, on its own: per tier name, the hashes of the
+    chain's blocks it holds. Never merged: a block only the second tier holds is that tier's."""
+    held: Mapping[str, frozenset[bytes]] = field(default_factory=dict)
+
+    def holds(self, tier: str, block: bytes) -> bool:
+        return block in self.held.get(tier, ())
+
+    def __bool__(self) -> bool:
+        return any(self.held.values())
+
+
 @dataclass(eq=False)
 class RemoteProbe:
-    """Which blocks of a request's chain (after its last local one) the remote store holds.
-    `hashes` is written once by the probing thread, before `done` is set; read only after."""
-    hashes: frozenset[bytes] = frozenset()
+    """Which blocks of a request's chain (after its last local one) the tiers over a link hold.
+    `answer` is written once by the probing thread, before `done` is set; read only after."""
+    answer: ProbeAnswer = ProbeAnswer()
     done: threading.Event = field(default_factory=threading.Event)
 
 
@@ -120,5 +134,5 @@ class Prefetch:
     def remote_pending(self) -> bool:
         return self.probe is not None and not self.probe.done.is_set()
 
-    def remote_hashes(self) -> frozenset[bytes] | None:
-        return None if self.probe is None else self.probe.hashes
+    def remote_hashes(self) -> ProbeAnswer | None:
+        return None if self.probe is None else self.probe.answer

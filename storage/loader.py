@@ -62,7 +62,7 @@ import torch
 
 from storage.cancellation import Cancellation
 from storage.hashing import BlockKey
-from storage.load_records import Fill, RemoteProbe, _Task
+from storage.load_records import Fill, ProbeAnswer, RemoteProbe, _Task
 from storage.lower_tier import LowerTier
 from storage.pinned import host_buffer
 from storage.prefetch import Prefetcher
@@ -153,10 +153,8 @@ class Loader:
 
     def _run_probe(self, tiers: tuple[LowerTier, ...], keys: list[BlockKey], into: RemoteProbe) -> None:
         try:
-            found: frozenset[bytes] = frozenset()
-            for below in tiers:
-                found |= below.probe(keys)      # never raises for the store's failures
-            into.hashes = found
+            # Each tier's answer kept as its own: a block only the second holds is read from it.
+            into.answer = ProbeAnswer({below.name: below.probe(keys) for below in tiers})   # never raises
         except Exception:
             log.exception("probing the tiers below for %d blocks failed: they are misses", len(keys))
         finally:

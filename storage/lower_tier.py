@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, Protocol, Sequence, runtim
 from storage.cancellation import Cancellation
 from storage.hashing import BlockKey
 from storage.retention import RetainRow
+from storage.tier_kinds import TierKind
 
 if TYPE_CHECKING:      # the disk tier opened for inspection (`tieredkv inspect`, `verify`) loads no torch
     import torch
@@ -81,8 +82,9 @@ class TierRecord(Protocol):
 
 @runtime_checkable
 class LowerTier(Protocol):
-    name: str       # "disk" | "remote": the tier's name in stats, billing, metrics and the CLI
-    local: bool     # this process's own tier: contains() is the whole answer (no probe), its writer
+    kind: TierKind  # what it is (storage/tier_kinds.py): its name, medium, price, readiness, calibration
+    name: str       # kind.name ("disk", "remote"): the tier's name in stats, billing, metrics and the CLI
+    local: bool     # kind.local: this process's own tier: contains() is the whole answer (no probe), its writer
                     # always drains (a put may wait for room), and clear() empties it. False: a store
                     # shared over a link (asked with probe(), waits bounded, never cleared from here)
     events: object  # the KV-event hook (storage/kv_events/sink.py), set by the cache: the tier says its own
@@ -171,6 +173,13 @@ class LowerTier(Protocol):
         (wall-clock seconds) its deadlines are judged by from now on, and `lost`, told of rows
         retain() took that could not be written (a deadline <= 0 in a row: forget that entry)."""
         return []
+
+    def link_probe(self):
+        """A linked tier's link measured (kind.calibrates == "link"): a round trip and a
+        block-sized read, as figures with `bytes_per_s`, `rtt_s` and `points()` (storage/remote/
+        link_probe.py's LinkFigures); None when it did not answer or measures none. Bounded by
+        the tier's own timeouts; never on the engine thread."""
+        return None
 
     def read_late(self) -> None:
         """A read from this tier outlived the deadline of the load waiting for it (storage/

@@ -1,12 +1,12 @@
 """How long each tier below the device takes to restore blocks into the paged pool, as measured here.
 
-Knows: per tier ("host", "disk", "remote") a restore time of `latency_s + nbytes / bytes_per_s`
+Knows: per tier below the device (storage/tier_kinds.py) a restore time of `latency_s + nbytes / bytes_per_s`
 (a 16-token hit over a 20 ms link is latency-bound; a long prefix is bandwidth-bound), fitted by
 weighted least squares with non-negative terms over the tier's last WINDOW fills (the loader's
 own: bytes made usable in pages over the fill's time -- read, verify, decode and copy), recent
 fills weighing most, and the calibration's points at start: host, a copy of one block and of
-four; disk, the codec's decode of one block (latency 0: a page-cache hit's bound); remote, the
-store itself (storage/remote/link_probe.py: a round trip and a block-sized read). The
+four; a local tier below (the disk), its codec's decode of one block (latency 0: a page-cache
+hit's bound); a linked tier (the remote store), the store itself (storage/remote/link_probe.py: a round trip and a block-sized read). The
 calibration keeps a small weight afterwards, so fills all of one size still split into latency
 and bandwidth. Also the last ERRORS (predicted, observed) pairs per tier: each fill's time as
 the figures predicted it just before it was measured.
@@ -21,6 +21,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Mapping
 
 import torch
 
@@ -116,10 +117,10 @@ class RestoreRates:
                         "median_error": _median_error(r.errors)}
                     for t, r in self._rates.items()}
 
-    def calibrate(self, layout: BlockLayout, codec: Codec | None, device: torch.device, blocks: int = 4) -> None:
+    def calibrate(self, layout: BlockLayout, read: Mapping[str, Codec], device: torch.device, blocks: int = 4) -> None:
         """Seed host (copies of one block and of `blocks` blocks into a device tensor: both terms)
-        and, with a codec, disk (one block's decode, a lower bound of a cold read's time). A few
-        milliseconds at start."""
+        and each tier in `read` (a local tier below: its name -> its codec) with one block's
+        decode, a lower bound of a cold read's time. A few milliseconds at start."""
         src = torch.randn((blocks, *layout.shape)).to(layout.dtype)
         dst = torch.empty((blocks, *layout.shape), dtype=layout.dtype, device=device)
         dst.copy_(src)                                      # warm up (first touch, allocation)
@@ -141,7 +142,7 @@ class RestoreRates:
             points = [(0.0, 0.0), points[1]]
         lat, spb = _fit([], points)
         self.seed("host", 1.0 / max(spb, 1e-15), lat, points=points)
-        if codec is not None:
+        for name, codec in read.items():
             binding = payload_binding(b"\0" * 32, b"\0" * 32)
             payload = codec.encode(src[0], binding)
             out = torch.empty(layout.shape, dtype=layout.dtype)
@@ -149,7 +150,7 @@ class RestoreRates:
             t0 = time.perf_counter()
             codec.decode(payload, binding, out)
             one = max(time.perf_counter() - t0, MIN_SECONDS)
-            self.seed("disk", layout.nbytes / one, 0.0, points=[(0.0, 0.0), (float(layout.nbytes), one)])
+            self.seed(name, layout.nbytes / one, 0.0, points=[(0.0, 0.0), (float(layout.nbytes), one)])
 
 
 def _fit(fills, anchors) -> tuple[float, float]:

@@ -1,7 +1,8 @@
 """The wiring: the tiers below the host built from CacheConfig, in order, and what the config says
 about them that the cache passes on without naming them.
 
-Knows: which tiers there are and their order (the disk, then the remote store), how each is built
+Knows: which tiers there are and their order (the disk, then the remote store, and any a line
+added: add_tier), how each is built
 from CacheConfig (path, sizes, codec -- "auto" chosen here, storage/codec_choice.py --, reserve;
 URL, timeouts, TTL, breaker), what a configured
 tier that could not start reports (a disk on a full filesystem: `unavailable`), the store's write
@@ -17,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
+from typing import Callable
 
 from storage.codec.payload import Codec
 from storage.codec_choice import choose_for_disk
@@ -28,6 +30,7 @@ from storage.lower_tier import LowerTier
 from storage.remote.breaker import BreakerConfig
 from storage.fleet_secret import load_fleet_secret
 from storage.remote.tier import RemoteTier
+from storage.tier_kinds import TierKind, kinds, register, unregister
 
 log = logging.getLogger(__name__)
 
@@ -37,10 +40,31 @@ class LowerTiers:
     """The tiers below the host as the cache is given them."""
     tiers: tuple[LowerTier, ...]           # fastest first
     write_through: bool                    # every registered block goes down at once (storage/cascade.py)
-    codec: Codec | None                    # what a restore from below decodes with (the disk's): timed at
-                                           # start for the planner's first figure (storage/restore_rates.py)
+    decoders: dict[str, Codec]             # each tier that calibrates by a read (TierKind.calibrates): the
+                                           # codec its restores decode with, timed at start for the planner's
+                                           # first figure (storage/restore_rates.py)
     status: dict[str, dict] = field(default_factory=dict)   # per tier name, what its status adds to
                                            # the tier's own record (an absent tier: {"enabled": False, ...})
+
+
+# Tiers added by a line each (add_tier): built by wire() beside the disk and the store.
+_ADDED: list[tuple[TierKind, Callable[[CacheConfig, BlockLayout], LowerTier | None]]] = []
+
+
+def add_tier(kind: TierKind, build: Callable[[CacheConfig, BlockLayout], LowerTier | None],
+             after: str | None = None) -> None:
+    """The one line that adds a tier below the host: its kind registered (storage/tier_kinds.py:
+    billing, usage, metrics, the CLI, KV events, the planner and deadlines read it from there) and
+    how it is built from CacheConfig (None: not configured). Every cache wired afterwards has it,
+    in its kind's place (`after`: the kind it is slower than)."""
+    register(kind, after)
+    _ADDED.append((kind, build))
+
+
+def remove_tier(kind: TierKind) -> None:
+    """Undo add_tier (a test's tier, when it ends)."""
+    _ADDED[:] = [(k, b) for k, b in _ADDED if k != kind]
+    unregister(kind)
 
 
 def wire(config: CacheConfig, layout: BlockLayout, disk: DiskTier | None = None,
@@ -74,10 +98,19 @@ def wire(config: CacheConfig, layout: BlockLayout, disk: DiskTier | None = None,
     status = {"disk": ({"codec_choice": chosen.describe()} if chosen is not None else {}) if disk is not None
               else {"enabled": False, "unavailable": unavailable},
               "remote": {"write_policy": config.remote_write} if remote is not None else {"enabled": False}}
-    return LowerTiers(tiers=tuple(t for t in (disk, remote) if t is not None),
+    built = [t for t in (disk, remote) if t is not None]
+    for kind, build in _ADDED:
+        tier = build(config, layout)
+        status[kind.name] = {} if tier is not None else {"enabled": False}
+        if tier is not None:
+            built.append(tier)
+    order = [k.name for k in kinds()]
+    built.sort(key=lambda t: order.index(t.name) if t.name in order else len(order))   # fastest first
+    return LowerTiers(tiers=tuple(built),
                       write_through=config.write_policy == "write_through"
                       or (remote is not None and config.remote_write == "write_through"),
-                      codec=disk.codec if disk is not None else None, status=status)
+                      decoders={t.name: t.codec for t in built if t.kind.calibrates == "read"},
+                      status=status)
 
 
 class NamedTiers:

@@ -41,7 +41,7 @@ from storage.hit_account import HitAccount
 from storage.host_tier import HostTier
 from storage.layout import BlockLayout
 from storage.load_outcome import Acquired, finish
-from storage.load_records import Fill, Load, Prefetch, RemoteProbe
+from storage.load_records import Fill, Load, Prefetch, ProbeAnswer, RemoteProbe
 from storage.loader import Loader
 from storage.lower_tier import LowerTier
 from storage.prefix_tree import CachedBlock
@@ -67,7 +67,7 @@ class CacheMatch:
     def tokens_by_tier(self, block_size: int) -> dict[str, int]:
         out = dict.fromkeys(TIERS, 0)
         for _, tier in self.blocks:
-            out[tier] += block_size
+            out[tier] = out.get(tier, 0) + block_size
         return out
 
 
@@ -106,7 +106,7 @@ class TieredKVCache(SharedPages, CacheEvents, CacheRetention, NamedTiers):
         self.loader = Loader(self.tiers)
         self._start_retention(clock)       # storage/cache_retention.py: deadlines read back
         # A planner needs a figure before the first fill: a few ms of host copies and one decode.
-        self.tiers.rates.calibrate(layout, wired.codec, self.device)
+        self.tiers.rates.calibrate(layout, wired.decoders, self.device)
         if config.kv_events is not None:
             try:
                 self._publish_events()
@@ -115,22 +115,22 @@ class TieredKVCache(SharedPages, CacheEvents, CacheRetention, NamedTiers):
                 raise
 
     # ---- where blocks are ----------------------------------------------------------------
-    def _tier_of(self, key: BlockKey, probed: frozenset[bytes] | None = None) -> str | None:
+    def _tier_of(self, key: BlockKey, probed: ProbeAnswer | None = None) -> str | None:
         """The fastest tier holding the block: device, host, then each tier below in order (a
-        tier that needs a probe answers from `probed`, the hashes its probe found)."""
+        tier that needs a probe answers from `probed`: its own probe's answer)."""
         if self.pool.page_of(key) is not None:
             return "device"
         if self.host.enabled and self.host.slot_of(key) is not None:
             return "host"
         for below in self.tiers.lower:
-            if below.contains(key) if below.local else bool(probed) and key.hash in probed:
+            if below.contains(key) if below.local else probed is not None and probed.holds(below.name, key.hash):
                 return below.name
         return None
 
-    def match(self, keys: Sequence[BlockKey], remote: frozenset[bytes] | None = None) -> CacheMatch:
+    def match(self, keys: Sequence[BlockKey], remote: ProbeAnswer | None = None) -> CacheMatch:
         """Which tier holds each block of the chain, up to the first block none holds.
-        `remote`: the hashes a probe found in the remote store (RemoteProbe.hashes); without it
-        no block is a remote hit. Read-only: promotes nothing, counts nothing, no I/O.
+        `remote`: what each tier over a link answered its probe (RemoteProbe.answer); without it
+        no block is a hit of such a tier. Read-only: promotes nothing, counts nothing, no I/O.
         With prefix caching off (CacheConfig.prefix_caching), nothing: no request reuses a block."""
         if not self.config.prefix_caching:
             return CacheMatch(())
@@ -150,7 +150,7 @@ class TieredKVCache(SharedPages, CacheEvents, CacheRetention, NamedTiers):
         linked = [below for below in self.tiers.linked if below.available()]
         if not linked or len(local) == len(keys):
             return local
-        return self.match(keys, frozenset().union(*(below.probe(keys[len(local):]) for below in linked)))
+        return self.match(keys, ProbeAnswer({below.name: below.probe(keys[len(local):]) for below in linked}))
 
     # ---- promotion -----------------------------------------------------------------------
     def start_load(self, match: CacheMatch, prefetch: Prefetch | None = None) -> Load:
@@ -370,7 +370,7 @@ class TieredKVCache(SharedPages, CacheEvents, CacheRetention, NamedTiers):
         cache lock: the disk's need an LMDB read."""
         records = [(below.name, below.stats()) for below in self.tiers.lower]
         with self._lock:
-            out = {t: TierStats(**{**self.tiers.counters[t].__dict__, "extra": {}}) for t in TIERS}
+            out = {t: TierStats(**{**self.tiers.counters[t].__dict__, "extra": {}}) for t in self.tiers.counters}
             p = self.pool.stats()
             out["device"].capacity_bytes, out["device"].used_bytes = p.capacity_bytes, p.used_bytes
             out["device"].blocks, out["device"].evictions = p.cached_blocks, p.evictions

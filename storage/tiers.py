@@ -26,10 +26,9 @@ from storage.kv_events.sink import NO_EVENTS, NoEvents
 from storage.layout import BlockLayout
 from storage.restore_rates import RestoreRates
 from storage.lower_tier import LowerTier
+from storage.tier_kinds import TIERS
 from storage.transfer import Transfer
 
-TIERS = ("device", "host", "disk", "remote")
-SHARED = ("remote",)    # tiers every server shares: an operator drops them at the store, not from one server
 
 
 @dataclass
@@ -71,6 +70,10 @@ class Tiers:
     rates: RestoreRates = field(default_factory=RestoreRates)
     # The KV-event hook (storage/kv_events/sink.py): NO_EVENTS unless the cache publishes events.
     events: NoEvents = NO_EVENTS
+
+    def __post_init__(self) -> None:
+        for below in self.lower:       # every wired tier is counted under its own name
+            self.counters.setdefault(below.name, TierStats())
 
     def publish_to(self, sink: NoEvents) -> None:
         """Every tier says its changes to `sink` from now on (under the lock: storage/cache_events.py)."""

@@ -56,7 +56,8 @@ ROOMS = {"codec": set(), "disk": {"codec"}, "remote": {"codec"}}
 # cancellation: a read its caller gave up on (the loader cancels, the remote reader drops its socket).
 # fleet_secret: the secret shared tiers seal blocks under, and the seal (knows no tier).
 SHARED = {"hashing", "layout", "priority", "pinned", "background_writer", "lower_tier", "kv_events", "pool_drain",
-          "malloc_tuning", "foreground", "cancellation", "fleet_secret", "retention"}
+          "malloc_tuning", "foreground", "cancellation", "fleet_secret", "retention",
+          "tier_kinds"}
 
 
 def _storage_imports(path: Path) -> set[str]:

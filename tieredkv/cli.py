@@ -22,8 +22,7 @@ from tieredkv.cli_common import CACHE_HELP, cache_default, disk_seal_of, open_di
 from tieredkv import cli_serve
 from tieredkv.cli_flags import translate
 from storage.config import format_size, parse_size
-
-TIERS = ("device", "host", "disk", "remote")
+from storage.tier_kinds import TIERS, kind_of
 
 app = typer.Typer(help="tieredkv: a tiered KV-cache store for LLM inference (device -> host -> disk).\n\n"
                   "Exit status: 0 ok, 1 failure (server unreachable, HTTP error, damage found), "
@@ -142,12 +141,12 @@ def status(
               "up to the device pool; Demoted: blocks written down into the tier; Evicted: blocks that left it")
     for col in ("Tier", "Capacity", "Used", "Blocks", "Hit tok", "Promoted", "Demoted", "Evicted"):
         t.add_column(col, justify="left" if col == "Tier" else "right", no_wrap=True)
-    for name in TIERS:
+    for name in [*TIERS, *(n for n in tiers if n not in TIERS)]:     # a tier the server knows and we don't: shown too
         d = tiers.get(name, {})
         if d.get("enabled") is False:
             t.add_row(name, "off", "", "", "", "", "", "")
             continue
-        if name == "remote":
+        if name in TIERS and not kind_of(name).local:
             # Its capacity, contents and evictions are the store's own (shared by every server):
             # `tieredkv inspect --remote-url` reads them from the store.
             t.add_row(name, "shared", "-", "-", *(f"{d.get(k, 0):,}" for k in ("hit_tokens", "promotions", "demotions")),

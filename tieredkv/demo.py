@@ -38,11 +38,11 @@ from typing import Any, Callable, ContextManager
 
 from storage.disk.preflight import ASIDE_INFIX, LOCK_SUFFIX
 from engine.default_model import DEFAULT_MODEL_NAME
+from storage.tier_kinds import TIERS
 from tieredkv.cli_common import command_name, load_description
 
 BLOCK_SIZE = 16
 DEFAULT_MODEL = DEFAULT_MODEL_NAME
-TIERS = ("device", "host", "disk", "remote")
 TENANT = "demo"
 SYSTEM = "You are Halden's support assistant. Answer from the manual, in one or two sentences."
 # Questions the default model (SmolLM2-135M) answers right from the document, greedy (checked
@@ -311,7 +311,7 @@ def phase_view(phase: Phase, legend: bool = False) -> Any:
     from rich.table import Table
     t = Table(title=f"[bold]{phase.name}[/]: {phase.title}", title_justify="left", box=box.SIMPLE_HEAD,
               pad_edge=False, padding=0)
-    for col in ("Request", "Prompt", "Device", "Host", "Disk", "Remote", "Miss", "TTFT", "Recompute", "Speedup", "µ$"):
+    for col in ("Request", "Prompt", *(t.capitalize() for t in TIERS), "Miss", "TTFT", "Recompute", "Speedup", "µ$"):
         t.add_column(col, justify="left" if col == "Request" else "right", no_wrap=True)
     for r in phase.rows:
         t.add_row(r.request, f"{r.prompt_tokens:,}", *(_count(r.hit_tokens_by_tier[x]) for x in TIERS),

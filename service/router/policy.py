@@ -24,8 +24,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from service.router.events import MEDIA
+from storage.tier_kinds import kinds
 
-DEFAULT_WEIGHTS = {"GPU": 1.0, "CPU": 0.9, "DISK": 0.5, "REMOTE": 0.3}
+DEFAULT_WEIGHTS = {k.medium: k.weight for k in kinds()}     # each tier kind's own weight
 
 
 @dataclass(frozen=True, slots=True)

@@ -63,6 +63,7 @@ from storage.disk.writer import DiskWriter
 from storage.layout import BlockLayout, dtype_name
 from storage.malloc_tuning import keep_freed_memory
 from storage.lower_tier import LowerTier, owned_or_copied
+from storage.tier_kinds import DISK
 from storage.hashing import BlockKey
 
 if TYPE_CHECKING:      # blocks are tensors, but nothing here makes one: `tieredkv inspect`/`verify` load no torch
@@ -195,8 +196,9 @@ class DiskTier(DiskReads, DiskRetention, LowerTier):
 
     # -- public API ----------------------------------------------------------------------
 
-    name = "disk"
-    local = True    # contains() answers from the index: a LowerTier needing no probe
+    kind = DISK
+    name = DISK.name
+    local = DISK.local    # contains() answers from the index: a LowerTier needing no probe
 
     def put(self, key: BlockKey, block: torch.Tensor | None = None, *, wait: bool = True, timeout: float | None = None,
             payload: bytes | None = None, raw_size: int = 0, owned: bool = False) -> bool:

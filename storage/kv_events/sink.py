@@ -7,8 +7,8 @@ sent or waited for, so a caller may hold the tiers' lock (storage/tiers.py) and 
 may call it. `NO_EVENTS` answers every call with nothing, for a cache that publishes nothing.
 Doesn't know: sockets or the wire format (storage/kv_events/publisher.py drains the queue).
 
-Media are vLLM's names for where a block is: "GPU" (our device pool, even when the device is the
-CPU), "CPU" (the host tier), "DISK", "REMOTE".
+Media are vLLM's names for where a block is, each tier's own (storage/tier_kinds.py): "GPU" (our
+device pool, even when the device is the CPU), "CPU" (the host tier), "DISK", "REMOTE".
 """
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ import threading
 from typing import Sequence
 
 from storage.hashing import BlockKey
+from storage.tier_kinds import DEVICE, DISK, HOST, REMOTE
 
-# Our tiers' media under vLLM's wire names (the names are the wire's; ours say which tier).
-DEVICE_MEDIUM, HOST_MEDIUM, DISK_MEDIUM, REMOTE_MEDIUM = "GPU", "CPU", "DISK", "REMOTE"
-MEDIUM = {"device": DEVICE_MEDIUM, "host": HOST_MEDIUM, "disk": DISK_MEDIUM, "remote": REMOTE_MEDIUM}   # tier -> medium
+# Our tiers' media under vLLM's wire names, as each kind says it (storage/tier_kinds.py: medium_of).
+DEVICE_MEDIUM, HOST_MEDIUM, DISK_MEDIUM, REMOTE_MEDIUM = DEVICE.medium, HOST.medium, DISK.medium, REMOTE.medium
 
 
 class NoEvents:

@@ -67,9 +67,11 @@ from storage.hashing import BlockKey
 from storage.kv_events.sink import NO_EVENTS, REMOTE_MEDIUM, NoEvents
 from storage.layout import BlockLayout
 from storage.malloc_tuning import keep_freed_memory
+from storage.tier_kinds import REMOTE
 from storage.lower_tier import LowerTier, owned_or_copied, plain_cpu
 from storage.pool_drain import drain_on
 from storage.remote.known_keys import KnownKeys
+from storage.remote.link_probe import probe_link
 from storage.remote.remote_stats import RemoteStats
 from storage.remote.tier_pools import RemotePools
 from storage.remote.client import mget_groups, mget_one, pipeline, run_parallel, split
@@ -95,8 +97,9 @@ class RemoteTier(LowerTier):
     LowerTier's defaults hold for it: nothing below it (keep, on_commit), no files to read
     ahead, no listing (iter_blocks), and a queue that drops rather than waits (wait_for_room)."""
 
-    name = "remote"
-    local = False    # what the store holds is asked with probe(), off the engine thread
+    kind = REMOTE
+    name = REMOTE.name
+    local = REMOTE.local    # what the store holds is asked with probe(), off the engine thread
 
     def __init__(self, url: RemoteURL, layout: BlockLayout | None, codec: Codec = Codec(), *,
                  secret: FleetSecret, timeout_s: float = 0.5, ttl_s: float | None = None,
@@ -344,6 +347,10 @@ class RemoteTier(LowerTier):
         """Refused: every server's blocks live in the store; clearing it is the store operator's
         call (FLUSHDB, or its LRU and TTL), not one server's."""
         raise ValueError(f"tier: the {self.name} tier is shared by every server and is not dropped from one")
+
+    def link_probe(self):
+        """The link measured (storage/remote/link_probe.py): LinkFigures, or None."""
+        return probe_link(self)
 
     def read_late(self) -> None:
         """A read that outlived its load's deadline: a failure for the breaker (no I/O)."""

@@ -68,7 +68,7 @@ def test_a_tier_measured_without_calibration_starts_bandwidth_only() -> None:
 def test_calibration_seeds_host_and_disk() -> None:
     layout = BlockLayout(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float32)
     r = RestoreRates()
-    r.calibrate(layout, Codec(), torch.device("cpu"))
+    r.calibrate(layout, {"disk": Codec()}, torch.device("cpu"))
     snap = r.snapshot()
     assert set(snap) == {"host", "disk"}
     assert all(v["bytes_per_s"] > 0 and v["latency_s"] >= 0 and v["samples"] == 0 for v in snap.values())
@@ -91,7 +91,7 @@ def test_a_calibration_where_noise_beat_the_larger_copy_keeps_a_real_bandwidth(m
     monkeypatch.setattr(torch.Tensor, "copy_", copy_)
     monkeypatch.setattr(restore_rates.time, "perf_counter", lambda: now[0])
     r = RestoreRates()
-    r.calibrate(layout, None, torch.device("cpu"))
+    r.calibrate(layout, {}, torch.device("cpu"))
     host = r.snapshot()["host"]
     assert host["latency_s"] == 0 and host["bytes_per_s"] == pytest.approx(4 * layout.nbytes / 1e-3, rel=1e-6)
 
