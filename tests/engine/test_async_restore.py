@@ -17,6 +17,7 @@ import time
 
 import pytest
 
+from storage.codec import block_batch
 from storage.codec.payload import Codec
 from storage.disk.tier import DiskTier
 from engine.scheduler import Scheduler
@@ -53,8 +54,17 @@ class DriveGate:
             gate.decode_threads.append(threading.current_thread().name)
             return real_decode(codec, *args, **kw)
 
+        # A block handed to the compiled batch (storage/codec/block_batch.py) is decoded there, by
+        # threads the handing thread starts and joins: counted as that thread's decode.
+        real_add = block_batch.BlockBatch.add
+
+        def add(batch, *block):
+            gate.decode_threads.append(threading.current_thread().name)
+            return real_add(batch, *block)
+
         monkeypatch.setattr(DiskTier, "get_many", get_many)
         monkeypatch.setattr(Codec, "decode", decode)
+        monkeypatch.setattr(block_batch.BlockBatch, "add", add)
 
 
 def hold_deadlines(eng) -> None:
