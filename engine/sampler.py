@@ -14,7 +14,9 @@ Sampling is batched over rows (issue 30): temperature, min-p, top-k, top-p and l
 tensor ops over every row that needs them, a few dozen kernels a step whatever its size; only
 each sampled row's noise is its own kernel, drawn from its request's generator.
 A draw is an exponential race (argmax of p / Exp(1) noise, a multinomial draw without the
-host-side checks `torch.multinomial` makes).
+host-side checks `torch.multinomial` makes): `race`, tensor ops only, which the graph-safe decode
+step runs over all its rows in its graphs (engine/decode_graph.py, issue 42) -- a stage it runs for
+a row that does not use it changes nothing, so the tokens are the ones drawn here.
 Penalties (repetition, frequency, presence) and min_tokens' ban on end/stop ids change the logits
 of the rows that ask for them, as tensor ops over those rows at once; a step where no row asks
 does no such work and samples the model's logits as they are. Log-probabilities are always the
