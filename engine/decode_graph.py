@@ -9,6 +9,12 @@ every captured graph reads the same addresses), and the step itself: the model's
 the first S rows of those buffers, the attention prepared inside it from them. Padding rows (a
 batch of 5 runs bucket 8) write into a page reserved for them (`sink`) and attend to its first
 slot alone; their logits are dropped.
+The step runs from the embedding to the token ids: each row's argmax and NaN flag in the step
+itself, and when any row samples, a second graph per bucket (`_tail`) draws every row at once
+(engine/sampler.py's `race`, every stage over all rows) from its knobs (temperature, min-p, top-k,
+top-p: float64 fields of the same buffers) and its Exp(1) noise, drawn into a persistent buffer
+from the row's own generator before the replay (one kernel per sampled row, the one per-row
+work: a seeded request draws exactly what the eager sampler draws for it).
 Inside the step: no host sync, no data-dependent Python control flow, no tensor -> list: the
 shapes depend only on the bucket. Modes:
 - "static": the step run eagerly (the reference the others are compared with);
@@ -18,7 +24,8 @@ shapes depend only on the bucket. Modes:
 - "cuda_graph": each bucket warmed up then captured at start (torch.cuda.CUDAGraph, one memory
   pool shared by all buckets, largest first; a progress line each), then replayed.
 Thread: everything here runs on the engine thread (ModelRunner's owner); the buffers are its own.
-Doesn't know: scheduling, sampling (the logits go back to the step loop) or the tiers.
+Doesn't know: scheduling, which rows may be drawn here (the step loop: engine/step_loop.py), the
+logprobs or the host copy (engine/sampler.py's `packed_step`), or the tiers.
 """
 from __future__ import annotations
 
@@ -32,11 +39,16 @@ import numpy as np
 import torch
 
 from engine.paged_batch import Group
+from engine.sampler import race
 
 log = logging.getLogger("tieredkv.engine")
 
 MODES = ("static", "compile", "cuda_graph")
 FIELDS = ("ids", "positions", "write_pages", "write_slots", "context_len")
+# float64 fields (their int64 slots viewed as float64): a row drawn here (1) or greedy (0), and
+# the knobs engine/sampler.py's race reads, in its order.
+KNOBS = ("draw", "temperature", "min_p", "top_k", "top_p")
+GREEDY = (0.0, 1.0, 0.0, 0.0, 1.0)      # a greedy or padding row's knobs (its draw is not used)
 
 
 def decode_buckets(max_seqs: int) -> list[int]:
@@ -70,6 +82,9 @@ class DecodeRow:
     token: int
     context_len: int            # tokens of context including the new one
     pages: tuple[int, ...]
+    # Drawn in the step: (temperature, min_p, top_k, top_p) (engine/sampler.py's draw_knobs) and
+    # the request's generator; None: greedy (or the tokens are not wanted).
+    draw: tuple[tuple[float, float, float, float], torch.Generator] | None = None
 
 
 class DecodeGraphs:
@@ -91,7 +106,7 @@ class DecodeGraphs:
         self.width = max(2, 1 << (blocks - 1).bit_length())
         self.max_context = max_context
         smax = self.buckets[-1]
-        n = smax * (len(FIELDS) + self.width)
+        n = smax * (len(FIELDS) + len(KNOBS) + self.width)
         self._dev = torch.zeros(n, dtype=torch.int64, device=self.device)
         cuda = self.device.type == "cuda"
         self._host = torch.zeros(n, dtype=torch.int64, pin_memory=True) if cuda else self._dev
@@ -101,12 +116,22 @@ class DecodeGraphs:
         self._ids, self._positions = views["ids"], views["positions"]
         self._write_pages, self._write_slots, self._context = views["write_pages"], views["write_slots"], \
             views["context_len"]
-        self._table = self._dev[len(FIELDS) * smax:].view(smax, self.width)
+        at = (len(FIELDS) + len(KNOBS)) * smax
+        self._knobs = self._dev[len(FIELDS) * smax:at].view(torch.float64).view(len(KNOBS), smax)
+        self._table = self._dev[at:].view(smax, self.width)
+        # Each row's Exp(1) noise for a draw (float64, the logits' width), written before a replay.
+        self.vocab = model.get_output_embeddings().weight.shape[0]
+        self._noise = torch.ones((smax, self.vocab), dtype=torch.float64, device=self.device)
+        self.tokens: torch.Tensor | None = None   # the last run's token ids [n] and NaN flags [n]
+        self.nan: torch.Tensor | None = None
         self._rows = torch.arange(smax, device=self.device)
         self._ones = torch.ones(smax, dtype=torch.int64, device=self.device)
         # A 4-D mask: transformers takes it as prepared (see ModelRunner).
         self._mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # bucket -> (graph, (logits, greedy, nan)); the draw's graphs: bucket -> (graph, tokens)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
+        self.tails: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.drawn_steps = 0           # steps whose tokens were drawn in the step (any row sampled)
         self.steps = 0                 # decode steps run through here (tests, benchmarks)
         self.runs: dict[int, int] = {}  # steps per bucket
         self.compiles = 0              # graphs compiled ("compile" mode)
@@ -123,10 +148,12 @@ class DecodeGraphs:
                     return compile_fx(gm, example_inputs)
                 return torch._dynamo.lookup_backend(backend)(gm, example_inputs)
             self._compiled = torch.compile(self._step, backend=counted, fullgraph=True, dynamic=False)
+            self._compiled_tail = torch.compile(self._tail, backend=counted, fullgraph=True, dynamic=False)
 
     # ---- the step -------------------------------------------------------------------------
-    def _step(self, S: int) -> torch.Tensor:
-        """Logits [S, vocab] of the first S rows of the buffers. Shapes depend on S alone."""
+    def _step(self, S: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Logits [S, vocab], argmax [S] and NaN flags [S] of the first S rows of the buffers.
+        Shapes depend on S alone."""
         ctx = self._context[:S]
         rows = self._rows[:S]
         g = Group(S, 1, self.width * self.block_size, rows.view(S, 1), rows, rows, self._table[:S], ctx,
@@ -135,7 +162,20 @@ class DecodeGraphs:
         batch.prepared = [self.backend.prepare(batch, g)]
         out = self.model(input_ids=self._ids[:S].unsqueeze(0), position_ids=self._positions[:S].unsqueeze(0),
                          attention_mask=self._mask, use_cache=False, tkv_batch=batch)
-        return out.logits[0]
+        logits = out.logits[0]
+        return logits, torch.argmax(logits, dim=-1), torch.isnan(logits).any(dim=-1)
+
+    def _tail(self, S: int, logits: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
+        """Token ids [S]: each drawn row's draw from its knobs and noise, the others' argmax."""
+        knobs = self._knobs[:, :S]
+        drawn = race(logits, knobs[1:], self._noise[:S])
+        return torch.where(knobs[0] > 0, drawn, greedy)
+
+    def whole(self, S: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole step as one function (embedding to token ids and NaN flags): what
+        tests/engine/test_decode_graph.py compiles fullgraph."""
+        logits, greedy, nan = self._step(S)
+        return self._tail(S, logits, greedy), nan
 
     # ---- the buffers ------------------------------------------------------------------------
     def _fill_padding(self, smax: int, start: int) -> None:
@@ -144,7 +184,10 @@ class DecodeGraphs:
         for i, name in enumerate(FIELDS):
             value = {"ids": 0, "positions": 0, "write_pages": self.sink, "write_slots": 0, "context_len": 1}[name]
             h[i * smax + start:(i + 1) * smax] = value
-        table = h[len(FIELDS) * smax:].reshape(smax, w)
+        at = len(FIELDS) * smax
+        knobs = h[at:at + len(KNOBS) * smax].view(np.float64).reshape(len(KNOBS), smax)
+        knobs[:, start:] = np.array(GREEDY)[:, None]
+        table = h[at + len(KNOBS) * smax:].reshape(smax, w)
         table[start:] = 0
         table[start:, 0] = self.sink
 
@@ -157,7 +200,10 @@ class DecodeGraphs:
         n = len(rows)
         ctx = np.fromiter((r.context_len for r in rows), dtype=np.int64, count=n)
         pos = ctx - 1
-        table = h[len(FIELDS) * smax:].reshape(smax, self.width)
+        at = len(FIELDS) * smax
+        knobs = h[at:at + len(KNOBS) * smax].view(np.float64).reshape(len(KNOBS), smax)
+        knobs[:, :n] = np.array([(1.0,) + r.draw[0] if r.draw is not None else GREEDY for r in rows]).T
+        table = h[at + len(KNOBS) * smax:].reshape(smax, self.width)
         table[:n] = 0
         write_pages = np.empty(n, dtype=np.int64)
         for j, r in enumerate(rows):
@@ -181,17 +227,31 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def run(self, rows: list[DecodeRow]) -> torch.Tensor:
-        """Logits [len(rows), vocab] of one decode step (valid until the next step)."""
-        S = bucket_of(len(rows), self.buckets)
+        """Logits [len(rows), vocab] of one decode step (valid until the next step); its token ids
+        and NaN flags in `tokens` and `nan` ([len(rows)] each, on the device)."""
+        n = len(rows)
+        S = bucket_of(n, self.buckets)
         self._write(rows, S)
         self.steps += 1
         self.runs[S] = self.runs.get(S, 0) + 1
+        drawn = [(j, r.draw[1]) for j, r in enumerate(rows) if r.draw is not None]
+        for j, g in drawn:
+            self._noise[j].exponential_(generator=g)   # the request's own stream, as the eager sampler draws it
+        if drawn:
+            self.drawn_steps += 1
         if self.mode == "cuda_graph":
-            graph, out = self.graphs[S]
+            graph, (logits, tokens, nan) = self.graphs[S]
             graph.replay()
-            return out[:len(rows)]
-        fn = self._compiled if self.mode == "compile" else self._step
-        return fn(S)[:len(rows)]
+            if drawn:
+                tail, tokens = self.tails[S]
+                tail.replay()
+        else:
+            step, tail = (self._compiled, self._compiled_tail) if self.mode == "compile" else (self._step, self._tail)
+            logits, tokens, nan = step(S)
+            if drawn:
+                tokens = tail(S, logits, tokens)
+        self.tokens, self.nan = tokens[:n], nan[:n]
+        return logits[:n]
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -207,7 +267,8 @@ class DecodeGraphs:
         for i, S in enumerate(reversed(self.buckets), 1):
             t = time.perf_counter()
             if self.mode == "compile":
-                self._compiled(S)
+                logits, greedy, _ = self._compiled(S)
+                self._compiled_tail(S, logits, greedy)
             else:
                 side = torch.cuda.Stream(self.device)
                 side.wait_stream(torch.cuda.current_stream(self.device))
@@ -221,6 +282,15 @@ class DecodeGraphs:
                     out = self._step(S)
                 pool = graph.pool()
                 self.graphs[S] = (graph, out)
+                # The draw over this bucket's logits: its own small graph, replayed after the step's.
+                with torch.cuda.stream(side):
+                    for _ in range(2):
+                        self._tail(S, out[0], out[1])
+                torch.cuda.current_stream(self.device).wait_stream(side)
+                tail = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(tail, pool=pool, capture_error_mode="thread_local"):
+                    tokens = self._tail(S, out[0], out[1])
+                self.tails[S] = (tail, tokens)
             log.info("decode step: %s for batch %d (%d/%d) in %.1fs", "captured" if self.mode == "cuda_graph"
                      else "compiled", S, i, len(self.buckets), time.perf_counter() - t)
         if self.device.type == "cuda":

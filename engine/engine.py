@@ -57,8 +57,10 @@ log = logging.getLogger("tieredkv.engine")
 # with its tokens and 512 keeps a decoder's next token within one such chunk. On a GPU a step of a
 # small model is launch-bound (~1.5k kernels whatever its length): the H200 run of 2026-11-26
 # prefilled 8000 tokens of SmolLM2-135M in 16 steps of 512 in 0.77-0.82 s where transformers' one
-# forward took 0.12 s, so a GPU step takes 4096, vLLM's order of magnitude (max_num_batched_tokens).
-DEFAULT_BATCH_TOKENS = {"cpu": 512, "cuda": 4096}
+# forward took 0.12 s, so a GPU step takes 8192, vLLM's default for online serving
+# (max_num_batched_tokens): an 8k prompt is one step. Decodes still get their token every step
+# beside the chunk (engine/scheduler.py); a longer prompt is chunked by it.
+DEFAULT_BATCH_TOKENS = {"cpu": 512, "cuda": 8192}
 
 
 def default_batch_tokens(device: torch.device) -> int:

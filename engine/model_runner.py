@@ -48,16 +48,25 @@ class ModelRunner:
         # Tokens run through the model and forward passes, since start (an exact hit adds none).
         self.tokens_computed = 0
         self.forward_passes = 0
+        self.tokens: tuple[torch.Tensor, torch.Tensor] | None = None    # see forward
 
     @torch.inference_mode()
-    def forward(self, scheduled: list[Scheduled]) -> torch.Tensor:
-        """Logits [len(scheduled), vocab] of the last new token of each scheduled sequence."""
+    def forward(self, scheduled: list[Scheduled], draws: list | None = None) -> torch.Tensor:
+        """Logits [len(scheduled), vocab] of the last new token of each scheduled sequence.
+        `draws` (one DecodeRow.draw per sequence, None greedy): the step's token ids may be chosen
+        in the graph-safe decode step; when they were, `tokens` holds (token ids, NaN flags) on the
+        device, one per scheduled sequence, until the next forward (else None)."""
         self.forward_passes += 1
         self.tokens_computed += sum(s.num_tokens for s in scheduled)
+        self.tokens = None
         if self.decode is not None and all(s.num_tokens == 1 for s in scheduled) and self.decode.accepts(
                 len(scheduled), max(s.seq.num_computed + 1 for s in scheduled)):
-            return self.decode.run([DecodeRow(s.seq.tokens[s.seq.num_computed], s.seq.num_computed + 1,
-                                              tuple(s.seq.pages)) for s in scheduled])
+            logits = self.decode.run([DecodeRow(s.seq.tokens[s.seq.num_computed], s.seq.num_computed + 1,
+                                                tuple(s.seq.pages), draws[j] if draws else None)
+                                      for j, s in enumerate(scheduled)])
+            if draws is not None:
+                self.tokens = (self.decode.tokens, self.decode.nan)
+            return logits
         ids: list[int] = []
         positions: list[int] = []
         slices: list[SeqSlice] = []

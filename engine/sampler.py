@@ -14,7 +14,9 @@ Sampling is batched over rows (issue 30): temperature, min-p, top-k, top-p and l
 tensor ops over every row that needs them, a few dozen kernels a step whatever its size; only
 each sampled row's noise is its own kernel, drawn from its request's generator.
 A draw is an exponential race (argmax of p / Exp(1) noise, a multinomial draw without the
-host-side checks `torch.multinomial` makes).
+host-side checks `torch.multinomial` makes): `race`, tensor ops only, which the graph-safe decode
+step runs over all its rows in its graphs (engine/decode_graph.py, issue 42) -- a stage it runs for
+a row that does not use it changes nothing, so the tokens are the ones drawn here.
 Penalties (repetition, frequency, presence) and min_tokens' ban on end/stop ids change the logits
 of the rows that ask for them, as tensor ops over those rows at once; a step where no row asks
 does no such work and samples the model's logits as they are. Log-probabilities are always the
@@ -27,7 +29,7 @@ from __future__ import annotations
 import hashlib
 import secrets
 from dataclasses import dataclass
-from typing import Collection, Sequence
+from typing import Callable, Collection, Sequence
 
 import torch
 
@@ -128,16 +130,24 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams], generators:
     tokens = torch.argmax(scores, dim=-1)
     drawn = [i for i, (p, g) in enumerate(zip(params, generators)) if not is_greedy(p) and g is not None]
     if drawn:
-        rows = _upload([drawn], torch.long, scores.device)[0]
+        rows = upload([drawn], torch.long, scores.device)[0]
         choice = _draw([params[i] for i in drawn], [generators[i] for i in drawn], scores.index_select(0, rows))
         tokens = tokens.index_copy(0, rows, choice)
-    widths = [p.logprobs or 0 for p in params]
+    return packed_step(tokens, nan, lambda: logits, [p.logprobs or 0 for p in params])
+
+
+def packed_step(tokens: torch.Tensor, nan: torch.Tensor, logits: Callable[[], torch.Tensor],
+                widths: list[int]) -> SampledStep:
+    """A step's chosen `tokens` [N] and NaN flags [N] (device), and for the rows that ask
+    (`widths`: logprobs per row, 0 none) their logprobs from the model's `logits()` [N, vocab]
+    (asked for only then), packed for the step's one device -> host copy."""
     parts = [tokens.double(), nan.double()]
     top_width = max(widths)
     if top_width:
         asked = [i for i, w in enumerate(widths) if w]
-        rows = _upload([asked], torch.long, logits.device)[0]
-        lp = torch.log_softmax(logits.index_select(0, rows).float(), dim=-1)      # the model's own
+        logits_ = logits()
+        rows = upload([asked], torch.long, logits_.device)[0]
+        lp = torch.log_softmax(logits_.index_select(0, rows).float(), dim=-1)     # the model's own
         top = lp.topk(top_width, dim=-1)                                          # [A, top_width]
         parts += [lp.gather(1, tokens.index_select(0, rows)[:, None]).view(-1).double(),
                   top.indices.reshape(-1).double(), top.values.reshape(-1).double()]
@@ -168,12 +178,12 @@ def _processed(logits: torch.Tensor, params: list[SamplingParams],
     vocab, device = scores.shape[-1], scores.device
     if penalized:
         ps = [params[i] for i in penalized]
-        rows = _upload([penalized], torch.long, device)[0]
+        rows = upload([penalized], torch.long, device)[0]
         # float64: a repetition penalty as small or large as the params allow neither rounds to 0
         # nor turns a logit into NaN (an overflow is an infinity, as a logit may be).
         x = scores.index_select(0, rows).double()
         # [3, R]: repetition, frequency and presence penalty of each penalized row.
-        rep, freq, pres = _upload([[p.repetition_penalty for p in ps], [p.frequency_penalty for p in ps],
+        rep, freq, pres = upload([[p.repetition_penalty for p in ps], [p.frequency_penalty for p in ps],
                                    [p.presence_penalty for p in ps]], torch.float64, device).unsqueeze(2)
         counts = _counts([history[i][1] for i in penalized], vocab, device)      # output tokens only
         present = counts > 0
@@ -186,7 +196,7 @@ def _processed(logits: torch.Tensor, params: list[SamplingParams],
     if bans:
         pairs = [(i, t) for i, ids in bans for t in ids if t < vocab]
         if pairs:
-            where = _upload([[i for i, _ in pairs], [t for _, t in pairs]], torch.long, device)
+            where = upload([[i for i, _ in pairs], [t for _, t in pairs]], torch.long, device)
             scores[where[0], where[1]] = float("-inf")
     return scores
 
@@ -197,12 +207,12 @@ def _counts(lists: list[list[int]], vocab: int, device: torch.device) -> torch.T
     out = torch.zeros((len(lists), vocab + 1), dtype=torch.float64, device=device)
     if width:
         # Padded with `vocab`, a column cut off below (so is any id past the logits' width).
-        idx = _upload([ids + [vocab] * (width - len(ids)) for ids in lists], torch.long, device).clamp_(0, vocab)
+        idx = upload([ids + [vocab] * (width - len(ids)) for ids in lists], torch.long, device).clamp_(0, vocab)
         out.scatter_add_(1, idx, torch.ones(idx.shape, dtype=torch.float64, device=device))
     return out[:, :vocab]
 
 
-def _upload(rows: list[list], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def upload(rows: list[list], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A host list of rows as a device tensor, without waiting for the device (pinned memory and a
     non-blocking copy under CUDA: the step's invariant is one wait, in SampledStep.read)."""
     t = torch.tensor(rows, dtype=dtype)
@@ -217,38 +227,53 @@ def _draw(params: list[SamplingParams], generators: list[torch.Generator], rows:
     R, vocab = rows.shape
     device = rows.device
     # [4, R]: temperature, min_p, top-k (0: off), top-p.
-    knobs = _upload([[p.temperature for p in params], [p.min_p for p in params],
-                     [p.top_k if 0 < p.top_k < vocab else 0 for p in params],
-                     [p.top_p for p in params]], torch.float64, device)
-    temperature, min_p, top_p = knobs[0, :, None], knobs[1, :, None], knobs[3, :, None]
+    knobs = upload([draw_knobs(p, vocab) for p in params], torch.float64, device).T
+    noise = torch.empty((R, vocab), dtype=torch.float64, device=device)
+    for j, g in enumerate(generators):
+        noise[j].exponential_(generator=g)        # each request's own stream, as when drawn alone
+    ks = [p.top_k for p in params if 0 < p.top_k < vocab]
+    return race(rows, knobs, noise, min_p=any(p.min_p > 0 for p in params), top_k=max(ks, default=0),
+                top_p=any(p.top_p < 1.0 for p in params))
+
+
+def draw_knobs(p: SamplingParams, vocab: int) -> tuple[float, float, float, float]:
+    """One row's (temperature, min_p, top-k (0: off), top-p), as `race` reads them."""
+    return (p.temperature, p.min_p, p.top_k if 0 < p.top_k < vocab else 0, p.top_p)
+
+
+def race(rows: torch.Tensor, knobs: torch.Tensor, noise: torch.Tensor, *, min_p: bool = True, top_k: int = -1,
+         top_p: bool = True) -> torch.Tensor:
+    """[R] tokens drawn from `rows` [R, vocab] with `knobs` [4, R] float64 (draw_knobs' columns)
+    and `noise` [R, vocab] float64 Exp(1) draws, in tensor ops only: no host sync, shapes fixed by
+    the inputs (so a graph can hold it: engine/decode_graph.py). The keywords skip a stage no row
+    uses (min_p 0, top-k off, top-p 1 change nothing in it) and `top_k` is the widest k of any row
+    (-1: the whole row); a stage run for every row gives every row the same token as skipping it."""
+    vocab = rows.shape[-1]
+    temperature, min_p_, top_p_ = knobs[0, :, None], knobs[1, :, None], knobs[3, :, None]
     x = rows.double()
     x = (x - x.amax(dim=-1, keepdim=True)) / temperature   # finite: the max is 0, the rest <= 0 or -inf
-    if any(p.min_p > 0 for p in params):
+    if min_p:
         # vLLM's order: min_p on the tempered distribution, then top-k and top-p. The top token
         # always stays (its probability is the max); min_p 0 drops nothing.
         p = torch.softmax(x, dim=-1)
-        x = x.masked_fill(p < min_p * p.amax(dim=-1, keepdim=True), float("-inf"))
-    ks = [p.top_k for p in params if 0 < p.top_k < vocab]
-    if ks:
+        x = x.masked_fill(p < min_p_ * p.amax(dim=-1, keepdim=True), float("-inf"))
+    if top_k:
         k = knobs[2].long()[:, None]
         # The k-th largest value of each row (its last kept); a row without top-k cuts nothing.
-        values = torch.topk(x, max(ks), dim=-1).values
+        values = torch.topk(x, vocab if top_k < 0 else top_k, dim=-1).values
         kth = torch.where(k > 0, values.gather(1, (k - 1).clamp(min=0)), float("-inf"))
         x = x.masked_fill(x < kth, float("-inf"))
     probs = torch.softmax(x, dim=-1)
-    if any(p.top_p < 1.0 for p in params):
+    if top_p:
         sorted_p, idx = torch.sort(probs, dim=-1, descending=True)
         cum = torch.cumsum(sorted_p, dim=-1)
         # Keep the smallest prefix whose mass reaches top_p. NOTE: the top token is always kept:
         # its preceding mass is exactly 0.0 (cum[0] - sorted_p[0]) and top_p > 0, however small.
         # A row with top_p 1 keeps everything (its cut is off, not "mass >= 1", which rounding
         # could reach before the last tokens).
-        drop = (cum - sorted_p >= top_p) & (top_p < 1.0)
+        drop = (cum - sorted_p >= top_p_) & (top_p_ < 1.0)
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(1, idx, sorted_p)
-    noise = torch.empty_like(probs)
-    for j, g in enumerate(generators):
-        noise[j].exponential_(generator=g)        # each request's own stream, as when drawn alone
     drawn = torch.argmax(probs / noise, dim=-1)
     total = probs.sum(dim=-1)
     # No mass left (or NaN): the top token. Chosen on the device, so no host check is needed.

@@ -120,15 +120,21 @@ class Scheduler:
         shares = self._shares()
         running = sorted(self.running, key=lambda s: shares.over(s.tenant))
         holding = {s.tenant for s in (*self.running, *self.loading)}
-        if self.decode_step_tokens is not None:
-            decoding = [s for s in running if s.num_tokens - s.num_computed == 1]
-            if decoding:
-                budget = max(len(decoding), min(budget, self.decode_step_tokens))
-                running = decoding + [s for s in running if s.num_tokens - s.num_computed != 1]
+        # Decodes are served every step (vLLM v1's chunked prefill beside decodes): a prefill chunk
+        # takes what the budget holds beyond one token for each decode not yet scheduled, so a
+        # long prompt ahead in this order (a tenant under its share) never starves a decoder.
+        decoding = [s for s in running if s.num_tokens - s.num_computed == 1]
+        owed = len(decoding)
+        budget = max(budget, owed)
+        if self.decode_step_tokens is not None and decoding:
+            budget = max(owed, min(budget, self.decode_step_tokens))
+            running = decoding + [s for s in running if s.num_tokens - s.num_computed != 1]
         out: list[Scheduled] = []
         for seq in running:
             if budget == 0:
                 break
+            decode = seq.num_tokens - seq.num_computed == 1
+            owed -= decode
             if seq.status is not SeqStatus.RUNNING:
                 continue   # preempted earlier in this loop
             try:
@@ -138,7 +144,7 @@ class Scheduler:
                     if late and not self._past_deadline(seq):
                         continue       # its front is computed; its back is still loading
                     self._join(seq, abandon=late)
-                n = min(seq.num_tokens - seq.num_computed, budget)
+                n = min(seq.num_tokens - seq.num_computed, budget if decode else budget - owed)
                 if seq.load is not None:
                     n = min(n, seq.compute_until - seq.num_computed)
                 if n <= 0:

@@ -20,7 +20,8 @@ import torch
 
 from engine.errors import BillingUnavailable
 from engine.output_stream import completion_of, emit, take_token_text
-from engine.sampler import RowResult, SamplingError, make_generator, sample_batch
+from engine.sampler import (RowResult, SampledStep, SamplingError, draw_knobs, is_greedy, make_generator,
+                            packed_step, sample_batch, upload)
 from engine.sequence import Sequence, SeqStatus
 from storage.exact_entry import read_logits
 from storage.foreground import FOREGROUND
@@ -113,7 +114,11 @@ class StepLoop:
             return
         # An exact hit (num_tokens 0) computes nothing: its row is its stored logits.
         computing = [s for s in scheduled if s.num_tokens > 0]
-        rows = self._forward(computing) if computing else []
+        # A decode step may choose the tokens itself (engine/decode_graph.py): asked before the
+        # forward, since it draws each sampled row's noise from the request's generator.
+        draws = self._draws(computing) if computing and len(computing) == len(scheduled) else None
+        rows = self._forward(computing, draws) if computing else []
+        decoded = self.runner.tokens if draws is not None else None
         scheduled = computing + [s for s in scheduled if s.num_tokens == 0]
         rows += [read_logits(self.cache.pool.kv, s.seq.logits_pages, self.logits_format)
                  for s in scheduled[len(computing):]]
@@ -132,9 +137,12 @@ class StepLoop:
                 producing += [(child, row) for child in self._fork(seq)]
         try:
             with self._sync_check():
-                step = sample_batch(torch.stack([row for _, row in producing]), [q.params for q, _ in producing],
-                                    [q.generator for q, _ in producing],
-                                    [(q.prompt_ids, q.output_ids) for q, _ in producing], self.eos_ids)
+                if decoded is not None:
+                    step = self._decoded(decoded, computing, producing)
+                else:
+                    step = sample_batch(torch.stack([row for _, row in producing]),
+                                        [q.params for q, _ in producing], [q.generator for q, _ in producing],
+                                        [(q.prompt_ids, q.output_ids) for q, _ in producing], self.eos_ids)
             results = step.read()        # the step's one wait for the device
             self.step_timer.collect()    # this step's GPU time, readable now (CUDA events)
         except Exception as e:
@@ -150,14 +158,45 @@ class StepLoop:
             except Exception as e:
                 self._fail(seq, e if isinstance(e, SamplingError) else RuntimeError(f"handling a token failed: {e}"))
 
-    def _forward(self, scheduled: list) -> list:
+    def _draws(self, scheduled: list) -> list | None:
+        """How a decode step may draw each sequence's token (DecodeRow.draw; None: greedy, or no
+        token this step), or None when some row's token must come from the sampler over the logits:
+        penalties or min_tokens change its logits, or it is a first token with choices to fork."""
+        decode = self.runner.decode
+        if decode is None:
+            return None
+        out = []
+        for s in scheduled:
+            seq, p = s.seq, s.seq.params
+            if seq.num_computed + s.num_tokens < seq.num_tokens:
+                out.append(None)             # a prompt chunk that is not the last: no token, no draw
+                continue
+            if p.penalized or p.min_tokens > len(seq.output_ids) or (seq.group is not None and not seq.group.forked):
+                return None
+            out.append(None if is_greedy(p) or seq.generator is None
+                       else (draw_knobs(p, decode.vocab), seq.generator))
+        return out
+
+    def _decoded(self, decoded: tuple, computing: list, producing: list) -> SampledStep:
+        """The tokens the decode step chose, for the rows producing one (in `producing`'s order),
+        with the logprobs asked for, as one SampledStep (the step's one copy back)."""
+        tokens, nan = decoded
+        at = {id(s.seq): j for j, s in enumerate(computing)}
+        pos = [at[id(seq)] for seq, _ in producing]
+        if pos != list(range(len(computing))):      # a sequence failed after the forward
+            index = upload([pos], torch.long, tokens.device)[0]
+            tokens, nan = tokens.index_select(0, index), nan.index_select(0, index)
+        return packed_step(tokens, nan, lambda: torch.stack([row for _, row in producing]),
+                           [q.params.logprobs or 0 for q, _ in producing])
+
+    def _forward(self, scheduled: list, draws: list | None = None) -> list:
         """Logits rows of the scheduled sequences (failed ones taken out of `scheduled`)."""
         work = [(s.num_tokens, s.seq.num_computed + s.num_tokens) for s in scheduled]
         self.step_timer.collect()        # earlier CUDA steps whose end event completed (no wait)
         try:
             started = self.step_timer.start()
             with self._sync_check():
-                rows = list(self.runner.forward(scheduled))
+                rows = list(self.runner.forward(scheduled, draws))
             self.step_timer.stop(started, work)
         except Exception as batch_error:
             log.exception("a forward pass of %d sequences failed", len(scheduled))

@@ -71,6 +71,9 @@ def test_dry_run_runs_every_step_and_writes_its_json(tmp_path, group: str) -> No
         (decode,) = steps["decode"]["tiny-llama"]["result"]["rows"]
         assert decode["batch"] == 2 and decode["floor_ms"] > 0
         assert decode["eager_ms"] > 0 and decode["static_ms"] > 0 and decode["transformers_ms"] > 0
+        # to the token ids: chosen in the step, and (paired) by the sampler over its logits
+        assert all(decode[f"{m}_{k}_ms"] > 0 for m in ("eager", "static") for k in ("greedy", "top_p"))
+        assert decode["static_top_p_sampler_ms"] > 0
     if "throughput" in steps:
         systems = {r["system"] for r in steps["throughput"]["tiny-llama"]["result"]["rows"]}
         assert systems == {"tieredkv", "transformers_batch"}

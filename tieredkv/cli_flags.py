@@ -53,7 +53,7 @@ FLAG_TABLE = (
     ("--served-model-name", "vLLM", "the same"),
     ("--max-model-len, -c, --ctx-size", "vLLM, llama-server", "the context length (`--max-model-len`)"),
     ("--max-num-seqs, -np, --parallel", "vLLM, llama-server", "sequences in one batch (default 64)"),
-    ("--max-num-batched-tokens, -ub, --ubatch-size", "vLLM, llama-server", "tokens one engine step computes (default 512 on a CPU, 4096 on a GPU)"),
+    ("--max-num-batched-tokens, -ub, --ubatch-size", "vLLM, llama-server", "tokens one engine step computes (default 512 on a CPU, 8192 on a GPU)"),
     ("--enforce-eager", "vLLM", "the same: decode steps run eagerly, no CUDA graphs"),
     ("--gpu-memory-utilization F", "vLLM", "the device pool is F of the GPU's free memory at start (CUDA only; "
      "else `--device-memory`)"),

@@ -195,7 +195,7 @@ def serve(
     max_num_batched_tokens: Optional[int] = typer.Option(None, "--max-num-batched-tokens", min=1,
                                                          help="vLLM's: tokens one engine step computes (prefill "
                                                          "chunks and decodes together; default 512 on a CPU, "
-                                                         "4096 on a GPU)."),
+                                                         "8192 on a GPU)."),
     gpu_memory_utilization: Optional[float] = typer.Option(None, "--gpu-memory-utilization",
                                                            help="vLLM's, here: the device pool is this fraction "
                                                            "of the GPU's free memory at start (instead of "

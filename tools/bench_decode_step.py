@@ -12,9 +12,14 @@ and the peer: transformers' forward of one token per sequence over its DynamicCa
 (SDPA). The floor: the bytes a step must read (weights + the sequences' KV) over the memory
 bandwidth a copy measures in the same run. Each figure is the median of --steps timed steps after
 warm-up (a device sync after each).
+--sample none,greedy,top_p: besides the logits alone (none: `<mode>_ms`), each mode timed to the
+token ids on the host (`<mode>_<kind>_ms`; greedy, or seeded temperature 0.8 + top-p 0.9 rows):
+the eager path with engine/sampler.py's sample_batch, the graph-safe step with its tokens chosen in
+the step (issue 42) and, paired in the same run, with sample_batch over its logits as before
+(`<mode>_<kind>_sampler_ms`).
 
     python tools/bench_decode_step.py [--batch 1,8,32] [--context 512] [--steps 20]
-        [--modes eager,static,compile,cuda_graph] [--attention auto] [--json]
+        [--modes eager,static,compile,cuda_graph] [--attention auto] [--sample none] [--json]
 """
 from __future__ import annotations
 
@@ -36,6 +41,8 @@ from engine.attention_backends import pool_by_layer  # noqa: E402
 from engine.decode_graph import DecodeGraphs, DecodeRow  # noqa: E402
 from engine.model import load_model, model_from_config, resolve_device  # noqa: E402
 from engine.model_runner import ModelRunner  # noqa: E402
+from engine.sampler import draw_knobs, make_generator, packed_step, sample_batch  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
 from engine.paged_attention import ATTN_NAME, register  # noqa: E402
 from storage.device_pool import DevicePool  # noqa: E402
 from storage.layout import BlockLayout  # noqa: E402
@@ -81,6 +88,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--modes", default=None, help="default: eager,static,compile (+cuda_graph on CUDA)")
     ap.add_argument("--attention", default=None)
+    ap.add_argument("--sample", default="none", help="none,greedy,top_p: what each mode is timed to (see above)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     register()
@@ -93,6 +101,9 @@ def main() -> None:
     model, cfg = loaded.model, loaded.model.config
     modes = (args.modes or "eager,static,compile" + (",cuda_graph" if device.type == "cuda" else "")).split(",")
     batches = [int(b) for b in args.batch.split(",")]
+    sample = args.sample.split(",")
+    if not set(sample) <= {"none", "greedy", "top_p"}:
+        ap.error(f"--sample: expected none, greedy or top_p, got {args.sample!r}")
     B, C = args.block_size, args.context
     L, H_kv = cfg.num_hidden_layers, cfg.num_key_value_heads
     D = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -111,11 +122,19 @@ def main() -> None:
         kv_bytes = N * C * L * 2 * H_kv * D * kv.element_size()
         row = {"batch": N, "context": C, "floor_ms": 1e3 * (weight_bytes + kv_bytes) / bw}
         runner = ModelRunner(model, kv, B, args.attention, max_query=1)
+        kinds = {"greedy": SamplingParams(), "top_p": SamplingParams(temperature=0.8, top_p=0.9, seed=1)}
         for mode in modes:
             if mode == "eager":
                 sched = [SimpleNamespace(num_tokens=1, seq=SimpleNamespace(tokens=[7] * C, num_computed=C - 1,
                                                                             pages=list(r.pages))) for r in rows]
-                row["eager_ms"] = 1e3 * _time(lambda: runner.forward(sched), args.steps, device)
+                for kind in sample:
+                    if kind == "none":
+                        row["eager_ms"] = 1e3 * _time(lambda: runner.forward(sched), args.steps, device)
+                        continue
+                    params = [kinds[kind]] * N
+                    gens = [make_generator(p, device) for p in params]
+                    row[f"eager_{kind}_ms"] = 1e3 * _time(
+                        lambda: sample_batch(runner.forward(sched), params, gens).read(), args.steps, device)
                 continue
             if mode == "cuda_graph" and device.type != "cuda":
                 continue
@@ -128,7 +147,21 @@ def main() -> None:
             _sync(device)
             if mode == "compile":
                 row["compile_s"] = time.perf_counter() - t
-            row[f"{mode}_ms"] = 1e3 * _time(lambda: step.run(rows), args.steps, device)
+            for kind in sample:
+                if kind == "none":
+                    row[f"{mode}_ms"] = 1e3 * _time(lambda: step.run(rows), args.steps, device)
+                    continue
+                params = [kinds[kind]] * N
+                gens = [make_generator(p, device) for p in params]
+                drawn = [DecodeRow(r.token, r.context_len, r.pages, None if kind == "greedy"
+                                   else (draw_knobs(p, step.vocab), g)) for r, p, g in zip(rows, params, gens)]
+                row[f"{mode}_{kind}_sampler_ms"] = 1e3 * _time(
+                    lambda: sample_batch(step.run(rows), params, gens).read(), args.steps, device)
+
+                def in_step():                    # tokens chosen in the step, one packed copy back
+                    step.run(drawn)
+                    return packed_step(step.tokens, step.nan, None, [0] * N).read()
+                row[f"{mode}_{kind}_ms"] = 1e3 * _time(in_step, args.steps, device)
         # The peer: transformers' own step over a DynamicCache of C tokens per sequence (SDPA).
         peer = model_from_config(cfg, device=device, dtype=loaded.dtype, attn_implementation="sdpa").model \
             if not args.model else load_model(args.model, device=device, dtype=args.dtype).model
@@ -152,11 +185,14 @@ def main() -> None:
     print(f"decode step, {result['device']} {result['dtype']}, attention {result['attention']} "
           f"(pool {result['pool_layout']}-major), copy {result['bandwidth_GBs']:.1f} GB/s, "
           f"weights {result['weights_MB']:.0f} MB")
-    cols = ["floor_ms"] + [f"{m}_ms" for m in modes] + ["transformers_ms"]
-    print("batch context " + " ".join(f"{c:>15}" for c in cols))
+    cols = ["floor_ms"] + [c for m in modes for k in sample for c in
+                           ([f"{m}_ms"] if k == "none" else [f"{m}_{k}_ms", f"{m}_{k}_sampler_ms"])
+                           if c in rows_out[0]] + ["transformers_ms"]
+    w = {c: max(15, len(c)) for c in cols}
+    print("batch context " + " ".join(f"{c:>{w[c]}}" for c in cols))
     for r in rows_out:
         print(f"{r['batch']:5d} {r['context']:7d} " + " ".join(
-            f"{r[c]:15.2f}" if c in r else f"{'-':>15}" for c in cols))
+            f"{r[c]:{w[c]}.2f}" if c in r else f"{'-':>{w[c]}}" for c in cols))
     print(json.dumps(result))
 
 

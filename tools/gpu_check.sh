@@ -80,14 +80,14 @@ if [ $DRY -eq 1 ]; then
     OUT_DIR=${OUT_DIR:-${TMPDIR:-/tmp}/gpu_check_dry}
     SHAPES=${SHAPES:-tiny-llama}
     LENGTHS=64,128; N=2; LEN=128; MAXTOK=4; POOL=64MiB; REPEAT=1; TPOOL=64MiB; SYNCPOOL=64MiB
-    DECODE="--batch 2 --context 128 --steps 3 --modes eager,static"
+    DECODE="--batch 2 --context 128 --steps 3 --modes eager,static --sample none,greedy,top_p"
     PEER="--peer-num-blocks 64"   # transformers sizes its CPU cache from free RAM: ~10-20 GB
     ATTNS=${ATTNS:-gather_sdpa}   # flex_paged uncompiled on a CPU is eager over the pool: hours
     export CUDA_VISIBLE_DEVICES=""
 else
     OUT_DIR=${OUT_DIR:-${OUT:-gpu_results}}
     SHAPES=${SHAPES:-smollm2-135m llama-3.1-8b}
-    LENGTHS=2048,8000; N=32; LEN=4096; MAXTOK=128; POOL=6GiB; REPEAT=${REPEAT:-3}; TPOOL=24GiB; SYNCPOOL=2GiB; PEER=""; DECODE="--batch 1,32 --context 4096 --steps 20 --modes eager,static,cuda_graph --attention ${DECODE_ATTN:-auto}"
+    LENGTHS=2048,8000; N=32; LEN=4096; MAXTOK=128; POOL=6GiB; REPEAT=${REPEAT:-3}; TPOOL=24GiB; SYNCPOOL=2GiB; PEER=""; DECODE="--batch 1,32 --context 4096 --steps 20 --modes eager,static,cuda_graph --sample none,greedy,top_p --attention ${DECODE_ATTN:-auto}"
     ATTNS=${ATTNS:-gather_sdpa flex_paged}
     $PY -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'" || exit 2
 fi

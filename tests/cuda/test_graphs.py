@@ -1,9 +1,12 @@
-"""Issue 30 on a GPU: flex_paged's compiled shapes, the decode step's CUDA graphs, a 2 GiB pool.
+"""Issue 30 on a GPU: flex_paged's compiled shapes, the decode step's CUDA graphs, a 2 GiB pool;
+issue 42: the decode step's graphs to the token ids (sampled rows drawn in the step).
 
 What a user relies on: flex_paged compiles its known set at start and never again, whatever the
 batch, query length or context (a recompile past the set would have run flex eagerly: scores
 against the whole pool); decode steps replayed from CUDA graphs give exactly the eager engine's
-greedy tokens (and transformers'); a pool of >= 2 GiB serves through flex_paged.
+greedy tokens (and transformers'), and seeded sampled rows drawn in the step's graphs exactly the
+tokens the eager sampler draws from the same logits (no host sync in the step); a pool of >= 2 GiB
+serves through flex_paged.
 Run by tools/gpu_check.sh; `python -m pytest -m cuda` runs them alone.
 """
 from __future__ import annotations
@@ -15,9 +18,15 @@ import pytest
 import torch
 
 from engine.attention_backends import GatherSDPA
+from engine.decode_graph import DecodeRow
+from engine.model_runner import ModelRunner
+from engine.model import model_from_config
+from engine.paged_attention import ATTN_NAME, register
+from engine.sampler import draw_knobs, is_greedy, make_generator, sample_batch
 from engine.flex_paged import Q_TILE, FlexPaged
 from tests.cuda.test_cuda_path import cuda_engine, reference
-from tests.engine.conftest import random_prompt
+from tests.engine.conftest import random_prompt, tiny_llama_config
+from tests.engine.test_decode_graph import DRAWS
 from tests.engine.test_attention_backends import D, HEADS, KV_HEADS, L
 from tests.engine.test_flex_buckets import PAGES, _random_pass, _run
 from tieredkv import SamplingParams
@@ -67,6 +76,46 @@ def test_decode_graphs_replay_the_eager_engines_greedy_tokens(tmp_path):
         assert len(decode.runs) >= 2
         assert _staggered(eng, prompts, lengths) == want        # again, from the cache
         assert eng.runner.backend.compiles == compiles          # no recompile
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_graphed_step_draws_what_the_eager_sampler_draws(dtype):
+    """The captured step and its draw's graph, greedy and sampled rows mixed and padding rows:
+    the tokens are exactly sample_batch's over the step's own logits with the same seeds, step
+    after step, with every host sync an error while they run."""
+    register()
+    loaded = model_from_config(tiny_llama_config(), seed=0, device="cuda", dtype=dtype, attn_implementation=ATTN_NAME)
+    cfg, B = loaded.model.config, 16
+    kv = torch.randn((12, cfg.num_hidden_layers, 2, B, cfg.num_key_value_heads,
+                      cfg.hidden_size // cfg.num_attention_heads), device="cuda", dtype=dtype)
+    # flex_paged warmed up and the step captured as the engine builds them
+    step = ModelRunner(loaded.model, kv, B, "flex_paged", max_query=1, decode="cuda_graph", max_seqs=8,
+                       max_context=32, sink=11).decode
+    assert sorted(step.graphs) == sorted(step.tails) == [1, 2, 4, 8]
+    ours = [make_generator(p, "cuda") for p in DRAWS]
+    theirs = [make_generator(p, "cuda") for p in DRAWS]
+    for t in range(4):
+        rows = [DecodeRow(7 + i + t, 3 + 4 * i + t, (i,), None if is_greedy(p) else (draw_knobs(p, step.vocab), g))
+                for i, (p, g) in enumerate(zip(DRAWS, ours))]
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            logits = step.run(rows)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        assert step.tokens.tolist() == [r.token for r in sample_batch(logits, DRAWS, theirs).read()], t
+
+
+def test_sampled_requests_through_graphs_draw_the_eager_engines_tokens(tmp_path):
+    prompts = [random_prompt(n, seed=300 + n) for n in (5, 37, 61, 100, 17, 23)]
+    params = [SamplingParams(max_tokens=5 + 2 * i, temperature=d.temperature, top_k=d.top_k, top_p=d.top_p,
+                             min_p=d.min_p, seed=d.seed) for i, d in enumerate(DRAWS)]
+    outs = []
+    for kw in ({"enforce_eager": True}, {"sync_debug": "error"}):
+        with cuda_engine(tmp_path / str(len(outs)), attention="flex_paged", max_seqs=8, **kw) as eng:
+            with ThreadPoolExecutor(len(prompts)) as pool:
+                outs.append([o.token_ids for o in pool.map(eng.generate, prompts, params)])
+            assert eng.runner.decode is None or eng.runner.decode.drawn_steps > 0
+    assert outs[0] == outs[1]
 
 
 def test_a_2gib_pool_through_flex_paged(tmp_path):
