@@ -70,8 +70,8 @@ fi
 # truncated store is a crash): build them in place with the machine's cc when they are missing.
 if [ $DRY -eq 0 ]; then
     read -r inc suffix < <($PY -c "import sysconfig as s; print(s.get_paths()['include'], s.get_config_var('EXT_SUFFIX'))")
-    for mod in storage/codec/_byte_planes storage/codec/_nibble storage/codec/_block_batch storage/disk/_map_faults; do
-        [ -f "$mod$suffix" ] || ${CC:-cc} -O3 -shared -fPIC -pthread -I"$inc" "$mod.c" -o "$mod$suffix" \
+    for mod in storage/codec/_byte_planes storage/codec/_nibble storage/codec/_block_batch storage/disk/_map_faults storage/disk/_lock_touch; do
+        [ -f "$mod$suffix" ] || ${CC:-cc} -O3 -shared -fPIC -pthread -I"$inc" "$mod.c" -o "$mod$suffix" -ldl \
             || echo "gpu_check: building $mod.c failed" >&2
     done
 fi
