@@ -40,10 +40,10 @@ class ScriptedPasses:
         self._last_tokens = 0
         real_forward = ModelRunner.forward
 
-        def forward(runner, scheduled):
+        def forward(runner, scheduled, draws=None):
             self.forward_threads.append(threading.current_thread())
             self._last_tokens = sum(s.num_tokens for s in scheduled)
-            return real_forward(runner, scheduled)
+            return real_forward(runner, scheduled, draws)
         monkeypatch.setattr(ModelRunner, "forward", forward)
         monkeypatch.setattr(StepTimer, "measure", lambda timer, fn: self._measure(fn))
 
