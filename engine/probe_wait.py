@@ -1,8 +1,8 @@
-"""A request's wait for its remote probe, and what the probe's answer is still worth when late.
+"""A request's wait for its probe of the tiers over a link, and what the answer is still worth when late.
 
 Knows: the wait (at admission) and the late answer (while running). A request's probe (which of
-its blocks the shared store holds: asked on a loader thread since submit, storage/loader.py) is a
-round trip of the store. Its first turn at admission starts the wait: `LoadDeadlines.probe_seconds`
+its blocks each tier over a link, the shared store, holds: asked on a loader thread since submit,
+storage/loader.py) is a round trip of the store. Its first turn at admission starts the wait: `LoadDeadlines.probe_seconds`
 (engine/load_deadline.py: LOAD_MARGIN x the store's round-trip figure plus a small slack, never
 more than a small fraction of the predicted recompute). Answered in time, the admission matches
 the store's blocks as any tier's. Past the wait the request is admitted as if the store held
@@ -36,7 +36,7 @@ that fails or times out at the store's own timeout is a failure as every call is
 (storage/remote/tier.py `_call`).
 
 Doesn't know: clocks (the scheduler's, injectable), the store (the probe's answer is in memory
-once `RemoteProbe.done` is set), fills or pages beyond asking the cache to plan them.
+once `ChainProbe.done` is set), fills or pages beyond asking the cache to plan them.
 
 Engine thread only: the scheduler calls it from admission and schedule(); its counters are read
 by the engine's status (cost_model.load_deadline) on the engine thread or as plain ints.
@@ -64,7 +64,7 @@ class ProbeWait:
     def at_admission(self, seq: "Sequence") -> tuple[bool, ProbeAnswer | None]:
         """(admit now, the linked tiers' answers for match()). Not admitted while the probe is out and
         within its wait; past it, admitted with none (the probe kept as `seq.late_probe`)."""
-        probe = seq.prefetch.probe if seq.prefetch is not None else None
+        probe = seq.probe
         if probe is None:
             return True, None
         if probe.done.is_set():
@@ -103,14 +103,14 @@ class ProbeWait:
                 or first >= len(keys)):
             self.late_unused += 1
             return
-        match = s.cache.match(keys[first:], probe.answer)
+        match = s.cache.match(keys[first:], probed=probe.answer)
         start = first
         if len(match) and s.planner is not None:
             # The suffix after the matched blocks, as admission's split is told (scheduler._split):
             # a back load joins before it runs, recomputing runs it in the front's chunks.
             suffix = len(seq.prompt_ids) - (first + len(match)) * bs
             start = s.planner.split(["device"] * first + [t for _, t in match.blocks], suffix_tokens=suffix).start
-        back = s.cache.start_load(CacheMatch(match.blocks[start - first:]), seq.prefetch) if start < first + len(match) else None
+        back = s.cache.start_load(CacheMatch(match.blocks[start - first:]), seq.hits) if start < first + len(match) else None
         if back is None or not back.pages:
             self.late_unused += 1
             return

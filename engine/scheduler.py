@@ -9,10 +9,10 @@ nor how blocks are restored: the cache's loader fills pages on its own threads.
 Per step: running sequences first (oldest first: each decode takes 1 token, an unfinished
 prefill takes its next chunk), then sequences whose prefix finished loading (their first prefill
 chunk), then admissions from the waiting queue while budget and pages last. An admission whose
-prefix has host, disk or remote blocks is planned (pages held, fills started) and waits in
+prefix has blocks held below the device is planned (pages held, fills started) and waits in
 `loading` without taking budget: the others keep stepping while its bytes are read (at most
-`max_loading` such sequences at once). A request whose remote probe (which of its blocks the
-shared store holds: asked on a loader thread since submit) has not answered yet stays in the
+`max_loading` such sequences at once). A request whose probe (which of its blocks the tiers over
+a link, the shared store, hold: asked on a loader thread since submit) has not answered yet stays in the
 queue about a round trip, the requests behind it admitted meanwhile; then it computes from the
 front, and a late answer loads the rest from the back (engine/probe_wait.py). A sequence that
 cannot get pages preempts the newest running one; the victim's full blocks are registered in
@@ -96,7 +96,7 @@ class Scheduler:
         self.preemption = Preemption(self)   # pages taken from others when the pool has none
         # Who admission tries next, and the newcomer's step (engine/admission_order.py).
         self.order = AdmissionOrder(self, newcomer_first)
-        self.probes = ProbeWait(self)   # the wait for a remote probe, a late answer's back load
+        self.probes = ProbeWait(self)   # the wait for a probe of the linked tiers, a late answer's back load
         self.exact_hits = 0           # admissions with nothing to compute (storage/exact_entry.py)
         self.cow_copies = 0           # pages copied before a write (shared or cached pages)
         self._failed: list[tuple[Sequence, Exception]] = []   # engine thread only
@@ -227,14 +227,14 @@ class Scheduler:
         """Match, then plan the prefix and either start the first chunk or wait for the loader.
         Scheduled: running now; True: loading; None: wait (a block another request computes
         now, or too many loads in flight); False: not enough pages now (stop admitting)."""
-        ready, remote = self.probes.at_admission(seq)    # engine/probe_wait.py
+        ready, probed = self.probes.at_admission(seq)    # engine/probe_wait.py
         if not ready:
-            return None     # its remote probe is out and within its wait: others go first
+            return None     # its probe is out and within its wait: others go first
         keys = seq.prefix_keys()
         # Exact hit (storage/exact_entry.py): the whole chain, tail and logits included, is cached.
         # Else the match is cut where a prefix hit is capped (len - 1 tokens), as it always was.
         exact = seq.exact if seq.exact is not None and not seq.output_ids else None
-        match = self.cache.match(exact.chain if exact is not None else keys, remote)
+        match = self.cache.match(exact.chain if exact is not None else keys, probed)
         if exact is not None and len(match) < len(exact.chain):
             match, exact = CacheMatch(match.blocks[:len(keys)]), None
         if len(match) < len(keys) and keys[len(match)].hash in pending:
@@ -252,7 +252,7 @@ class Scheduler:
         split = self._split(seq, match) if needs_load and exact is None else None
         if split is not None and split.start > split.device:
             return self._start_split(seq, match, split, budget)
-        load = self.cache.start_load(match, seq.prefetch)
+        load = self.cache.start_load(match, seq.hits)
         if load.pending:
             first = next(i for i, f in enumerate(load.fills) if f is not None)
             seq.load_deadline = self._deadline(first, len(load.fills), load.tiers[first:])
@@ -279,8 +279,8 @@ class Scheduler:
         if len(front.pages) < split.device:     # the pool changed under us: load as usual instead
             self.cache.release(front.pages)
             return None
-        recomputed = self.cache.recomputed(match.blocks[split.device:split.start], seq.prefetch)
-        back = self.cache.start_load(CacheMatch(match.blocks[split.start:]), seq.prefetch) if split.loaded else None
+        recomputed = self.cache.recomputed(match.blocks[split.device:split.start], seq.hits)
+        back = self.cache.start_load(CacheMatch(match.blocks[split.start:]), seq.hits) if split.loaded else None
         if back is not None:
             seq.load_deadline = self._deadline(split.start, split.start + len(back.fills), back.tiers)
         seq.recomputed_hit_tokens = len(recomputed) * self.block_size
