@@ -1,4 +1,6 @@
-"""A Sequence: one request's tokens, pages and progress through the engine.
+"""A Sequence: one request's tokens, pages and progress through the engine; `Scheduled`: a
+sequence and the tokens it computes this step (what the scheduler and its helpers hand on and
+the model runner runs).
 
 Knows: the prompt and output token ids, the page table, how many tokens have KV in pages
 (num_computed), the block keys of its full blocks and how many are registered in the cache,
@@ -129,3 +131,9 @@ class Sequence:
         self.late_probe = None     # a re-admission reads the answer itself (engine/probe_wait.py)
         self.logits_pages = []
         self.status = SeqStatus.WAITING
+
+
+@dataclass(frozen=True, slots=True)
+class Scheduled:
+    seq: Sequence
+    num_tokens: int          # new tokens computed this step, starting at seq.num_computed
