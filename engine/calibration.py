@@ -38,7 +38,7 @@ import torch
 
 from engine.prefill_model import PrefillModel
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduled
+from engine.sequence import Scheduled
 from engine.sequence import Sequence
 from engine.step_timer import StepTimer
 from storage.tiered_cache import TieredKVCache

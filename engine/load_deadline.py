@@ -67,6 +67,13 @@ class PlannedLoad:
     tiers: tuple[str, ...]
 
 
+def planned_load(deadlines: "LoadDeadlines | None", clock: Callable[[], float], start: int, end: int,
+                 tiers: Sequence[str]) -> PlannedLoad | None:
+    """A load of blocks [start, end) of a prompt (held in `tiers`), planned now on `clock`: its
+    deadline is derived from it at each check (LoadDeadlines.due). None: no deadlines."""
+    return None if deadlines is None else PlannedLoad(clock(), start, end, tuple(tiers))
+
+
 @dataclass(frozen=True, slots=True)
 class LoadDeadlines:
     compute_seconds: Callable[[int, int], float | None]   # predicted prefill of blocks [start, end)

@@ -12,7 +12,7 @@ from engine.attention_backends import AttentionBackend, make_backend
 from engine.decode_graph import DecodeGraphs, DecodeRow
 from engine.flex_paged import attention_span
 from engine.paged_batch import PagedBatch, SeqSlice
-from engine.scheduler import Scheduled
+from engine.sequence import Scheduled
 from engine.staging import StepUpload
 
 

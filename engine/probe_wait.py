@@ -1,8 +1,8 @@
-"""A request's wait for its remote probe, and what the probe's answer is still worth when late.
+"""A request's wait for its probe of the tiers over a link, and what the answer is still worth when late.
 
 Knows: the wait (at admission) and the late answer (while running). A request's probe (which of
-its blocks the shared store holds: asked on a loader thread since submit, storage/loader.py) is a
-round trip of the store. Its first turn at admission starts the wait: `LoadDeadlines.probe_seconds`
+its blocks each tier over a link, the shared store, holds: asked on a loader thread since submit,
+storage/loader.py) is a round trip of the store. Its first turn at admission starts the wait: `LoadDeadlines.probe_seconds`
 (engine/load_deadline.py: LOAD_MARGIN x the store's round-trip figure plus a small slack, never
 more than a small fraction of the predicted recompute). Answered in time, the admission matches
 the store's blocks as any tier's. Past the wait the request is admitted as if the store held
@@ -12,8 +12,9 @@ never waits longer than the round trip is worth).
 When the answer comes while the request still has uncomputed full blocks of its prefix that a
 tier holds, those become a load from the back (Cake's split: compute from the front, load from
 the back) with its own deadline, exactly as an admission's split back (`seq.load`,
-`PlannedLoad`, Scheduler._join): the planner picks where the front stops (`RestorePlanner.split`
-over the blocks not computed yet; "recompute" loads nothing), the front computes up to that
+`PlannedLoad`, joined by the scheduler as a split's back is): the planner picks where the front
+stops (`RestorePlanner.split` over the blocks not computed yet; "recompute" loads nothing), the
+front computes up to that
 block (finishing the block it is in), the back's pages are new ones planned by the cache, and
 the two join once both are done. So a late but healthy probe still saves compute on a long prompt.
 A late answer is used once the sequence has no other load in flight (an admission's split back
@@ -35,88 +36,93 @@ about the store (a slow-but-answering store on a loaded machine is not a sick on
 that fails or times out at the store's own timeout is a failure as every call is
 (storage/remote/tier.py `_call`).
 
-Doesn't know: clocks (the scheduler's, injectable), the store (the probe's answer is in memory
-once `RemoteProbe.done` is set), fills or pages beyond asking the cache to plan them.
+Doesn't know: clocks (the scheduler's, injectable, handed in at each call), how many loads are in
+flight (the scheduler says whether the loader has room), the store (the probe's answer is in
+memory once `ChainProbe.done` is set), fills or pages beyond asking the cache to plan them.
 
 Engine thread only: the scheduler calls it from admission and schedule(); its counters are read
 by the engine's status (cost_model.load_deadline) on the engine thread or as plain ints.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Callable
 
+from engine.load_deadline import LoadDeadlines, planned_load
+from engine.restore_planner import RestorePlanner
+from engine.sequence import Sequence
 from storage.load_records import ProbeAnswer
-from storage.tiered_cache import CacheMatch
-
-if TYPE_CHECKING:
-    from engine.scheduler import Scheduler
-    from engine.sequence import Sequence
+from storage.tiered_cache import CacheMatch, TieredKVCache
 
 
 class ProbeWait:
-    def __init__(self, scheduler: "Scheduler") -> None:
-        self.s = scheduler
+    def __init__(self, cache: TieredKVCache, block_size: int, planner: RestorePlanner | None,
+                 deadlines: LoadDeadlines | None) -> None:
+        self.cache = cache
+        self.block_size = block_size
+        self.planner = planner          # None: a late answer loads all it can
+        self.deadlines = deadlines      # None: the probe is waited for, the load never given up
         self.abandoned = 0        # admissions without the probe's answer (past the wait)
         self.late_loads = 0       # late answers that planned a back load
         self.late_blocks = 0      # blocks those loads were planned for
         self.late_unused = 0      # late answers with nothing left worth loading
 
-    def at_admission(self, seq: "Sequence") -> tuple[bool, ProbeAnswer | None]:
+    def at_admission(self, seq: Sequence, clock: Callable[[], float]) -> tuple[bool, ProbeAnswer | None]:
         """(admit now, the linked tiers' answers for match()). Not admitted while the probe is out and
         within its wait; past it, admitted with none (the probe kept as `seq.late_probe`)."""
-        probe = seq.prefetch.probe if seq.prefetch is not None else None
+        probe = seq.probe
         if probe is None:
             return True, None
         if probe.done.is_set():
             return True, probe.answer
-        if not self._overdue(seq):
+        if not self._overdue(seq, clock):
             return False, None
         if seq.late_probe is not probe:
             self.abandoned += 1
             seq.late_probe = probe
         return True, ProbeAnswer()
 
-    def _overdue(self, seq: "Sequence") -> bool:
+    def _overdue(self, seq: Sequence, clock: Callable[[], float]) -> bool:
         """True once the request has waited for its probe as long as the rule allows, from its
         first turn at admission (never, without deadlines)."""
-        if self.s.deadlines is None:
+        if self.deadlines is None:
             return False
-        now = self.s.clock()
+        now = clock()
         if seq.probe_deadline is None:
-            seq.probe_deadline = now + self.s.deadlines.probe_seconds(len(seq.prefix_keys()))
+            seq.probe_deadline = now + self.deadlines.probe_seconds(len(seq.prefix_keys()))
         return now >= seq.probe_deadline
 
-    def late(self, seq: "Sequence") -> None:
+    def late(self, seq: Sequence, clock: Callable[[], float], loader_free: Callable[[], bool]) -> None:
         """A running sequence admitted without its probe's answer: once the answer is in (and no
         other load of its is in flight), what a tier holds of its uncomputed prefix is loaded
-        from the back. Called by schedule() before the sequence's next chunk is chosen."""
-        probe, s = seq.late_probe, self.s
+        from the back. Called by schedule() before the sequence's next chunk is chosen;
+        `loader_free()`: whether the loader takes one more load now."""
+        probe = seq.late_probe
         if probe is None or not probe.done.is_set() or seq.load is not None:
             return
-        if s.loads_in_flight() >= s.max_loading:
+        if not loader_free():
             return        # back-pressure on the loader: asked again at its next step
         seq.late_probe = None
-        bs = s.block_size
+        bs = self.block_size
         keys = seq.prefix_keys()
         first = len(seq.pages)        # the first block the sequence holds no page for
         if (not probe.answer or seq.hit_tokens_by_tier is None or first * bs < seq.num_computed
                 or first >= len(keys)):
             self.late_unused += 1
             return
-        match = s.cache.match(keys[first:], probe.answer)
+        match = self.cache.match(keys[first:], probed=probe.answer)
         start = first
-        if len(match) and s.planner is not None:
-            # The suffix after the matched blocks, as admission's split is told (scheduler._split):
+        if len(match) and self.planner is not None:
+            # The suffix after the matched blocks, as admission's split is told (engine/scheduler.py):
             # a back load joins before it runs, recomputing runs it in the front's chunks.
             suffix = len(seq.prompt_ids) - (first + len(match)) * bs
-            start = s.planner.split(["device"] * first + [t for _, t in match.blocks], suffix_tokens=suffix).start
-        back = s.cache.start_load(CacheMatch(match.blocks[start - first:]), seq.prefetch) if start < first + len(match) else None
+            start = self.planner.split(["device"] * first + [t for _, t in match.blocks], suffix_tokens=suffix).start
+        back = self.cache.start_load(CacheMatch(match.blocks[start - first:]), seq.hits) if start < first + len(match) else None
         if back is None or not back.pages:
             self.late_unused += 1
             return
         seq.hits.late_load([(tier, bs) for tier in back.tiers])     # billed (storage/hit_account.py)
         seq.load = back
-        seq.load_deadline = s._deadline(start, start + len(back.pages), back.tiers)
+        seq.load_deadline = planned_load(self.deadlines, clock, start, start + len(back.pages), back.tiers)
         seq.compute_until = start * bs
         self.late_loads += 1
         self.late_blocks += len(back.pages)

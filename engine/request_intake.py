@@ -150,9 +150,11 @@ class RequestIntake:
                 except Exception:      # a cache closing under it: served and cached as ever, nothing retained
                     log.exception("retention of %s failed: the request runs without it", seq.request_id)
             # Its disk blocks start moving to the host tier now, so its wait in the queue overlaps
-            # the drive (storage/loader.py; reads only memory here).
-            seq.prefetch = self.cache.prefetch(list(seq.exact.chain) if seq.exact is not None else seq.prefix_keys(),
-                                               seq.hits)
+            # the drive, and the tiers over a link are asked what they hold (storage/loader.py;
+            # reads only memory here).
+            chain = list(seq.exact.chain) if seq.exact is not None else seq.prefix_keys()
+            seq.prefetch = self.cache.prefetch(chain, seq.hits)
+            seq.probe = self.cache.probe(chain)
             self._inbox.put(seq)
         return seqs
 

@@ -179,7 +179,7 @@ class RestorePlanner:
 
     def _load_seconds(self, costs: list[str], start: int, end: int) -> float:
         """Predicted time to load blocks [start, end): per tier one fill (a latency, then the
-        bytes). Host and disk fills run one after another on a fill worker; remote fills run on
+        bytes). Host and disk fills run one after another on a fill worker; linked fills run on
         their own pool at the same time (storage/loader.py), so the slower of the two."""
         counts: dict[str, int] = {}
         for t in costs[start:end]:

@@ -9,10 +9,10 @@ nor how blocks are restored: the cache's loader fills pages on its own threads.
 Per step: running sequences first (oldest first: each decode takes 1 token, an unfinished
 prefill takes its next chunk), then sequences whose prefix finished loading (their first prefill
 chunk), then admissions from the waiting queue while budget and pages last. An admission whose
-prefix has host, disk or remote blocks is planned (pages held, fills started) and waits in
+prefix has blocks held below the device is planned (pages held, fills started) and waits in
 `loading` without taking budget: the others keep stepping while its bytes are read (at most
-`max_loading` such sequences at once). A request whose remote probe (which of its blocks the
-shared store holds: asked on a loader thread since submit) has not answered yet stays in the
+`max_loading` such sequences at once). A request whose probe (which of its blocks the tiers over
+a link, the shared store, hold: asked on a loader thread since submit) has not answered yet stays in the
 queue about a round trip, the requests behind it admitted meanwhile; then it computes from the
 front, and a late answer loads the rest from the back (engine/probe_wait.py). A sequence that
 cannot get pages preempts the newest running one; the victim's full blocks are registered in
@@ -41,24 +41,19 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
 from typing import Callable
 
 from engine.admission_order import AdmissionOrder
 from engine.fair_share import FairShare, Shares
-from engine.load_deadline import LoadDeadlines, PlannedLoad
+from engine.load_deadline import LoadDeadlines, PlannedLoad, planned_load
 from engine.preemption import Preemption
 from engine.probe_wait import ProbeWait
 from engine.restore_planner import RestorePlanner, Split
-from engine.sequence import Sequence, SeqStatus
+from engine.sequence import Scheduled, Sequence, SeqStatus
 from storage.load_records import Load
 from storage.tiered_cache import Acquired, CacheMatch, TieredKVCache
 
-
-@dataclass(frozen=True, slots=True)
-class Scheduled:
-    seq: Sequence
-    num_tokens: int          # new tokens computed this step, starting at seq.num_computed
+__all__ = ["Scheduled", "Scheduler"]     # Scheduled lives in engine/sequence.py (its helpers share it)
 
 
 class Scheduler:
@@ -92,14 +87,24 @@ class Scheduler:
         self.preemptions = 0
         # Fair share of the pool between tenants (engine/fair_share.py); `weights` by tenant.
         self.fair = FairShare(cache.pool.num_pages, self.block_size, weights)
-        self.fair_preemptions = 0     # preemptions for a starved tenant's admission
-        self.preemption = Preemption(self)   # pages taken from others when the pool has none
+        # Pages taken from others when the pool has none (engine/preemption.py).
+        self.preemption = Preemption(cache, self.fair, self.block_size)
         # Who admission tries next, and the newcomer's step (engine/admission_order.py).
-        self.order = AdmissionOrder(self, newcomer_first)
-        self.probes = ProbeWait(self)   # the wait for a remote probe, a late answer's back load
+        self.order = AdmissionOrder(newcomer_first)
+        # The wait for a probe of the linked tiers, a late answer's back load (engine/probe_wait.py).
+        self.probes = ProbeWait(cache, self.block_size, planner, deadlines)
         self.exact_hits = 0           # admissions with nothing to compute (storage/exact_entry.py)
-        self.cow_copies = 0           # pages copied before a write (shared or cached pages)
         self._failed: list[tuple[Sequence, Exception]] = []   # engine thread only
+
+    @property
+    def fair_preemptions(self) -> int:
+        """Preemptions for a starved tenant's admission."""
+        return self.preemption.fair_preemptions
+
+    @property
+    def cow_copies(self) -> int:
+        """Pages copied before a write (shared or cached pages)."""
+        return self.preemption.cow_copies
 
     def take_failed(self) -> list[tuple[Sequence, Exception]]:
         """Sequences whose own handling raised since the last call (the engine fails them)."""
@@ -138,7 +143,7 @@ class Scheduler:
             if seq.status is not SeqStatus.RUNNING:
                 continue   # preempted earlier in this loop
             try:
-                self.probes.late(seq)      # a late probe's answer: load the rest from the back
+                self.probes.late(seq, self.clock, self._loader_free)   # a late probe's answer: the rest from the back
                 if seq.load is not None and seq.num_computed == seq.compute_until:
                     late = not seq.load.ready()
                     if late and not self._past_deadline(seq):
@@ -149,7 +154,7 @@ class Scheduler:
                     n = min(n, seq.compute_until - seq.num_computed)
                 if n <= 0:
                     continue
-                if not self.preemption.reserve(seq, n, out):
+                if not self.preemption.reserve(seq, n, out, self.running, self._shares, self.preempt):
                     continue
             except Exception as e:
                 self._failed.append((seq, e))
@@ -178,7 +183,7 @@ class Scheduler:
         pending = self._pending_prompt_blocks()
         # Once a request finds no pages: `short` (the shares, kept current) and its tenant `stalled`.
         step_budget, short, stalled = budget + sum(x.num_tokens for x in out), None, set()
-        for seq in self.order.waiting():
+        for seq in self.order.waiting(self.waiting, self.running, self.loading):
             budget = step_budget - sum(x.num_tokens for x in out)    # a fairness preemption gives back
             if budget <= 0 or len(self.running) + len(self.loading) >= self.max_seqs:
                 break
@@ -227,14 +232,14 @@ class Scheduler:
         """Match, then plan the prefix and either start the first chunk or wait for the loader.
         Scheduled: running now; True: loading; None: wait (a block another request computes
         now, or too many loads in flight); False: not enough pages now (stop admitting)."""
-        ready, remote = self.probes.at_admission(seq)    # engine/probe_wait.py
+        ready, probed = self.probes.at_admission(seq, self.clock)    # engine/probe_wait.py
         if not ready:
-            return None     # its remote probe is out and within its wait: others go first
+            return None     # its probe is out and within its wait: others go first
         keys = seq.prefix_keys()
         # Exact hit (storage/exact_entry.py): the whole chain, tail and logits included, is cached.
         # Else the match is cut where a prefix hit is capped (len - 1 tokens), as it always was.
         exact = seq.exact if seq.exact is not None and not seq.output_ids else None
-        match = self.cache.match(exact.chain if exact is not None else keys, remote)
+        match = self.cache.match(exact.chain if exact is not None else keys, probed)
         if exact is not None and len(match) < len(exact.chain):
             match, exact = CacheMatch(match.blocks[:len(keys)]), None
         if len(match) < len(keys) and keys[len(match)].hash in pending:
@@ -245,14 +250,15 @@ class Scheduler:
         remaining = 0 if exact is not None else seq.num_tokens - len(match) * self.block_size
         n = min(remaining, budget)
         need = len(match) + -(-n // self.block_size)   # conservative: every matched block may need a page
-        if not self.cache.can_allocate(need) and not self.preemption.fair_room(seq, need, out):
+        if not self.cache.can_allocate(need) and not self.preemption.fair_room(seq, need, out, self.running,
+                                                                               self._shares(seq), self.preempt):
             # With nothing running every page is free or evictable, and the engine only accepts
             # sequences that fit the pool (Sequence.max_len), so this cannot stall forever.
             return False
         split = self._split(seq, match) if needs_load and exact is None else None
         if split is not None and split.start > split.device:
             return self._start_split(seq, match, split, budget)
-        load = self.cache.start_load(match, seq.prefetch)
+        load = self.cache.start_load(match, seq.hits)
         if load.pending:
             first = next(i for i, f in enumerate(load.fills) if f is not None)
             seq.load_deadline = self._deadline(first, len(load.fills), load.tiers[first:])
@@ -279,8 +285,8 @@ class Scheduler:
         if len(front.pages) < split.device:     # the pool changed under us: load as usual instead
             self.cache.release(front.pages)
             return None
-        recomputed = self.cache.recomputed(match.blocks[split.device:split.start], seq.prefetch)
-        back = self.cache.start_load(CacheMatch(match.blocks[split.start:]), seq.prefetch) if split.loaded else None
+        recomputed = self.cache.recomputed(match.blocks[split.device:split.start], seq.hits)
+        back = self.cache.start_load(CacheMatch(match.blocks[split.start:]), seq.hits) if split.loaded else None
         if back is not None:
             seq.load_deadline = self._deadline(split.start, split.start + len(back.fills), back.tiers)
         seq.recomputed_hit_tokens = len(recomputed) * self.block_size
@@ -378,7 +384,7 @@ class Scheduler:
     def _deadline(self, start: int, end: int, tiers) -> PlannedLoad | None:
         """A load of blocks [start, end) of a prompt (held in `tiers`), planned now: its deadline
         is derived from it at each check (LoadDeadlines.due: the figures as they are then)."""
-        return None if self.deadlines is None else PlannedLoad(self.clock(), start, end, tuple(tiers))
+        return planned_load(self.deadlines, self.clock, start, end, tiers)
 
     def _past_deadline(self, seq: Sequence) -> bool:
         return seq.load_deadline is not None and self.clock() >= self.deadlines.due(seq.load_deadline)
@@ -386,6 +392,9 @@ class Scheduler:
     def loads_in_flight(self) -> int:
         """Sequences waiting for the loader: loading ones, and running ones with a back part."""
         return len(self.loading) + sum(1 for s in self.running if s.load is not None)
+
+    def _loader_free(self) -> bool:
+        return self.loads_in_flight() < self.max_loading
 
     def _give_back(self, seq: Sequence) -> None:
         """Every page a sequence holds goes back (a back part still loading included)."""

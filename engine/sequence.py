@@ -1,4 +1,6 @@
-"""A Sequence: one request's tokens, pages and progress through the engine.
+"""A Sequence: one request's tokens, pages and progress through the engine; `Scheduled`: a
+sequence and the tokens it computes this step (what the scheduler and its helpers hand on and
+the model runner runs).
 
 Knows: the prompt and output token ids, the page table, how many tokens have KV in pages
 (num_computed), the block keys of its full blocks and how many are registered in the cache,
@@ -20,7 +22,7 @@ from engine.sampling_params import SamplingParams
 from storage.exact_entry import ExactKeys
 from storage.hashing import BlockKey, block_keys
 from storage.hit_account import HitAccount
-from storage.load_records import Load, Prefetch, RemoteProbe
+from storage.load_records import ChainProbe, Load, Prefetch
 
 
 class SeqStatus(Enum):
@@ -47,20 +49,22 @@ class Sequence:
     keys: list[BlockKey] = field(default_factory=list)   # keys of full blocks of tokens, in order
     registered: int = 0                           # leading blocks that are in the cache index
     # Billing (storage/hit_account.py): facts in, decided at the first admission; a preempted
-    # request is not billed again. Its prefetch (below) tells it what it moved up.
+    # request is not billed again. Its prefetch (below) tells it what it moved up; the cache bills
+    # its blocks by it (TieredKVCache.start_load).
     hits: HitAccount = field(default_factory=HitAccount)
     restore_s: float = 0.0
     load: Load | None = None                      # its prefix being filled: while LOADING, or its back
                                                   # part while RUNNING its front (compute-or-load)
     load_deadline: object | None = None           # the load's PlannedLoad: its deadline derives from it
-    probe_deadline: float | None = None           # when waiting for the remote probe stops (likewise)
-    late_probe: RemoteProbe | None = None         # admitted without its probe's answer: still out
+    probe_deadline: float | None = None           # when waiting for its probe stops (likewise)
+    late_probe: ChainProbe | None = None          # admitted without its probe's answer: still out
                                                   # (engine/probe_wait.py; engine thread)
     compute_until: int = 0                        # with a back part loading: where its front ends
     fair_guard: int = 0                           # not preempted for fairness again before num_computed
                                                   # reaches this (engine/fair_share.py)
     recomputed_hit_tokens: int = 0                # hit tokens it recomputed by choice (billed as hits)
     prefetch: Prefetch | None = None              # its disk -> host prefetch, started at submit
+    probe: ChainProbe | None = None               # the tiers over a link asked at submit (None: none)
     arrival: float = field(default_factory=time.perf_counter)
     admitted_at: float | None = None
     first_token_at: float | None = None
@@ -127,3 +131,9 @@ class Sequence:
         self.late_probe = None     # a re-admission reads the answer itself (engine/probe_wait.py)
         self.logits_pages = []
         self.status = SeqStatus.WAITING
+
+
+@dataclass(frozen=True, slots=True)
+class Scheduled:
+    seq: Sequence
+    num_tokens: int          # new tokens computed this step, starting at seq.num_computed

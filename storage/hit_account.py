@@ -76,5 +76,7 @@ class HitAccount:
             self.by_tier[tier] -= tokens
 
     def forked(self) -> "HitAccount":
-        """A forked choice's account: the request's bill (already decided), nothing to add."""
-        return HitAccount(dict(self.moved), dict(self.by_tier or {}))
+        """A forked choice's account: the request's bill (already decided), nothing to add; the
+        prefetch's facts stay the first sequence's (a choice re-admitted after a preemption bills
+        nothing again, and its blocks count in the tier it finds them in)."""
+        return HitAccount({}, dict(self.by_tier or {}))

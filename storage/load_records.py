@@ -3,9 +3,10 @@
 Knows: a `Fill` (one device page being filled with one block: where it is read, the tier it is
 billed from, whether it ended well, the loads waiting for it, the cancellable read it is part of),
 a `Load` (one request's planned prefix: its pages, each block's billed tier and token count, the
-fill each waits for), a `Prefetch` (a request's disk -> host chunks, the hit account it tells what
-it moved, its `RemoteProbe`). Doesn't know: who fills them or when (storage/loader.py), nor what a load ends
-with (storage/load_outcome.py).
+fill each waits for), a `Prefetch` (a request's disk -> host chunks, nothing else: what they moved
+is told to the request's own hit account, storage/hit_account.py), a `ChainProbe` (which blocks of
+a request's chain the tiers over a link hold: a `ProbeAnswer` per tier). Doesn't know: who fills
+them or when (storage/loader.py), nor what a load ends with (storage/load_outcome.py).
 
 Threads: a Fill's `done` and a probe's `done` are set once by the worker that ran them, after the
 fields they vouch for are written; everything else is written under the tiers' lock (each field
@@ -20,7 +21,6 @@ from typing import Mapping
 
 from storage.cancellation import Cancellation
 from storage.hashing import BlockKey
-from storage.hit_account import HitAccount
 
 
 @dataclass(eq=False)
@@ -32,7 +32,7 @@ class Fill:
     promotion is counted by."""
     key: BlockKey
     page: int
-    read_from: str                                # "host", "disk" or "remote" when planned
+    read_from: str                                # "host" or a tier below's name, when planned
     billed_tier: str = ""                         # "" means read_from
     done: threading.Event = field(default_factory=threading.Event)
     ok: bool = False
@@ -50,7 +50,7 @@ class Fill:
 
 @dataclass(eq=False)
 class _Task:
-    """The fills one worker reads together (one plan's remote fills) and how their read is
+    """The fills one worker reads together (one plan's fills over a link) and how their read is
     stopped. `given_up` is set under the tiers' lock, before `cancel` is cancelled."""
     fills: list[Fill]
     cancel: Cancellation = field(default_factory=Cancellation)
@@ -105,34 +105,22 @@ class ProbeAnswer:
 
 
 @dataclass(eq=False)
-class RemoteProbe:
-    """Which blocks of a request's chain (after its last local one) the tiers over a link hold.
-    `answer` is written once by the probing thread, before `done` is set; read only after."""
+class ChainProbe:
+    """Which blocks of a request's chain (after its last local one) the tiers over a link hold,
+    asked on a loader thread at submit (TieredKVCache.probe). `answer` is written once by the
+    probing thread, before `done` is set; read only after."""
     answer: ProbeAnswer = ProbeAnswer()
     done: threading.Event = field(default_factory=threading.Event)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self.done.wait(timeout)
 
 
 @dataclass(eq=False)
 class Prefetch:
-    """A request's disk -> host prefetch. What it brought into the host tier goes to the request's
-    hit account (`hits`, storage/hit_account.py: HitAccount.moved_up, under the tiers' lock), which
-    bills those blocks from the tier they were read from (the disk). `probe`: its remote probe, if
-    one was started (the scheduler admits the request once it is done)."""
+    """A request's disk -> host prefetch: its chunks (storage/prefetch.py). What they bring into
+    the host tier is told to the request's hit account, handed beside it (HitAccount.moved_up)."""
     chunks: list[_Chunk] = field(default_factory=list)
-    hits: HitAccount = field(default_factory=HitAccount)
-    probe: RemoteProbe | None = None
-
-    @property
-    def moved(self) -> set[bytes]:
-        """The hashes this prefetch moved into the host tier (read under the tiers' lock, or once done)."""
-        return set(self.hits.moved)
 
     def wait(self, timeout: float | None = None) -> bool:
-        ok = all(c.done.wait(timeout) for c in self.chunks)
-        return ok and (self.probe is None or self.probe.done.wait(timeout))
-
-    def remote_pending(self) -> bool:
-        return self.probe is not None and not self.probe.done.is_set()
-
-    def remote_hashes(self) -> ProbeAnswer | None:
-        return None if self.probe is None else self.probe.answer
+        return all(c.done.wait(timeout) for c in self.chunks)

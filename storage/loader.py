@@ -1,13 +1,13 @@
-"""The loader: fills device pages from the host, disk and remote tiers off the engine thread.
+"""The loader: fills device pages from the host tier and the tiers below it off the engine thread.
 
 Knows: the pages being filled right now (hash -> Fill, so two requests needing one block load it
-once), the probes asking the remote store which of a prompt's blocks it holds, and the worker
+once), the probes asking the tiers over a link which of a prompt's blocks they hold, and the worker
 pools that do the work; the disk -> host prefetch is its `prefetcher` (storage/prefetch.py).
 Doesn't know: sequences or scheduling -- TieredKVCache.start_load() hands it the fills of one request
 and the scheduler polls `Load.ready()` between steps. It is given the tiers (storage/tiers.py:
 the pool, the host slab, the tiers below, their lock and counters), never the cache that owns
 it, and names no tier below the host: a fill reads from its source tier, a tier over a link (not
-`local`) on the remote workers, and what is read from a tier is offered to the tier above it
+`local`) on the linked workers, and what is read from a tier is offered to the tier above it
 (LowerTier.keep: the store's blocks kept on disk).
 
 Threads (NOTE: who owns what):
@@ -23,12 +23,12 @@ Threads (NOTE: who owns what):
   staging halves, double-buffered: part k+1 is read and decoded into one half while part k's
   copies out of the other run on the worker's stream, and a half is rewritten only once the
   copies out of it are complete.
-- remote work runs on `tieredkv-remote` workers, its own pool so a slow store (each call bounded
-  by its timeout) never delays a disk fill: a probe (RemoteProbe: which blocks after the last
-  local one the store holds, answered before the request is admitted) and the fills of blocks
-  planned from the remote, read and verified with no lock held like disk blocks. A restored
-  remote block is also kept by the tier above it (the disk: LowerTier.keep, its payload as read),
-  and reaches the host as any device block does.
+- the tiers over a link (the store) have their own pool (threads `tieredkv-remote`), so a slow
+  store (each call bounded by its timeout) never delays a disk fill: a probe (ChainProbe: which
+  blocks after the last local one each linked tier holds, answered before the request is
+  admitted) and the fills of blocks planned from a linked tier, read and verified with no lock
+  held like disk blocks. A block restored from a linked tier is also kept by the tier above it
+  (the disk: LowerTier.keep, its payload as read), and reaches the host as any device block does.
 - a prefetch runs on the `tieredkv-prefetch` worker (storage/prefetch.py); a fill first waits
   for a chunk of its blocks being read and claims those of chunks not started.
 
@@ -41,7 +41,7 @@ evicted, reused or found by another lookup mid-fill, even when every request wai
 gone (its pages released). A fill that fails leaves its page unregistered; the requests that
 wait for it cut their prefix there.
 
-Cancelling (issue 27): the remote fills one plan started are one task with a Cancellation
+Cancelling (issue 27): the linked fills one plan started are one task with a Cancellation
 (storage/cancellation.py). Each fill counts the loads waiting for it (`Fill.waiters`, under the
 tiers' lock: plan adds one per load, `stop_waiting` takes it back when the load is finished,
 abandoned or cancelled). When no load waits for any unfinished fill of a task, the task is given
@@ -62,7 +62,7 @@ import torch
 
 from storage.cancellation import Cancellation
 from storage.hashing import BlockKey
-from storage.load_records import Fill, ProbeAnswer, RemoteProbe, _Task
+from storage.load_records import ChainProbe, Fill, ProbeAnswer, _Task
 from storage.lower_tier import LowerTier
 from storage.pinned import host_buffer
 from storage.prefetch import Prefetcher
@@ -80,7 +80,7 @@ log = logging.getLogger("tieredkv.loader")
 STAGE_BLOCKS = 64
 STAGE_BYTES = 256 << 20
 LOAD_WORKERS = 2        # requests whose blocks are read at once (each read decodes in parallel)
-REMOTE_WORKERS = 2      # remote probes and fills at once (network-bound, each bounded by a timeout)
+LINKED_WORKERS = 2      # linked tiers' probes and fills at once (network-bound, each bounded by a timeout)
 
 
 class Loader:
@@ -93,7 +93,7 @@ class Loader:
                                          initializer=background_priority)
         # The tiers over a link have workers of their own (a slow store never delays a disk fill).
         self._linked = None if not tiers.linked else ThreadPoolExecutor(
-            REMOTE_WORKERS, thread_name_prefix="tieredkv-remote", initializer=background_priority)
+            LINKED_WORKERS, thread_name_prefix="tieredkv-remote", initializer=background_priority)
         device = tiers.pool.device
         self._stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
         # Disk fills decode into staging blocks and copy from there (a device the CPU cannot
@@ -114,14 +114,14 @@ class Loader:
         event the copies into the pages wait for (their old blocks' copies out)."""
         linked = {below.name for below in self.t.linked}
         local = [f for f in fills if f.read_from not in linked]
-        remote = [f for f in fills if f.read_from in linked]
+        over_link = [f for f in fills if f.read_from in linked]
         if local:
             self._fills.submit(self._run_fills, local, after)
-        if remote:
-            task = _Task(remote)
-            for f in remote:
+        if over_link:
+            task = _Task(over_link)
+            for f in over_link:
                 f.task = task
-            self._linked.submit(self._run_fills, remote, after, task.cancel)
+            self._linked.submit(self._run_fills, over_link, after, task.cancel)
 
     def wait_for(self, fill: Fill) -> None:
         """A load waits for `fill` (under the tiers' lock; TieredKVCache.start_load)."""
@@ -147,11 +147,11 @@ class Loader:
                 out.append(task.cancel)
         return out
 
-    def probe(self, tiers: Sequence[LowerTier], keys: Sequence[BlockKey], into: RemoteProbe) -> None:
-        """Ask these tiers over a link, on a remote worker, which of `keys` (a chain) they hold."""
+    def probe(self, tiers: Sequence[LowerTier], keys: Sequence[BlockKey], into: ChainProbe) -> None:
+        """Ask these tiers over a link, on a linked worker, which of `keys` (a chain) they hold."""
         self._linked.submit(self._run_probe, tuple(tiers), list(keys), into)
 
-    def _run_probe(self, tiers: tuple[LowerTier, ...], keys: list[BlockKey], into: RemoteProbe) -> None:
+    def _run_probe(self, tiers: tuple[LowerTier, ...], keys: list[BlockKey], into: ChainProbe) -> None:
         try:
             # Each tier's answer kept as its own: a block only the second holds is read from it.
             into.answer = ProbeAnswer({below.name: below.probe(keys) for below in tiers})   # never raises

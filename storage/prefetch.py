@@ -4,8 +4,8 @@ slots in the background, so its time in the queue overlaps the drive.
 Knows: the blocks queued or being read (hash -> `_Chunk`, a chunk of PREFETCH_CHUNK blocks per
 task), its worker, and how many blocks it brought up. Doesn't know: requests, fills or billing --
 TieredKVCache.prefetch picks the blocks (at most half the host tier) and hands a `Prefetch` record
-whose hit account is told each block moved and the tier it was read from (HitAccount.moved_up);
-the loader's fills ask `wait_or_claim` before reading. It names no tier below the host (it is
+(the chunks) and the request's hit account, told each block moved and the tier it was read from
+(HitAccount.moved_up); the loader's fills ask `wait_or_claim` before reading. It names no tier below the host (it is
 handed one).
 
 Threads (NOTE: who owns what): `chunks` is written under the tiers' lock. A chunk runs on the
@@ -26,6 +26,7 @@ from typing import Sequence
 import torch
 
 from storage.hashing import BlockKey
+from storage.hit_account import HitAccount
 from storage.load_records import Prefetch, _Chunk
 from storage.lower_tier import LowerTier
 from storage.priority import background_priority
@@ -46,16 +47,16 @@ class Prefetcher:
                                         initializer=background_priority)
         self.prefetched_blocks = 0
 
-    def start(self, tier: LowerTier, keys: Sequence[BlockKey], into: Prefetch) -> None:
+    def start(self, tier: LowerTier, keys: Sequence[BlockKey], into: Prefetch, hits: HitAccount) -> None:
         """Read these blocks of a local tier below (the disk) into the host tier in the background,
         PREFETCH_CHUNK at a time (called under the tiers' lock, with the blocks in `tier`, not in
-        flight, not prefetched)."""
+        flight, not prefetched); `hits` is told each block moved."""
         for i in range(0, len(keys), PREFETCH_CHUNK):
             chunk = _Chunk(list(keys[i:i + PREFETCH_CHUNK]))
             for k in chunk.keys:
                 self.chunks[k.hash] = chunk
             into.chunks.append(chunk)
-            self._pool.submit(self._run, tier, chunk, into)
+            self._pool.submit(self._run, tier, chunk, hits)
 
     def wait_or_claim(self, keys: Sequence[BlockKey]) -> None:
         """Before a fill reads `keys` (on its worker, no lock held): a block a prefetch is decoding
@@ -76,7 +77,7 @@ class Prefetcher:
         for chunk in started:
             chunk.done.wait()
 
-    def _run(self, tier: LowerTier, chunk: _Chunk, into: Prefetch) -> None:
+    def _run(self, tier: LowerTier, chunk: _Chunk, hits: HitAccount) -> None:
         c = self.t
         keys: list[BlockKey] = []
         try:
@@ -108,7 +109,7 @@ class Prefetcher:
                     c.host.pin(slot)
                     before, mine = c.transfer.writing(slot)
                     taken.append((key, slot, block, before, mine))
-                    into.hits.moved_up(key, tier.name)     # a fact for the request's bill
+                    hits.moved_up(key, tier.name)     # a fact for the request's bill
             try:
                 for key, slot, block, before, mine in taken:
                     Transfer.wait(before)          # a dropped block's late copy must not land on ours

@@ -3,7 +3,8 @@
 Knows: placement. Which tier holds each block of a prompt's chain (match, lookup), holding
 device pages for a matched prefix and handing the fills of the others to the loader (plan,
 finish_load), fresh pages for computed blocks and making them findable (allocate, register,
-release), a new request's disk prefetch and remote probe (prefetch), and the per-tier stats.
+release), a new request's disk prefetch (prefetch) and the probe of the tiers over a link
+(probe), and the per-tier stats.
 Movement lives beside it: storage/cascade.py moves blocks down (eviction, write-through, and
 the operator's flush/demote/drop, which this class only hands on), storage/loader.py moves them
 up; both are given the narrow handle storage/tiers.py, never this object.
@@ -17,9 +18,9 @@ counters a record it reports itself (tests/storage/test_tier_boundary.py keeps t
 Thread safety: every public method takes the tiers' one lock, so the engine thread, HTTP
 threads (lookup, status), the loader's threads and the writers can run at once.
 NOTE invariant: the engine thread never reads or decodes a disk block (start_load() only holds pages;
-test: tests/engine/test_async_restore.py) and never talks to the remote store: whether the store
+test: tests/engine/test_async_restore.py) and never talks to a tier over a link: whether one
 holds a prompt's blocks is asked by a probe the loader runs when the request is submitted
-(prefetch()); match() then reads the probe's answer from memory.
+(probe()); match() then reads the probe's answer from memory.
 """
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ from storage.hit_account import HitAccount
 from storage.host_tier import HostTier
 from storage.layout import BlockLayout
 from storage.load_outcome import Acquired, finish
-from storage.load_records import Fill, Load, Prefetch, ProbeAnswer, RemoteProbe
+from storage.load_records import ChainProbe, Fill, Load, Prefetch, ProbeAnswer
 from storage.loader import Loader
 from storage.lower_tier import LowerTier
 from storage.prefix_tree import CachedBlock
@@ -127,9 +128,9 @@ class TieredKVCache(SharedPages, CacheEvents, CacheRetention, NamedTiers):
                 return below.name
         return None
 
-    def match(self, keys: Sequence[BlockKey], remote: ProbeAnswer | None = None) -> CacheMatch:
+    def match(self, keys: Sequence[BlockKey], probed: ProbeAnswer | None = None) -> CacheMatch:
         """Which tier holds each block of the chain, up to the first block none holds.
-        `remote`: what each tier over a link answered its probe (RemoteProbe.answer); without it
+        `probed`: what each tier over a link answered its probe (ChainProbe.answer); without it
         no block is a hit of such a tier. Read-only: promotes nothing, counts nothing, no I/O.
         With prefix caching off (CacheConfig.prefix_caching), nothing: no request reuses a block."""
         if not self.config.prefix_caching:
@@ -137,36 +138,36 @@ class TieredKVCache(SharedPages, CacheEvents, CacheRetention, NamedTiers):
         with self._lock:
             found = []
             for key in keys:
-                tier = self._tier_of(key, remote)
+                tier = self._tier_of(key, probed)
                 if tier is None:
                     break
                 found.append((key, tier))
             return CacheMatch(tuple(found))
 
     def lookup(self, keys: Sequence[BlockKey]) -> CacheMatch:
-        """match() with the remote store asked now (a round trip on the calling thread: never
+        """match() with the tiers over a link asked now (a round trip on the calling thread: never
         call it from the engine thread). For lookups that promote nothing (Engine.lookup)."""
         local = self.match(keys)
         linked = [below for below in self.tiers.linked if below.available()]
         if not linked or len(local) == len(keys):
             return local
-        return self.match(keys, ProbeAnswer({below.name: below.probe(keys[len(local):]) for below in linked}))
+        return self.match(keys, probed=ProbeAnswer({below.name: below.probe(keys[len(local):]) for below in linked}))
 
     # ---- promotion -----------------------------------------------------------------------
-    def start_load(self, match: CacheMatch, prefetch: Prefetch | None = None) -> Load:
+    def start_load(self, match: CacheMatch, hits: HitAccount | None = None) -> Load:
         """Hold device pages for a matched prefix and start filling the host/disk ones on the
         loader (storage/loader.py). Returns at once: no copy, read or decode happens here.
 
         A device hit is acquired; a block another request is filling now shares that fill's
         page; any other block gets a new page (refcount: the fill's and the request's), left
         unregistered until filled. Stops early (a shorter prefix) when the pool is out of pages
-        or the block left every tier since match(). `prefetch`: the request's, whose hit account
-        (storage/hit_account.py) gives each new fill its billed tier.
+        or the block left every tier since match(). `hits`: the request's hit account
+        (storage/hit_account.py), which gives each new fill its billed tier.
         NOTE: a block's billed tier is decided once, when its fill is made (HitAccount.tier_of), and
         carried on the fill (Fill.billed_tier): every request waiting for the fill is billed from it, and
         the loader counts the promotion from it, so hits and promotions per tier always agree.
         """
-        hits = prefetch.hits if prefetch is not None else HitAccount()
+        hits = HitAccount() if hits is None else hits
         with self._lock:
             pages: list[int] = []
             tiers: list[str] = []
@@ -233,12 +234,12 @@ class TieredKVCache(SharedPages, CacheEvents, CacheRetention, NamedTiers):
             read.cancel()
         return acquired
 
-    def recomputed(self, blocks: Sequence[tuple[BlockKey, str]], prefetch: Prefetch | None = None) -> tuple[str, ...]:
+    def recomputed(self, blocks: Sequence[tuple[BlockKey, str]], hits: HitAccount | None = None) -> tuple[str, ...]:
         """Matched blocks a request recomputes by choice (compute-or-load, engine/restore_planner.py):
         the tier each is billed from -- the one match() found it in, by the request's hit account
         as start_load() would bill it (HitAccount.tier_of) -- counted as a hit and a recompute of that
         tier. Nothing is read, moved or held."""
-        hits = prefetch.hits if prefetch is not None else HitAccount()
+        hits = HitAccount() if hits is None else hits
         with self._lock:
             out = []
             for key, found in blocks:
@@ -269,34 +270,50 @@ class TieredKVCache(SharedPages, CacheEvents, CacheRetention, NamedTiers):
     def prefetch(self, keys: Sequence[BlockKey], hits: HitAccount | None = None) -> Prefetch:
         """Start reading a new request's disk blocks into the host tier (or, with no host tier,
         into the OS page cache), so its time in the queue overlaps the drive. At most half the
-        host tier per request, so one long prompt cannot flush everyone's host blocks.
-        With a tier over a link (the store), the blocks after the last local one are probed for
-        (on a loader thread): the scheduler admits the request once the probe answered. `hits`:
-        the request's hit account, told what the prefetch moves (a new one if not given)."""
+        host tier per request, so one long prompt cannot flush everyone's host blocks. `hits`: the
+        request's hit account, told what the prefetch moves (HitAccount.moved_up)."""
+        hits = HitAccount() if hits is None else hits
         # Prefetches read this process's first own tier below (the disk).
         source = next((below for below in self.tiers.lower if below.local), None)
-        out = Prefetch(hits=HitAccount() if hits is None else hits)
+        out = Prefetch()
         with self._lock:
-            todo = []
-            limit = self.host.num_slots // 2 if self.host.enabled else len(keys)
-            missing = len(keys)
-            for i, key in enumerate(keys):
-                if self.pool.page_of(key) is not None or key.hash in self.loader.inflight:
-                    continue
-                if self.host.enabled and self.host.slot_of(key) is not None:
-                    continue
-                if source is None or not source.contains(key):
-                    missing = i    # the chain's first block no local tier holds
-                    break
-                if key.hash not in self.loader.prefetching and len(todo) < limit:
-                    todo.append(key)
+            todo, _ = self._held_here(keys, source)
             if todo:
-                self.loader.prefetcher.start(source, todo, out)
-            linked = [below for below in self.tiers.linked if below.available()]
-            if linked and missing < len(keys):
-                out.probe = RemoteProbe()
-                self.loader.probe(linked, keys[missing:], out.probe)
+                self.loader.prefetcher.start(source, todo, out, hits)
         return out
+
+    def probe(self, keys: Sequence[BlockKey]) -> ChainProbe | None:
+        """With tiers over a link (the store): ask them, on a loader thread, which of the chain's
+        blocks after the last one this process holds they hold; the scheduler admits the request
+        once the probe answered (engine/probe_wait.py). None: no such tier, or nothing to ask."""
+        linked = [below for below in self.tiers.linked if below.available()]
+        if not linked:
+            return None
+        source = next((below for below in self.tiers.lower if below.local), None)
+        with self._lock:
+            _, missing = self._held_here(keys, source)
+            if missing == len(keys):
+                return None
+            out = ChainProbe()
+            self.loader.probe(linked, keys[missing:], out)
+        return out
+
+    def _held_here(self, keys: Sequence[BlockKey], source: LowerTier | None) -> tuple[list[BlockKey], int]:
+        """(The chain's blocks a prefetch reads from `source`: held only there, not in flight, not
+        prefetched, at most half the host tier; the chain's first block this process holds
+        nowhere.) Under the tiers' lock."""
+        todo = []
+        limit = self.host.num_slots // 2 if self.host.enabled else len(keys)
+        for i, key in enumerate(keys):
+            if self.pool.page_of(key) is not None or key.hash in self.loader.inflight:
+                continue
+            if self.host.enabled and self.host.slot_of(key) is not None:
+                continue
+            if source is None or not source.contains(key):
+                return todo, i
+            if key.hash not in self.loader.prefetching and len(todo) < limit:
+                todo.append(key)
+        return todo, len(keys)
 
     # ---- new blocks ----------------------------------------------------------------------
     def can_allocate(self, n: int) -> bool:

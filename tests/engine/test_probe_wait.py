@@ -18,7 +18,7 @@ import torch
 from engine.load_deadline import LOAD_MARGIN, PROBE_FRACTION, LoadDeadlines
 from engine.model import model_from_config
 from storage.config import CacheConfig
-from storage.loader import REMOTE_WORKERS
+from storage.loader import LINKED_WORKERS
 from storage.remote.breaker import BreakerConfig
 from tests.engine.conftest import random_prompt, reference_greedy, tiny_llama_config
 from tests.engine.test_load_deadline import (GUARD_S, Clock, check_usage, drained, in_background, keys_of,
@@ -159,7 +159,7 @@ def run_with_late_answer(eng, prompt, tenant, release, answer_at: int) -> tuple[
             seq = s.seq
             if seq.prompt_ids == prompt and seq.num_computed >= answer_at and not release.is_set():
                 release.set()
-                assert seq.prefetch.probe.done.wait(GUARD_S), "the released probe answers"
+                assert seq.probe.done.wait(GUARD_S), "the released probe answers"
 
     def join(seq, abandon: bool = False) -> None:
         if seq.prompt_ids == prompt:
@@ -258,7 +258,7 @@ def test_late_probes_leave_the_breaker_closed_and_the_store_in_use(tmp_path, val
         t.join(GUARD_S)
         answered_after = "result" in got0 and not release.is_set()
         release.set()                                  # its answer comes after it finished
-        assert first.prefetch.probe.done.wait(GUARD_S)
+        assert first.probe.done.wait(GUARD_S)
         release, _ = stall_method(remote, "probe")
         got1, _ = run_with_late_answer(eng, prompts[1], tenant, release, answer_at=2 * BS)
         del remote.probe                               # the store answers in time again
@@ -298,7 +298,7 @@ def test_a_late_answers_back_past_its_deadline_is_computed_and_its_late_blocks_n
             for s in scheduled:
                 if s.seq.prompt_ids == prompt and s.seq.num_computed >= 2 * BS and not release_probe.is_set():
                     release_probe.set()
-                    assert s.seq.prefetch.probe.done.wait(GUARD_S), "the released probe answers"
+                    assert s.seq.probe.done.wait(GUARD_S), "the released probe answers"
         sched.after_step = after_step
         try:
             t, got = in_background(lambda: eng.generate(prompt, GREEDY, tenant=tenant))
@@ -334,7 +334,7 @@ def test_stalled_probes_in_a_row_each_wait_their_own_round_trip_whatever_the_pol
     every time), as bench_ttft's round runs it: requests one after the other, the store stalled
     for all of them, the policy switched between them (load, recompute, auto, then auto first),
     every earlier probe still stuck -- so from the third on, every remote worker
-    (storage/loader.py REMOTE_WORKERS) is held and the request's probe never even starts. Each is
+    (storage/loader.py LINKED_WORKERS) is held and the request's probe never even starts. Each is
     admitted when the scheduler's clock reaches its own probe wait (the clock moves only when the
     test moves it, so no other wait -- back-pressure, a breaker, a worker, a store timeout --
     gates it), computes, and the breaker is never asked (the store was never called)."""
@@ -359,7 +359,7 @@ def test_stalled_probes_in_a_row_each_wait_their_own_round_trip_whatever_the_pol
                 assert sched.loads_in_flight() == 0 and not sched.loading
                 clock.now += 1.0
             stats = eng.cache.remote.stats()
-            assert len(started) == REMOTE_WORKERS      # the last two probes never started
+            assert len(started) == LINKED_WORKERS      # the last two probes never started
         finally:
             release.set()
         wait_until(lambda: drained(eng), "every page comes back")

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from storage.disk.tier import DiskTier
+from storage.hit_account import HitAccount
 from tests.storage.conftest import block_data, keys
 from tests.storage.test_tiered_cache import fill, make_cache, same_bits
 
@@ -99,12 +100,13 @@ def test_a_block_gone_between_plan_and_fill_cuts_the_prefix(tmp_path, held_reads
 def test_prefetch_moves_disk_blocks_into_host_and_a_plan_bills_them_as_disk(tmp_path) -> None:
     cache, ks = disk_only(tmp_path, 3, host_slots=8)
     try:
-        pre = cache.prefetch(ks)
+        hits = HitAccount()
+        pre = cache.prefetch(ks, hits)
         assert pre.wait(10)
-        assert pre.moved == {k.hash for k in ks}
+        assert set(hits.moved) == {k.hash for k in ks}
         assert [cache.host.slot_of(k) is not None for k in ks] == [True] * 3
         assert cache.prefetch(ks).chunks == []              # nothing left to prefetch
-        load = cache.start_load(cache.match(ks), pre)
+        load = cache.start_load(cache.match(ks), hits)
         assert load.wait(10)
         got = cache.finish_load(load)
         assert got.tiers == ("disk",) * 3
@@ -124,9 +126,10 @@ def test_prefetch_moves_disk_blocks_into_host_and_a_plan_bills_them_as_disk(tmp_
 def test_prefetch_takes_at_most_half_the_host_tier(tmp_path) -> None:
     cache, ks = disk_only(tmp_path, 6, pages=8, host_slots=4)
     try:
-        pre = cache.prefetch(ks)
+        hits = HitAccount()
+        pre = cache.prefetch(ks, hits)
         assert pre.wait(10)
-        assert len(pre.moved) == 2 and len(cache.host) == 2
+        assert len(hits.moved) == 2 and len(cache.host) == 2
         cache.audit()
     finally:
         cache.close()
@@ -140,10 +143,11 @@ def test_a_fill_waits_for_a_started_prefetch_chunk_and_claims_the_rest(tmp_path,
     monkeypatch.setattr(DiskTier, "get_many", lambda tier, keys, outs=None: (read.extend(k.hash for k in keys),
                                                                             real(tier, keys, outs))[1])
     try:
-        pre = cache.prefetch(ks)                 # chunk k0 starts (its read is held); k1, k2 wait
+        hits = HitAccount()
+        pre = cache.prefetch(ks, hits)           # chunk k0 starts (its read is held); k1, k2 wait
         while not pre.chunks[0].started:
             time.sleep(0.001)
-        load = cache.start_load(cache.match(ks), pre)
+        load = cache.start_load(cache.match(ks), hits)
         # The fill claims k1 and k2 before k0's read is let go: else the prefetch worker may
         # start k1's chunk first (a loaded machine schedules the fill's thread late).
         deadline = time.monotonic() + 10
@@ -154,7 +158,7 @@ def test_a_fill_waits_for_a_started_prefetch_chunk_and_claims_the_rest(tmp_path,
         got = cache.finish_load(load)
         assert got.tiers == ("disk",) * 3        # k0 via its own prefetch: still billed as disk
         assert sorted(read) == sorted(k.hash for k in ks), "every block is read exactly once"
-        assert pre.moved == {ks[0].hash}          # the fill claimed k1 and k2 from the prefetch
+        assert set(hits.moved) == {ks[0].hash}    # the fill claimed k1 and k2 from the prefetch
         for page, k in zip(got.pages, ks):
             assert same_bits(cache.pool.kv[page], block_data(k))
         cache.release(got.pages)

@@ -47,9 +47,9 @@ def test_a_block_only_the_second_linked_tier_holds_is_read_from_it(valkey, secon
         # Asked now (lookup) and asked at submit (prefetch's probe, match at admission): each
         # block is the second store's, as its own probe said.
         assert [t for _, t in cache.lookup(ks).blocks] == ["store2"] * 4
-        pre = cache.prefetch(ks)
-        assert pre.wait(10)
-        load = cache.start_load(cache.match(ks, pre.remote_hashes()), pre)
+        probe = cache.probe(ks)
+        assert probe is not None and probe.wait(10)
+        load = cache.start_load(cache.match(ks, probed=probe.answer))
         assert load.wait(10)
         got = cache.finish_load(load)
         assert got.tiers == ("store2",) * 4        # filled from the tier that holds them

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from storage.config import CacheConfig
+from storage.hit_account import HitAccount
 from storage.layout import BlockLayout
 from storage.remote.value import open_value, remote_key
 from storage.tiered_cache import TieredKVCache
@@ -40,10 +41,12 @@ def caches():
 
 
 def restore(cache: TieredKVCache, ks):
-    """What the engine does: prefetch (the remote probe) at submit, match and plan at admission."""
-    pre = cache.prefetch(ks)
-    assert pre.wait(10)
-    load = cache.start_load(cache.match(ks, pre.remote_hashes()), pre)
+    """What the engine does: prefetch and probe (the tiers over a link) at submit, match and plan
+    at admission."""
+    hits = HitAccount()
+    pre, probe = cache.prefetch(ks, hits), cache.probe(ks)
+    assert pre.wait(10) and (probe is None or probe.wait(10))
+    load = cache.start_load(cache.match(ks, probed=probe.answer if probe else None), hits)
     assert load.wait(10)
     return cache.finish_load(load)
 

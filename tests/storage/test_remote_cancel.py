@@ -128,9 +128,9 @@ def test_an_abandoned_load_cuts_its_read_only_when_no_request_waits_and_a_new_lo
         with ThrottleProxy("127.0.0.1", server.port, mbit=100) as proxy:
             c = remote_cache(None, proxy.url, pages=72, host_slots=4, layout=BIG, remote_timeout_s=10)
             try:
-                pre = c.prefetch(ks)
-                until(lambda: pre.wait(0), "the probe")
-                match = c.match(ks, pre.remote_hashes())
+                probe = c.probe(ks)
+                until(lambda: probe.wait(0), "the probe")
+                match = c.match(ks, probed=probe.answer)
                 assert len(match) == 64
                 first, second = c.start_load(match), c.start_load(match)     # the second request shares the fills
                 task = first.fills[0].task
@@ -160,10 +160,11 @@ def test_an_abandoned_load_cuts_its_read_only_when_no_request_waits_and_a_new_lo
                         assert same_bits(c.pool.kv[on_device], block_data(f.key, BIG))
 
                 # A new request plans new fills (never the given-up ones) and gets every block.
-                pre = c.prefetch(ks[:4])
-                until(lambda: pre.wait(0), "the probe after the cancel")
-                assert pre.remote_hashes() is None or len(c.match(ks[:4], pre.remote_hashes())) == 4
-                load = c.start_load(c.match(ks[:4], pre.remote_hashes()))
+                probe = c.probe(ks[:4])
+                until(lambda: probe is None or probe.wait(0), "the probe after the cancel")
+                probed = None if probe is None else probe.answer
+                assert probed is None or len(c.match(ks[:4], probed=probed)) == 4
+                load = c.start_load(c.match(ks[:4], probed=probed))
                 assert all(f is None or not f.given_up for f in load.fills)
                 until(load.ready, "the new load")
                 got = c.finish_load(load)
