@@ -309,9 +309,11 @@ static uint8_t check_block(const Expect *b, Job *j, Scratch *s) {
     if ((uint64_t)(len - size) != stored)
         return PAYLOAD_LENGTH;
     /* raw_size == the layout's bytes == the destination's (block_batch.py checked each one). */
-    if (planes_zstd)
-        return decode_zstd(b, j, s, p + binding_end, p + size, itemsize, (size_t)numel, le32(p + table_end),
-                           (flags & FLAG_DIM1_MAJOR) != 0);
+    if (planes_zstd) {
+        static const uint8_t VERDICT[] = {OK, CODED_CRC, STORED_CHECKSUM, ZSTD_FRAME, NOT_RAW};
+        return VERDICT[decode_zstd(s, p + binding_end, p + size, itemsize, (size_t)numel, le32(p + table_end),
+                                   (flags & FLAG_DIM1_MAJOR) != 0, b->shape[0], b->shape[1], j->dst)];
+    }
     uint64_t xxh3 = le64(p + table_end);
     if (whole)
         return copy_whole(b, j, p + size, (Py_ssize_t)raw_size, xxh3);

@@ -12,17 +12,25 @@
  * plane's, a content checksum present, exactly one frame), then the planes joined into the
  * destination (storage/codec/_byte_planes.c's geometry, dim-1-major or not). Each plane is checked
  * before the join writes anything.
- * Doesn't know: the header (block_checks.h), threads, Python.
+ * Doesn't know: the header, the verdicts' codes or the batch (block_checks.h includes this and maps
+ * its answers), threads, Python: plain C on the caller's buffers.
  *
  * libzstd and the crc32 are loaded when the module is imported (dlopen), not linked: the build needs
  * no zstd headers or -dev package. zstd is the system's libzstd.so.1 (every Linux with systemd has
  * it); without it zstd blocks are NOT_RAW (the Python path decides them, as before). The crc32 is
  * ISA-L's crc32_gzip_refl from the isal package's module (block_batch.py passes its path: zlib's
- * CRC-32 at ~20 GB/s), else zlib's crc32 from libz.so.1, else block_checks.h's table.
+ * CRC-32 at ~20 GB/s), else zlib's crc32 from libz.so.1; with neither, zstd blocks are NOT_RAW too.
  * A scratch (zstd's context, the decoded planes) belongs to the one thread that made it.
  */
 #include <dlfcn.h>
+#include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
+
+#ifndef XXH_INLINE_ALL
+#define XXH_INLINE_ALL
+#endif
+#include "xxhash.h"                  /* XXH64 (the includer may have included it already, with its dispatch) */
 
 #define ZSTD_MAGIC 0xFD2FB528u
 #define ZSTD_FHD_UNUSED 0x10
@@ -48,8 +56,13 @@ typedef uint32_t (*isal_crc_fn)(uint32_t, const unsigned char *, uint64_t);
 static zlib_crc_fn zlib_crc;
 static isal_crc_fn isal_crc;
 
+/* What decode_zstd answers (block_checks.h maps each to its verdict). */
+enum { ZP_OK = 0, ZP_CODED_CRC, ZP_STORED_CHECKSUM, ZP_FRAME, ZP_NO_MEMORY };
+
+static inline uint32_t zp_le32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+
 /* libzstd and a fast crc32, once, at import (GIL held). `isal_path`: the isal module's file or NULL.
-   Returns which crc32 is in use, for kernels() to say. */
+   Returns which crc32 is in use ("isal", "zlib"; "none": zstd blocks stay Python's). */
 static const char *zstd_load(const char *isal_path) {
     void *h = dlopen("libzstd.so.1", RTLD_NOW | RTLD_LOCAL);
     if (h == NULL)
@@ -76,26 +89,22 @@ static const char *zstd_load(const char *isal_path) {
     void *z = dlopen("libz.so.1", RTLD_NOW | RTLD_LOCAL);
     if (z != NULL)
         *(void **)&zlib_crc = dlsym(z, "crc32");
-    return zlib_crc != NULL ? "zlib" : "table";
+    if (zlib_crc == NULL)
+        zstd.ok = 0;                     /* no crc32 to check the coded frames with */
+    return zlib_crc != NULL ? "zlib" : "none";
 }
 
 /* zlib's CRC-32 of p[0:n] continued from `crc` (0 to start), as header.py's crc32(data, crc). */
 static uint32_t crc32_more(uint32_t crc, const uint8_t *p, size_t n) {
     if (isal_crc != NULL)
         return isal_crc(crc, p, n);
-    if (zlib_crc != NULL) {
-        while (n > 0) {
-            unsigned m = n > (1u << 30) ? 1u << 30 : (unsigned)n;
-            crc = (uint32_t)zlib_crc(crc, p, m);
-            p += m;
-            n -= m;
-        }
-        return crc;
+    while (n > 0) {                      /* zlib's (zstd.ok only with one of the two) */
+        unsigned m = n > (1u << 30) ? 1u << 30 : (unsigned)n;
+        crc = (uint32_t)zlib_crc(crc, p, m);
+        p += m;
+        n -= m;
     }
-    uint32_t c = crc ^ 0xFFFFFFFFu;
-    while (n--)
-        c = crc_table[(c ^ *p++) & 0xff] ^ (c >> 8);
-    return c ^ 0xFFFFFFFFu;
+    return crc;
 }
 
 typedef struct {
@@ -124,7 +133,7 @@ typedef struct {
    rules): 1 with its segments filled, 0 when it is any other frame (zstd decides), -1 when its
    checksum does not match. */
 static int raw_blocks(const uint8_t *f, size_t n, size_t size, Segs *s) {
-    if (n < 6 || le32(f) != ZSTD_MAGIC)
+    if (n < 6 || zp_le32(f) != ZSTD_MAGIC)
         return 0;
     uint8_t fhd = f[4];
     if (fhd & (ZSTD_FHD_UNUSED | ZSTD_FHD_RESERVED | 0x03) || !(fhd & ZSTD_FHD_CHECKSUM))
@@ -176,7 +185,7 @@ static int raw_blocks(const uint8_t *f, size_t n, size_t size, Segs *s) {
     XXH64_reset(&h, 0);
     for (int k = 0; k < s->n; k++)
         XXH64_update(&h, s->ptr[k], s->len[k]);
-    return (uint32_t)(XXH64_digest(&h) & 0xFFFFFFFFu) == le32(f + n - 4) ? 1 : -1;
+    return (uint32_t)(XXH64_digest(&h) & 0xFFFFFFFFu) == zp_le32(f + n - 4) ? 1 : -1;
 }
 
 /* decompress_frame's checks and zstd's decode of exactly one frame of `size` bytes into `dst`:
@@ -184,7 +193,7 @@ static int raw_blocks(const uint8_t *f, size_t n, size_t size, Segs *s) {
 static int zstd_frame(Scratch *s, const uint8_t *f, size_t n, uint8_t *dst, size_t size) {
     if (n > 4 && (f[4] & ZSTD_FHD_UNUSED))
         return -1;                   /* zstd ignores this bit: flipped, it would still decode */
-    if (n < 5 || le32(f) != ZSTD_MAGIC || !(f[4] & ZSTD_FHD_CHECKSUM))
+    if (n < 5 || zp_le32(f) != ZSTD_MAGIC || !(f[4] & ZSTD_FHD_CHECKSUM))
         return -1;                   /* not a frame, or one without a content checksum */
     unsigned long long content = zstd.content_size(f, n);
     if (content >= ZSTD_CONTENTSIZE_ERROR || content != size)
@@ -240,27 +249,27 @@ static void join_planes(Segs *pl, int itemsize, uint8_t *dst, size_t d0, size_t 
 }
 
 /* The planes after a zstd-planes header (`table`: the plane table, `itemsize` entries; the
-   payload's length already the table's sum) checked and joined into j->dst: _decode_into's
-   verdicts, in its order. */
-static uint8_t decode_zstd(const Expect *b, Job *j, Scratch *s, const uint8_t *table, const uint8_t *data,
-                           int itemsize, size_t numel, uint32_t coded_crc, int swapped) {
+   payload's length already the table's sum) checked and joined into `dst`: _decode_into's checks,
+   in its order. `d0`, `d1`: the shape's first two dims (dim-1-major planes). */
+static int decode_zstd(Scratch *s, const uint8_t *table, const uint8_t *data, int itemsize, size_t numel,
+                       uint32_t coded_crc, int swapped, size_t d0, size_t d1, uint8_t *dst) {
     const uint8_t *frame[4];
     size_t flen[4];
     uint32_t crc = 0;
     size_t at = 0;
     for (int p = 0; p < itemsize; p++) {
         frame[p] = data + at;
-        flen[p] = le32(table + 5 * p + 1);
+        flen[p] = zp_le32(table + 5 * p + 1);
         if (table[5 * p] == 1)
             crc = crc32_more(crc, frame[p], flen[p]);
         at += flen[p];
     }
     if (crc != coded_crc)
-        return CODED_CRC;
+        return ZP_CODED_CRC;
     if (s->cap < (size_t)itemsize * numel) {
         uint8_t *room = realloc(s->planes, (size_t)itemsize * numel);
         if (room == NULL)
-            return NOT_RAW;              /* no memory here: the Python path tries */
+            return ZP_NO_MEMORY;         /* the Python path tries */
         s->planes = room;
         s->cap = (size_t)itemsize * numel;
     }
@@ -271,25 +280,21 @@ static uint8_t decode_zstd(const Expect *b, Job *j, Scratch *s, const uint8_t *t
         if (table[5 * p] == 0) {
             int r = raw_blocks(frame[p], flen[p], numel, &pl[p]);
             if (r < 0)
-                return STORED_CHECKSUM;
+                return ZP_STORED_CHECKSUM;
             if (r > 0)
                 continue;
         }
         uint8_t *room = s->planes + (size_t)p * numel;
         if (zstd_frame(s, frame[p], flen[p], room, numel) < 0)
-            return ZSTD_FRAME;
+            return ZP_FRAME;
         pl[p].n = 1;
         pl[p].ptr[0] = room;
         pl[p].len[0] = numel;
     }
     if (numel == 0)
-        return OK;
-    size_t d0 = 1, d1 = 1, rest = numel;
-    if (swapped) {
-        d0 = b->shape[0];
-        d1 = b->shape[1];
-        rest = numel / (d0 * d1);
-    }
-    join_planes(pl, itemsize, j->dst, d0, d1, rest, swapped);
-    return OK;
+        return ZP_OK;
+    if (!swapped)
+        d0 = d1 = 1;
+    join_planes(pl, itemsize, dst, d0, d1, numel / (d0 * d1), swapped);
+    return ZP_OK;
 }
