@@ -29,7 +29,7 @@ import torch
 from storage.codec import block_batch
 from storage.codec.header import KINDS
 from storage.codec.payload import Codec
-from storage.codec.stored_block import BlockMeta, payload_binding, verify_and_decode
+from storage.codec.stored_block import BlockMeta, payload_binding
 from storage.hashing import BlockKey, hash_block
 from storage.layout import BlockLayout
 
@@ -87,9 +87,7 @@ def measure_codecs(layout: BlockLayout, kinds: tuple[str, ...] = KINDS) -> tuple
         meta = BlockMeta(key.parent, key.namespace, key.token_ids, layout.nbytes, len(payload), 0.0, 0, 0).pack()
 
         def read() -> None:
-            verdict = block_batch.verify_one(layout, key, out, payload, meta)
-            if verdict is None:
-                verdict = verify_and_decode(codec, layout, key, out, payload, meta)
+            verdict = block_batch.verify_one(codec, layout, key, out, payload, meta)
             if verdict[0] is None:
                 raise RuntimeError(f"codec {kind}: the sample block does not read back ({verdict[1]})")
         read()                                         # warm

@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Sequence
 
 from storage.codec.codec_error import CodecError
 from storage.codec.header import _DTYPE_CODES, CodecHeader, parse_header   # the codes on disk
+from storage.codec.payload import Codec
+from storage.codec.stored_block import verify_and_decode
 from storage.hashing import BlockKey
 from storage.layout import DTYPE_ITEMSIZES, BlockLayout, dtype_from_name, dtype_name
 
@@ -159,20 +161,22 @@ def verify_batch(layout: BlockLayout | None, keys: Sequence[BlockKey], outs: Seq
     return batch.finish()
 
 
-def verify_one(layout: BlockLayout | None, key: BlockKey, out: torch.Tensor | None, payload: bytes | memoryview,
-               meta: bytes | memoryview) -> Verdict | None:
-    """One block's verdict from the compiled check, on the calling thread with the GIL released (a
-    remote tier's decode task: its pool is the parallelism); None where the batch does not decide
-    it (or is not built): the caller runs verify_and_decode."""
-    if _compiled is None:
-        return None
-    batch = BlockBatch(layout, 1, 1)
-    try:
-        batch.add(key, out, payload, meta)
-    except BaseException:
-        batch.abandon()
-        raise
-    return batch.finish()[0]
+def verify_one(codec: Codec, layout: BlockLayout | None, key: BlockKey, out: torch.Tensor | None,
+               payload: bytes | memoryview | None, meta: bytes | memoryview | None) -> Verdict:
+    """One block's verdict: the compiled check's, on the calling thread with the GIL released (a
+    remote tier's decode task, whose pool is the parallelism), or verify_and_decode's where the
+    batch does not decide it (or is not built) -- the same verdict either way."""
+    if _compiled is not None and payload is not None:
+        batch = BlockBatch(layout, 1, 1)
+        try:
+            batch.add(key, out, payload, meta)
+        except BaseException:
+            batch.abandon()
+            raise
+        verdict = batch.finish()[0]
+        if verdict is not None:
+            return verdict
+    return verify_and_decode(codec, layout, key, out, payload, meta)
 
 
 def _first_header(payload: bytes | memoryview) -> CodecHeader | None:

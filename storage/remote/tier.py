@@ -62,7 +62,7 @@ from storage.cancellation import Cancellation
 from storage.remote.breaker import OPEN, BreakerConfig, CircuitBreaker
 from storage.codec.payload import Codec
 from storage.codec import block_batch
-from storage.codec.stored_block import payload_binding, verify_and_decode
+from storage.codec.stored_block import payload_binding
 from storage.hashing import BlockKey
 from storage.kv_events.sink import NO_EVENTS, REMOTE_MEDIUM, NoEvents
 from storage.layout import BlockLayout
@@ -263,11 +263,7 @@ class RemoteTier(LowerTier):
             opened = open_value(remote_key(key), value, self.secret)
             if opened.problem is not None:
                 return None, opened.problem, None, 0
-            # The compiled check (GIL released) where it decides the block, else verify_and_decode: one verdict.
-            verdict = block_batch.verify_one(self.layout, key, out, opened.payload, opened.meta)
-            if verdict is None:
-                verdict = verify_and_decode(self.codec, self.layout, key, out, opened.payload, opened.meta)
-            tensor, reason = verdict
+            tensor, reason = block_batch.verify_one(self.codec, self.layout, key, out, opened.payload, opened.meta)
             if tensor is None:
                 return None, reason, None, 0
             # NOTE invariant: a buffer whose payload a caller holds is never handed out again.

@@ -247,3 +247,24 @@ def test_the_disk_tier_serves_good_blocks_and_counts_and_deletes_damaged_ones(
         s = t.stats()
         assert (s.corrupt, s.blocks) == (len(bad), n - len(bad))
         assert all(not t.contains(keys[i]) for i in bad)
+
+
+def test_verify_one_is_the_compiled_verdict_or_else_the_python_one(monkeypatch) -> None:
+    """The remote tier's one-block check: served into its destination by the compiled check; a
+    destination it does not take (another dtype) and a build without the compiled module get
+    verify_and_decode's verdict; damage is refused either way."""
+    r, damaged_one = record(0, torch.bfloat16), record(0, torch.bfloat16)
+    damaged_one.payload = flip(r.payload, len(r.payload) - 3)
+    layout = layout_of(torch.bfloat16)
+    for compiled in (True, False):
+        if not compiled:
+            monkeypatch.setattr(block_batch, "_compiled", None)     # as without a C compiler at install
+        out = torch.empty(SHAPE, dtype=torch.bfloat16)
+        tensor, reason = block_batch.verify_one(ZSTD, layout, r.key, out, r.payload, r.meta)
+        assert reason is None and tensor.data_ptr() == out.data_ptr() and same_bits(tensor, kv_block(0, torch.bfloat16))
+        tensor, reason = block_batch.verify_one(ZSTD, layout, r.key, torch.empty(SHAPE, dtype=torch.float16),
+                                                r.payload, r.meta)
+        assert tensor is None and "does not fit out" in reason
+        tensor, reason = block_batch.verify_one(ZSTD, layout, r.key, None, damaged_one.payload, damaged_one.meta)
+        assert tensor is None and ("crc32" in reason or "zstd" in reason)
+        assert block_batch.verify_one(ZSTD, layout, r.key, None, None, r.meta) == (None, "payload missing")
