@@ -26,6 +26,16 @@ def test_an_engine_publishes_its_prompts_blocks_and_says_where(tmp_path) -> None
         assert st["enabled"] is True and st["topic"] == "kv@test" and st["tokens"] is True and st["dropped"] == 0
         assert st["endpoint"].startswith("tcp://127.0.0.1:") and st["replay_endpoint"].startswith("tcp://127.0.0.1:")
         sub = Subscriber(st, "kv@test")
+        # A SUB joins late (its connection and subscription race the first publishes: ZMQ's slow
+        # joiner; seen once beside two busy loops, every batch of the prompt published before it
+        # joined): another tenant's prompts until a batch arrives live, then the prompt's come live.
+        warmups = iter(range(100, 10_000))
+
+        def joined() -> bool:
+            engine.generate(random_prompt(13, seed=next(warmups)), SamplingParams(max_tokens=1), tenant="warmup")
+            sub.poll(50)
+            return bool(sub.batches)
+        wait_for(joined, "a first batch live")
         prompt = random_prompt(13, seed=1)
         engine.generate(prompt, SamplingParams(max_tokens=2), tenant="alice")
         ks = block_keys(engine.namespace("alice"), prompt, 4)        # 3 full blocks of the prompt
