@@ -30,7 +30,7 @@ from storage.codec import block_batch
 from storage.codec.header import KINDS
 from storage.codec.payload import Codec
 from storage.codec.stored_block import BlockMeta, payload_binding
-from storage.hashing import BlockKey, hash_block
+from storage.hashing import block_keys
 from storage.layout import BlockLayout
 
 log = logging.getLogger(__name__)
@@ -76,9 +76,7 @@ def measure_codecs(layout: BlockLayout, kinds: tuple[str, ...] = KINDS) -> tuple
     check included, so each rate is what a restore of that kind costs here."""
     block = sample_block(layout)
     out = torch.empty_like(block)
-    parent = b"\0" * 32
-    key = BlockKey(hash_block(parent, tuple(range(layout.block_size))), parent, tuple(range(layout.block_size)),
-                   b"\0" * 32)
+    key = block_keys(b"\0" * 32, range(layout.block_size), layout.block_size)[0]
     binding = payload_binding(key.hash, key.namespace)
     figures = []
     for kind in kinds:

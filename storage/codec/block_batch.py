@@ -51,12 +51,13 @@ def _load() -> tuple[bool, str | None]:
         isal_path = None
     return _compiled.load(isal_path)
 
+
 if TYPE_CHECKING:
     import torch
 
 AVAILABLE = _compiled is not None
 # Whether zstd blocks are decided here too (libzstd.so.1 found), and which crc32 their coded
-# frames are checked with ("isal", "zlib" or "table").
+# frames are checked with ("isal" or "zlib"; "none": zstd blocks stay verify_and_decode's).
 ZSTD, CRC32 = _load()
 
 _NOT_RAW = 1
@@ -166,16 +167,9 @@ def verify_one(codec: Codec, layout: BlockLayout | None, key: BlockKey, out: tor
     """One block's verdict: the compiled check's, on the calling thread with the GIL released (a
     remote tier's decode task, whose pool is the parallelism), or verify_and_decode's where the
     batch does not decide it (or is not built) -- the same verdict either way."""
-    if _compiled is not None and payload is not None:
-        batch = BlockBatch(layout, 1, 1)
-        try:
-            batch.add(key, out, payload, meta)
-        except BaseException:
-            batch.abandon()
-            raise
-        verdict = batch.finish()[0]
-        if verdict is not None:
-            return verdict
+    verdicts = verify_batch(layout, [key], [out], [payload], [meta], 1)
+    if verdicts is not None and verdicts[0] is not None:
+        return verdicts[0]
     return verify_and_decode(codec, layout, key, out, payload, meta)
 
 
