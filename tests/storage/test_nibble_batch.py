@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import struct
 import zlib
-from dataclasses import dataclass
 from pathlib import Path
 
-import lmdb
 import numpy as np
 import pytest
 import torch
@@ -22,10 +20,11 @@ from storage.codec import block_batch
 from storage.codec.payload import Codec
 from storage.codec.stored_block import BlockMeta, payload_binding, verify_and_decode
 from storage.disk.tier import DiskTier
-from storage.hashing import BlockKey
 from storage.layout import BlockLayout
 from tests.storage.disk_tier_child import make_key, same_bits
+from tests.storage.test_disk_binding import edit
 from tests.storage.test_nibble import forge, malformed
+from tests.storage.test_raw_batch import Record, every_damage_decided_alike, flip, layout_of, with_meta
 
 SHAPE = (2, 2, 16, 3, 8)
 BIG = (8, 2, 16, 8, 128)      # 512 KiB in bf16: a batch of them is spread over the batch's threads
@@ -39,35 +38,11 @@ def kv_block(i: int, dtype: torch.dtype, shape: tuple[int, ...] = SHAPE) -> torc
     return (torch.randn(shape, generator=g) * torch.exp(torch.randn(shape, generator=g))).to(dtype)
 
 
-def layout_of(dtype: torch.dtype, shape: tuple[int, ...] = SHAPE) -> BlockLayout:
-    return BlockLayout(shape[0], shape[2], shape[3], shape[4], dtype)
-
-
-@dataclass
-class Record:
-    key: BlockKey             # what the block is asked for under
-    payload: bytes | None
-    meta: bytes | None
-
-
 def record(i: int, dtype: torch.dtype, codec: Codec = NIBBLE, shape: tuple[int, ...] = SHAPE) -> Record:
     key, block = make_key(i), kv_block(i, dtype, shape)
     payload = codec.encode(block, payload_binding(key.hash, key.namespace))
     meta = BlockMeta(key.parent, key.namespace, key.token_ids, block.nbytes, len(payload), 0.0, 0, 0)
     return Record(key, payload, meta.pack())
-
-
-def flip(data: bytes, at: int, bit: int = 0) -> bytes:
-    b = bytearray(data)
-    b[at] ^= 1 << bit
-    return bytes(b)
-
-
-def with_meta(r: Record, **fields) -> bytes:
-    m = BlockMeta.unpack(r.meta)
-    for name, value in fields.items():
-        setattr(m, name, value)
-    return m.pack()
 
 
 def resized(r: Record, payload: bytes) -> Record:
@@ -155,20 +130,7 @@ def test_every_damage_is_the_same_miss_on_both_paths_and_decided_in_c(
     assert coded == (dtype != torch.float16)        # both decodes: a coded top plane and a stored one
     if coded:
         assert any(name.startswith("forged") for name in cases)
-    # The good block first (without a layout the batch's first header is what the call expects)
-    # and last, the damaged ones between: with BIG blocks, every thread takes some of each.
-    records = [good] + [r for r, _ in cases.values()] + [good]
-    for threads in (1, 2, 3):
-        verdicts = block_batch.verify_batch(layout, [r.key for r in records], [None] * len(records),
-                                            [r.payload for r in records], [r.meta for r in records], threads)
-        assert verdicts is not None
-        for served, reason in (verdicts[0], verdicts[-1]):
-            assert reason is None and same_bits(served, kv_block(0, dtype, shape))
-        for (name, (r, word)), verdict in zip(cases.items(), verdicts[1:-1]):
-            assert verdict is not None, f"{name}: left to Python; the compiled batch must decide a nibble block"
-            py_tensor, py_reason = python_verdict(layout, r)
-            assert py_tensor is None and word in py_reason, (name, py_reason)
-            assert verdict[0] is None and word in verdict[1], (name, verdict)
+    every_damage_decided_alike(NIBBLE, layout, good, kv_block(0, dtype, shape), cases)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -196,16 +158,6 @@ def test_a_batch_of_every_codec_decides_each_block() -> None:
                                  [r.meta for r in rs], 2)
     for i in (0, 1, 2):
         assert v[i] is not None and v[i][1] is None and same_bits(v[i][0], kv_block(i, torch.bfloat16))
-
-
-def edit(path: Path, fn) -> None:
-    env = lmdb.open(str(path), max_dbs=4)
-    try:
-        dbs = {n: env.open_db(n.encode()) for n in ("payload", "meta", "lru", "info")}
-        with env.begin(write=True) as txn:
-            fn(txn, dbs)
-    finally:
-        env.close()
 
 
 @pytest.mark.parametrize("c_path", [True, False])

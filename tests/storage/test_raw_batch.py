@@ -101,6 +101,27 @@ def python_verdict(layout: BlockLayout | None, r: Record) -> tuple[torch.Tensor 
     return verify_and_decode(RAW, layout, r.key, None, r.payload, r.meta)
 
 
+def every_damage_decided_alike(codec: Codec, layout: BlockLayout | None, good: Record, block: torch.Tensor,
+                               cases: dict[str, tuple[Record, str]]) -> None:
+    """On 1, 2 and 3 threads: `good` served as `block`, and each damaged case decided by the batch
+    (not left to Python: a skipped check would serve it) with a reason holding the case's word, as
+    verify_and_decode's does. The good block first (without a layout the batch's first header is
+    what the call expects) and last, the damaged ones between: with BIG blocks, every thread takes
+    some of each."""
+    records = [good] + [r for r, _ in cases.values()] + [good]
+    for threads in (1, 2, 3):
+        verdicts = block_batch.verify_batch(layout, [r.key for r in records], [None] * len(records),
+                                            [r.payload for r in records], [r.meta for r in records], threads)
+        assert verdicts is not None
+        for served, reason in (verdicts[0], verdicts[-1]):
+            assert reason is None and same_bits(served, block)
+        for (name, (r, word)), verdict in zip(cases.items(), verdicts[1:-1]):
+            assert verdict is not None, f"{name}: left to Python; the compiled batch must decide a {codec.kind} block"
+            py_tensor, py_reason = verify_and_decode(codec, layout, r.key, None, r.payload, r.meta)
+            assert py_tensor is None and word in py_reason, (name, py_reason)
+            assert verdict[0] is None and word in verdict[1], (name, verdict)
+
+
 @pytest.fixture(autouse=True)
 def compiled() -> None:
     assert block_batch.AVAILABLE, ("storage/codec/_block_batch.c was not built (no C compiler at `pip install -e .`?): "
@@ -123,22 +144,8 @@ def test_its_xxh3_is_the_xxhash_packages(baseline: bool) -> None:
 def test_every_damage_is_the_same_miss_on_both_paths_and_decided_in_c(
         dtype: torch.dtype, with_layout: bool, shape: tuple[int, ...]) -> None:
     layout = layout_of(dtype, shape) if with_layout else None
-    cases = damaged(dtype, shape)
-    good = record(0, dtype, shape=shape)
-    # The good block first (without a layout the batch's first header is what the call expects)
-    # and last, the damaged ones between: with BIG blocks, every thread takes some of each.
-    records = [good] + [r for r, _ in cases.values()] + [good]
-    for threads in (1, 2, 3):
-        verdicts = block_batch.verify_batch(layout, [r.key for r in records], [None] * len(records),
-                                          [r.payload for r in records], [r.meta for r in records], threads)
-        assert verdicts is not None
-        for served, reason in (verdicts[0], verdicts[-1]):
-            assert reason is None and same_bits(served, make_block(0, dtype, shape))
-        for (name, (r, word)), verdict in zip(cases.items(), verdicts[1:-1]):
-            assert verdict is not None, f"{name}: left to Python; the compiled check must decide a raw block"
-            py_tensor, py_reason = python_verdict(layout, r)
-            assert py_tensor is None and word in py_reason, (name, py_reason)
-            assert verdict[0] is None and word in verdict[1], (name, verdict)
+    every_damage_decided_alike(RAW, layout, record(0, dtype, shape=shape), make_block(0, dtype, shape),
+                               damaged(dtype, shape))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

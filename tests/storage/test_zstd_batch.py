@@ -26,7 +26,7 @@ from storage.disk.tier import DiskTier
 from storage.layout import BlockLayout
 from tests.storage.disk_tier_child import make_key, same_bits
 from tests.storage.test_disk_binding import edit
-from tests.storage.test_raw_batch import Record, flip, with_meta
+from tests.storage.test_raw_batch import Record, every_damage_decided_alike, flip, with_meta
 from tests.storage.test_nibble_batch import kv_block, layout_of, resized
 
 SHAPE = (2, 2, 16, 3, 8)
@@ -154,22 +154,7 @@ def compiled() -> None:
 def test_every_damage_is_the_same_miss_on_both_paths_and_decided_in_c(
         dtype: torch.dtype, with_layout: bool, shape: tuple[int, ...]) -> None:
     layout = layout_of(dtype, shape) if with_layout else None
-    cases = damaged(dtype, shape)
-    good = record(0, dtype, shape)
-    # The good block first (without a layout the batch's first header is what the call expects)
-    # and last, the damaged ones between: with BIG blocks, every thread takes some of each.
-    records = [good] + [r for r, _ in cases.values()] + [good]
-    for threads in (1, 2, 3):
-        verdicts = block_batch.verify_batch(layout, [r.key for r in records], [None] * len(records),
-                                            [r.payload for r in records], [r.meta for r in records], threads)
-        assert verdicts is not None
-        for served, reason in (verdicts[0], verdicts[-1]):
-            assert reason is None and same_bits(served, kv_block(0, dtype, shape))
-        for (name, (r, word)), verdict in zip(cases.items(), verdicts[1:-1]):
-            assert verdict is not None, f"{name}: left to Python; the compiled batch must decide a zstd block"
-            py_tensor, py_reason = python_verdict(layout, r)
-            assert py_tensor is None and word in py_reason, (name, py_reason)
-            assert verdict[0] is None and word in verdict[1], (name, verdict)
+    every_damage_decided_alike(ZSTD, layout, record(0, dtype, shape), kv_block(0, dtype, shape), damaged(dtype, shape))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
