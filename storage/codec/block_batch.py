@@ -180,7 +180,10 @@ def _first_header(payload: bytes | memoryview) -> CodecHeader | None:
         header = parse_header(memoryview(payload))
     except CodecError:
         return None
-    return header if header.version == 4 and (header.whole or header.nibble or ZSTD) else None
+    # NOTE: a header that says no elements (a forged dim of 0: its crc can be made to match) is not
+    # a guess to size the batch by -- it would make an empty destination -- so verify_and_decode takes it.
+    return header if (header.version == 4 and (header.whole or header.nibble or ZSTD)
+                      and math.prod(header.shape) > 0) else None
 
 
 def xxh3_64(data: bytes | memoryview, baseline: bool = False) -> int:
