@@ -29,7 +29,8 @@ from service.auth import ApiKeys, require_admin
 from service.context import AppContext, ctx
 from service.dispatch import Dispatcher
 from service.disconnect import ClientGone
-from service.errors import APIError, CatchAll, answer, install_error_handlers
+from service.error_handlers import CatchAll, answer, install_error_handlers
+from service.errors import APIError
 from service.http_middleware import HTTPMiddleware, StatusSend
 from service.metrics import ServiceMetrics
 from service.openapi import install_openapi
