@@ -138,6 +138,16 @@ def media() -> tuple[str, ...]:
     return tuple(k.medium for k in _KINDS)
 
 
+def medium_ranks() -> dict[str, int]:
+    """Each medium's place in media() (0: the device), read live: the router's ranks."""
+    return {k.medium: i for i, k in enumerate(_KINDS)}
+
+
+def weights() -> dict[str, float]:
+    """Each medium's router weight (what a block held there is worth), read live."""
+    return {k.medium: k.weight for k in _KINDS}
+
+
 def medium_of(name: str) -> str:
     return kind_of(name).medium
 

@@ -1,8 +1,8 @@
 """One registration line adds a tier (issue 43, item 2): a fifth tier -- a directory of files, one
 block a file, written here -- is wired by one `add_tier` line and, touching no other file, is
 filled by the cascade, said in KV events under its own medium, matched, planned, deadlined,
-restored bit-identical, billed at its own price, metered in /metrics, and shown by
-`tieredkv status`."""
+restored bit-identical, billed at its own price, metered in /metrics, shown by `tieredkv
+status`, and ranked and weighed by the router."""
 from __future__ import annotations
 
 import json
@@ -20,10 +20,14 @@ from engine.billing_prices import Prices
 from engine.load_deadline import LoadDeadlines
 from engine.restore_planner import RestorePlanner
 from service.metrics import CacheCollector, ttft_sources
+from service.router.index import PrefixIndex
+from service.router.policy import Candidate, Policy, choose
+from service.router.settings import RouterSettings
 from storage.codec.payload import Codec
 from storage.codec.stored_block import payload_binding
 from storage.config import CacheConfig
 from storage.kv_events.sink import EventSink
+from storage.kv_events.wire import BlockStored
 from storage.lower_tier import LowerTier
 from storage.tier_kinds import TIERS, TierKind, media
 from storage.tier_wiring import add_tier, remove_tier
@@ -201,3 +205,18 @@ def test_a_fifth_tier_added_by_one_line(dir_tier: Path, tmp_path: Path) -> None:
                    if line.strip().startswith("dir")), r.output
     finally:
         server.shutdown()
+
+
+def test_a_fifth_tier_is_known_to_the_router(dir_tier: Path) -> None:
+    """The router (imported before the tier was added) ranks and weighs the tier's medium from its kind."""
+    hashes = [bytes([i]) * 32 for i in range(4)]
+    index = PrefixIndex()
+    index.apply("a", BlockStored(hashes[:2], None, list(range(32)), 16, None, "DIR"))
+    index.apply("b", BlockStored(hashes[:2], None, list(range(32)), 16, None, "DISK"))
+    assert index.media(hashes[0]) == {"a": ["DIR"], "b": ["DISK"]}
+    prefixes = index.prefix(hashes, ["a", "b"])
+    assert prefixes == {"a": [2, 2], "b": [3, 3]}          # between the host's CPU and the disk's DISK
+    policy = Policy()
+    assert policy.weights["DIR"] == DIR.weight and RouterSettings(backends=("http://127.0.0.1:1",)).weights["DIR"] == DIR.weight
+    choice = choose(policy, [Candidate("b", 0), Candidate("a", 0)], prefixes, prompt_tokens=64, block_size=16)
+    assert (choice.backend, choice.miss_tokens) == ("a", round(64 - 2 * 16 * DIR.weight))
