@@ -135,7 +135,7 @@ class DirTier(LowerTier):
 @pytest.fixture
 def dir_tier(tmp_path):
     # THE line of wiring: a kind (between the host and the disk) and how it is built from the config.
-    add_tier(DIR, lambda config, layout: DirTier(tmp_path / "dir"), after="host")
+    add_tier(DIR, lambda wiring: DirTier(tmp_path / "dir"), after="host")
     yield tmp_path / "dir"
     remove_tier(DIR)
 
