@@ -29,7 +29,8 @@ from service.auth import ApiKeys, require_admin
 from service.context import AppContext, ctx
 from service.dispatch import Dispatcher
 from service.disconnect import ClientGone
-from service.errors import APIError, CatchAll, answer, install_error_handlers
+from service.error_handlers import CatchAll, answer, install_error_handlers
+from service.errors import APIError
 from service.http_middleware import HTTPMiddleware, StatusSend
 from service.metrics import ServiceMetrics
 from service.openapi import install_openapi
@@ -167,11 +168,12 @@ def readiness(status: dict, draining: bool, alive: bool) -> dict:
         else:
             reasons.append(f"billing cannot be written ({held}: {billing.get('error')})")
     return {"ready": not reasons, "reasons": reasons,
-            # Each tier's state as its kind reads its status (storage/tier_kinds.py), and the
-            # fields a kind names repeated under its name (the disk's).
-            "tiers": {k.name: k.ready(tiers.get(k.name) or {}) for k in kinds()},
-            **{k.name: {f: (tiers.get(k.name) or {}).get(f) for f in k.ready_fields if f in (tiers.get(k.name) or {})}
-               for k in kinds() if k.ready_fields},
+            # Each tier's state as its kind's health reads its status (storage/tier_health.py), and
+            # the fields its health names repeated under its name (the disk's).
+            "tiers": {k.name: k.health.ready(tiers.get(k.name) or {}) for k in kinds()},
+            **{k.name: {f: (tiers.get(k.name) or {}).get(f) for f in k.health.ready_fields
+                        if f in (tiers.get(k.name) or {})}
+               for k in kinds() if k.health.ready_fields},
             "billing": billing}
 
 

@@ -6,7 +6,7 @@ Knows: Anthropic's error type for each status (400 invalid_request_error, 401
 authentication_error, 403 permission_error, 404 not_found_error, 413 request_too_large, 429
 rate_limit_error, 500 api_error, 503 overloaded_error, 504 timeout_error), which paths take this
 shape -- every error answered on them, raised by a route or by the app's own handlers (an unknown
-method, a 500), goes through `for_path` (service/errors.py's `shaped` calls it). The message
+method, a 500), goes through `for_path` (service/error_handlers.py's `shaped` calls it). The message
 keeps the field it names ("messages[0].content: ..."); Anthropic's body has no `param` or `code`.
 Doesn't know: routes, why an error happened, or how a stream frames one (service/messages_responses.py).
 """

@@ -1,5 +1,5 @@
-"""Prometheus metrics for one app: request counts, latency histograms, the cache's tiers, and the
-remote store's client (its counters and its circuit breaker).
+"""Prometheus metrics for one app: request counts, latency histograms, the cache's tiers (the
+shared per-tier families, and each tier's own series as its kind says them: storage/tier_health.py).
 
 Knows: metric names and labels, and that the cache's numbers are read from
 `engine.cache_status()` at scrape time (a custom collector), so they are never stale and
@@ -19,7 +19,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from engine.abort import ABORT_REASONS
 from engine.outputs import TIERS
-from storage.tier_kinds import DEVICE, is_local
+from storage.tier_health import MetricRow
+from storage.tier_kinds import DEVICE, is_local, kinds
 from service.disconnect import PHASES as DISCONNECT_PHASES
 from service.vllm_metrics import VllmMetrics, status_metrics
 
@@ -41,29 +42,8 @@ _TIER_FIELDS = (
     ("evictions", "evictions", "Blocks evicted from the tier", True),
 )
 
-# The remote tier's own client counters (tiers.remote in cache_status(), storage/remote/tier.py):
-# (key in its status, metric suffix, help). Blocks served to requests are the tier="remote" rows
-# above; these say how the store itself answered.
-_REMOTE_COUNTERS = (
-    ("store_hits", "hits", "Blocks read from the remote store and verified"),
-    ("misses", "misses", "Blocks asked of the remote store and not served (absent, damaged, or an error)"),
-    ("errors", "errors", "Calls to the remote store that failed (connection, timeout): the breaker's failures"),
-    ("corrupt", "corrupt", "Remote values that failed verification: forged or damaged (a miss; deleted)"),
-    ("foreign", "foreign", "Remote values sealed under another fleet secret (a miss; left alone)"),
-    ("skipped", "skipped", "Calls not made because the breaker was open"),
-    ("cancelled", "cancelled", "Reads of the remote store cut off because no request waited for them any more"),
-    ("cancelled_connections", "cancelled_connections", "Connections to the remote store shut down mid-reply by "
-     "such a cut (dropped, never pooled)"),
-    ("writes", "writes", "Blocks written to the remote store"),
-    ("write_errors", "write_errors", "Blocks the remote store refused, or lost with a failed batch"),
-    ("write_drops", "write_drops", "Blocks never sent to the remote store: its queue full, or the breaker open"),
-    ("stored_bytes_read", "read_bytes", "Bytes of values read from the remote store"),
-    ("bytes_written", "written_bytes", "Bytes of values written to the remote store"),
-    ("breaker_opened", "breaker_openings", "Times the remote tier's circuit breaker opened"),
-)
-BREAKER_STATES = ("closed", "open", "half_open")
-# The remote tier's capacity, contents and evictions are its store's (maxmemory, its LRU):
-# `tieredkv inspect --remote-url` reads them there.
+# A linked tier's capacity, contents and evictions are its store's (the remote tier's: maxmemory,
+# its LRU; `tieredkv inspect --remote-url` reads them there).
 _STORE_OWN = frozenset({"capacity_bytes", "used_bytes", "blocks", "evictions"})
 
 
@@ -96,33 +76,8 @@ class CacheCollector:
                 if _is_number(value):
                     fam.add_metric([tier], float(value))
             yield fam
-        disk = tiers.get("disk", {})
-        for key, help_text in (("compression_ratio", "Raw bytes / compressed bytes of the disk tier"),
-                               ("pending_writes", "Blocks waiting in the disk writer's queue")):
-            if _is_number(disk.get(key)):
-                yield _single(GaugeMetricFamily, f"tieredkv_disk_{key}", help_text, disk[key])
-        for key, help_text in (("corrupt", "Disk blocks that failed verification when read (a miss; deleted)"),
-                               ("read_errors", "Disk reads that failed with an LMDB or OS error (a miss)"),
-                               ("write_errors", "Disk blocks the writer could not commit (lost from the tier)")):
-            if _is_number(disk.get(key)):
-                yield _single(CounterMetricFamily, f"tieredkv_disk_{key}", help_text, disk[key])
-        if _is_number(disk.get("moved_aside")):
-            yield _single(CounterMetricFamily, "tieredkv_disk_moved_aside", "Damaged disk stores moved aside and "
-                          "replaced with a fresh one by this process (at open or while serving)", disk["moved_aside"])
-        if disk.get("enabled") is not None and "writes_off" in disk:
-            yield _single(GaugeMetricFamily, "tieredkv_disk_writes_off", "1 while the disk tier writes nothing "
-                          "because its directory takes no writes (read-only, EIO, gone); it still serves",
-                          1.0 if disk.get("writes_off") else 0.0)
-            yield _single(CounterMetricFamily, "tieredkv_disk_writes_off_drops", "Blocks not written to the disk "
-                          "tier because its writes were off", disk.get("writes_off_drops") or 0)
-        if disk.get("enabled") is not None:
-            yield _single(GaugeMetricFamily, "tieredkv_disk_unavailable", "1 while the configured disk tier has "
-                          "no store (a full filesystem at open, or no fresh store could be made)",
-                          1 if disk.get("unavailable") else 0)
-        if _is_number(disk.get("space_bound_bytes")):
-            yield _single(GaugeMetricFamily, "tieredkv_disk_space_bound_bytes", "The data file's bound set by the "
-                          "filesystem's free space minus the reserve (present only while it binds)",
-                          disk["space_bound_bytes"])
+        for kind in kinds():       # each tier's own series, as its kind says them (tieredkv_<tier>_*)
+            yield from _tier_families(kind.name, kind.health.metrics(tiers.get(kind.name) or {}))
         billing = status.get("billing", {})
         if _is_number(billing.get("unwritten")):
             # An alert on tieredkv_billing_unwritten > 0 fires while requests are answered with their
@@ -174,9 +129,6 @@ class CacheCollector:
             for reason in sorted(set(ABORT_REASONS) | set(aborted)):
                 fam.add_metric([reason], float(aborted.get(reason, 0)))
             yield fam
-        remote = tiers.get("remote", {})
-        if remote.get("enabled"):
-            yield from _remote_metrics(remote)
         events = status.get("kv_events", {})
         if events.get("enabled"):
             yield _single(CounterMetricFamily, "tieredkv_kv_events_published", "KV events (BlockStored, "
@@ -186,20 +138,26 @@ class CacheCollector:
                           events.get("dropped", 0))
 
 
-def _remote_metrics(remote: dict[str, Any]) -> Iterable[Metric]:
-    for key, suffix, help_text in _REMOTE_COUNTERS:
-        if _is_number(remote.get(key)):
-            yield _single(CounterMetricFamily, f"tieredkv_remote_{suffix}", help_text, remote[key])
-    if _is_number(remote.get("pending_writes")):
-        yield _single(GaugeMetricFamily, "tieredkv_remote_pending_writes", "Blocks waiting in the remote writer's "
-                      "queue", remote["pending_writes"])
-    # One series per state, 1 for the current one (Prometheus' idiom for an enum): an alert on
-    # tieredkv_remote_breaker_state{state="open"} == 1 fires while the store is being skipped.
-    fam = GaugeMetricFamily("tieredkv_remote_breaker_state",
-                            "The remote tier's circuit breaker: 1 for its current state", labels=["state"])
-    for state in BREAKER_STATES:
-        fam.add_metric([state], 1.0 if remote.get("breaker") == state else 0.0)
-    yield fam
+def _tier_families(tier: str, rows: Iterable[MetricRow]) -> Iterable[Metric]:
+    """A tier's rows as metric families named tieredkv_<tier>_<suffix>: a labelled family of the
+    rows of one suffix that follow each other, else one unlabelled sample each."""
+    fam, at = None, None
+    for row in rows:
+        name = f"tieredkv_{tier}_{row.suffix}"
+        if row.label is None:
+            if fam is not None:
+                yield fam
+                fam, at = None, None
+            yield _single(CounterMetricFamily if row.counter else GaugeMetricFamily, name, row.help, row.value)
+            continue
+        if fam is None or at != name:
+            if fam is not None:
+                yield fam
+            kind = CounterMetricFamily if row.counter else GaugeMetricFamily
+            fam, at = kind(name, row.help, labels=[row.label[0]]), name
+        fam.add_metric([row.label[1]], float(row.value))
+    if fam is not None:
+        yield fam
 
 
 def _single(family: type, name: str, help_text: str, value: float) -> Metric:

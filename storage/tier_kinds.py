@@ -5,7 +5,9 @@ Knows: per kind its name (in stats, billing, metrics, the CLI and HTTP usage), i
 (vLLM's wire name: "GPU", "CPU", "DISK", ...), whether it is this process's own (`local`) or a
 store shared over a link, its price key (`Prices`' `<name>_hit`), what a block held there is
 worth to the router (`weight`), how its restore rate is first measured (`calibrates`), and how its
-status reads for /ready (`ready`, `ready_fields`). A tier below the host is built by
+status reads outside the cache (`health`: its /ready state and fields, its own /metrics series, its
+lines under `tieredkv status`: storage/tier_health.py; the disk's and the store's said in their
+rooms, storage/disk/health.py, storage/remote/health.py). A tier below the host is built by
 storage/tier_wiring.py and carries its kind (`LowerTier.kind`); `register` adds one (a test's, a
 new room's) to the list.
 Doesn't know: any tier's storage or code: nothing heavy is imported, so the router (another
@@ -17,11 +19,11 @@ built; the list is read, never written, while they run.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence
+from typing import Iterator, Sequence
 
-
-def _on_or_off(status: dict) -> str:
-    return "ok" if status.get("enabled", True) else "off"
+from storage.disk.health import DiskHealth
+from storage.remote.health import RemoteHealth
+from storage.tier_health import AlwaysReady, TierHealth
 
 
 @dataclass(frozen=True)
@@ -33,8 +35,8 @@ class TierKind:
     weight: float              # what a block held here is worth to the router: 1.0 = on the device
     calibrates: str = "none"   # its first restore figure: "copy" (host copies), "read" (a block's
                                # decode), "link" (the link probed: LowerTier.link_probe), "none"
-    ready: Callable[[dict], str] = field(default=_on_or_off, compare=False)   # its /ready state
-    ready_fields: tuple[str, ...] = ()   # its status fields /ready repeats under its name
+    health: TierHealth = field(default_factory=TierHealth, compare=False)   # how its status reads
+                               # in /ready, /metrics and `tieredkv status` (storage/tier_health.py)
 
     @property
     def price_key(self) -> str:
@@ -47,30 +49,10 @@ class TierKind:
         return self is not DEVICE
 
 
-def _disk_ready(disk: dict) -> str:
-    if not disk.get("enabled", True) and not disk.get("unavailable"):
-        return "off"
-    if disk.get("unavailable"):
-        return "unavailable"
-    if disk.get("writes_off"):
-        return "writes off"         # its directory takes no writes: it serves what it holds
-    if disk.get("moved_aside"):
-        return "recovered"          # a damaged store was moved aside; a fresh one serves
-    return "ok"
-
-
-def _link_ready(store: dict) -> str:
-    if not store.get("enabled", True):
-        return "off"
-    return "ok" if store.get("breaker", "closed") == "closed" else f"breaker {store.get('breaker')}"
-
-
-DEVICE = TierKind("device", "GPU", local=True, weight=1.0, ready=lambda status: "ok")
+DEVICE = TierKind("device", "GPU", local=True, weight=1.0, health=AlwaysReady())
 HOST = TierKind("host", "CPU", local=True, weight=0.9, calibrates="copy")
-DISK = TierKind("disk", "DISK", local=True, weight=0.5, calibrates="read", ready=_disk_ready,
-                ready_fields=("unavailable", "writes_off", "recovered", "moved_aside", "free_bytes",
-                              "space_bound_bytes"))
-REMOTE = TierKind("remote", "REMOTE", local=False, weight=0.3, calibrates="link", ready=_link_ready)
+DISK = TierKind("disk", "DISK", local=True, weight=0.5, calibrates="read", health=DiskHealth())
+REMOTE = TierKind("remote", "REMOTE", local=False, weight=0.3, calibrates="link", health=RemoteHealth())
 
 _KINDS: list[TierKind] = [DEVICE, HOST, DISK, REMOTE]      # fastest first
 
@@ -136,6 +118,16 @@ def kind_of(name: str) -> TierKind:
 def media() -> tuple[str, ...]:
     """The KV-event media, fastest first (the router ranks a block by its medium's place here)."""
     return tuple(k.medium for k in _KINDS)
+
+
+def medium_ranks() -> dict[str, int]:
+    """Each medium's place in media() (0: the device), read live: the router's ranks."""
+    return {k.medium: i for i, k in enumerate(_KINDS)}
+
+
+def weights() -> dict[str, float]:
+    """Each medium's router weight (what a block held there is worth), read live."""
+    return {k.medium: k.weight for k in _KINDS}
 
 
 def medium_of(name: str) -> str:

@@ -97,7 +97,12 @@ def test_serve_with_vllm_and_llama_server_flags(tmp_path: Path, tiny_model_dir: 
 
 
 def test_status_disk_line_never_says_bounded_above_the_capacity() -> None:
-    from tieredkv.cli import disk_space_line
+    from storage.disk.health import space_line
+    from tieredkv.cli import drawn
+
+    def disk_space_line(disk: dict) -> str | None:
+        row = space_line(disk)
+        return None if row is None else drawn(row)
     gib = 1 << 30
     roomy = disk_space_line({"space_bound_bytes": 69 * gib, "capacity_bytes": 50 * gib, "used_bytes": gib,
                              "free_bytes": 70 * gib})

@@ -57,7 +57,7 @@ ROOMS = {"codec": set(), "disk": {"codec"}, "remote": {"codec"}}
 # fleet_secret: the secret shared tiers seal blocks under, and the seal (knows no tier).
 SHARED = {"hashing", "layout", "priority", "pinned", "background_writer", "lower_tier", "kv_events", "pool_drain",
           "malloc_tuning", "foreground", "cancellation", "fleet_secret", "retention",
-          "tier_kinds"}
+          "tier_kinds", "tier_health"}
 
 
 def _storage_imports(path: Path) -> set[str]:

@@ -22,7 +22,8 @@ from tieredkv.cli_common import CACHE_HELP, cache_default, disk_seal_of, open_di
 from tieredkv import cli_serve
 from tieredkv.cli_flags import translate
 from storage.config import format_size, parse_size
-from storage.tier_kinds import TIERS, kind_of
+from storage.tier_health import Span, StatusLine
+from storage.tier_kinds import TIERS, kind_of, kinds
 
 app = typer.Typer(help="tieredkv: a tiered KV-cache store for LLM inference (device -> host -> disk).\n\n"
                   "Exit status: 0 ok, 1 failure (server unreachable, HTTP error, damage found), "
@@ -53,18 +54,16 @@ def main_options(
     return None
 
 
-def disk_space_line(disk: dict) -> str | None:
-    """The disk's capacity, the free space's bound on it and its use, in one line that does not
-    contradict itself: "bounded" only when the free space holds the store below its capacity."""
-    bound, capacity = disk.get("space_bound_bytes"), disk.get("capacity_bytes")
-    if not bound or not capacity:
-        return None
-    used, free = format_size(disk.get("used_bytes") or 0), format_size(disk.get("free_bytes") or 0)
-    if bound < capacity:
-        return (f"[bold yellow]disk: bounded by free space[/]: {used} used; the capacity is "
-                f"{format_size(capacity)} but {free} free holds the store file at {format_size(bound)}")
-    return (f"disk: {used} used of its {format_size(capacity)} capacity ({free} free on its filesystem: "
-            "room for all of it)")
+_STYLES = {"warn": "bold yellow", "alert": "bold red"}
+
+
+def drawn(row: StatusLine) -> str:
+    """A tier's status line (storage/tier_health.py) as rich markup: its values escaped, its sizes
+    formatted, its styled spans bold."""
+    def span(s: Span) -> str:
+        text = escape(format_size(s.nbytes) if s.nbytes is not None else s.text)
+        return f"[{_STYLES[s.style]}]{text}[/]" if s.style else text
+    return "".join(span(s) for s in row.spans)
 
 
 def held_in_memory(billing: dict) -> str:
@@ -155,20 +154,9 @@ def status(
         t.add_row(name, format_size(d.get("capacity_bytes", 0)), format_size(d.get("used_bytes", 0)),
                   *(f"{d.get(k, 0):,}" for k in ("blocks", "hit_tokens", "promotions", "demotions", "evictions")))
     out.print(t)
-    disk = tiers.get("disk", {})
-    if disk.get("enabled", True) and "compression_ratio" in disk:
-        ratio = f"{disk['compression_ratio']:.2f}x" if disk.get("used_bytes") else "n/a (empty)"
-        out.print(f"disk: compression ratio {ratio}, pending writes "
-                  f"{disk.get('pending_writes', 0)}, corrupt blocks found {disk.get('corrupt', 0)}")
-    if disk.get("moved_aside"):
-        out.print(f"[bold yellow]disk: damaged store moved aside {disk['moved_aside']}x[/] (a fresh one serves): "
-                  f"{escape(str(disk.get('recovered')))}", soft_wrap=True)
-    if disk.get("unavailable"):
-        out.print(f"[bold red]disk: unavailable[/] ({escape(str(disk['unavailable']))}); serving without it",
-                  soft_wrap=True)
-    line = disk_space_line(disk)
-    if line:
-        out.print(line, soft_wrap=True)
+    for kind in kinds():        # each tier's own lines, as its kind says them
+        for row in kind.health.lines(tiers.get(kind.name) or {}):
+            out.print(drawn(row), soft_wrap=True)
     ret = body.get("retention") or {}
     if ret.get("tenants"):        # prefixes kept past LRU (cache_control ttl, prompt_cache_retention "24h")
         kept = ", ".join(f"{escape(t)} {r['blocks']:,} blocks" for t, r in ret["tenants"].items())
@@ -196,11 +184,6 @@ def status(
             out.print(f"compute or load ({plan.get('policy')}): {made.get('load', 0)} hits loaded, "
                       f"{made.get('split', 0)} split, {made.get('recompute', 0)} recomputed; "
                       f"{recomputed:,} hit tokens recomputed by choice", soft_wrap=True)
-    if disk.get("writes_off"):
-        out.print(f"[bold yellow]disk: writes off[/]: its directory takes no writes "
-                  f"({escape(str(disk['writes_off']))}); it serves what it holds, "
-                  f"{disk.get('writes_off_drops', 0)} blocks not written; back on once it can be written",
-                  soft_wrap=True)
     billing = body.get("billing", {})
     if billing.get("state") == "degraded":
         out.print(f"[bold red]billing: degraded[/]: {billing.get('unwritten', 0)} bills held in "
@@ -208,20 +191,6 @@ def status(
                   f"({escape(str(billing.get('error')))}); written when the ledger can be"
                   + (f"; {billing['refused']} requests refused (503: nowhere to hold their bills)"
                      if billing.get("refused") else ""), soft_wrap=True)
-    remote = tiers.get("remote", {})
-    if remote.get("enabled"):
-        breaker = remote.get("breaker", "?")
-        shown = f"[bold red]{breaker}[/]" if breaker == "open" else breaker
-        out.print(f"remote: {escape(str(remote.get('url', '?')))}{' (cluster)' if remote.get('cluster') else ''}, "
-                  f"breaker {shown} (opened {remote.get('breaker_opened', 0)}x), errors {remote.get('errors', 0)}, "
-                  f"corrupt blocks found {remote.get('corrupt', 0)}, writes {remote.get('writes', 0)} "
-                  f"(pending {remote.get('pending_writes', 0)}, dropped {remote.get('write_drops', 0)}, "
-                  f"refused {remote.get('write_errors', 0)})", soft_wrap=True)
-        if remote.get("foreign"):
-            out.print(f"remote: {remote['foreign']:,} blocks sealed under another fleet secret (misses): do all "
-                      "servers read the same --cache-secret-file?", soft_wrap=True)
-        if remote.get("last_error"):
-            out.print(f"remote: last error {escape(str(remote['last_error']))}", soft_wrap=True)
     eng = body.get("engine")
     if isinstance(eng, dict):
         out.print(f"engine: {eng.get('running', 0)} running, {eng.get('waiting', 0)} waiting, "

@@ -31,7 +31,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import ClientDisconnect
 
 from service.disconnect import ClientGone, until_disconnected
-from service.errors import APIError, CatchAll, install_error_handlers
+from service.error_handlers import CatchAll, install_error_handlers
+from service.errors import APIError
 from service.request_body import read_limited
 from service.router.backends import BackendSet
 from service.router.index import PrefixIndex

@@ -31,14 +31,13 @@ import httpx
 import zmq.asyncio
 
 from service.router import answers
-from service.router.ejection import Ejector
+from service.router.ejection import SPARE_LIMIT, Ejector
 from service.router.index import PrefixIndex
 from service.router.subscriber import CurveClient, EventSubscriber
 from storage.kv_events.keys import CurveKeypair, check_key
 
 log = logging.getLogger("tieredkv.router")
 ANY_HOSTS = {"*", "0.0.0.0", "::", "[::]", ""}
-SPARE_LIMIT = 3         # requests failed in a row that eject even the last backend up
 
 
 @dataclass

@@ -11,7 +11,7 @@ real one-token completion (POST /v1/completions, `user` "tieredkv-router-probe",
 router's --api-key where given) must answer a good completion. Only then does it get traffic
 again. A probe is a real request: a backend bills it to the probe's tenant (or the key's).
 A request's own failure does not eject the last backend in rotation unless it is the third
-request in a row that backend failed (backends.SPARE_LIMIT): one request that breaks every
+request in a row that backend failed (SPARE_LIMIT): one request that breaks every
 backend (a server bug it triggers) would otherwise take the whole fleet out. A spared failure is
 counted and its answer still never reaches the client.
 Doesn't know: when answers are judged (proxy.py, relay.py, backends.py) or what a route's
@@ -21,18 +21,29 @@ NOTE: runs on the event loop, as the backend set does; no lock.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Protocol
 
 import httpx
 
 from service.router import answers
 
-if TYPE_CHECKING:
-    from service.router.backends import Backend
-
 log = logging.getLogger("tieredkv.router")
+SPARE_LIMIT = 3         # requests failed in a row that eject even the last backend up
 PROBE_USER = "tieredkv-router-probe"
 PROBE_PROMPT = "Hello"
+
+
+class Ejectable(Protocol):
+    """What ejection reads and writes of a backend (backends.py's Backend)."""
+    url: str
+    healthy: bool
+    ejected: bool
+    ejections: dict[str, int]
+    last_error: str | None
+    probes: dict[str, int]
+    readmissions: int
+    readmit_at: float
+    cooldown_s: float
 
 
 class Ejector:
@@ -45,7 +56,7 @@ class Ejector:
         self.api_key = api_key
         self.clock = clock
 
-    def eject(self, b: "Backend", reason: str, label: str) -> None:
+    def eject(self, b: Ejectable, reason: str, label: str) -> None:
         """Out of rotation until a probe after the cool-down passes; counted under `label`."""
         if not b.ejected:
             log.warning("router: backend %s ejected (%s): %s", b.url, label, reason)
@@ -54,25 +65,25 @@ class Ejector:
         b.ejected, b.healthy, b.last_error = True, False, reason
         b.ejections[label] = b.ejections.get(label, 0) + 1
 
-    def due(self, b: "Backend") -> bool:
+    def due(self, b: Ejectable) -> bool:
         """An ejected backend's cool-down is over: probe it now."""
         return self.clock() >= b.readmit_at
 
-    def probe_failed(self, b: "Backend", reason: str) -> None:
+    def probe_failed(self, b: Ejectable, reason: str) -> None:
         b.probes["failed"] = b.probes.get("failed", 0) + 1
         b.cooldown_s = min(self.max_cooldown_s, max(b.cooldown_s, self.cooldown_s) * 2)
         b.readmit_at = self.clock() + b.cooldown_s
         b.last_error = f"probe failed: {reason}"
         log.info("router: backend %s stays ejected (%s); next probe in %.1f s", b.url, reason, b.cooldown_s)
 
-    def readmit(self, b: "Backend") -> None:
+    def readmit(self, b: Ejectable) -> None:
         b.probes["passed"] = b.probes.get("passed", 0) + 1
         b.readmissions += 1
         b.ejected = False
         b.cooldown_s = 0.0
         log.warning("router: backend %s readmitted: a probe completion was good", b.url)
 
-    async def probe(self, b: "Backend") -> str | None:
+    async def probe(self, b: Ejectable) -> str | None:
         """A real tiny completion on `b`, after GET /v1/models names its model: None when every
         answer was good, else what was wrong."""
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}

@@ -9,8 +9,8 @@ for our publisher and this decoder):
     ["BlockRemoved", block_hashes, medium]
     ["AllBlocksCleared"]
 
-medium is each tier kind's own (storage/tier_kinds.py): "GPU" (the device pool), "CPU" (host),
-"DISK" or "REMOTE"; None means GPU (vLLM's default). Replay (a DEALER to the publisher's ROUTER): send `[b"", start_seq]`, receive
+medium is each tier kind's own (storage/tier_kinds.py: "GPU" the device pool, "CPU" host, "DISK",
+"REMOTE", and any kind registered since, read there at each use: index.py, policy.py); None means GPU (vLLM's default). Replay (a DEALER to the publisher's ROUTER): send `[b"", start_seq]`, receive
 `[b"", seq, payload]` per buffered batch with seq >= start, then `[b"", -1, b""]`.
 
 Knows: decoding the format. Decoding is positional and tolerant (a batch of two fields, trailing
@@ -30,9 +30,7 @@ from typing import Any
 import msgspec
 
 from storage.kv_events.wire import AllBlocksCleared, BlockRemoved, BlockStored, Event, KVEventBatch
-from storage.tier_kinds import media
 
-MEDIA = media()      # every known tier kind's medium, fastest first (storage/tier_kinds.py)
 REPLAY_END = -1
 MAX_PAYLOAD_BYTES = 16 << 20
 MAX_BATCH_HASHES = 65_536

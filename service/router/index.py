@@ -19,16 +19,19 @@ import time
 from collections import deque
 from typing import Callable, Iterable
 
-from service.router.events import MEDIA
+from storage import tier_kinds
 from storage.kv_events.wire import AllBlocksCleared, BlockRemoved, BlockStored, Event, KVEventBatch
 
-DEVICE_RANK = 0                           # ranks: index into MEDIA ("GPU", the device pool, first); lower is faster
-_RANK = {m: i for i, m in enumerate(MEDIA)}
+DEVICE_RANK = 0           # ranks: index into tier_kinds.media() ("GPU", the device pool, first); lower is faster
 
 
 def rank_of(medium: str | None) -> int:
-    """vLLM's medium None is the device pool; a medium this router does not know counts as the slowest."""
-    return DEVICE_RANK if medium is None else _RANK.get(medium.upper(), len(MEDIA) - 1)
+    """vLLM's medium None is the device pool; a medium this router does not know counts as the
+    slowest. The media are the registered tier kinds' (storage/tier_kinds.py), read at each call."""
+    if medium is None:
+        return DEVICE_RANK
+    ranks = tier_kinds.medium_ranks()
+    return ranks.get(medium.upper(), len(ranks) - 1)
 
 
 class PrefixIndex:
@@ -137,7 +140,8 @@ class PrefixIndex:
 
     def media(self, h: bytes) -> dict[str, list[str]]:
         """Which media of which backends hold a block (for tests and /health)."""
-        return {b: [MEDIA[r] for r in range(len(MEDIA)) if mask >> r & 1] for b, mask in self._held.get(h, {}).items()}
+        known = tier_kinds.media()
+        return {b: [known[r] for r in range(len(known)) if mask >> r & 1] for b, mask in self._held.get(h, {}).items()}
 
     def predicted(self, backend: str) -> int:
         self._expire()

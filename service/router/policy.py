@@ -23,26 +23,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from service.router.events import MEDIA
-from storage.tier_kinds import kinds
-
-DEFAULT_WEIGHTS = {k.medium: k.weight for k in kinds()}     # each tier kind's own weight
+from storage.tier_kinds import media, weights as default_weights     # each tier kind's own, read at each use
 
 
 @dataclass(frozen=True, slots=True)
 class Policy:
     in_flight_tokens: float = 64.0
     queue_weight: float = 0.5
-    weights: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_WEIGHTS))
+    weights: dict[str, float] = field(default_factory=default_weights)    # by medium
 
     def __post_init__(self) -> None:
         if self.in_flight_tokens < 0:
             raise ValueError(f"in_flight_tokens: expected >= 0, got {self.in_flight_tokens}")
         if self.queue_weight < 0:
             raise ValueError(f"queue_weight: expected >= 0, got {self.queue_weight}")
-        unknown = set(self.weights) - set(MEDIA)
-        if unknown or set(MEDIA) - set(self.weights):
-            raise ValueError(f"weights: expected one weight for each of {MEDIA}, got {sorted(self.weights)}")
+        known = media()
+        unknown = set(self.weights) - set(known)
+        if unknown or set(known) - set(self.weights):
+            raise ValueError(f"weights: expected one weight for each of {known}, got {sorted(self.weights)}")
         if any(not 0 <= w <= 1 for w in self.weights.values()):
             raise ValueError(f"weights: expected values in [0, 1], got {self.weights}")
 
@@ -65,11 +63,13 @@ class Choice:
 
 def choose(policy: Policy, candidates: list[Candidate], prefixes: dict[str, list[int]], prompt_tokens: int,
            block_size: int, sticky: str | None = None) -> Choice:
-    """The cheapest candidate; `prefixes[name]` lists the medium rank (index into MEDIA) of each
-    block of its cached prefix. `candidates` must not be empty."""
+    """The cheapest candidate; `prefixes[name]` lists the medium rank (index into
+    storage/tier_kinds.py's media(), index.py's rank_of) of each block of its cached prefix.
+    `candidates` must not be empty."""
     if not candidates:
         raise ValueError("candidates: no backend to choose from")
-    weight = [policy.weights[m] for m in MEDIA]
+    # A medium registered after this policy was made: its kind's own weight.
+    weight = [policy.weights.get(m, w) for m, w in default_weights().items()]
     best: tuple | None = None
     for order, c in enumerate(candidates):
         ranks = prefixes.get(c.name, [])

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from service.router.policy import DEFAULT_WEIGHTS
+from service.router.policy import default_weights
 from storage.kv_events.keys import CurveKeypair, read_keypair, read_public_keys
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20       # a backend's default limit: a bigger body would be refused there anyway
@@ -26,7 +26,7 @@ class RouterSettings:
     health_timeout_s: float = 5.0
     in_flight_tokens: float = 64.0            # an in-flight request costs as much as prefilling this many tokens
     queue_weight: float = 0.5            # the weight of prefill already queued on a backend against a miss
-    weights: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_WEIGHTS))
+    weights: dict[str, float] = field(default_factory=default_weights)
     prediction_ttl_s: float = 30.0       # how long a routed prompt's blocks count as on its backend unconfirmed
     request_timeout_s: float = 600.0     # reading a backend's answer (a long generation streams; a body waits)
     hash_timeout_s: float = 30.0

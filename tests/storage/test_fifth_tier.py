@@ -1,8 +1,9 @@
 """One registration line adds a tier (issue 43, item 2): a fifth tier -- a directory of files, one
 block a file, written here -- is wired by one `add_tier` line and, touching no other file, is
 filled by the cascade, said in KV events under its own medium, matched, planned, deadlined,
-restored bit-identical, billed at its own price, metered in /metrics, and shown by
-`tieredkv status`."""
+restored bit-identical, billed at its own price, metered in /metrics (the shared per-tier
+families and its own series), in /ready and `tieredkv status` (the table and its own lines, said
+by its kind's health), and ranked and weighed by the router."""
 from __future__ import annotations
 
 import json
@@ -19,12 +20,18 @@ from engine.billing import Ledger
 from engine.billing_prices import Prices
 from engine.load_deadline import LoadDeadlines
 from engine.restore_planner import RestorePlanner
+from service.app import readiness
 from service.metrics import CacheCollector, ttft_sources
+from service.router.index import PrefixIndex
+from service.router.policy import Candidate, Policy, choose
+from service.router.settings import RouterSettings
 from storage.codec.payload import Codec
 from storage.codec.stored_block import payload_binding
 from storage.config import CacheConfig
 from storage.kv_events.sink import EventSink
+from storage.kv_events.wire import BlockStored
 from storage.lower_tier import LowerTier
+from storage.tier_health import MetricRow, Span, TierHealth, line, number
 from storage.tier_kinds import TIERS, TierKind, media
 from storage.tier_wiring import add_tier, remove_tier
 from storage.tiered_cache import TieredKVCache
@@ -32,15 +39,32 @@ from tests.storage.conftest import TINY, block_data, keys
 from tests.storage.test_tiered_cache import fill, same_bits
 from tieredkv.cli import app
 
-DIR = TierKind("dir", "DIR", local=True, weight=0.6, calibrates="read")
+class DirHealth(TierHealth):
+    """How the directory's status reads: its path in /ready, its files in /metrics and `tieredkv status`."""
+    ready_fields = ("path",)
+
+    def ready(self, status: dict) -> str:
+        return "ok" if status.get("path") else "off"
+
+    def metrics(self, status: dict):
+        if number(status.get("files")):
+            yield MetricRow("files", "Files in the tier's directory", status["files"])
+
+    def lines(self, status: dict):
+        if status.get("path"):
+            yield line(f"dir: {status['files']} files in ", Span(status["path"], "warn"))
+
+
+DIR = TierKind("dir", "DIR", local=True, weight=0.6, calibrates="read", health=DirHealth())
 
 
 class DirRecord:
-    def __init__(self, blocks: int, nbytes: int) -> None:
-        self.blocks, self.nbytes = blocks, nbytes
+    def __init__(self, blocks: int, nbytes: int, path: Path) -> None:
+        self.blocks, self.nbytes, self.path = blocks, nbytes, path
 
     def report(self, into) -> None:
         into.blocks, into.used_bytes, into.capacity_bytes = self.blocks, self.nbytes, 1 << 30
+        into.extra.update(files=len(list(self.path.iterdir())), path=str(self.path))
 
 
 class DirTier(LowerTier):
@@ -102,7 +126,7 @@ class DirTier(LowerTier):
         return len(gone)
 
     def stats(self) -> DirRecord:
-        return DirRecord(len(self.held), sum(self._file(h).stat().st_size for h in self.held))
+        return DirRecord(len(self.held), sum(self._file(h).stat().st_size for h in self.held), self.path)
 
     def close(self) -> None:
         pass
@@ -111,7 +135,7 @@ class DirTier(LowerTier):
 @pytest.fixture
 def dir_tier(tmp_path):
     # THE line of wiring: a kind (between the host and the disk) and how it is built from the config.
-    add_tier(DIR, lambda config, layout: DirTier(tmp_path / "dir"), after="host")
+    add_tier(DIR, lambda wiring: DirTier(tmp_path / "dir"), after="host")
     yield tmp_path / "dir"
     remove_tier(DIR)
 
@@ -183,11 +207,14 @@ def test_a_fifth_tier_added_by_one_line(dir_tier: Path, tmp_path: Path) -> None:
         assert bill.hit_tokens_by_tier["dir"] == 24 and bill.cost_pico == 24 * 7 + 6 * 1000
     assert "dir" in ttft_sources()
 
-    # Metered: /metrics' per-tier families carry a tier="dir" row.
+    # Metered: /metrics' per-tier families carry a tier="dir" row, and its own series is there.
     status = {"tiers": stats}
-    rows = {(m.name, s.labels.get("tier")) for m in CacheCollector(lambda: status, ("m", "1")).collect()
+    rows = {(s.name, s.labels.get("tier")): s.value for m in CacheCollector(lambda: status, ("m", "1")).collect()
             for s in m.samples}
-    assert ("tieredkv_cache_blocks", "dir") in rows
+    assert ("tieredkv_cache_blocks", "dir") in rows and rows[("tieredkv_dir_files", None)] == 6
+    # In /ready: its state and the fields its health names, as its kind reads them.
+    ready = readiness(status, draining=False, alive=True)
+    assert ready["tiers"]["dir"] == "ok" and ready["dir"] == {"path": str(dir_tier)} and ready["ready"]
 
     # `tieredkv status` shows it (a real HTTP server on loopback answering /v1/cache/status).
     _Status.body = json.dumps({"model": "m", "block_size": TINY.block_size, "tiers": stats}).encode()
@@ -197,7 +224,23 @@ def test_a_fifth_tier_added_by_one_line(dir_tier: Path, tmp_path: Path) -> None:
         r = CliRunner().invoke(app, ["status", "--url", f"http://127.0.0.1:{server.server_address[1]}"],
                                env={"COLUMNS": "200"})
         assert r.exit_code == 0, r.output
-        assert any(line.split()[:1] == ["dir"] for line in r.output.splitlines()
-                   if line.strip().startswith("dir")), r.output
+        assert any(row.split()[:1] == ["dir"] for row in r.output.splitlines()
+                   if row.strip().startswith("dir")), r.output
+        assert f"dir: 6 files in {dir_tier}" in r.output.splitlines(), r.output     # its own line
     finally:
         server.shutdown()
+
+
+def test_a_fifth_tier_is_known_to_the_router(dir_tier: Path) -> None:
+    """The router (imported before the tier was added) ranks and weighs the tier's medium from its kind."""
+    hashes = [bytes([i]) * 32 for i in range(4)]
+    index = PrefixIndex()
+    index.apply("a", BlockStored(hashes[:2], None, list(range(32)), 16, None, "DIR"))
+    index.apply("b", BlockStored(hashes[:2], None, list(range(32)), 16, None, "DISK"))
+    assert index.media(hashes[0]) == {"a": ["DIR"], "b": ["DISK"]}
+    prefixes = index.prefix(hashes, ["a", "b"])
+    assert prefixes == {"a": [2, 2], "b": [3, 3]}          # between the host's CPU and the disk's DISK
+    policy = Policy()
+    assert policy.weights["DIR"] == DIR.weight and RouterSettings(backends=("http://127.0.0.1:1",)).weights["DIR"] == DIR.weight
+    choice = choose(policy, [Candidate("b", 0), Candidate("a", 0)], prefixes, prompt_tokens=64, block_size=16)
+    assert (choice.backend, choice.miss_tokens) == ("a", round(64 - 2 * 16 * DIR.weight))

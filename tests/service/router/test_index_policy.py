@@ -12,6 +12,7 @@ import pytest
 from service.router import events
 from service.router.index import PrefixIndex
 from service.router.policy import Candidate, Policy, choose
+from storage import tier_kinds
 from tests.service.router import vllm_format as v
 
 H = [bytes([i]) * 32 for i in range(8)]       # a prompt's chained block hashes, in order
@@ -22,7 +23,7 @@ def apply(index: PrefixIndex, backend: str, *evs) -> None:
 
 
 def media(prefix: list[int]) -> list[str]:
-    return [events.MEDIA[r] for r in prefix]
+    return [tier_kinds.media()[r] for r in prefix]
 
 
 def test_the_decoder_reads_what_vllms_structs_encode_and_encodes_what_they_decode() -> None:
