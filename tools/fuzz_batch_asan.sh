@@ -3,7 +3,7 @@
 # nibble_kernel.h; and _nibble.c) built under AddressSanitizer and UBSan in a scratch copy of the
 # tree, then tests/storage/test_batch_fuzz.py's forged blocks run through it: a read past a buffer or
 # undefined behaviour stops the run with its stack; a verdict that differs from the Python path's
-# fails a test. The installed build is not touched.
+# fails a test. The batch's own tests (raw, nibble, zstd) run under the sanitizers too. The installed build is not touched.
 #
 #   bash tools/fuzz_batch_asan.sh [SEEDS] [CASES]     # defaults: 1..20, 400 cases each (~3 min here)
 set -euo pipefail
@@ -31,4 +31,5 @@ assert _block_batch.__file__.startswith('$work') and _nibble.__file__.startswith
 echo "fuzz: seeds $seeds, $cases cases each, under ASan + UBSan ($work)"
 LD_PRELOAD="$asan $ubsan" ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:halt_on_error=1 \
   UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 FUZZ_SEEDS="$seeds" FUZZ_CASES="$cases" \
-  "$py" -m pytest -q -p no:cacheprovider tests/storage/test_batch_fuzz.py
+  "$py" -m pytest -q -p no:cacheprovider tests/storage/test_batch_fuzz.py tests/storage/test_raw_batch.py \
+    tests/storage/test_nibble_batch.py tests/storage/test_zstd_batch.py tests/storage/test_nibble.py

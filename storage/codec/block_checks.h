@@ -312,7 +312,7 @@ static uint8_t check_block(const Expect *b, Job *j, Scratch *s) {
     if (planes_zstd) {
         static const uint8_t VERDICT[] = {OK, CODED_CRC, STORED_CHECKSUM, ZSTD_FRAME, NOT_RAW};
         return VERDICT[decode_zstd(s, p + binding_end, p + size, itemsize, (size_t)numel, le32(p + table_end),
-                                   (flags & FLAG_DIM1_MAJOR) != 0, b->shape[0], b->shape[1], j->dst)];
+                                   (flags & FLAG_DIM1_MAJOR) != 0, b->shape[0], b->shape[1], j->dst, b->stream)];
     }
     uint64_t xxh3 = le64(p + table_end);
     if (whole)

@@ -207,9 +207,53 @@ static int zstd_frame(Scratch *s, const uint8_t *f, size_t n, uint8_t *dst, size
     return zstd.is_error(got) || got != size ? -1 : 0;
 }
 
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <emmintrin.h>
+#define ZP_SIMD 1
+/* m elements' bytes, one pointer a plane (`itemsize` of them: 2 or 4), interleaved into element order
+   at `row`, 16 elements a step with SSE2 (every x86-64 has it): where `stream`, a streaming store (the
+   line not fetched before it is written: a large batch's destinations pass any cache) once `row` is
+   16-aligned, the few elements before that written as they are. Returns the elements written. */
+static size_t interleave_sse2(const uint8_t *const *q, int itemsize, uint8_t *row, size_t m, int stream) {
+    size_t k = 0;
+    uintptr_t mis = (uintptr_t)row & 15;
+    if (!stream || mis % (uintptr_t)itemsize)
+        stream = 0;
+    else
+        k = ((16 - mis) & 15) / (size_t)itemsize;      /* scalar elements until row + k * itemsize is aligned */
+    if (k > m)
+        k = m;
+    for (size_t e = 0; e < k; e++)
+        for (int p = 0; p < itemsize; p++)
+            row[e * (size_t)itemsize + (size_t)p] = q[p][e];
+#define ZP_STORE(at, v) (stream ? _mm_stream_si128((__m128i *)(at), (v)) : _mm_storeu_si128((__m128i *)(at), (v)))
+    for (; k + 16 <= m; k += 16) {
+        uint8_t *d = row + k * (size_t)itemsize;
+        __m128i a = _mm_loadu_si128((const __m128i *)(q[0] + k)), b = _mm_loadu_si128((const __m128i *)(q[1] + k));
+        if (itemsize == 2) {
+            ZP_STORE(d, _mm_unpacklo_epi8(a, b));
+            ZP_STORE(d + 16, _mm_unpackhi_epi8(a, b));
+            continue;
+        }
+        __m128i c = _mm_loadu_si128((const __m128i *)(q[2] + k)), e = _mm_loadu_si128((const __m128i *)(q[3] + k));
+        __m128i l01 = _mm_unpacklo_epi8(a, b), h01 = _mm_unpackhi_epi8(a, b);
+        __m128i l23 = _mm_unpacklo_epi8(c, e), h23 = _mm_unpackhi_epi8(c, e);
+        ZP_STORE(d, _mm_unpacklo_epi16(l01, l23));
+        ZP_STORE(d + 16, _mm_unpackhi_epi16(l01, l23));
+        ZP_STORE(d + 32, _mm_unpacklo_epi16(h01, h23));
+        ZP_STORE(d + 48, _mm_unpackhi_epi16(h01, h23));
+    }
+#undef ZP_STORE
+    return k;
+}
+#endif
+
 /* Plane rows joined into element order: row (i, j) of `rest` elements sits at (i*d1 + j)*rest in
-   the destination and at (j*d0 + i)*rest (swapped) or its own index in each plane. */
-static void join_planes(Segs *pl, int itemsize, uint8_t *dst, size_t d0, size_t d1, size_t rest, int swapped) {
+   the destination and at (j*d0 + i)*rest (swapped) or its own index in each plane. `stream`:
+   streaming stores where SSE2 is compiled in (the caller's batch is large: block_checks.h's
+   STREAM_FROM), fenced before this returns so the verdict is read after them. */
+static void join_planes(Segs *pl, int itemsize, uint8_t *dst, size_t d0, size_t d1, size_t rest, int swapped,
+                        int stream) {
     size_t outer = swapped ? d1 : d0, inner = swapped ? d0 : d1;
     for (size_t a = 0; a < outer; a++)
         for (size_t b = 0; b < inner; b++) {
@@ -223,13 +267,17 @@ static void join_planes(Segs *pl, int itemsize, uint8_t *dst, size_t d0, size_t 
                 const uint8_t *q[4];
                 for (int p = 0; p < itemsize; p++)
                     q[p] = pl[p].ptr[pl[p].seg] + pl[p].off;
+                size_t k = 0;
+#ifdef ZP_SIMD
+                k = interleave_sse2(q, itemsize, row, m, stream);
+#endif
                 if (itemsize == 2)
-                    for (size_t k = 0; k < m; k++) {
+                    for (; k < m; k++) {
                         row[2 * k] = q[0][k];
                         row[2 * k + 1] = q[1][k];
                     }
                 else
-                    for (size_t k = 0; k < m; k++) {
+                    for (; k < m; k++) {
                         row[4 * k] = q[0][k];
                         row[4 * k + 1] = q[1][k];
                         row[4 * k + 2] = q[2][k];
@@ -246,13 +294,17 @@ static void join_planes(Segs *pl, int itemsize, uint8_t *dst, size_t d0, size_t 
                 left -= m;
             }
         }
+#ifdef ZP_SIMD
+    if (stream)
+        _mm_sfence();                /* the streamed stores ordered before the verdict is read */
+#endif
 }
 
 /* The planes after a zstd-planes header (`table`: the plane table, `itemsize` entries; the
    payload's length already the table's sum) checked and joined into `dst`: _decode_into's checks,
    in its order. `d0`, `d1`: the shape's first two dims (dim-1-major planes). */
 static int decode_zstd(Scratch *s, const uint8_t *table, const uint8_t *data, int itemsize, size_t numel,
-                       uint32_t coded_crc, int swapped, size_t d0, size_t d1, uint8_t *dst) {
+                       uint32_t coded_crc, int swapped, size_t d0, size_t d1, uint8_t *dst, int stream) {
     const uint8_t *frame[4];
     size_t flen[4];
     uint32_t crc = 0;
@@ -295,6 +347,6 @@ static int decode_zstd(Scratch *s, const uint8_t *table, const uint8_t *data, in
         return ZP_OK;
     if (!swapped)
         d0 = d1 = 1;
-    join_planes(pl, itemsize, dst, d0, d1, numel / (d0 * d1), swapped);
+    join_planes(pl, itemsize, dst, d0, d1, numel / (d0 * d1), swapped, stream);
     return ZP_OK;
 }

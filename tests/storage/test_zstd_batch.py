@@ -185,6 +185,27 @@ def test_good_blocks_serve_the_same_bits_into_their_destinations(dtype: torch.dt
         assert same_bits(tensor, py_tensor) and same_bits(tensor, want)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_large_batch_joins_into_destinations_at_any_alignment_and_nowhere_else(dtype: torch.dtype) -> None:
+    """A batch past block_checks.h's STREAM_FROM (8 MiB) joins its planes with streaming stores where
+    a destination row is 16-byte aligned and plain ones before that: destinations at every element
+    offset within 16 bytes get the block's exact bits, and the bytes between them stay as they were."""
+    shape, n = BIG, 18                                  # 9-18 MiB: streamed
+    numel, gap = math.prod(shape), 64
+    records = [record(i % 5, dtype, shape) for i in range(n)]
+    flat = torch.full((n * (numel + gap),), -3.0, dtype=dtype)
+    starts = [i * (numel + gap) + i % 8 for i in range(n)]          # offsets of 0-7 elements past a row
+    outs = [flat[at:at + numel] for at in starts]
+    verdicts = block_batch.verify_batch(layout_of(dtype, shape), [r.key for r in records], outs,
+                                        [r.payload for r in records], [r.meta for r in records], 2)
+    for i, (tensor, reason) in enumerate(verdicts):
+        assert reason is None and same_bits(tensor, kv_block(i % 5, dtype, shape)), i
+    written = torch.zeros(flat.numel(), dtype=torch.bool)
+    for at in starts:
+        written[at:at + numel] = True
+    assert bool((flat[~written] == -3.0).all())
+
+
 def test_dim1_major_flagged_on_a_shape_without_two_leading_dims_is_refused_on_both_paths() -> None:
     dtype, shape = torch.bfloat16, (1, 1, 16, 2, 8)
     r = record(0, dtype, shape)
