@@ -11,11 +11,14 @@ copies run with the lock free, on pages only the caller holds or reads.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
 from storage.exact_entry import ExactKeys, LogitsFormat, store_logits
+
+if TYPE_CHECKING:
+    from storage.kv_blocks import RequestBlocks
 
 
 class SharedPages:
@@ -43,14 +46,15 @@ class SharedPages:
         self.release([page])
         return new
 
-    def store_exact(self, keys: ExactKeys, tail_page: int | None, row: torch.Tensor, fmt: LogitsFormat) -> bool:
-        """Make a computed prompt an exact entry: its tail page (held by the caller, who copies it
-        before writing into it again) is registered under the tail key, and its raw last-position
+    def store_exact(self, keys: ExactKeys, blocks: "RequestBlocks", row: torch.Tensor, fmt: LogitsFormat) -> bool:
+        """Make a computed prompt an exact entry: its tail page (the one after its full blocks in
+        `blocks`, the request's handle: held by the request, which copies it before writing into
+        it again) is registered under the tail key, and its raw last-position
         logits `row` are copied into fresh pages registered under the logits keys, which are then
         given back (cached, evictable as any block). False when the pool has no pages for the
         logits now, or the row does not fit the format: no entry (a later repeat computes)."""
-        if keys.tail is not None and tail_page is not None:
-            self.register(tail_page, keys.tail)
+        if keys.tail is not None:
+            self.register(blocks.table[len(keys.full)], keys.tail)
         if row.dtype != fmt.dtype or row.numel() != fmt.vocab:
             return False
         with self._lock:
