@@ -9,14 +9,14 @@ runner reads the block table as a tuple). While it runs, the engine hands back w
 (`computed`: full blocks made findable), asks for room (`growth`, `grow`), joins a load that ended
 (`join`), forks a choice (`fork`), and once, when it ends (finished, failed, preempted,
 cancelled), hands the handle back (`finish`). Also here: the promotion verbs these are built on
-(`start_load`, `finish_load`, `recomputed`, `cancel_load`, `load_now`: storage tests and tools drive them
+(`start_load`, `finish_load`, `cancel_load`, `load_now`: storage tests and tools drive them
 directly).
 Doesn't know: sequences, budgets, tenants or deadlines -- the scheduler decides which matched
 blocks a request takes (`choose`, handed to `plan` and called with no lock held, so it may
 preempt others) --, nor how blocks are read (storage/loader.py).
 
 A part of TieredKVCache (a base class of it: `pool`, `loader`, `transfer`, `tiers`, `_lock`,
-`match`, `allocate`, `register`, `release`, `share`, `is_shared` and `copy_on_write` are the
+`match`, `allocate`, `register`, `release`, `_share`, `_is_shared` and `_copy_on_write` are the
 cache's). Every method takes the tiers' lock for its page changes, never across I/O or `choose`.
 Handles are the engine thread's: one request's handle is used by one thread at a time.
 """
@@ -162,7 +162,7 @@ class KVBlocks:
             if len(front.pages) < take.device:      # the pool changed under us: admitted later
                 self.release(front.pages)
                 return BlockPlan(match, None)
-            recomputed = self.recomputed(blocks[take.device:take.start], hits)
+            recomputed = self._recomputed(blocks[take.device:take.start], hits)
             back = self.start_load(CacheMatch(blocks[take.start:]), hits) if take.loaded else None
             handle = RequestBlocks(list(front.pages), _load=back, _registered=len(front.pages), **shape)
             span = (take.start, take.start + len(back.fills), tuple(back.tiers)) if back is not None else (0, 0, ())
@@ -233,21 +233,21 @@ class KVBlocks:
         token goes into must be copied first (shared by a fork, or cached: an exact entry's tail)."""
         at = computed // self.layout.block_size
         need = max(0, -(-upto // self.layout.block_size) - len(handle._pages))
-        return Growth(need, at if at < len(handle._pages) and self.is_shared(handle._pages[at]) else None)
+        return Growth(need, at if at < len(handle._pages) and self._is_shared(handle._pages[at]) else None)
 
     def grow(self, handle: RequestBlocks, growth: Growth) -> bool:
         """The pages `growth` asks for (the copy first). False, and nothing changed, when the
         pool has not enough pages now."""
         if not self.can_allocate(growth.total):     # the engine thread alone allocates: still so below
             return False
-        if growth.copy_at is not None:     # the copy runs with the lock free (SharedPages.copy_on_write)
-            handle._pages[growth.copy_at] = self.copy_on_write(handle._pages[growth.copy_at])
+        if growth.copy_at is not None:     # the copy runs with the lock free (SharedPages._copy_on_write)
+            handle._pages[growth.copy_at] = self._copy_on_write(handle._pages[growth.copy_at])
         handle._pages.extend(self.allocate(growth.pages))
         return True
 
     def fork(self, handle: RequestBlocks) -> RequestBlocks:
         """A second holder of the handle's pages (a choice forked from its request's first)."""
-        self.share(handle._pages)
+        self._share(handle._pages)
         return RequestBlocks(list(handle._pages), _registered=handle._registered)
 
     def release_logits(self, handle: RequestBlocks) -> None:
@@ -346,7 +346,7 @@ class KVBlocks:
             read.cancel()
         return acquired
 
-    def recomputed(self, blocks: Sequence[tuple[BlockKey, str]], hits: HitAccount | None = None) -> tuple[str, ...]:
+    def _recomputed(self, blocks: Sequence[tuple[BlockKey, str]], hits: HitAccount | None = None) -> tuple[str, ...]:
         """Matched blocks a request recomputes by choice (compute-or-load, engine/restore_planner.py):
         the tier each is billed from -- the one match() found it in, by the request's hit account
         as start_load() would bill it (HitAccount.tier_of) -- counted as a hit and a recompute of that
