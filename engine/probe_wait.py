@@ -51,8 +51,8 @@ from typing import Callable
 from engine.load_deadline import LoadDeadlines, planned_load
 from engine.restore_planner import RestorePlanner
 from engine.sequence import Sequence
-from storage.load_records import ProbeAnswer
 from storage.kv_blocks import CacheMatch
+from storage.load_records import ProbeAnswer
 from storage.tiered_cache import TieredKVCache
 
 
