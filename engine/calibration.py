@@ -71,13 +71,13 @@ def calibrate_compute(runner, cache: TieredKVCache, model: PrefillModel, timer: 
     n = min(CALIBRATION_TOKENS, chunk_tokens, max_context - 2, free_tokens - bs)
     if n < 2:
         return None
-    pages = cache.allocate(-(-(n + 1) // bs))
+    seq = Sequence(request_id="calibration", prompt_ids=[], params=SamplingParams(max_tokens=1),
+                   tenant="default", namespace=b"\0" * 32, block_size=bs, max_len=n + 1)
+    if not cache.grow(seq.blocks, cache.growth(seq.blocks, 0, n + 1)):
+        return None
     try:
         g = torch.Generator().manual_seed(0)
-        ids = torch.randint(0, vocab_size, (n + 1,), generator=g).tolist()
-        seq = Sequence(request_id="calibration", prompt_ids=ids, params=SamplingParams(max_tokens=1),
-                       tenant="default", namespace=b"\0" * 32, block_size=bs, max_len=n + 1)
-        seq.pages = list(pages)
+        seq.prompt_ids = torch.randint(0, vocab_size, (n + 1,), generator=g).tolist()
 
         def run(start: int, count: int) -> None:
             seq.num_computed = start
@@ -94,7 +94,7 @@ def calibrate_compute(runner, cache: TieredKVCache, model: PrefillModel, timer: 
         prefill_s = settled_min(lambda: timer.measure(lambda: run(0, n)))
         decode_s = settled_min(lambda: timer.measure(lambda: run(n, 1)))
     finally:
-        cache.release(pages)                                    # free again: never registered
+        cache.finish(seq.blocks)                                # free again: never registered
     model.calibrate(n, prefill_s, n + 1, decode_s)
     return ComputeCalibration(n, prefill_s, n + 1, decode_s)
 

@@ -48,7 +48,7 @@ class Shares:
 
     def keeps_share_without(self, seq: Sequence) -> bool:
         """Whether seq's tenant still holds at least its share once seq's pages are gone."""
-        return self.held.get(seq.tenant, 0) - len(seq.pages) >= self.of(seq.tenant)
+        return self.held.get(seq.tenant, 0) - len(seq.blocks) >= self.of(seq.tenant)
 
 
 class FairShare:
@@ -72,7 +72,7 @@ class FairShare:
         held: Counter[str] = Counter()
         active = set()
         for s in holders:
-            held[s.tenant] += len(s.pages)
+            held[s.tenant] += len(s.blocks)
             active.add(s.tenant)
         active.update(s.tenant for s in waiting)
         total = sum(self.weights.get(t, 1.0) for t in active)
@@ -93,11 +93,11 @@ class FairShare:
         for s in reversed(running):          # newest first
             if fits(need - freed):
                 break
-            if (s.tenant != seq.tenant and s.num_computed >= s.fair_guard and s.pages
-                    and held.get(s.tenant, 0) - len(s.pages) >= shares.of(s.tenant)):
+            if (s.tenant != seq.tenant and s.num_computed >= s.fair_guard and len(s.blocks)
+                    and held.get(s.tenant, 0) - len(s.blocks) >= shares.of(s.tenant)):
                 victims.append(s)
-                freed += len(s.pages)
-                held[s.tenant] -= len(s.pages)
+                freed += len(s.blocks)
+                held[s.tenant] -= len(s.blocks)
         return victims if fits(need - freed) else []
 
     def growth_victim(self, seq: Sequence, candidates: list[Sequence], shares: Shares) -> Sequence:

@@ -39,21 +39,19 @@ class Preemption:
         (from a tenant over its share first: FairShare.growth_victim, by `shares()` as they stand
         at each pick). False if `seq` itself had to be preempted."""
         cache = self.cache
-        need = seq.pages_needed(seq.num_computed + n)
         # Copy-on-write: the page the next token goes into may be shared (a forked choice's
-        # partial prompt page) or cached (an exact entry's tail): it is copied first.
-        at = seq.num_computed // self.block_size
-        cow = at < len(seq.pages) and cache.is_shared(seq.pages[at])
-        while not cache.can_allocate(need + cow):
+        # partial prompt page) or cached (an exact entry's tail): it is copied first (the cache's
+        # growth says so, TieredKVCache.growth).
+        need = cache.growth(seq.blocks, seq.num_computed, seq.num_computed + n)
+        while not cache.can_allocate(need.total):
             candidates = [x for x in running if x is not seq and all(y.seq is not x for y in scheduled)]
             victim = self.fair.growth_victim(seq, candidates, shares())
             preempt(victim)
             if victim is seq:
                 return False
-        if cow:
-            seq.pages[at] = cache.copy_on_write(seq.pages[at])
-            self.cow_copies += 1
-        seq.pages.extend(cache.allocate(need))
+        if not cache.grow(seq.blocks, need):
+            raise RuntimeError(f"{need.total} pages were there for {seq.request_id} and are not now")
+        self.cow_copies += need.copy_at is not None
         return True
 
     def fair_room(self, seq: Sequence, need: int, out: list[Scheduled], running: list[Sequence],

@@ -11,7 +11,7 @@ probe stays out (`Sequence.late_probe`; SGLang HiCache's "timeout" prefetch poli
 never waits longer than the round trip is worth).
 When the answer comes while the request still has uncomputed full blocks of its prefix that a
 tier holds, those become a load from the back (Cake's split: compute from the front, load from
-the back) with its own deadline, exactly as an admission's split back (`seq.load`,
+the back) with its own deadline, exactly as an admission's split back (the handle's load,
 `PlannedLoad`, joined by the scheduler as a split's back is): the planner picks where the front
 stops (`RestorePlanner.split` over the blocks not computed yet; "recompute" loads nothing), the
 front computes up to that
@@ -38,7 +38,8 @@ that fails or times out at the store's own timeout is a failure as every call is
 
 Doesn't know: clocks (the scheduler's, injectable, handed in at each call), how many loads are in
 flight (the scheduler says whether the loader has room), the store (the probe's answer is in
-memory once `ChainProbe.done` is set), fills or pages beyond asking the cache to plan them.
+memory once `ChainProbe.done` is set), fills or pages beyond asking the cache to load them
+(TieredKVCache.load_back, into the sequence's `blocks`).
 
 Engine thread only: the scheduler calls it from admission and schedule(); its counters are read
 by the engine's status (cost_model.load_deadline) on the engine thread or as plain ints.
@@ -50,8 +51,9 @@ from typing import Callable
 from engine.load_deadline import LoadDeadlines, planned_load
 from engine.restore_planner import RestorePlanner
 from engine.sequence import Sequence
+from storage.kv_blocks import CacheMatch
 from storage.load_records import ProbeAnswer
-from storage.tiered_cache import CacheMatch, TieredKVCache
+from storage.tiered_cache import TieredKVCache
 
 
 class ProbeWait:
@@ -104,7 +106,7 @@ class ProbeWait:
         seq.late_probe = None
         bs = self.block_size
         keys = seq.prefix_keys()
-        first = len(seq.pages)        # the first block the sequence holds no page for
+        first = len(seq.blocks)        # the first block the sequence holds no page for
         if (not probe.answer or seq.hit_tokens_by_tier is None or first * bs < seq.num_computed
                 or first >= len(keys)):
             self.late_unused += 1
@@ -116,16 +118,16 @@ class ProbeWait:
             # a back load joins before it runs, recomputing runs it in the front's chunks.
             suffix = len(seq.prompt_ids) - (first + len(match)) * bs
             start = self.planner.split(["device"] * first + [t for _, t in match.blocks], suffix_tokens=suffix).start
-        back = self.cache.start_load(CacheMatch(match.blocks[start - first:]), seq.hits) if start < first + len(match) else None
-        if back is None or not back.pages:
+        back = self.cache.load_back(seq.blocks, CacheMatch(match.blocks[start - first:]), seq.hits) \
+            if start < first + len(match) else ()
+        if not back:
             self.late_unused += 1
             return
-        seq.hits.late_load([(tier, bs) for tier in back.tiers])     # billed (storage/hit_account.py)
-        seq.load = back
-        seq.load_deadline = planned_load(self.deadlines, clock, start, start + len(back.pages), back.tiers)
+        seq.hits.late_load([(tier, bs) for tier in back])     # billed (storage/hit_account.py)
+        seq.load_deadline = planned_load(self.deadlines, clock, start, start + len(back), back)
         seq.compute_until = start * bs
         self.late_loads += 1
-        self.late_blocks += len(back.pages)
+        self.late_blocks += len(back)
 
     def snapshot(self) -> dict:
         return {"probes_abandoned": self.abandoned, "late_probe_loads": self.late_loads,

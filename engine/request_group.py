@@ -33,19 +33,19 @@ class RequestGroup:
         self.forked = False
         self.outcomes: dict[int, Outcome] = {}
 
-    def fork(self, first: Sequence, share, adopt, make_generator) -> list[Sequence]:
+    def fork(self, first: Sequence, fork_blocks, adopt, make_generator) -> list[Sequence]:
         """The n - 1 choices after `first`, whose prompt has just been computed (its first token
-        not sampled yet): each shares its pages (`share(pages)`: one reference more each) and is
-        running (`adopt`). `make_generator(choice)`: that choice's generator."""
+        not sampled yet): each shares its pages (`fork_blocks(blocks)`: the cache's fork, one
+        reference more each) and is running (`adopt`). `make_generator(choice)`: that choice's
+        generator."""
         if self.forked or first.output_ids or first.num_computed != len(first.prompt_ids):
             raise RuntimeError("fork: only a request's first sequence forks, once, right after its prefill")
         children = []
         for i in range(1, self.n):
-            share(first.pages)
             child = Sequence(request_id=first.request_id, prompt_ids=first.prompt_ids, params=first.params,
                              tenant=first.tenant, namespace=first.namespace, block_size=first.block_size,
-                             max_len=first.max_len, generator=make_generator(i), pages=list(first.pages),
-                             num_computed=first.num_computed, keys=list(first.keys), registered=first.registered,
+                             max_len=first.max_len, generator=make_generator(i), blocks=fork_blocks(first.blocks),
+                             num_computed=first.num_computed, keys=list(first.keys),
                              # billed already: a preempted choice is re-admitted as admitted
                              hits=first.hits.forked(),
                              restore_s=first.restore_s, arrival=first.arrival, admitted_at=first.admitted_at,

@@ -1,10 +1,13 @@
 """Continuous batching over the paged pool: who runs this step, and with how many tokens.
 
 Knows: the waiting queue, the loading set and the running set, the per-step token budget,
-prefix matching at admission, chunked prefill, page allocation, preemption (newest first) and
-in-batch dedup of shared prefix blocks. Doesn't know: the model, sampling or outputs -- the
-engine runs the forward pass on what `schedule()` returns and reports back via `after_step()` --
-nor how blocks are restored: the cache's loader fills pages on its own threads.
+which matched blocks an admission takes, chunked prefill, preemption (newest first) and
+in-batch dedup of shared prefix blocks. It meets the cache at one boundary (storage/kv_blocks.py):
+one `plan` per admission (the match, its choice, the pages held and loads started), `join` for a
+load that ended, `growth`/`grow` and `computed` as it runs, one `finish`; a sequence's pages are
+an opaque `RequestBlocks` only the cache changes. Doesn't know: page ids, the model, sampling or
+outputs -- the engine runs the forward pass on what `schedule()` returns and reports back via
+`after_step()` -- nor how blocks are restored: the cache's loader fills pages on its own threads.
 
 Per step: running sequences first (oldest first: each decode takes 1 token, an unfinished
 prefill takes its next chunk), then sequences whose prefix finished loading (their first prefill
@@ -50,8 +53,8 @@ from engine.preemption import Preemption
 from engine.probe_wait import ProbeWait
 from engine.restore_planner import RestorePlanner, Split
 from engine.sequence import Scheduled, Sequence, SeqStatus
-from storage.load_records import Load
-from storage.tiered_cache import Acquired, CacheMatch, TieredKVCache
+from storage.kv_blocks import CacheMatch, Take
+from storage.tiered_cache import TieredKVCache
 
 __all__ = ["Scheduled", "Scheduler"]     # Scheduled lives in engine/sequence.py (its helpers share it)
 
@@ -169,9 +172,9 @@ class Scheduler:
                 continue
             self.loading.remove(seq)
             try:
-                acquired = self.cache.finish_load(seq.load, abandon=late)
-                seq.load, seq.load_deadline = None, None     # its pages are the sequence's own now
-                started = self._start(seq, acquired, budget)
+                joined = self.cache.join(seq.blocks, abandon=late)
+                seq.load_deadline = None                     # its pages are the sequence's own now
+                started = self._start(seq, joined.arrived, joined.restore_s, budget)
             except Exception as e:
                 self._failed.append((seq, e))
                 continue
@@ -229,9 +232,10 @@ class Scheduler:
 
     def _admit(self, seq: Sequence, budget: int, pending: set[bytes],
                out: list[Scheduled]) -> Scheduled | bool | None:
-        """Match, then plan the prefix and either start the first chunk or wait for the loader.
-        Scheduled: running now; True: loading; None: wait (a block another request computes
-        now, or too many loads in flight); False: not enough pages now (stop admitting)."""
+        """One call to the cache's plan (storage/kv_blocks.py), then either the first chunk or
+        the wait for the loader. Scheduled: running now; True: loading; None: wait (a block
+        another request computes now, or too many loads in flight); False: not enough pages now
+        (stop admitting)."""
         ready, probed = self.probes.at_admission(seq, self.clock)    # engine/probe_wait.py
         if not ready:
             return None     # its probe is out and within its wait: others go first
@@ -239,112 +243,100 @@ class Scheduler:
         # Exact hit (storage/exact_entry.py): the whole chain, tail and logits included, is cached.
         # Else the match is cut where a prefix hit is capped (len - 1 tokens), as it always was.
         exact = seq.exact if seq.exact is not None and not seq.output_ids else None
-        match = self.cache.match(exact.chain if exact is not None else keys, probed)
-        if exact is not None and len(match) < len(exact.chain):
-            match, exact = CacheMatch(match.blocks[:len(keys)]), None
-        if len(match) < len(keys) and keys[len(match)].hash in pending:
+        plan = self.cache.plan(exact.chain if exact is not None else keys, probed, seq.hits,
+                               lambda match: self._choose(seq, match, keys, exact, budget, pending, out),
+                               prefix=len(keys) if exact is not None else None,
+                               logits=len(exact.logits) if exact is not None else 0)
+        if plan.blocks is None:
+            return plan.verdict if not isinstance(plan.verdict, Take) else None
+        seq.blocks = plan.blocks
+        if plan.load_end:
+            seq.load_deadline = self._deadline(plan.load_start, plan.load_end, plan.load_tiers)
+        if plan.waiting:
+            seq.status = SeqStatus.LOADING
+            self.loading.append(seq)
+            return True
+        if plan.recomputed:
+            seq.recomputed_hit_tokens = len(plan.recomputed) * self.block_size
+        return self._start(seq, plan.held, plan.restore_s, budget, plan.recomputed, plan.back)
+
+    def _choose(self, seq: Sequence, match: CacheMatch, keys: list, exact, budget: int, pending: set[bytes],
+                out: list[Scheduled]) -> Take | bool | None:
+        """Which of the matched blocks an admission takes (the cache holds them next): a Take, or
+        None (wait) or False (no pages), as _admit answers."""
+        blocks = match.blocks
+        if exact is not None and len(blocks) < len(exact.chain):
+            blocks, exact = blocks[:len(keys)], None
+        if len(blocks) < len(keys) and keys[len(blocks)].hash in pending:
             return None
-        needs_load = any(tier != "device" for _, tier in match.blocks)
+        needs_load = any(tier != "device" for _, tier in blocks)
         if needs_load and self.loads_in_flight() >= self.max_loading:
             return None     # back-pressure on the loader; requests without a load go ahead
-        remaining = 0 if exact is not None else seq.num_tokens - len(match) * self.block_size
+        remaining = 0 if exact is not None else seq.num_tokens - len(blocks) * self.block_size
         n = min(remaining, budget)
-        need = len(match) + -(-n // self.block_size)   # conservative: every matched block may need a page
+        need = len(blocks) + -(-n // self.block_size)   # conservative: every matched block may need a page
         if not self.cache.can_allocate(need) and not self.preemption.fair_room(seq, need, out, self.running,
                                                                                self._shares(seq), self.preempt):
             # With nothing running every page is free or evictable, and the engine only accepts
             # sequences that fit the pool (Sequence.max_len), so this cannot stall forever.
             return False
-        split = self._split(seq, match) if needs_load and exact is None else None
+        split = self._split(seq, blocks) if needs_load and exact is None else None
         if split is not None and split.start > split.device:
-            return self._start_split(seq, match, split, budget)
-        load = self.cache.start_load(match, seq.hits)
-        if load.pending:
-            first = next(i for i, f in enumerate(load.fills) if f is not None)
-            seq.load_deadline = self._deadline(first, len(load.fills), load.tiers[first:])
-            seq.load, seq.status = load, SeqStatus.LOADING
-            self.loading.append(seq)
-            return True
-        return self._start(seq, self.cache.finish_load(load), budget)
+            # Compute-or-load: the device blocks [0, d) are acquired, blocks [d, s) are recomputed
+            # by this sequence's prefill from now on, and blocks [s, n) are planned on the loader
+            # at the same time. The sequence runs its front (never past block s) while its back
+            # loads, and joins the back when both are done (_join).
+            return Take(len(blocks), split.device, split.start, split.loaded)
+        return Take(len(blocks))
 
-    def _split(self, seq: Sequence, match: CacheMatch) -> Split | None:
+    def _split(self, seq: Sequence, blocks) -> Split | None:
         """The planner's split for a first admission (None: load everything). A re-admission
         after preemption loads what the cache holds: its billing is decided, and its blocks are
         the pool's newest (often still on the device)."""
         if self.planner is None or seq.hit_tokens_by_tier is not None:
             return None
-        return self.planner.split([tier for _, tier in match.blocks],
-                                  suffix_tokens=len(seq.prompt_ids) - len(match) * self.block_size)
+        return self.planner.split([tier for _, tier in blocks],
+                                  suffix_tokens=len(seq.prompt_ids) - len(blocks) * self.block_size)
 
-    def _start_split(self, seq: Sequence, match: CacheMatch, split: Split, budget: int) -> Scheduled | None:
-        """Compute-or-load: the device blocks [0, d) are acquired, blocks [d, s) are recomputed
-        by this sequence's prefill from now on, and blocks [s, n) are planned on the loader at the
-        same time. The sequence runs its front (never past block s) while its back loads, and
-        joins the back when both are done (_join)."""
-        front = self.cache.finish_load(self.cache.start_load(CacheMatch(match.blocks[:split.device])))
-        if len(front.pages) < split.device:     # the pool changed under us: load as usual instead
-            self.cache.release(front.pages)
-            return None
-        recomputed = self.cache.recomputed(match.blocks[split.device:split.start], seq.hits)
-        back = self.cache.start_load(CacheMatch(match.blocks[split.start:]), seq.hits) if split.loaded else None
-        if back is not None:
-            seq.load_deadline = self._deadline(split.start, split.start + len(back.fills), back.tiers)
-        seq.recomputed_hit_tokens = len(recomputed) * self.block_size
-        return self._start(seq, front, budget, recomputed, back)
-
-    def _start(self, seq: Sequence, acquired: Acquired, budget: int, recomputed: tuple[str, ...] = (),
-               back: Load | None = None) -> Scheduled | None:
-        """A sequence holding its prefix's pages starts running with its first chunk. None when
-        the pages for that chunk are not there now (only after a load: the pool changed while it
-        loaded): it gives its pages back and waits first in line; its restored blocks stay cached,
-        so the next admission hits them on the device. With a split (_start_split): `recomputed`
-        are the billed tiers of the blocks after `acquired` it computes itself, and `back` the
-        load of the blocks after those."""
-        pages, tiers = list(acquired.pages), list(acquired.tiers)
-        if seq.exact is not None and not seq.output_ids:
-            if len(pages) == len(seq.exact.chain):
-                return self._start_exact(seq, pages, tiers, acquired.restore_s)
-            cap = len(seq.prefix_keys())     # an exact chain not whole: a prefix hit, capped
-            if len(pages) > cap:
-                self.cache.release(pages[cap:])
-                pages, tiers = pages[:cap], tiers[:cap]
-        seq.pages = pages
-        seq.registered = len(pages)
-        seq.num_computed = len(pages) * self.block_size
+    def _start(self, seq: Sequence, tiers: tuple[str, ...], restore_s: float, budget: int,
+               recomputed: tuple[str, ...] = (), back: tuple[str, ...] = ()) -> Scheduled | None:
+        """A sequence holding its prefix's pages (`tiers`: each one's billed tier) starts running
+        with its first chunk. None when the pages for that chunk are not there now (only after a
+        load: the pool changed while it loaded): it gives its pages back and waits first in line;
+        its restored blocks stay cached, so the next admission hits them on the device. With a
+        split: `recomputed` are the billed tiers of the blocks after its pages it computes itself,
+        and `back` those of the blocks loading after those."""
+        if seq.blocks.logits:
+            return self._start_exact(seq, tiers, restore_s)
+        seq.num_computed = len(seq.blocks) * self.block_size
         if not seq.hits.billed:
             # NOTE billing (storage/hit_account.py): the first admission's facts -- the blocks the
             # cache held, served, recomputed by choice or being loaded (a back block whose fill
             # fails is taken off again at the join) -- each by the tier the cache gave it.
             bs = self.block_size
             seq.hits.admitted(held=[(t, bs) for t in tiers], recomputed=[(t, bs) for t in recomputed],
-                              loading=[(t, bs) for t in (back.tiers if back is not None else ())])
-            seq.restore_s = acquired.restore_s
+                              loading=[(t, bs) for t in back])
+            seq.restore_s = restore_s
             seq.admitted_at = time.perf_counter()
-        if back is not None:
-            seq.load = back
-            seq.compute_until = (len(pages) + len(recomputed)) * self.block_size
+        if seq.load is not None:
+            seq.compute_until = (len(seq.blocks) + len(recomputed)) * self.block_size
         n = min(seq.num_tokens - seq.num_computed, budget)
         if seq.load is not None:
             n = min(n, seq.compute_until - seq.num_computed)
-        need = seq.pages_needed(seq.num_computed + n)
-        if not self.cache.can_allocate(need):
+        if not self.cache.grow(seq.blocks, self.cache.growth(seq.blocks, seq.num_computed, seq.num_computed + n)):
             self._give_back(seq)
             self.waiting.appendleft(seq)
             return None
-        seq.pages.extend(self.cache.allocate(need))
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
         return Scheduled(seq, n)
 
-    def _start_exact(self, seq: Sequence, pages: list[int], tiers: list[str], restore_s: float) -> Scheduled:
+    def _start_exact(self, seq: Sequence, tiers: tuple[str, ...], restore_s: float) -> Scheduled:
         """An exact hit: the prompt's every block (its tail too) and its stored logits are held.
         It runs with nothing to compute: the engine samples its first token from the stored
         logits (`logits_pages`, held until then) and decodes on the cached pages (the tail page is
         copied before the sequence writes into it: Preemption.reserve). NOTE billing: every prompt token is
         a hit billed from the tier of the block holding it (the logits blocks hold none)."""
-        kv = len(seq.exact.kv)
-        seq.pages, seq.logits_pages = pages[:kv], pages[kv:]
-        seq.registered = len(seq.exact.full)
         seq.num_computed = len(seq.prompt_ids)
         if not seq.hits.billed:
             seq.hits.admitted(held=[(tier, len(key.token_ids)) for key, tier in zip(seq.exact.kv, tiers)])
@@ -368,18 +360,11 @@ class Scheduler:
         block whose fill failed (or had not arrived) ends the loaded part there; the sequence
         computes it and the rest (never less than it computed), and it is billed as computed
         (the cache did not hold it after all, or not in time)."""
-        load, seq.load, seq.load_deadline = seq.load, None, None
-        planned = load.tiers
-        acquired = self.cache.finish_load(load, abandon=abandon)
-        if len(seq.pages) != seq.registered or seq.num_computed != len(seq.pages) * self.block_size:
-            self.cache.release(acquired.pages)
-            raise RuntimeError(f"compute-or-load join out of step: {len(seq.pages)} pages, "
-                               f"{seq.registered} registered, {seq.num_computed} tokens computed")
-        seq.hits.computed_instead([(tier, self.block_size) for tier in planned[len(acquired.pages):]])
-        seq.pages.extend(acquired.pages)
-        seq.registered += len(acquired.pages)
-        seq.num_computed += len(acquired.pages) * self.block_size
-        seq.restore_s = acquired.restore_s
+        seq.load_deadline = None
+        joined = self.cache.join(seq.blocks, seq.num_computed, abandon=abandon)
+        seq.hits.computed_instead([(tier, self.block_size) for tier in joined.planned[len(joined.arrived):]])
+        seq.num_computed += len(joined.arrived) * self.block_size
+        seq.restore_s = joined.restore_s
 
     def _deadline(self, start: int, end: int, tiers) -> PlannedLoad | None:
         """A load of blocks [start, end) of a prompt (held in `tiers`), planned now: its deadline
@@ -398,10 +383,8 @@ class Scheduler:
 
     def _give_back(self, seq: Sequence) -> None:
         """Every page a sequence holds goes back (a back part still loading included)."""
-        if seq.load is not None:
-            self.cache.cancel_load(seq.load)
-            seq.load, seq.load_deadline = None, None
-        self.cache.release(seq.pages + seq.logits_pages)
+        seq.load_deadline = None
+        self.cache.finish(seq.blocks)
         seq.reset_for_preemption()
 
     def preempt(self, seq: Sequence) -> None:
@@ -424,9 +407,7 @@ class Scheduler:
     def register_full_blocks(self, seq: Sequence) -> None:
         # Prompt and generated blocks alike: the next turn of a chat hits them.
         seq.extend_keys()
-        while (seq.registered + 1) * self.block_size <= seq.num_computed:
-            self.cache.register(seq.pages[seq.registered], seq.keys[seq.registered])
-            seq.registered += 1
+        self.cache.computed(seq.blocks, seq.keys, seq.num_computed)
 
     def finish(self, seq: Sequence) -> None:
         """The sequence is done (or failed): wherever it is, its pages go back. A loading one
@@ -438,8 +419,5 @@ class Scheduler:
             self.loading.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        if seq.load is not None:
-            self.cache.cancel_load(seq.load)
-            seq.load, seq.load_deadline = None, None
-        self.cache.release(seq.pages + seq.logits_pages)
-        seq.pages, seq.logits_pages = [], []
+        seq.load_deadline = None
+        self.cache.finish(seq.blocks)

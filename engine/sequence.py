@@ -1,11 +1,12 @@
-"""A Sequence: one request's tokens, pages and progress through the engine; `Scheduled`: a
+"""A Sequence: one request's tokens, blocks and progress through the engine; `Scheduled`: a
 sequence and the tokens it computes this step (what the scheduler and its helpers hand on and
 the model runner runs).
 
-Knows: the prompt and output token ids, the page table, how many tokens have KV in pages
-(num_computed), the block keys of its full blocks and how many are registered in the cache,
-the request's timing, and its hit account (storage/hit_account.py: what it is billed).
-Doesn't know: the pool or the model.
+Knows: the prompt and output token ids, its blocks in the cache (`blocks`: an opaque handle the
+cache alone changes, storage/kv_blocks.py; its page table is read as a tuple), how many tokens
+have KV in them (num_computed), the block keys of its full blocks, the request's timing, and its
+hit account (storage/hit_account.py: what it is billed).
+Doesn't know: the pool, page ids' meaning, or the model.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from engine.sampling_params import SamplingParams
 from storage.exact_entry import ExactKeys
 from storage.hashing import BlockKey, block_keys
 from storage.hit_account import HitAccount
+from storage.kv_blocks import RequestBlocks
 from storage.load_records import ChainProbe, Load, Prefetch
 
 
@@ -44,17 +46,17 @@ class Sequence:
     generator: torch.Generator | None = None
     output_ids: list[int] = field(default_factory=list)
     status: SeqStatus = SeqStatus.WAITING
-    pages: list[int] = field(default_factory=list)
-    num_computed: int = 0                         # tokens whose KV is in `pages`
+    # Its pages, held in the cache (storage/kv_blocks.py): planned at admission, grown, handed
+    # back once at its end. A load in flight (while LOADING, or its back part while RUNNING its
+    # front: compute-or-load) is the handle's too.
+    blocks: RequestBlocks = field(default_factory=RequestBlocks)
+    num_computed: int = 0                         # tokens whose KV is in its pages
     keys: list[BlockKey] = field(default_factory=list)   # keys of full blocks of tokens, in order
-    registered: int = 0                           # leading blocks that are in the cache index
     # Billing (storage/hit_account.py): facts in, decided at the first admission; a preempted
     # request is not billed again. Its prefetch (below) tells it what it moved up; the cache bills
     # its blocks by it (TieredKVCache.start_load).
     hits: HitAccount = field(default_factory=HitAccount)
     restore_s: float = 0.0
-    load: Load | None = None                      # its prefix being filled: while LOADING, or its back
-                                                  # part while RUNNING its front (compute-or-load)
     load_deadline: object | None = None           # the load's PlannedLoad: its deadline derives from it
     probe_deadline: float | None = None           # when waiting for its probe stops (likewise)
     late_probe: ChainProbe | None = None          # admitted without its probe's answer: still out
@@ -88,10 +90,29 @@ class Sequence:
     exact: ExactKeys | None = None
     retain: RetainRecord | None = None            # what its retention spans bought (engine/retain_spans.py)
     exact_hit: bool = False
-    logits_pages: list[int] = field(default_factory=list)
     # n > 1 (engine/request_group.py): its choice's index and the request it is a choice of.
     index: int = 0
     group: Any = None
+
+    @property
+    def pages(self) -> tuple[int, ...]:
+        """Its page table (read-only: the model runner's block table)."""
+        return self.blocks.table
+
+    @property
+    def logits_pages(self) -> tuple[int, ...]:
+        """An exact hit's stored logits' pages, until its first token is sampled."""
+        return self.blocks.logits
+
+    @property
+    def registered(self) -> int:
+        """Its leading blocks that are in the cache index."""
+        return self.blocks.registered
+
+    @property
+    def load(self) -> Load | None:
+        """Its load in flight (None: none)."""
+        return self.blocks.load
 
     @property
     def hit_tokens_by_tier(self) -> dict[str, int] | None:
@@ -105,10 +126,6 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
-
-    def pages_needed(self, upto_tokens: int) -> int:
-        """Pages to add so the page table covers `upto_tokens` tokens."""
-        return max(0, -(-upto_tokens // self.block_size) - len(self.pages))
 
     def extend_keys(self) -> None:
         """Compute keys for every full block of the tokens so far (prompt and generated)."""
@@ -124,12 +141,10 @@ class Sequence:
         return self.keys[: (self.num_tokens - 1) // self.block_size]
 
     def reset_for_preemption(self) -> None:
-        self.pages = []
+        """Its blocks were handed back (TieredKVCache.finish): it waits to be admitted again."""
         self.num_computed = 0
-        self.registered = 0
         self.compute_until = 0
         self.late_probe = None     # a re-admission reads the answer itself (engine/probe_wait.py)
-        self.logits_pages = []
         self.status = SeqStatus.WAITING
 
 

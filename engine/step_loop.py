@@ -213,7 +213,7 @@ class StepLoop:
 
     def _fork(self, first: Sequence) -> list[Sequence]:
         """n > 1: the request's other choices, forked on its first's pages (engine/request_group.py)."""
-        return first.group.fork(first, self.cache.share, self.scheduler.adopt,
+        return first.group.fork(first, self.cache.fork, self.scheduler.adopt,
                                 lambda i: make_generator(first.params, self.loaded.device, choice=i))
 
     def _keep_exact(self, seq: Sequence, row: torch.Tensor) -> None:
@@ -222,14 +222,12 @@ class StepLoop:
         store_exact), so its repeat computes nothing. Storing is best effort: a failure is
         logged, never the request's."""
         if seq.logits_pages:
-            self.cache.release(seq.logits_pages)
-            seq.logits_pages = []
+            self.cache.release_logits(seq.blocks)
             return
         if seq.exact is None or seq.exact_hit or seq.status is SeqStatus.FINISHED:
             return
         try:
-            tail = seq.pages[len(seq.exact.full)] if seq.exact.tail is not None else None
-            self.cache.store_exact(seq.exact, tail, row, self.logits_format)
+            self.cache.store_exact(seq.exact, seq.blocks, row, self.logits_format)
         except Exception:
             log.exception("keeping request %s as an exact entry failed", seq.request_id)
 

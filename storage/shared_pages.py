@@ -7,19 +7,23 @@ logits in pages of their own: storage/exact_entry.py). Doesn't know: sequences o
 
 A part of TieredKVCache (a base class of it: `pool`, `_lock`, `allocate`, `register` and
 `release` are the cache's); every method is safe beside the cache's other threads, and the
-copies run with the lock free, on pages only the caller holds or reads.
+copies run with the lock free, on pages only the caller holds or reads. The engine reaches the
+private ones through a request's handle (storage/kv_blocks.py: `fork`, `grow`), never by page id.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
 from storage.exact_entry import ExactKeys, LogitsFormat, store_logits
 
+if TYPE_CHECKING:
+    from storage.kv_blocks import RequestBlocks
+
 
 class SharedPages:
-    def share(self, pages: Sequence[int]) -> None:
+    def _share(self, pages: Sequence[int]) -> None:
         """One more user of each held page (a sequence forked from the one holding them)."""
         with self._lock:
             for page in pages:
@@ -27,13 +31,13 @@ class SharedPages:
                     raise RuntimeError(f"share: page {page} is not held")
                 self.pool.acquire(page)
 
-    def is_shared(self, page: int) -> bool:
+    def _is_shared(self, page: int) -> bool:
         """Whether a held page must be copied before its holder writes into it: another user
         holds it too, or it is a cached block (others may find it)."""
         with self._lock:
             return self.pool.refcount(page) > 1 or self.pool.key_of(page) is not None
 
-    def copy_on_write(self, page: int) -> int:
+    def _copy_on_write(self, page: int) -> int:
         """A private copy of a held page, for a holder about to write into it: a fresh page with
         its bytes (a copy on the pool's device), the holder's reference to `page` given back.
         The caller checked can_allocate(1). NOTE: the copy runs with the lock free: `page` is
@@ -43,14 +47,15 @@ class SharedPages:
         self.release([page])
         return new
 
-    def store_exact(self, keys: ExactKeys, tail_page: int | None, row: torch.Tensor, fmt: LogitsFormat) -> bool:
-        """Make a computed prompt an exact entry: its tail page (held by the caller, who copies it
-        before writing into it again) is registered under the tail key, and its raw last-position
+    def store_exact(self, keys: ExactKeys, blocks: "RequestBlocks", row: torch.Tensor, fmt: LogitsFormat) -> bool:
+        """Make a computed prompt an exact entry: its tail page (the one after its full blocks in
+        `blocks`, the request's handle: held by the request, which copies it before writing into
+        it again) is registered under the tail key, and its raw last-position
         logits `row` are copied into fresh pages registered under the logits keys, which are then
         given back (cached, evictable as any block). False when the pool has no pages for the
         logits now, or the row does not fit the format: no entry (a later repeat computes)."""
-        if keys.tail is not None and tail_page is not None:
-            self.register(tail_page, keys.tail)
+        if keys.tail is not None:
+            self.register(blocks.table[len(keys.full)], keys.tail)
         if row.dtype != fmt.dtype or row.numel() != fmt.vocab:
             return False
         with self._lock:

@@ -1,23 +1,23 @@
 """TieredKVCache: the one object the engine talks to about KV blocks -- where they are.
 
-Knows: placement. Which tier holds each block of a prompt's chain (match, lookup), holding
-device pages for a matched prefix and handing the fills of the others to the loader (plan,
-finish_load), fresh pages for computed blocks and making them findable (allocate, register,
-release), a new request's disk prefetch (prefetch) and the probe of the tiers over a link
-(probe), and the per-tier stats.
+Knows: placement. Which tier holds each block of a prompt's chain (match, lookup), fresh pages
+and making them findable (allocate, register, release: storage tests and tools drive them), a new
+request's disk prefetch (prefetch) and the probe of the tiers over a link (probe), and the per-tier
+stats. A request's blocks -- the one boundary the engine's scheduler meets (plan, join, grow,
+computed, finish; page ids stay in an opaque `RequestBlocks`) -- are storage/kv_blocks.py's.
 Movement lives beside it: storage/cascade.py moves blocks down (eviction, write-through, and
 the operator's flush/demote/drop, which this class only hands on), storage/loader.py moves them
 up; both are given the narrow handle storage/tiers.py, never this object.
 With `kv_events` configured it starts the KV-event publisher (storage/cache_events.py) and hands
 its sink to every tier: each block that becomes or stops being findable anywhere is published.
-Doesn't know: models, sequences or requests -- the engine hands in BlockKeys and page ids and
+Doesn't know: models, sequences or requests -- the engine hands in BlockKeys and a request's handle and
 gets typed results back --, nor which tiers are below the host: they are built from the config by
 storage/tier_wiring.py and walked in order through storage/lower_tier.py's verbs, each tier's
 counters a record it reports itself (tests/storage/test_tier_boundary.py keeps this so).
 
 Thread safety: every public method takes the tiers' one lock, so the engine thread, HTTP
 threads (lookup, status), the loader's threads and the writers can run at once.
-NOTE invariant: the engine thread never reads or decodes a disk block (start_load() only holds pages;
+NOTE invariant: the engine thread never reads or decodes a disk block (plan() only holds pages;
 test: tests/engine/test_async_restore.py) and never talks to a tier over a link: whether one
 holds a prompt's blocks is asked by a probe the loader runs when the request is submitted
 (probe()); match() then reads the probe's answer from memory.
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Callable, Sequence
 
 import torch
@@ -41,8 +41,9 @@ from storage.hashing import BlockKey
 from storage.hit_account import HitAccount
 from storage.host_tier import HostTier
 from storage.layout import BlockLayout
-from storage.load_outcome import Acquired, finish
-from storage.load_records import ChainProbe, Fill, Load, Prefetch, ProbeAnswer
+from storage.kv_blocks import BlockPlan, CacheMatch, KVBlocks, RequestBlocks
+from storage.load_outcome import Acquired
+from storage.load_records import ChainProbe, Prefetch, ProbeAnswer
 from storage.loader import Loader
 from storage.lower_tier import LowerTier
 from storage.prefix_tree import CachedBlock
@@ -53,26 +54,10 @@ from storage.transfer import Transfer
 
 log = logging.getLogger(__name__)
 
-__all__ = ["TIERS", "Acquired", "CacheMatch", "FlushResult", "TierStats", "TieredKVCache"]
+__all__ = ["TIERS", "Acquired", "BlockPlan", "CacheMatch", "FlushResult", "RequestBlocks", "TierStats", "TieredKVCache"]
 
 
-@dataclass(frozen=True, slots=True)
-class CacheMatch:
-    """Per matched block (in prompt order): its key and the tier that holds it. Stops at the
-    first block no tier holds, so `blocks` is always a prefix of the keys asked about."""
-    blocks: tuple[tuple[BlockKey, str], ...]
-
-    def __len__(self) -> int:
-        return len(self.blocks)
-
-    def tokens_by_tier(self, block_size: int) -> dict[str, int]:
-        out = dict.fromkeys(TIERS, 0)
-        for _, tier in self.blocks:
-            out[tier] = out.get(tier, 0) + block_size
-        return out
-
-
-class TieredKVCache(SharedPages, CacheEvents, CacheRetention, NamedTiers):
+class TieredKVCache(KVBlocks, SharedPages, CacheEvents, CacheRetention, NamedTiers):
     def __init__(self, layout: BlockLayout, config: CacheConfig, device: str | torch.device = "cpu",
                  num_pages: int | None = None, disk: LowerTier | None = None, transfer: Transfer | None = None,
                  remote: LowerTier | None = None, clock: Callable[[], float] | None = None,
@@ -153,120 +138,7 @@ class TieredKVCache(SharedPages, CacheEvents, CacheRetention, NamedTiers):
             return local
         return self.match(keys, probed=ProbeAnswer({below.name: below.probe(keys[len(local):]) for below in linked}))
 
-    # ---- promotion -----------------------------------------------------------------------
-    def start_load(self, match: CacheMatch, hits: HitAccount | None = None) -> Load:
-        """Hold device pages for a matched prefix and start filling the host/disk ones on the
-        loader (storage/loader.py). Returns at once: no copy, read or decode happens here.
-
-        A device hit is acquired; a block another request is filling now shares that fill's
-        page; any other block gets a new page (refcount: the fill's and the request's), left
-        unregistered until filled. Stops early (a shorter prefix) when the pool is out of pages
-        or the block left every tier since match(). `hits`: the request's hit account
-        (storage/hit_account.py), which gives each new fill its billed tier.
-        NOTE: a block's billed tier is decided once, when its fill is made (HitAccount.tier_of), and
-        carried on the fill (Fill.billed_tier): every request waiting for the fill is billed from it, and
-        the loader counts the promotion from it, so hits and promotions per tier always agree.
-        """
-        hits = HitAccount() if hits is None else hits
-        with self._lock:
-            pages: list[int] = []
-            tiers: list[str] = []
-            fills: list[Fill | None] = []
-            tokens: list[int] = []
-            new: list[Fill] = []
-            for key, tier in match.blocks:
-                page = self.pool.page_of(key)
-                if page is not None:
-                    self.pool.acquire(page)
-                    pages.append(page)
-                    tiers.append("device")
-                    fills.append(None)
-                    tokens.append(len(key.token_ids))
-                    continue
-                fill = self.loader.inflight.get(key.hash)
-                # A fill whose read was given up (no load waited for it) is never waited for again.
-                if fill is None or fill.key.token_ids != key.token_ids or fill.given_up:
-                    if not self.pool.can_allocate(1):
-                        break
-                    # Allocate first, then look the block up: the allocation may evict a device
-                    # page whose demotion pushes this very block out of a full host tier.
-                    page = self.pool.allocate(1)[0]     # the fill's reference
-                    source = self._source_of(key, tier)
-                    if source is None:
-                        self.pool.release(page)
-                        break   # the block left every tier since match(): the prefix ends here
-                    fill = Fill(key, page, source, billed_tier=hits.tier_of(key, source))
-                    self.loader.inflight[key.hash] = fill
-                    new.append(fill)
-                self.pool.acquire(fill.page)            # the request's reference
-                self.loader.wait_for(fill)
-                pages.append(fill.page)
-                tiers.append(fill.billed_tier)
-                fills.append(fill)
-                tokens.append(len(key.token_ids))
-            # NOTE: pages just allocated may still be copying their evicted blocks out (CUDA):
-            # the loader's stream waits for those copies before it writes the pages (a mark, not
-            # a CPU wait here: the copies wait for the forward in flight).
-            self.loader.start(new, after=self.transfer.issued() if new else None)
-            return Load(pages, tiers, fills, tokens)
-
-    def _source_of(self, key: BlockKey, matched: str) -> str | None:
-        """Where a fill planned now reads the block: the host, else a local tier below that
-        holds it, else the tier that needs a probe if match() found it there."""
-        if self.host.enabled and self.host.slot_of(key) is not None:
-            return "host"
-        for below in self.tiers.lower:
-            if below.contains(key) if below.local else below.name == matched:
-                return below.name
-        return None
-
-    def finish_load(self, load: Load, abandon: bool = False) -> Acquired:
-        """A ready Load (load.ready()) as the prefix its request keeps: pages up to the first
-        block that failed to fill (a damaged or vanished block ends the prefix; the request
-        computes the rest), the pages after it given back. `abandon`: the load is not ready and
-        its request stops waiting (its deadline passed): it keeps the blocks that arrived, up to
-        the first that did not; the fills still running end on their own pages, never on the
-        request's (storage/load_outcome.py)."""
-        with self._lock:
-            acquired = finish(self.tiers, load, abandon)
-            given_up = self.loader.stop_waiting(load.fills)
-        for read in given_up:     # no request waits for these reads: their bytes stop crossing the link
-            read.cancel()
-        return acquired
-
-    def recomputed(self, blocks: Sequence[tuple[BlockKey, str]], hits: HitAccount | None = None) -> tuple[str, ...]:
-        """Matched blocks a request recomputes by choice (compute-or-load, engine/restore_planner.py):
-        the tier each is billed from -- the one match() found it in, by the request's hit account
-        as start_load() would bill it (HitAccount.tier_of) -- counted as a hit and a recompute of that
-        tier. Nothing is read, moved or held."""
-        hits = HitAccount() if hits is None else hits
-        with self._lock:
-            out = []
-            for key, found in blocks:
-                tier = hits.tier_of(key, found)
-                self.tiers.counters[tier].hits += 1
-                self.tiers.counters[tier].hit_tokens += len(key.token_ids)
-                self.tiers.counters[tier].recomputed += 1
-                out.append(tier)
-            return tuple(out)
-
-    def cancel_load(self, load: Load) -> None:
-        """The request behind a Load is gone: give its pages back now. Fills in flight finish on
-        their own references (their pages become cached blocks or free pages when done); a remote
-        read no other request waits for is cut off (storage/loader.py)."""
-        with self._lock:
-            for page in load.pages:
-                self.pool.release(page)
-            given_up = self.loader.stop_waiting(load.fills)
-        for read in given_up:
-            read.cancel()
-
-    def load_now(self, match: CacheMatch) -> Acquired:
-        """start_load() and wait for it: device pages for a matched prefix, filled (tests, tools)."""
-        load = self.start_load(match)
-        load.wait()
-        return self.finish_load(load)
-
+    # ---- a request's blocks: plan, join, grow, finish (storage/kv_blocks.py) ----------------
     def prefetch(self, keys: Sequence[BlockKey], hits: HitAccount | None = None) -> Prefetch:
         """Start reading a new request's disk blocks into the host tier (or, with no host tier,
         into the OS page cache), so its time in the queue overlaps the drive. At most half the

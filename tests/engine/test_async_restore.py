@@ -254,7 +254,7 @@ def test_a_sequence_finished_while_loading_gives_its_pages_back(tmp_path, monkey
         planned = list(seq.load.pages)
         assert [eng.cache.pool.refcount(p) for p in planned] == [2] * 6
         sched.finish(seq)                              # cancelled while its blocks are read
-        assert not sched.has_work() and seq.pages == [] and seq.load is None
+        assert not sched.has_work() and seq.pages == () and seq.load is None
         assert [eng.cache.pool.refcount(p) for p in planned] == [1] * 6   # only the fills hold them
         gate.open.set()
         deadline = time.monotonic() + 10

@@ -17,6 +17,7 @@ from engine.model import kv_layout, model_from_config
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SeqStatus
 from storage.config import CacheConfig
+from storage.kv_blocks import RequestBlocks
 from storage.tiered_cache import TieredKVCache
 from tests.engine.conftest import make_engine, random_prompt, tiny_llama_config
 from tieredkv import SamplingParams
@@ -73,7 +74,7 @@ def test_a_starved_tenant_takes_pages_from_the_tenant_over_its_share_and_everyon
     # share, 16 of 32), and B, a newcomer, runs its prompt in a step of its own.
     assert step(sched) == ["B0"]
     assert sched.fair_preemptions == 1
-    assert newest.status is SeqStatus.WAITING and newest.pages == [] and sched.waiting[0] is newest
+    assert newest.status is SeqStatus.WAITING and newest.pages == () and sched.waiting[0] is newest
     assert newest.fair_guard == newest_computed + BS
     assert held(sched, "A") >= POOL // 2
     # B decodes every step, first in the batch (A is over its share), until it is done, while
@@ -121,7 +122,7 @@ def test_a_sequence_preempted_for_fairness_is_guarded_until_it_computes_a_block(
     fair = FairShare(num_pages=16, block_size=BS)
     hog = [seq("A", i) for i in range(3)]
     for i, s in enumerate(hog):
-        s.pages, s.num_computed = list(range(5 * i, 5 * i + 5)), 20   # A holds 15 of 16
+        s.blocks, s.num_computed = RequestBlocks(list(range(5 * i, 5 * i + 5))), 20   # A holds 15 of 16
     b = seq("B", 0)
     shares = fair.shares(hog, [b])
     assert shares.share == {"A": 8.0, "B": 8.0} and shares.held["A"] == 15
@@ -137,7 +138,7 @@ def test_a_sequence_preempted_for_fairness_is_guarded_until_it_computes_a_block(
     hog[2].num_computed = 24                                                            # a block further on
     assert fair.admission_victims(b, 3, lambda n: n <= free, hog, shares) == [hog[2]]
     # A tenant at or over its share takes nothing for fairness.
-    b.pages = list(range(8))
+    b.blocks = RequestBlocks(list(range(8)))
     assert fair.admission_victims(b, 3, lambda n: n <= free, hog, fair.shares([*hog, b], [])) == []
 
 

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PLACEMENT = ["storage/tiered_cache.py", "storage/cascade.py", "storage/loader.py", "storage/prefetch.py"]
+PLACEMENT = ["storage/tiered_cache.py", "storage/kv_blocks.py", "storage/cascade.py", "storage/loader.py",
+             "storage/prefetch.py"]
 NAMES = {"disk", "remote"}
 ROOMS = {"storage.disk", "storage.remote"}
 
