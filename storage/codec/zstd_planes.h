@@ -207,6 +207,23 @@ static int zstd_frame(Scratch *s, const uint8_t *f, size_t n, uint8_t *dst, size
     return zstd.is_error(got) || got != size ? -1 : 0;
 }
 
+/* Elements [from, to) of the planes' bytes (one pointer a plane, `itemsize` of them: 2 or 4) written
+   in element order at `row`, one at a time. */
+static void interleave_scalar(const uint8_t *const *q, int itemsize, uint8_t *row, size_t from, size_t to) {
+    if (itemsize == 2)
+        for (size_t k = from; k < to; k++) {
+            row[2 * k] = q[0][k];
+            row[2 * k + 1] = q[1][k];
+        }
+    else
+        for (size_t k = from; k < to; k++) {
+            row[4 * k] = q[0][k];
+            row[4 * k + 1] = q[1][k];
+            row[4 * k + 2] = q[2][k];
+            row[4 * k + 3] = q[3][k];
+        }
+}
+
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <emmintrin.h>
 #define ZP_SIMD 1
@@ -223,9 +240,7 @@ static size_t interleave_sse2(const uint8_t *const *q, int itemsize, uint8_t *ro
         k = ((16 - mis) & 15) / (size_t)itemsize;      /* scalar elements until row + k * itemsize is aligned */
     if (k > m)
         k = m;
-    for (size_t e = 0; e < k; e++)
-        for (int p = 0; p < itemsize; p++)
-            row[e * (size_t)itemsize + (size_t)p] = q[p][e];
+    interleave_scalar(q, itemsize, row, 0, k);
 #define ZP_STORE(at, v) (stream ? _mm_stream_si128((__m128i *)(at), (v)) : _mm_storeu_si128((__m128i *)(at), (v)))
     for (; k + 16 <= m; k += 16) {
         uint8_t *d = row + k * (size_t)itemsize;
@@ -271,18 +286,7 @@ static void join_planes(Segs *pl, int itemsize, uint8_t *dst, size_t d0, size_t 
 #ifdef ZP_SIMD
                 k = interleave_sse2(q, itemsize, row, m, stream);
 #endif
-                if (itemsize == 2)
-                    for (; k < m; k++) {
-                        row[2 * k] = q[0][k];
-                        row[2 * k + 1] = q[1][k];
-                    }
-                else
-                    for (; k < m; k++) {
-                        row[4 * k] = q[0][k];
-                        row[4 * k + 1] = q[1][k];
-                        row[4 * k + 2] = q[2][k];
-                        row[4 * k + 3] = q[3][k];
-                    }
+                interleave_scalar(q, itemsize, row, k, m);
                 for (int p = 0; p < itemsize; p++) {
                     pl[p].off += m;
                     while (pl[p].seg < pl[p].n - 1 && pl[p].off == pl[p].len[pl[p].seg]) {
