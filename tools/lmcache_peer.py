@@ -23,6 +23,10 @@ Protocol: one JSON command per line on stdin, one `RESULT <json>` line per comma
                                                   its put counts as done: LMCache never fsyncs, so
                                                   this is the durable variant, patched in here);
                                                   then one batched get. A fresh directory per call.
+                                                  With "cold": true the directory's files are
+                                                  dropped from the page cache before the get
+                                                  (tools/page_cache.py; the result's "left": bytes
+                                                  still resident after the drop).
     {"op": "remote", "round": r}                  the same through the Valkey backend (the parent
                                                   empties the store between calls)
     {"op": "quit"}
@@ -42,6 +46,9 @@ import shutil
 import sys
 import threading
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import page_cache  # noqa: E402  (tools/page_cache.py: the standard library only)
 
 
 def _fsync_write_file(self, buffer, path):
@@ -141,7 +148,7 @@ class Peer:
                 g.ref_count_down()
         return elapsed, ok
 
-    def disk(self, rnd: int, fsync: bool) -> dict:
+    def disk(self, rnd: int, fsync: bool, cold: bool = False) -> dict:
         from lmcache.v1.storage_backend.local_disk_backend import LocalDiskBackend
         path = os.path.join(self.workdir, f"disk-{rnd}-{int(fsync)}")
         os.makedirs(path)
@@ -153,12 +160,13 @@ class Peer:
         try:
             keys = self.keys((rnd * 4 + 2 * int(fsync)) << 20)
             put_s = self._put(backend, keys)
+            left = page_cache.drop([path])[2] if cold else 0
             get_s, ok = self._get(backend, keys)
         finally:
             backend.close()
             shutil.rmtree(path, ignore_errors=True)
         return {"put_s": put_s, "get_s": get_s, "bytes": self.n * self.block_bytes, "chunks": len(keys),
-                "verified": ok}
+                "verified": ok, "left": left}
 
     def remote_round(self, rnd: int) -> dict:
         if self.remote is None:
@@ -208,7 +216,7 @@ def main() -> int:
             if cmd["op"] == "quit":
                 break
             if cmd["op"] == "disk":
-                reply(peer.disk(cmd["round"], cmd["fsync"]))
+                reply(peer.disk(cmd["round"], cmd["fsync"], cmd.get("cold", False)))
             elif cmd["op"] == "remote":
                 reply(peer.remote_round(cmd["round"]))
             else:

@@ -104,3 +104,42 @@ def test_the_peers_chunk_is_its_blocks_bytes_in_kv_2ltd_order():
     assert torch.equal(lmcache_peer.from_chunk(chunk, 16, 2), blocks)
     assert torch.equal(chunk.flatten().view(torch.int16).sort().values,
                        blocks.flatten().view(torch.int16).sort().values)       # the same bytes, reordered
+
+
+def test_cold_mode_drops_our_store_from_the_page_cache_before_each_get(tmp_path):
+    """--cold: our disk tier's files leave the page cache before every get (none left resident,
+    though this process maps data.mdb), and the get's limit is the drive's read."""
+    import page_cache
+    probe = tmp_path / "probe.bin"
+    probe.write_bytes(os.urandom(1 << 20))
+    if page_cache.drop([str(probe)])[2] == probe.stat().st_size:
+        pytest.skip(f"the filesystem under {tmp_path} keeps dropped pages (tmpfs): no cold reads to measure")
+    res = quick(tmp_path, "--blocks", "4", "--edges", "disk", "--codec", "raw", "--cold")
+    assert res["config"]["page_cache"] == {"cold": True, "left_resident_bytes": {"ours": 0, "peer": 0}}
+    measured = {e: {k for k, v in row["limit_parts_gbps"].items() if v is not None}
+                for e, row in res["edges"]["raw"].items()}
+    assert measured == {"disk_get": {"drive", "memcpy"}, "disk_put": {"memcpy", "lmdb_put"}}
+
+
+def test_page_cache_drop_empties_this_processs_own_map_of_the_file(tmp_path):
+    """A page this process maps is not dropped by posix_fadvise alone: drop() unmaps it first,
+    and the map still reads the file's bytes after (nothing lost)."""
+    import mmap
+
+    import page_cache
+    path = tmp_path / "mapped.bin"
+    data = os.urandom(4 << 20)
+    path.write_bytes(data)
+    with open(path, "rb") as f:
+        m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+    try:
+        assert m[:] == data                                   # every page mapped and resident
+        assert page_cache.resident(str(path)) == len(data)
+        files, size, left = page_cache.drop([str(tmp_path)])
+        assert (files, size) == (1, len(data))
+        if left == len(data):
+            pytest.skip(f"the filesystem under {tmp_path} keeps dropped pages (tmpfs)")
+        assert left == 0 and page_cache.resident(str(path)) == 0
+        assert m[:] == data                                   # read back through the same map
+    finally:
+        m.close()
