@@ -3,8 +3,9 @@
 Knows: posix_fadvise(POSIX_FADV_DONTNEED) on a whole file (any user may do it; the kernel drops
 the file's clean pages that no process maps -- a page mapped in some process stays, so this
 process's own maps of the file are emptied first with madvise(MADV_DONTNEED), as reclaim would
-unmap them: an LMDB reader maps its whole data file), and mincore
-over a private read-only map of the file (which pages are resident). What "cold" means for a
+unmap them: an LMDB reader maps its whole data file; a private map of the file is left alone, its
+copied pages are not the file's), and mincore over a shared read-only map of the file made for the
+question (which pages are resident). What "cold" means for a
 benchmark that asks for it: every byte read next comes from the drive, or the figure says how much
 did not. Doesn't know: tieredkv or LMCache (tools/lmcache_peer.py imports this from LMCache's own
 environment: the standard library only), or the drive's cache below the OS (a VM's host may hold
@@ -53,13 +54,14 @@ def resident(path: str) -> int:
 
 
 def _maps_of(path: str) -> list[tuple[int, int]]:
-    """(address, length) of every map of the file `path` in this process (/proc/self/maps)."""
+    """(address, length) of every shared map of the file `path` in this process (/proc/self/maps)."""
     st = os.stat(path)
     found = []
     with open("/proc/self/maps") as f:
         for line in f:
             fields = line.split(None, 5)
-            if len(fields) == 6 and int(fields[4]) == st.st_ino and fields[5].rstrip("\n") == os.path.realpath(path):
+            if (len(fields) == 6 and int(fields[4]) == st.st_ino and fields[1][3] == "s"
+                    and fields[5].rstrip("\n") == os.path.realpath(path)):
                 lo, hi = (int(x, 16) for x in fields[0].split("-"))
                 found.append((lo, hi - lo))
     return found
