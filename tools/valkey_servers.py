@@ -64,6 +64,24 @@ def free_port(cluster: bool = False) -> int:
     raise RuntimeError("no free port pair for a cluster node")
 
 
+def _hold_port(port: int) -> socket.socket | None:
+    """A socket bound to `port` that does not listen (a connect is refused, as by no server), or
+    None when the port is taken. Bound plainly where it can be: then no other socket binds the port,
+    SO_REUSEADDR or not. Where the dead server's TIME_WAITs forbid that, with SO_REUSEADDR: then
+    bind(0), our free_port's checks and outgoing connections' ephemeral ports still pass it by,
+    though a server started on this port by number could still bind it."""
+    for reuse in (False, True):
+        s = socket.socket()
+        if reuse:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+            return s
+        except OSError:
+            s.close()
+    return None
+
+
 def _ping(port: int) -> bool:
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
@@ -83,6 +101,8 @@ class ValkeyServer:
         self.extra = extra
         self.maxmemory = maxmemory
         self.proc: subprocess.Popen | None = None
+        self._started = False     # once given out by URL, a restart comes back on this port or fails
+        self._holds: list[socket.socket] = []     # its ports held while stopped (see stop)
 
     @property
     def url(self) -> str:
@@ -93,8 +113,10 @@ class ValkeyServer:
             try:
                 return self._start()
             except RuntimeError as e:
-                # A port we picked was free when checked and taken before the bind: pick again.
-                if not (self._pick_port and "Address already in use" in str(e)) or attempt == 4:
+                # A port we picked was free when checked and taken before the bind: pick again --
+                # never on a restart, whose clients hold this port's URL (they would go on talking
+                # to whatever took it: another test's server).
+                if not (self._pick_port and not self._started and "Address already in use" in str(e)) or attempt == 4:
                     raise
                 self.port = free_port(cluster="--cluster-enabled" in self.extra)
         raise AssertionError("unreachable")
@@ -104,20 +126,38 @@ class ValkeyServer:
         args = [server, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.dir, "--save", "",
                 "--appendonly", "no", "--maxmemory", self.maxmemory, "--maxmemory-policy", "allkeys-lru",
                 "--protected-mode", "no", "--logfile", os.path.join(self.dir, "valkey.log"), *self.extra]
+        self._release()
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_SERVER_ENV)
         deadline = time.monotonic() + 10
         while not _ping(self.port):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"valkey-server on port {self.port} did not start: {self.log()[-2000:]}")
             time.sleep(0.02)
+        self._started = True
         return self
 
     def stop(self) -> None:
-        """Kill it (SIGKILL: a crash, not a shutdown). Its data is gone (no persistence)."""
+        """Kill it (SIGKILL: a crash, not a shutdown). Its data is gone (no persistence). Its port
+        stays bound by a socket of ours that does not listen (a client's connect is refused, as by
+        a dead server) until the next start: no other server, and no outgoing connection's
+        ephemeral port, can take it meanwhile -- a restart then comes back where its clients
+        point. Before, an xdist neighbour could get the port and the clients of a restarted server
+        talked to the neighbour's store."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(timeout=10)
         self.proc = None
+        if self._started and not self._holds:
+            # A cluster node's bus port (+10000) too: its peers reach it there.
+            for port in (self.port, self.port + 10000) if "--cluster-enabled" in self.extra else (self.port,):
+                hold = _hold_port(port)
+                if hold is not None:      # else taken already: the restart will say so
+                    self._holds.append(hold)
+
+    def _release(self) -> None:
+        for hold in self._holds:
+            hold.close()
+        self._holds = []
 
     def restart(self) -> None:
         self.stop()
@@ -132,6 +172,7 @@ class ValkeyServer:
 
     def cleanup(self) -> None:
         self.stop()
+        self._release()
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
