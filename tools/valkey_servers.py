@@ -139,9 +139,9 @@ class ValkeyServer:
     def stop(self) -> None:
         """Kill it (SIGKILL: a crash, not a shutdown). Its data is gone (no persistence). Its port
         stays bound by a socket of ours that does not listen (a client's connect is refused, as by
-        a dead server) until the next start: no other server, and no outgoing connection's
-        ephemeral port, can take it meanwhile -- a restart then comes back where its clients
-        point. Before, an xdist neighbour could get the port and the clients of a restarted server
+        a dead server) until the next start (_hold_port: no server picked by free_port, and no
+        outgoing connection's ephemeral port, takes it meanwhile) -- a restart then comes back
+        where its clients point. Before, an xdist neighbour could get the port and the clients of a restarted server
         talked to the neighbour's store."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()

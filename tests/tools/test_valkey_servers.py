@@ -11,18 +11,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
-from valkey_servers import ValkeyServer, _is_free, _ping  # noqa: E402  (tools/ is not a package)
-
-
-def _bind(port: int) -> socket.socket | None:
-    s = socket.socket()
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        s.bind(("127.0.0.1", port))
-        return s
-    except OSError:
-        s.close()
-        return None
+from valkey_servers import ValkeyServer, _hold_port, _is_free, _ping  # noqa: E402  (tools/ is not a package)
 
 
 def test_a_stopped_servers_port_refuses_connections_and_nobody_else_can_take_it():
@@ -38,7 +27,7 @@ def test_a_stopped_servers_port_refuses_connections_and_nobody_else_can_take_it(
         assert server.port == port and _ping(port)   # back where its clients point
     finally:
         server.cleanup()
-    other = _bind(port)                              # cleanup let it go
+    other = _hold_port(port)                              # cleanup let it go
     assert other is not None
     other.close()
 
@@ -50,7 +39,7 @@ def test_a_restart_whose_port_was_taken_fails_instead_of_moving():
         port = server.port
         server.stop()
         server._release()                            # as if the port were taken before stop could hold it
-        thief = _bind(port)
+        thief = _hold_port(port)
         assert thief is not None
         thief.listen(1)
         try:
