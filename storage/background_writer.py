@@ -17,6 +17,14 @@ written: k+1 encodes while k commits (or is sent). At most one batch is ever tak
 memory stays bounded by the queue plus two batches; batches are still written one at a time, in
 the order they were taken, each `_after` before the next `_write`.
 
+Group commit (a subclass whose every write pays a fixed price, the disk's fsync, sets
+`_linger_gap_s`): woken from idle with a batch not yet full, the writer waits while items keep
+arriving -- each at most `_linger_gap_s` after the last, never past `_linger_max_s` in all, until
+a batch is full -- so a burst of puts is one write, not a small one first. And once batch k is
+written, the look-ahead batch k+1 (taken when k was ready) is topped up (`_top_up`, under the
+condition) with what was queued while k was written, its extra work started (`_prepare_more`):
+one full write instead of a partial one and another.
+
 Threads: the subclass's queueing methods run on any thread and hold `_cond` only to edit the
 queue; `_write` runs on the writer's own thread with no lock held (NOTE: never hold `_cond`
 across I/O: every submit and drain would wait for the drive or the network).
@@ -58,6 +66,10 @@ class BackgroundWriter(Generic[Batch]):
     def _after(self, batch: Batch, ok: bool) -> None:
         """Under _cond, once the batch is written (or failed): record its outcome."""
 
+    def _failed(self, batch: Batch) -> None:
+        """On the writer thread, no lock held: an exception escaped the batch's preparation or
+        write (a bug: `_write` handles its own failures), so none of it landed -- count the loss."""
+
     def _on_start(self) -> None:
         """On the writer thread, before its first batch."""
 
@@ -74,6 +86,26 @@ class BackgroundWriter(Generic[Batch]):
 
     def _ready(self, batch: Batch) -> None:
         """On the writer thread, no lock held, before `_write`: wait for what `_prepare` started."""
+
+    # Group commit (see the module docstring): off unless a subclass sets the gap.
+    _linger_gap_s = 0.0
+    _linger_max_s = 0.0
+
+    def _queued(self) -> int:
+        """Under _cond: how many items are queued (what the linger counts)."""
+        return 0
+
+    def _batch_limit(self) -> int:
+        """Under _cond: the most items one batch takes (the linger stops there)."""
+        return 1
+
+    def _top_up(self, batch: Batch) -> bool:
+        """Under _cond, once the batch before it was written: add what was queued since it was
+        taken, up to a full batch. True when it added something (then `_prepare_more` runs)."""
+        return False
+
+    def _prepare_more(self, batch: Batch) -> None:
+        """On the writer thread, no lock held: start the work of what `_top_up` added. Never raises."""
 
     def _idle_timeout(self) -> float | None:
         """Under _cond, with nothing to do: how long to sleep before asking _has_work again (a
@@ -113,6 +145,7 @@ class BackgroundWriter(Generic[Batch]):
                         self._cond.wait(self._idle_timeout())
                     if not self._has_work():
                         break       # stopping, and everything queued was written
+                    self._linger()
                     batch, fresh = self._take(), True
                     self._busy = True
                 ahead, has_ahead = None, False
@@ -130,14 +163,38 @@ class BackgroundWriter(Generic[Batch]):
                     if has_ahead:
                         self._prepare(ahead)
                 ok = self._write(batch)
+                if has_ahead:
+                    with self._cond:
+                        more = self._top_up(ahead)
+                    if more:
+                        self._prepare_more(ahead)
             except Exception:       # never let the writer die: the process goes on without this write
                 log.exception("%s: writing a batch failed", self._thread_name)
+                if not ok:
+                    self._failed(batch)
             finally:
                 with self._cond:
                     self._busy = has_ahead
                     self._after(batch, ok)
                     self._cond.notify_all()
         self._on_exit()
+
+    def _linger(self) -> None:
+        """Under _cond, woken from idle with work: wait while a burst is still arriving (see the
+        module docstring). Returns at once with nothing queued (accesses, a probe) or a full batch."""
+        if self._linger_gap_s <= 0:
+            return
+        seen, limit = self._queued(), self._batch_limit()
+        deadline = time.monotonic() + self._linger_max_s
+        while 0 < seen < limit and not self._stopping:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self._cond.wait(min(self._linger_gap_s, left))
+            now = self._queued()
+            if now <= seen:
+                return      # a quiet gap (or the queue shrank: a cancel): the burst is over
+            seen = now
 
     # ---- waits -------------------------------------------------------------------------------
     def _wait_for(self, done: Callable[[], bool], timeout: float | None, needs_thread: bool = False) -> bool:

@@ -57,15 +57,22 @@ class BatchEncoder:
         self._policy = process_policy                # None: no encode process ("idle", "nice")
         self._process: EncodeProcess | None = None   # built at the first batch
 
-    def start(self, items: list[PendingBlock]) -> Encoding:
-        """Start encoding the batch (never raises, never waits for an encode)."""
+    def start(self, items: list[PendingBlock], pool_only: bool = False) -> Encoding:
+        """Start encoding the batch (never raises, never waits for an encode). `pool_only`: never
+        in the encode process -- a batch's top-up (storage/background_writer.py): the process's
+        payloads are views of its memory that stay valid for two of its batches, and a third
+        ticket before the topped-up batch commits would reuse them."""
         enc = Encoding(items, [it.payload for it in items])
         todo = [j for j, r in enumerate(enc.results) if r is None]
-        if todo and self._policy is not None and FOREGROUND.active():
+        if todo and not pool_only and self.in_process():
             todo = self._to_process(enc, todo)
         if todo:
             self._to_pool(enc, todo)
         return enc
+
+    def in_process(self) -> bool:
+        """Whether a batch started now would go to the encode process (sequences decode here)."""
+        return self._policy is not None and FOREGROUND.active()
 
     def finish(self, enc: Encoding) -> tuple[list[tuple[PendingBlock, bytes | memoryview]],
                                              list[tuple[PendingBlock, BaseException]]]:

@@ -69,6 +69,7 @@ class _Batch:
     touches: dict[bytes, int]
     retains: list[RetainRow] = field(default_factory=list)     # deadlines to write (storage/disk/retained.py)
     encoding: Encoding | None = None     # its encodes in flight, once prepared
+    more: list[Encoding] = field(default_factory=list)   # its top-ups' encodes (on the pool)
     # Once ready: what encoded (NOTE: a payload may be a view of the encode process's memory, valid
     # until the batch after next is prepared: committed before then).
     encoded: list[tuple[PendingBlock, bytes | memoryview]] = field(default_factory=list)
@@ -83,6 +84,10 @@ class DiskWriter(BackgroundWriter[_Batch]):
     """
 
     _look_ahead = True   # batch k+1 encodes while batch k commits
+    # Group commit (storage/background_writer.py): every commit pays an fsync (~2-5 ms here even
+    # for one block), so a burst of puts waits to fill a batch while its blocks keep coming.
+    _linger_gap_s = 0.001
+    _linger_max_s = 0.010
 
     def __init__(self, gate: EnvGate, codec: Codec, capacity_bytes: int,
                  queue_blocks: int, batch_blocks: int, count: Callable[..., None], index: DiskIndex,
@@ -279,6 +284,27 @@ class DiskWriter(BackgroundWriter[_Batch]):
         retains, self._retains = self._retains, []
         return _Batch(items, touches, retains)
 
+    def _queued(self) -> int:
+        return len(self._queue)
+
+    def _batch_limit(self) -> int:
+        return min(self._batch_blocks, self._queue_blocks)
+
+    def _top_up(self, batch: _Batch) -> bool:
+        """The look-ahead batch filled up with what was queued while the batch before it committed
+        (its new blocks encode on the pool: `_prepare_more`). Its accesses and deadlines stay
+        queued for the batch after."""
+        n = min(self._batch_blocks - len(batch.items), len(self._queue))
+        if self._switch.off is not None or n <= 0 or batch.encoding is None or self._encoding.in_process():
+            return False      # (while the encode process takes batches, the pool's Python would hold the engine's GIL)
+        extra = [self._pending[self._queue.popleft()] for _ in range(n)]
+        batch.items = batch.items + extra        # a new list: the first encoding holds the old one
+        batch.more.append(Encoding(extra, [it.payload for it in extra]))   # started by _prepare_more
+        return True
+
+    def _prepare_more(self, batch: _Batch) -> None:
+        batch.more[-1] = self._encoding.start(batch.more[-1].items, pool_only=True)
+
     # -- encoding: in the encode process or on the pool, a batch ahead of the commits (outside any
     # transaction: the write lock is held only to commit); storage/disk/batch_encoder.py -----------
 
@@ -288,6 +314,9 @@ class DiskWriter(BackgroundWriter[_Batch]):
     def _ready(self, batch: _Batch) -> None:
         """Collect the batch's encodings; a block that fails to encode is dropped (counted)."""
         encoded, failed = self._encoding.finish(batch.encoding)
+        for enc in batch.more:        # its top-ups, in the order they were queued
+            e, f = self._encoding.finish(enc)
+            encoded, failed = encoded + e, failed + f
         batch.encoded = encoded
         for it, e in failed:
             log.error("disk tier: encoding block %s failed", it.key.hash.hex()[:16], exc_info=e)
@@ -351,6 +380,10 @@ class DiskWriter(BackgroundWriter[_Batch]):
                     log.exception("disk tier: writing a batch of %d blocks failed; dropping it", len(encoded))
                 return False
         return False
+
+    def _failed(self, batch: _Batch) -> None:
+        self.lost(len(batch.items))       # drain() must not say True after this
+        self._lose_retains(batch.retains)
 
     def _after(self, batch: _Batch, ok: bool) -> None:
         for it in batch.items:
