@@ -8,7 +8,8 @@ very same bytes):
     row            what is timed
     put_durable    DiskTier.put of every block from one thread (a private copy each, as the cascade
                    does), then DiskTier.drain(): every block committed and fsynced (LMDB's default
-                   sync), with --encode-threads encoders (the tier's default: os.cpu_count())
+                   sync), with --encode-threads encoders (the tier's default: os.cpu_count());
+                   and the write transactions it took (each round's, beside the fewest possible)
     zstd_1thread   Codec.encode of every block, one after another on one thread: what the writer
                    did before its encode pool
     lmdb_put       LMDB puts of those payloads in 32-block write transactions (the writer's batch),
@@ -66,7 +67,9 @@ def cached_blocks(n: int, dtype: torch.dtype) -> tuple[torch.Tensor, list[int]]:
     return saved["blocks"].to(dtype).contiguous(), saved["stream"]
 
 
-def put_durable(blocks: torch.Tensor, keys: list[BlockKey], path: str, encode_threads: int | None) -> float:
+def put_durable(blocks: torch.Tensor, keys: list[BlockKey], path: str, encode_threads: int | None) -> tuple[float, int]:
+    """Seconds of the put and drain, and the write transactions they committed (LMDB's own txn
+    ids: a burst grouped well commits ceil(blocks / batch) of them)."""
     nbytes = blocks.numel() * blocks.element_size()
     kw = {}
     if encode_threads is not None:
@@ -75,14 +78,16 @@ def put_durable(blocks: torch.Tensor, keys: list[BlockKey], path: str, encode_th
         kw["encode_threads"] = encode_threads
     shutil.rmtree(path, ignore_errors=True)
     with DiskTier(path, 2 * nbytes, queue_blocks=256, batch_blocks=WRITER_BATCH, **kw) as disk:
+        txnid = disk._gate.env.info()["last_txnid"]
         t0 = time.perf_counter()
         for key, block in zip(keys, blocks):
             assert disk.put(key, block)
         assert disk.drain(timeout=600)
         elapsed = time.perf_counter() - t0
+        commits = disk._gate.env.info()["last_txnid"] - txnid
         s = disk.stats()
         assert s.blocks == len(keys) and s.write_errors == 0, s
-    return elapsed
+    return elapsed, commits
 
 
 def zstd_1thread(blocks: torch.Tensor, keys: list[BlockKey], codec: Codec) -> tuple[float, list[bytes]]:
@@ -120,7 +125,8 @@ def print_table(res: dict) -> None:
     for row in ROWS:
         g = res["gbps"][row]
         print(f"{row:<14} {g:7.3f}  {put / g if g else 0:6.2f}")
-    print(f"compression ratio {res['ratio']:.3f}")
+    print(f"compression ratio {res['ratio']:.3f}; commits per put: {res['commits']} "
+          f"(fewest: {-(-cfg['blocks'] // cfg['batch_blocks'])})")
     print(res["machine"])
 
 
@@ -143,9 +149,11 @@ def main(argv: list[str] | None = None) -> int:
     tmp = tempfile.mkdtemp(prefix="tieredkv-bench-write-pool-")
     best = dict.fromkeys(ROWS, float("inf"))
     ratio = 0.0
+    commits: list[int] = []
     try:
         for r in range(args.repeat):
-            t_put = put_durable(blocks, keys, os.path.join(tmp, "tier"), args.encode_threads)
+            t_put, n_commits = put_durable(blocks, keys, os.path.join(tmp, "tier"), args.encode_threads)
+            commits.append(n_commits)
             t_zstd, payloads = zstd_1thread(blocks, keys, codec)
             t_lmdb = lmdb_put(payloads, keys, os.path.join(tmp, "raw"), default_map_size(2 * nbytes))
             ratio = nbytes / sum(len(p) for p in payloads)
@@ -155,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"round {r + 1}/{args.repeat} done", file=sys.stderr)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    res = {"gbps": {row: gbps(nbytes, t) for row, t in best.items()}, "ratio": ratio,
+    res = {"gbps": {row: gbps(nbytes, t) for row, t in best.items()}, "ratio": ratio, "commits": commits,
            "config": {"blocks": args.blocks, "dtype": args.dtype, "block_bytes": nbytes // args.blocks,
                       "repeat": args.repeat, "batch_blocks": WRITER_BATCH,
                       "encode_threads": encode_threads_note(args.encode_threads)},
