@@ -2,9 +2,11 @@
 
 Knows: the bounded queue of pending puts (a block waiting here is still served: see
 PendingBlock.copy_for), the accesses reads record for it, deletes that race a commit
-(cancelled), batching many blocks into one write transaction with compression done outside it,
-the capacity bound enforced in the same transaction, and what to do when LMDB runs out of map or
-disk (MapFull/ENOSPC: make room, retry smaller, drop what still does not fit).
+(cancelled), batching many blocks into one write transaction with compression done outside it
+(group commit: a burst lingers to fill a batch, and the batch ahead is topped up), the capacity
+it enforces in that transaction (what the transaction writes: storage/disk/batch_txn.py), and
+what to do when LMDB runs out of map or disk (MapFull/ENOSPC: make room, retry smaller, drop
+what still does not fit).
 
 Compression runs in the encode process while sequences decode (a child: its per-block Python
 holds its own GIL: storage/codec/encode_process.py), else on a pool (`tieredkv-disk-encode`);
@@ -44,13 +46,12 @@ from storage.disk.batch_encoder import BatchEncoder, Encoding
 from storage.disk.gate import EnvGate
 from storage.disk.verdicts import is_damage, is_no_space
 from storage.disk.write_switch import WriteSwitch, stops_writes
-from storage.disk.records import StoreInfo, load_info, lru_key, read_meta, store_info
-from storage.disk.room import FreeSpace, evict_in_txn, make_room
+from storage.disk.batch_txn import write_batch
+from storage.disk.records import StoreInfo, load_info
+from storage.disk.room import FreeSpace, make_room
 from storage.disk.stall import DiskStalled
 from storage.disk.index import DiskIndex
 from storage.disk.pending import PendingBlock
-from storage.codec.stored_block import BlockMeta
-from storage.disk.retained import merge_in_txn
 from storage.hashing import BlockKey
 from storage.retention import RetainRow
 
@@ -430,10 +431,6 @@ class DiskWriter(BackgroundWriter[_Batch]):
         return False
 
     def _commit(self, encoded: list, touches: dict[bytes, int], retains: list[RetainRow] = ()) -> None:
-        written = 0
-        stored: list[BlockKey] = []
-        new: list = []            # (key, payload, raw size) of blocks this commit stored
-        evicted: list[bytes] = []
         with self._begin(write=True) as txn:
             dbs = self._gate.dbs
             info = load_info(txn, dbs)
@@ -447,52 +444,18 @@ class DiskWriter(BackgroundWriter[_Batch]):
                 # this (the block is skipped) or starts its own write txn after this one commits
                 # (and then sees the block). A put is live while _pending maps its hash to it.
                 live = [(it, p) for it, p in encoded if self._pending.get(it.key.hash) is it]
-            for h, n in touches.items():   # accesses first: they happened before this batch's puts
-                _, m = read_meta(txn, dbs, h)
-                if m is None:
-                    continue   # evicted or deleted since it was read (or damaged: the next get deletes it)
-                txn.delete(lru_key(m.last_access, h), db=dbs.lru)
-                m.last_access, m.reads = info.next_seq, m.reads + n
-                info.next_seq += 1
-                txn.put(h, m.pack(), db=dbs.meta)
-                txn.put(lru_key(m.last_access, h), b"", db=dbs.lru)
-            now = self.clock()
-            if retains and dbs.retain is not None:
-                merge_in_txn(txn, dbs.retain, list(retains), now)
-            for it, payload in live:   # (the others were deleted meanwhile)
-                key, raw_size = it.key, it.nbytes
-                h = key.hash
-                if txn.get(h, db=dbs.meta) is not None:
-                    stored.append(key)   # another process stored it first
-                    continue
-                record = payload if self.seal is None else self.seal.record(h, key.namespace, payload)
-                m = BlockMeta(key.parent, key.namespace, key.token_ids, raw_size, len(record), now, info.next_seq, 0)
-                info.next_seq += 1
-                txn.put(h, record, db=dbs.payload)
-                txn.put(h, m.pack(), db=dbs.meta)
-                txn.put(lru_key(m.last_access, h), b"", db=dbs.lru)
-                info.used_bytes += len(record)
-                info.raw_bytes += raw_size
-                info.blocks += 1
-                written += len(record)
-                stored.append(key)
-                if self.on_commit is not None:   # kept past this batch: a view of the encode process's memory copied
-                    new.append((key, payload if isinstance(payload, bytes) else bytes(payload), raw_size))
-            # NOTE: the capacity invariant (used_bytes <= capacity_bytes) is enforced here, in the
-            # same transaction that added the bytes: no committed state exceeds it, whichever
-            # process committed it.
-            evict_in_txn(txn, self._gate.dbs, info, lambda: info.used_bytes > capacity, evicted, now)
-            store_info(txn, dbs, info)
+            done = write_batch(txn, dbs, info, capacity, self.clock(), live, touches, list(retains),
+                               self.seal, keep_payloads=self.on_commit is not None)
         # Committed: now the index says so. In the transaction every put came before every
         # eviction (a batch larger than the capacity evicts its own first blocks), so the same
         # order here: stored, then evicted.
-        self._index.add_keys(stored)    # BlockStored (DISK) for the new ones
-        self._index.discard(evicted)
-        self._count(bytes_written=written, evictions=len(evicted))
+        self._index.add_keys(done.stored)    # BlockStored (DISK) for the new ones
+        self._index.discard(done.evicted)
+        self._count(bytes_written=done.written, evictions=len(done.evicted))
         if self.on_info is not None:
-            self.on_info(info, store_capacity)
-        if new and self.on_commit is not None:
+            self.on_info(done.info, store_capacity)
+        if done.new and self.on_commit is not None:
             try:
-                self.on_commit(new)
+                self.on_commit(done.new)
             except Exception:   # the disk tier's commit stands whatever the write-behind does
-                log.exception("disk tier: forwarding %d committed blocks failed", len(new))
+                log.exception("disk tier: forwarding %d committed blocks failed", len(done.new))
