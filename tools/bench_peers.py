@@ -17,19 +17,24 @@ chunk), in its chunk layout (KV_2LTD: the same bytes, reordered). GB/s counts ra
 both sides, so a ratio compares the same bytes moved whatever the chunking.
 
     path                  ours (per codec kind)                 LMCache 0.5.6 (CPU, as shipped)
-    disk put (durable)    DiskTier.put of every block + drain(): LocalDiskBackend.batched_submit_put_task,
-                          encoded and committed by its writer,   until every file is written; "fsync":
-                          32 blocks per LMDB txn, fsync'd        the same with an fsync per file (LMCache
-                                                                 never fsyncs: patched in, the durable
+    disk put (durable)    DiskTier.put(owned=True) of every     LocalDiskBackend.batched_submit_put_task,
+                          block + drain(): encoded and committed until every file is written; "fsync":
+                          by its writer, 32 blocks per LMDB txn, the same with an fsync per file (LMCache
+                          fsync'd                                never fsyncs: patched in, the durable
                                                                  comparison); "no fsync": as shipped
     disk get              DiskTier.get_many into warm tensors    LocalDiskBackend.batched_get_blocking
                           (verified, decoded on all cores)       (4 read threads, no checks)
-    remote put            RemoteTier.put of every block + drain() RemoteBackend(valkey://, naive serde)
+    remote put            RemoteTier.put(owned=True) + drain()   RemoteBackend(valkey://, naive serde)
                           (writer encodes; a batch of 32 SETs    .batched_submit_put_task, until done
                           as C pipelines at once)
     remote get            RemoteTier.get_many into warm tensors  RemoteBackend.batched_get_blocking
                           (32-key MGETs, C at once, verified,    (valkey-glide, 8 worker clients)
                           decoded)
+
+Both sides' puts start from buffers prepared untimed: LMCache's from memory objects its CPU
+allocator filled before the clock starts, ours from the blocks handed over (`owned=True`, what the
+engine's cascade does with its private copies), so neither times the copy into its own buffers.
+Until 2026-11-29 ours copied every block inside the timed put (~20% of the durable put on this VM).
 
 C is the tier's `connections` (--connections; unless given the tier's DEFAULT_CONNECTIONS, one
 per two cores: 1 on a 2-core machine): that many connections in flight, a thread each. Our client

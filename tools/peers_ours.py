@@ -111,9 +111,9 @@ class Ours:
         page cache before each, tools/page_cache.py)."""
         keys = self.keys(f"d{r}")
 
-        def put() -> None:
+        def put() -> None:   # handed over, as LMCache's prepared memory objects (bench_peers.py)
             for k, b in zip(keys, self.blocks):
-                self.disk.put(k, b)
+                self.disk.put(k, b, owned=True)
             assert self.disk.drain(timeout=600), "disk drain failed"
         put_s = timed(put)
         st = self.disk.stats()
@@ -140,7 +140,7 @@ class Ours:
 
         def put() -> None:
             for k, b in zip(keys, self.blocks):
-                self.remote.put(k, b, wait=True)
+                self.remote.put(k, b, wait=True, owned=True)
             assert self.remote.drain(timeout=600), "remote drain failed"
         put_s = timed(put)
         assert self.remote.stats().write_errors == 0 and self.remote.stats().write_drops == 0
