@@ -17,6 +17,11 @@ written: k+1 encodes while k commits (or is sent). At most one batch is ever tak
 memory stays bounded by the queue plus two batches; batches are still written one at a time, in
 the order they were taken, each `_after` before the next `_write`.
 
+A subclass may defer the look-ahead batch's preparation (`_defer_prepare`) until its write of
+batch k has done its CPU work and only waits on the drive: it calls `start_deferred()` there (the
+disk writer: after the transaction's body, before its commit and fsync), so k+1's encodes do not
+take the GIL and memory bandwidth from k's body. The loop starts it after the write otherwise.
+
 Group commit (a subclass whose every write pays a fixed price, the disk's fsync, sets
 `_linger_gap_s`): woken from idle with a batch not yet full, the writer waits while items keep
 arriving -- each at most `_linger_gap_s` after the last, never past `_linger_max_s` in all, until
@@ -65,6 +70,20 @@ class BackgroundWriter(Generic[Batch]):
 
     def _after(self, batch: Batch, ok: bool) -> None:
         """Under _cond, once the batch is written (or failed): record its outcome."""
+
+    _deferred = None     # the look-ahead batch whose preparation the write starts (writer thread only)
+
+    def _defer_prepare(self, batch: Batch) -> bool:
+        """Whether the look-ahead batch's preparation waits for the write before it to call
+        start_deferred() (its body done, its commit to come): its encodes then contend with the
+        commit's wait on the drive, not with the body's CPU and GIL."""
+        return False
+
+    def start_deferred(self) -> None:
+        """On the writer thread: start the deferred look-ahead batch's preparation (once)."""
+        batch, self._deferred = self._deferred, None
+        if batch is not None:
+            self._prepare(batch)
 
     def _failed(self, batch: Batch) -> None:
         """On the writer thread, no lock held: an exception escaped the batch's preparation or
@@ -161,8 +180,12 @@ class BackgroundWriter(Generic[Batch]):
                         if self._has_work():
                             ahead, has_ahead = self._take(), True
                     if has_ahead:
-                        self._prepare(ahead)
+                        if self._defer_prepare(ahead):
+                            self._deferred = ahead      # started by the write, once its body is done
+                        else:
+                            self._prepare(ahead)
                 ok = self._write(batch)
+                self.start_deferred()     # (when the write did not: it failed, or wrote nothing)
                 if has_ahead:
                     with self._cond:
                         more = self._top_up(ahead)
@@ -173,6 +196,7 @@ class BackgroundWriter(Generic[Batch]):
                 if not ok:
                     self._failed(batch)
             finally:
+                self.start_deferred()     # the batch ahead is never left unprepared
                 with self._cond:
                     self._busy = has_ahead
                     self._after(batch, ok)

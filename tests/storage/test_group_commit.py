@@ -195,3 +195,46 @@ def test_a_batch_lost_to_an_exception_is_counted(tmp_path: Path) -> None:
     finally:
         t.close()
     assert calls[0] == 1
+
+
+class DeferringWriter(ListWriter):
+    """Defers the look-ahead batch's preparation to its write (as the disk writer does), and
+    records the order of events: each write's body, each preparation."""
+
+    def __init__(self, limit: int, start_in_write: bool) -> None:
+        super().__init__(limit)
+        self.start_in_write = start_in_write
+        self.events: list[tuple[str, tuple]] = []
+
+    def _defer_prepare(self, batch: list) -> bool:
+        return True
+
+    def _prepare(self, batch: list) -> None:
+        self.events.append(("prepare", tuple(batch)))
+
+    def _write(self, batch: list) -> bool:
+        self.events.append(("body", tuple(batch)))
+        if self.start_in_write:
+            self.start_deferred()
+        self.events.append(("commit", tuple(batch)))
+        return super()._write(batch)
+
+
+def test_a_deferred_preparation_starts_after_the_body_before_the_commit() -> None:
+    for start_in_write in (True, False):
+        w = DeferringWriter(limit=2, start_in_write=start_in_write)
+        with w._cond:              # lined up: [0, 1] then the look-ahead [2, 3]
+            w.put(0, 1, 2, 3)
+            w.start()
+        try:
+            assert w.drain()
+        finally:
+            w.stop(DEADLINE)
+        assert w.written == [[0, 1], [2, 3]]
+        first = w.events.index(("body", (0, 1)))
+        ahead = w.events.index(("prepare", (2, 3)))
+        # Never before the body of the batch written before it; within its write when the write
+        # starts it, else right after that write (the loop's own start: never left unprepared).
+        assert ahead > first
+        assert (ahead < w.events.index(("commit", (0, 1)))) == start_in_write
+        assert ahead < w.events.index(("body", (2, 3)))
