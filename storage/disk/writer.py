@@ -306,8 +306,9 @@ class DiskWriter(BackgroundWriter[_Batch]):
     def _prepare_more(self, batch: _Batch) -> None:
         batch.more[-1] = self._encoding.start(batch.more[-1].items, pool_only=True)
 
-    # -- encoding: in the encode process or on the pool, a batch ahead of the commits (outside any
-    # transaction: the write lock is held only to commit); storage/disk/batch_encoder.py -----------
+    # -- encoding: in the encode process or on the pool, a batch ahead of the commits (never on the
+    # writer's thread inside a transaction: the pool's tasks are only handed their blocks there, by
+    # start_deferred, once the body is done); storage/disk/batch_encoder.py -------------------------
 
     def _defer_prepare(self, batch: _Batch) -> bool:
         # Started by _commit once its body is done (storage/background_writer.py): encoding on the
