@@ -279,11 +279,14 @@ class DiskWriter(BackgroundWriter[_Batch]):
             self.lost(len(dropped))
             self._lose_retains(retains)
             return _Batch([], {})
-        n = min(self._batch_blocks, len(self._queue))
-        items = [self._pending[self._queue.popleft()] for _ in range(n)]
+        items = self._pop_queued(self._batch_blocks)
         touches, self._touches = self._touches, {}
         retains, self._retains = self._retains, []
         return _Batch(items, touches, retains)
+
+    def _pop_queued(self, most: int) -> list[PendingBlock]:
+        """Under _cond: up to `most` queued puts, taken off the queue in order (still pending)."""
+        return [self._pending[self._queue.popleft()] for _ in range(min(most, len(self._queue)))]
 
     def _queued(self) -> int:
         return len(self._queue)
@@ -298,7 +301,7 @@ class DiskWriter(BackgroundWriter[_Batch]):
         n = min(self._batch_blocks - len(batch.items), len(self._queue))
         if self._switch.off is not None or n <= 0 or batch.encoding is None or self._encoding.in_process():
             return False      # (while the encode process takes batches, the pool's Python would hold the engine's GIL)
-        extra = [self._pending[self._queue.popleft()] for _ in range(n)]
+        extra = self._pop_queued(n)
         batch.items = batch.items + extra        # a new list: the first encoding holds the old one
         batch.more.append(Encoding(extra, [it.payload for it in extra]))   # started by _prepare_more
         return True
